@@ -1,0 +1,150 @@
+"""Single-process engine benchmark on the default model (or --model).
+
+For each n: SPD with the reference ("oracle") drafter, which proposes the target's own next token
+(the fill-limited ceiling of alpha), and with the untrained PDM (the floor). Beside them the
+autoregressive path on the same stages and Hugging Face `generate`, all timed in this one run, so
+the ratios are comparable even on a noisy machine. Prints a table and writes JSON.
+
+    python benchmarks/bench_core.py --stages 2,4,6 --max-new-tokens 64 --json-out out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from spd import SPDEngine
+from spd.cli import encode_prompt
+from spd.drafters import ReferenceDrafter
+from spd.loading import load_target
+
+PROMPTS = [
+    "Explain in detail how a CPU cache works.",
+    "Write a short story about a robot who learns to paint.",
+    "Give me three tips for writing clear Python code, with examples.",
+]
+
+
+def load_prompts(path: str | None, limit: int) -> list[str]:
+    if path is None:
+        return PROMPTS[:limit]
+    out = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                out.append(json.loads(line)["turns"][0])
+    return out[:limit]
+
+
+def mean(xs):
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def run_method(fn, prompts_ids):
+    """Run fn(ids) -> GenerationResult over all prompts; aggregate N, K, times, phases."""
+    agg = {"N": 0, "K": 0, "judged": 0, "accepted": 0, "decode_s": 0.0, "phase_s": {}}
+    for ids in prompts_ids:
+        r = fn(ids)
+        st = r.stats
+        agg["N"] += st.N
+        agg["K"] += st.K
+        agg["judged"] += st.drafts_judged
+        agg["accepted"] += st.drafts_accepted
+        agg["decode_s"] += st.decode_s
+        for k, v in st.as_dict()["phase_s"].items():
+            agg["phase_s"][k] = agg["phase_s"].get(k, 0.0) + v
+        agg.setdefault("outputs", []).append(r.token_ids)
+    return agg
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--stages", default="2,4,6")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default=None, help="FastChat question .jsonl (first turn used)")
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    target = load_target(args.model)
+    prompts = load_prompts(args.prompts, args.limit)
+    ids_list = [encode_prompt(target.tokenizer, p, True) for p in prompts]
+    m = args.max_new_tokens
+    rows = []
+
+    base = SPDEngine(target, n_stages=1)
+    ar = run_method(lambda ids: base.generate_ar(ids, m), ids_list)
+    refs = ar["outputs"]
+
+    hf_tokens, hf_s = 0, 0.0
+    for ids in ids_list:  # HF generate: time for M tokens minus one prefill-only call
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            t0 = time.perf_counter()
+            out = target.hf.generate(x, max_new_tokens=m, do_sample=False)
+            t1 = time.perf_counter()
+            target.hf.generate(x, max_new_tokens=1, do_sample=False)
+            t2 = time.perf_counter()
+        hf_tokens += out.shape[1] - len(ids) - 1
+        hf_s += (t1 - t0) - (t2 - t1)
+    hf_tok_s = hf_tokens / hf_s
+    ar_tok_s = ar["N"] / ar["decode_s"]
+    rows.append(dict(method="hf-generate", n=1, decode_tok_s=hf_tok_s))
+    rows.append(dict(method="ar (same stages)", n=1, N=ar["N"], K=ar["K"], alpha=1.0,
+                     theoretical_speedup=1.0, decode_tok_s=ar_tok_s, phase_s=ar["phase_s"]))
+
+    for n in [int(x) for x in args.stages.split(",")]:
+        eng = SPDEngine(target, n_stages=n, warn_untrained=False)
+        drafters = {
+            "spd+oracle": lambda ids, i: ReferenceDrafter(ids + refs[i]),
+            "spd+untrained-pdm": lambda ids, i: None,
+        }
+        for name, make in drafters.items():
+            counter = iter(range(len(ids_list)))
+            agg = run_method(lambda ids: eng.generate(ids, m, drafter=make(ids, next(counter))),
+                             ids_list)
+            assert agg["outputs"] == refs, f"{name} n={n}: output differs from autoregressive"
+            alpha = agg["N"] / agg["K"]
+            rows.append(dict(method=name, n=n, N=agg["N"], K=agg["K"], alpha=alpha,
+                             theoretical_speedup=alpha * n,
+                             acceptance_rate=agg["accepted"] / max(1, agg["judged"]),
+                             decode_tok_s=agg["N"] / agg["decode_s"],
+                             cycle_ms=1000 * agg["decode_s"] / agg["K"],
+                             phase_s=agg["phase_s"]))
+
+    print(f"\nSingle-process engine, {target.name}, {len(ids_list)} prompts x {m} new tokens, "
+          f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)")
+    hdr = f"{'method':<20}{'n':>3}{'N':>6}{'K':>6}{'alpha':>8}{'S_theory':>10}{'tok/s':>8}" \
+          f"{'vs AR':>7}{'vs HF':>7}{'cycle ms':>10}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in rows:
+        print(f"{r['method']:<20}{r['n']:>3}{r.get('N', ''):>6}{r.get('K', ''):>6}"
+              f"{r.get('alpha', float('nan')):>8.3f}{r.get('theoretical_speedup', float('nan')):>10.2f}"
+              f"{r['decode_tok_s']:>8.1f}{r['decode_tok_s'] / ar_tok_s:>7.2f}"
+              f"{r['decode_tok_s'] / hf_tok_s:>7.2f}{r.get('cycle_ms', float('nan')):>10.2f}")
+    print("\nWhere a cycle's time goes (ms per cycle):")
+    for r in rows:
+        if "phase_s" in r and r["method"].startswith("spd"):
+            parts = "  ".join(f"{k}={1000 * v / r['K']:.2f}" for k, v in sorted(r["phase_s"].items()))
+            print(f"  {r['method']:<20} n={r['n']}: {parts}")
+    if args.json_out:
+        meta = dict(date=str(date.today()), device="cpu", platform=platform.platform(),
+                    torch=torch.__version__, threads=torch.get_num_threads(), model=target.name,
+                    prompts=prompts, max_new_tokens=m, command=" ".join(sys.argv))
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"\nwrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

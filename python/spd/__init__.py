@@ -1,0 +1,12 @@
+"""spd: Speculative Pipeline Decoding (arXiv 2605.30852), lossless by construction.
+
+Public entry points:
+    load_target(path_or_None)      -> TargetModel (default: SmolLM2-135M-Instruct, fetched once)
+    SPDEngine(target, n_stages=4)  -> .generate(prompt_ids, ...) / .generate_ar(...)
+"""
+from spd.errors import SPDError
+from spd.loading import load_target
+from spd.engine import GenerationResult, SamplingParams, SPDEngine
+
+__all__ = ["GenerationResult", "SPDEngine", "SPDError", "SamplingParams", "load_target"]
+__version__ = "0.1.0"

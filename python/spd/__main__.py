@@ -1,0 +1,3 @@
+from spd.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,48 @@
+"""Preallocated KV caches whose rollback is O(1) and in place."""
+from __future__ import annotations
+
+import torch
+
+from spd.errors import SPDError
+from spd_kernels import truncate_kv_
+
+
+class KVCache:
+    """K/V buffers [layers, kv_heads, capacity, head_dim] and one length per layer.
+
+    All layers of one cache always hold the same number of rows; `lengths` is a device tensor so
+    truncation needs no host round trip on a GPU. `poison_on_truncate` (debug) NaNs dropped rows.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
+                 device, dtype, poison_on_truncate: bool = False):
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.lengths = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        self.capacity = capacity
+        self.poison_on_truncate = poison_on_truncate
+        self._length = 0  # host mirror: positions are known on the host anyway
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reserve(self, start: int, rows: int) -> None:
+        """Check that rows [start, start+rows) may be written next, and account for them."""
+        if start != self._length:
+            raise SPDError(f"cache write at position {start} but the cache holds {self._length} rows")
+        if start + rows > self.capacity:
+            raise SPDError(f"KV cache overflow: {start + rows} rows > capacity {self.capacity}")
+        self._length = start + rows
+        self.lengths.fill_(self._length)
+
+    def truncate(self, length: int) -> None:
+        """Keep rows [0, length): O(1), in place."""
+        if length < 0:
+            raise SPDError(f"cannot truncate a cache to negative length {length}")
+        if length >= self._length:
+            return
+        truncate_kv_(self.lengths, torch.tensor(length, device=self.lengths.device),
+                     (self.k, self.v), seq_dim=-2, poison=self.poison_on_truncate)
+        self._length = length

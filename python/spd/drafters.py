@@ -1,0 +1,77 @@
+"""Drafters: what proposes the token that enters stage 1 each cycle.
+
+`PDMDrafter` is the real one. `ReferenceDrafter` knows the target's own continuation in advance
+and proposes it (right with a set probability): it exists to check the engine's accounting and
+losslessness independently of draft quality (benchmarks and tests), never for real decoding.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spd_kernels import filtered_probs, sample_from_probs
+from spd_kernels.verify import scatter_draft_probs
+
+
+@dataclass
+class Draft:
+    token: int
+    q: torch.Tensor | None = None  # draft distribution on target ids (sampling only)
+
+
+class PDMDrafter:
+    name = "pdm"
+
+    def __init__(self, pdm):
+        self.pdm = pdm
+        self.cache = None
+
+    def begin(self, capacity: int, vocab_size: int) -> None:
+        if self.cache is None or self.cache.capacity < capacity:
+            self.cache = self.pdm.new_cache(capacity)
+        self.cache.truncate(0)
+        self.vocab_size = vocab_size
+
+    def _run(self, anchors: torch.Tensor, types: torch.Tensor, start: int) -> torch.Tensor:
+        self.cache.truncate(start)
+        feats = self.pdm.features(anchors, types)
+        return self.pdm.step(feats, start, self.cache)
+
+    def prefill(self, anchors, types) -> None:
+        self._run(anchors, types, 0)
+
+    def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
+        logits = self._run(anchors, types, start)
+        d2t = self.pdm.draft_to_target
+        if sampling.greedy:
+            return Draft(int(d2t[logits.argmax()]))
+        q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        idx = sample_from_probs(q, uniform)
+        return Draft(int(d2t[idx]), scatter_draft_probs(q[None], d2t, self.vocab_size)[0])
+
+
+class ReferenceDrafter:
+    """Proposes reference[position] with probability `accuracy`, else a different token."""
+    name = "reference"
+
+    def __init__(self, reference: list[int], accuracy: float = 1.0, seed: int = 0):
+        self.reference = list(reference)
+        self.accuracy = accuracy
+        self.rng = torch.Generator().manual_seed(seed)
+
+    def begin(self, capacity: int, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def prefill(self, anchors, types) -> None:
+        pass
+
+    def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
+        right = self.reference[position] if position < len(self.reference) else 0
+        hit = self.accuracy >= 1.0 or float(torch.rand((), generator=self.rng)) < self.accuracy
+        token = right if hit else (right + 1) % self.vocab_size
+        q = None
+        if not sampling.greedy:  # a deterministic proposal: q is one-hot on it
+            q = torch.zeros(self.vocab_size, device=anchors.device)
+            q[token] = 1.0
+        return Draft(token, q)

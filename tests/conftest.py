@@ -1,0 +1,52 @@
+"""Shared fixtures: tiny random-init targets (fast) and the real default model (slow, cached)."""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+# The Triton interpreter must be chosen before any kernel module is imported (CPU machines).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def make_tiny_target(seed: int = 0, vocab: int = 16, layers: int = 4, hidden: int = 32,
+                     heads: int = 4, kv_heads: int = 2, model_type: str = "llama",
+                     head_scale: float = 4.0, max_pos: int = 256):
+    """A random Llama/Qwen3 target with peaky next-token distributions (head weights scaled)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    from spd.target import TargetModel
+
+    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
+    cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+              num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+              max_position_embeddings=max_pos, tie_word_embeddings=False,
+              eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if model_type == "qwen3":
+        cfg.head_dim = hidden // heads
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+    model.generation_config.eos_token_id = None
+    return TargetModel(model, tokenizer=None, name=f"tiny-{model_type}-{seed}")
+
+
+@pytest.fixture
+def tiny_target():
+    return make_tiny_target()
+
+
+@pytest.fixture(scope="session")
+def default_target():
+    from spd.loading import load_target
+    return load_target(None)
+
+
+@pytest.fixture(autouse=True)
+def _quiet_untrained_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="no trained PDM")
+        yield

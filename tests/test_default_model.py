@@ -1,0 +1,109 @@
+"""Greedy losslessness on the real default model (SmolLM2-135M-Instruct), against HF generate.
+
+Slow: the model is fetched and converted once into $SPD_CACHE, then each case decodes 64 tokens.
+"""
+import json
+
+import pytest
+import torch
+
+from spd import SPDEngine
+from spd.cli import encode_prompt, main
+from spd.drafters import ReferenceDrafter
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    ("Explain in detail how a CPU cache works.", True),
+    ("Write a short story about a robot who learns to paint.", True),
+    ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
+]
+NEW = 64
+
+
+@pytest.fixture(scope="module")
+def references(default_target):
+    """Prompt ids and Hugging Face's own greedy continuation for each prompt."""
+    out = []
+    for text, chat in PROMPTS:
+        ids = encode_prompt(default_target.tokenizer, text, chat)
+        with torch.no_grad():
+            gen = default_target.hf.generate(torch.tensor([ids]), max_new_tokens=NEW,
+                                             do_sample=False)
+        out.append((ids, gen[0, len(ids):].tolist()))
+    # The references must be long enough to exercise the steady state, not stop at once.
+    assert sum(len(r) for _, r in out) >= 2 * NEW
+    return out
+
+
+@pytest.fixture(scope="module")
+def engines(default_target):
+    return {n: SPDEngine(default_target, n_stages=n, warn_untrained=False) for n in (2, 3, 4, 6)}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_untrained_pdm_matches_hf_generate(engines, references, n):
+    for ids, ref in references:
+        res = engines[n].generate(ids, NEW)
+        assert res.token_ids == ref
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 6])
+def test_oracle_drafter_fill_limited_alpha(engines, references, n):
+    for ids, ref in references:
+        res = engines[n].generate(ids, NEW, drafter=ReferenceDrafter(ids + ref))
+        assert res.token_ids == ref
+        st = res.stats
+        # No rejection: the only cycles without a commit are the n-1 of the first fill.
+        assert st.acceptance_rate == 1.0 and st.K == st.N + n - 1
+        assert st.alpha == pytest.approx(st.N / (st.N + n - 1))
+
+
+@pytest.mark.parametrize("n", [2, 4, 6])
+def test_mixed_drafter_matches_hf_generate(engines, references, n):
+    for i, (ids, ref) in enumerate(references):
+        res = engines[n].generate(ids, NEW, drafter=ReferenceDrafter(ids + ref, 0.6, seed=i))
+        assert res.token_ids == ref
+        if res.stats.drafts_judged >= 30:
+            assert 0.3 < res.stats.acceptance_rate < 0.9
+
+
+def test_ar_path_matches_hf_generate(engines, references):
+    for ids, ref in references:
+        assert engines[4].generate_ar(ids, NEW).token_ids == ref
+
+
+def test_cli_json(references, capsys):
+    rc = main(["generate", "--prompt", PROMPTS[0][0], "--max-new-tokens", "12", "--stages", "3",
+               "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "stats"}
+    for key in ("n", "N", "K", "alpha", "theoretical_speedup", "acceptance_rate", "decode_tok_s"):
+        assert key in out["stats"]
+    assert out["token_ids"] == references[0][1][:12] and out["stats"]["n"] == 3
+    assert out["text"].strip() and isinstance(out["text"], str)
+
+
+def test_cli_streams_text_and_summary(capsys):
+    rc = main(["generate", "--prompt", "Hi", "--max-new-tokens", "6", "--mode", "ar"])
+    captured = capsys.readouterr()
+    assert rc == 0 and "mode=ar" in captured.out and "tok/s" in captured.out
+
+
+@pytest.mark.parametrize("argv,msg", [
+    (["--stages", "31"], "cannot cut a 30-layer model into 31 stages"),
+    (["--split", "8,8,7"], "has 3 entries"),
+    (["--anchors", "0,8,40"], "out of range"),
+    (["--top-p", "0"], "top_p"),
+    (["--model", "/nonexistent/model"], "does not exist"),
+    (["--pdm", "/nonexistent/pdm"], "not found"),
+])
+def test_cli_errors(capsys, argv, msg):
+    rc = main(["generate", "--prompt", "Hi", "--max-new-tokens", "4"] + argv)
+    assert rc == 2 and msg in capsys.readouterr().err
+
+
+def test_cli_empty_prompt(capsys):
+    assert main(["generate", "--prompt", "", "--max-new-tokens", "4"]) == 2
+    assert "prompt is empty" in capsys.readouterr().err

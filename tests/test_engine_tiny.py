@@ -1,0 +1,176 @@
+"""Engine behaviour on tiny random targets: losslessness, rollback, accounting, bad input."""
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from spd import SamplingParams, SPDEngine
+from spd.drafters import PDMDrafter, ReferenceDrafter
+from spd.errors import SPDError
+from spd.pdm import PipelineDraftModule
+from spd.target import Stage
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+class NoisyPDMDrafter(PDMDrafter):
+    """Runs the real PDM (so its cache is cropped and recomputed as usual) but proposes the
+    reference token with probability `accuracy`: random accept/reject sequences."""
+
+    def __init__(self, pdm, reference, accuracy, seed):
+        super().__init__(pdm)
+        self.ref = ReferenceDrafter(reference, accuracy, seed)
+
+    def begin(self, capacity, vocab_size):
+        super().begin(capacity, vocab_size)
+        self.ref.begin(capacity, vocab_size)
+
+    def draft(self, anchors, types, start, position, sampling, uniform):
+        super().draft(anchors, types, start, position, sampling, uniform)
+        return self.ref.draft(anchors, types, start, position, sampling, uniform)
+
+
+def fresh_prefill_check(engine, target, failures):
+    """Rollback hook: the truncated caches must equal a fresh prefill of the committed tokens."""
+
+    def hook(stages, drafter, tokens, length):
+        ids = tokens[:length]
+        fresh = [Stage(target, i, st.layer_ids, length + 1) for i, st in enumerate(stages)]
+        anchors = {}
+        h = target.embed_tokens(ids)
+        anchors[0] = h
+        for st in fresh:
+            h = st.forward(h, 0, lambda idx, x: anchors.__setitem__(idx, x))
+        for st, fr in zip(stages, fresh):
+            if st.cache.length != length:
+                failures.append(f"stage {st.index} length {st.cache.length} != {length}")
+            for buf, ref in ((st.cache.k, fr.cache.k), (st.cache.v, fr.cache.v)):
+                if not torch.allclose(buf[:, :, :length], ref[:, :, :length], atol=1e-4, rtol=1e-4):
+                    failures.append(f"stage {st.index} cache differs after rollback to {length}")
+        # The PDM keeps rows of committed tokens with final (depth-n) features; all but the
+        # last committed token's row (recomputed next cycle) must match a fresh PDM prefill.
+        pdm = engine.pdm
+        lay = pdm.layout
+        stack = torch.stack([anchors[b] for b in lay.anchors])
+        cache = pdm.new_cache(length + 1)
+        pdm.step(pdm.features(stack, torch.full((length,), lay.agg_type(lay.n))), 0, cache)
+        keep = length - 1
+        if drafter.cache.length < keep:
+            failures.append(f"PDM cache holds {drafter.cache.length} rows < {keep}")
+        elif not torch.allclose(drafter.cache.k[:, :, :keep], cache.k[:, :, :keep], atol=1e-4,
+                                rtol=1e-4):
+            failures.append(f"PDM cache differs after rollback to {length}")
+    return hook
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+@pytest.mark.parametrize("accuracy", [0.3, 0.7])
+def test_rollback_caches_equal_fresh_prefill(n, accuracy):
+    t = make_tiny_target(seed=n, vocab=32, layers=4)
+    eng = SPDEngine(t, n_stages=n, anchors=[0, 2, 3], debug_poison=True)
+    ar = eng.generate_ar(PROMPT, 40).token_ids
+    failures = []
+    eng.rollback_hooks.append(fresh_prefill_check(eng, t, failures))
+    drafter = NoisyPDMDrafter(eng.pdm, PROMPT + ar, accuracy, seed=n)
+    res = eng.generate(PROMPT, 40, drafter=drafter)
+    assert res.token_ids == ar  # poisoned (NaN) tails would break this if read
+    assert 0 < res.stats.drafts_accepted < res.stats.drafts_judged
+    assert failures == []
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_greedy_lossless_untrained_pdm_and_accounting(n):
+    t = make_tiny_target(seed=10 + n, vocab=48, layers=4)
+    eng = SPDEngine(t, n_stages=n)
+    ar = eng.generate_ar(PROMPT, 30)
+    res = eng.generate(PROMPT, 30)
+    assert res.token_ids == ar.token_ids
+    st = res.stats
+    assert st.N == len(res.token_ids) - 1 and st.drafts_judged == st.N
+    # Cycles: n-1 fill, then every rejection but possibly the last costs n-1 refill cycles.
+    rejects = st.drafts_judged - st.drafts_accepted
+    assert st.N + (n - 1) * rejects <= st.K <= st.N + (n - 1) * (rejects + 1)
+    oracle = eng.generate(PROMPT, 30, drafter=ReferenceDrafter(PROMPT + ar.token_ids))
+    assert oracle.token_ids == ar.token_ids
+    assert oracle.stats.K == oracle.stats.N + n - 1 and oracle.stats.acceptance_rate == 1.0
+
+
+def test_eos_stops_generation():
+    t = make_tiny_target(seed=1, vocab=32)
+    eng = SPDEngine(t, n_stages=2)
+    ar = eng.generate_ar(PROMPT, 30).token_ids
+    eos = ar[5]
+    t.eos_token_ids = {eos}
+    cut = ar[:ar.index(eos) + 1]
+    assert eng.generate_ar(PROMPT, 30).token_ids == cut
+    assert eng.generate(PROMPT, 30).token_ids == cut
+    assert eng.generate(PROMPT, 30, drafter=ReferenceDrafter(PROMPT + ar)).token_ids == cut
+
+
+def test_sampling_is_reproducible_with_seed():
+    t = make_tiny_target(seed=2, vocab=32)
+    eng = SPDEngine(t, n_stages=3)
+    sp = SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=7)
+    a = eng.generate(PROMPT, 20, sp).token_ids
+    b = eng.generate(PROMPT, 20, sp).token_ids
+    c = eng.generate(PROMPT, 20, SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=8))
+    assert a == b and a != c.token_ids
+
+
+# --- bad input -----------------------------------------------------------------------------
+def test_bad_prompts():
+    t = make_tiny_target(max_pos=32)
+    eng = SPDEngine(t, n_stages=2)
+    with pytest.raises(SPDError, match="prompt is empty"):
+        eng.generate([], 4)
+    with pytest.raises(SPDError, match="context is 32"):
+        eng.generate(list(range(16)) * 2, 4)
+    with pytest.raises(SPDError, match=r"must lie in \[0, 16\)"):
+        eng.generate([1, 2, 99], 4)
+    with pytest.raises(SPDError, match="positive integer"):
+        eng.generate([1, 2], 0)
+    with pytest.warns(UserWarning, match="exceeds the context"):
+        out = eng.generate(list(range(16)) + list(range(14)), 10)
+    assert len(out.token_ids) == 2
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    (dict(n_stages=5), "cannot cut a 4-layer model into 5 stages"),
+    (dict(n_stages=2, split=[3, 2]), "sums to 5"),
+    (dict(n_stages=2, anchors=[0, 9]), "out of range"),
+    (dict(n_stages=2, anchors=[2, 3]), "start with 0"),
+])
+def test_bad_configuration(kwargs, msg):
+    with pytest.raises(SPDError, match=msg):
+        SPDEngine(make_tiny_target(), **kwargs)
+
+
+def test_bad_sampling_params():
+    with pytest.raises(SPDError, match="top_p"):
+        SamplingParams(temperature=1.0, top_p=2.0)
+    with pytest.raises(SPDError, match="temperature"):
+        SamplingParams(temperature=-0.5)
+
+
+def test_pdm_checkpoint_mismatches(tmp_path):
+    t = make_tiny_target(seed=0)
+    eng = SPDEngine(t, n_stages=2, anchors=[0, 2, 3])
+    eng.pdm.save(tmp_path / "pdm")
+    # Round trip into the same target and layout.
+    again = SPDEngine(t, n_stages=2, anchors=[0, 2, 3], pdm=tmp_path / "pdm")
+    for (k, a), (_, b) in zip(eng.pdm.state_dict().items(), again.pdm.state_dict().items()):
+        assert torch.equal(a, b), k
+    with pytest.raises(SPDError, match="n=2 stages but n=4"):
+        SPDEngine(t, n_stages=4, anchors=[0, 2, 3], pdm=tmp_path / "pdm")
+    with pytest.raises(SPDError, match="anchors"):
+        SPDEngine(t, n_stages=2, anchors=[0, 1, 3], pdm=tmp_path / "pdm")
+    with pytest.raises(SPDError, match="split"):
+        SPDEngine(t, n_stages=2, split=[1, 3], anchors=[0, 2, 3], pdm=tmp_path / "pdm")
+    with pytest.raises(SPDError, match="trained on another target"):
+        SPDEngine(make_tiny_target(seed=1), n_stages=2, anchors=[0, 2, 3], pdm=tmp_path / "pdm")
+    with pytest.raises(SPDError, match="vocab 16; this target .* vocab 32"):
+        SPDEngine(make_tiny_target(seed=0, vocab=32), n_stages=2, anchors=[0, 2, 3],
+                  pdm=tmp_path / "pdm")
+    with pytest.raises(SPDError, match="not found"):
+        SPDEngine(t, n_stages=2, pdm=tmp_path / "missing")
+    with pytest.raises(SPDError, match="n=2 stages but n=4"):
+        PipelineDraftModule.load(tmp_path / "pdm", t, SPDEngine(t, n_stages=4).layout)
