@@ -38,7 +38,8 @@ def references(default_target):
 
 @pytest.fixture(scope="module")
 def engines(default_target):
-    return {n: SPDEngine(default_target, n_stages=n, warn_untrained=False) for n in (2, 3, 4, 6)}
+    return {n: SPDEngine(default_target, n_stages=n, pdm="untrained", warn_untrained=False)
+            for n in (2, 3, 4, 6)}
 
 
 @pytest.mark.parametrize("n", [2, 3, 4, 6])
@@ -107,3 +108,23 @@ def test_cli_errors(capsys, argv, msg):
 def test_cli_empty_prompt(capsys):
     assert main(["generate", "--prompt", "", "--max-new-tokens", "4"]) == 2
     assert "prompt is empty" in capsys.readouterr().err
+
+
+def test_cli_eval_two_prompts_writes_json(tmp_path, capsys):
+    prompts = tmp_path / "two.jsonl"
+    prompts.write_text('{"question_id": 1, "turns": ["Name three primary colours."]}\n'
+                       '{"question_id": 2, "turns": ["What is a linked list?"]}\n'
+                       '{"question_id": 3, "turns": ["Not used: --limit 2."]}\n')
+    out = tmp_path / "report.json"
+    rc = main(["eval", "--prompts", str(prompts), "--dataset", "humaneval", "--limit", "2",
+               "--stages", "2", "--max-new-tokens", "12", "--json-out", str(out)])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert set(report["datasets"]) == {"two", "humaneval"}
+    assert report["config"]["checked_against_ar"] is True
+    for s in list(report["datasets"].values()) + [report["overall"]]:
+        for key in ("N", "K", "alpha", "theoretical_speedup", "acceptance_rate"):
+            assert key in s
+    assert report["datasets"]["two"]["prompts"] == 2 and report["overall"]["prompts"] == 4
+    assert report["overall"]["N"] == sum(d["N"] for d in report["datasets"].values())
+    assert "overall" in capsys.readouterr().out

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from spd.errors import SPDError
 
@@ -17,7 +18,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--model", default=None,
                    help="local Hugging Face folder (Llama/Qwen2/Qwen3); default: "
                         "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
-    p.add_argument("--pdm", default=None, help="PDM checkpoint folder (default: untrained PDM)")
+    p.add_argument("--pdm", default=None,
+                   help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
+                        "for this target and n, else an untrained PDM)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages n (1 = autoregressive)")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
     p.add_argument("--anchors", default=None,
@@ -95,8 +98,8 @@ def cmd_generate(args) -> int:
     engine = SPDEngine(target, n_stages=n, split=_parse_ints(args.split, "--split"),
                        anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        pdm_layers=args.pdm_layers, warn_untrained=False)
-    if args.pdm is None and n >= 2:
-        print("[spd] warning: no trained PDM given (--pdm); using an untrained one. Output is "
+    if engine.pdm_source == "untrained":
+        print("[spd] warning: no trained PDM for this target and layout; using an untrained one. Output is "
               "still exactly the target's, but most drafts are rejected, so decoding is slow.",
               file=sys.stderr)
     prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
@@ -113,11 +116,136 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _add_model_layout_args(p) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages n")
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7")
+    p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
+    p.add_argument("--device", default="cpu")
+
+
+def _add_train(sub) -> None:
+    p = sub.add_parser("train", help="train a PDM by distillation from the target",
+                       description="Build distillation data (ShareGPT conversations and the "
+                       "target's own responses, evaluation prompts excluded), extract and cache "
+                       "the target's features, and train a PDM. Rerun the same command to resume.")
+    _add_model_layout_args(p)
+    p.add_argument("--out", required=True, help="output folder (the checkpoint; resumes if present)")
+    p.add_argument("--features", default=None,
+                   help="feature cache folder (default: $SPD_CACHE/features/<target>); extracted "
+                        "when missing, reused and resumed otherwise")
+    p.add_argument("--pdm-layers", type=int, default=2, help="PDM decoder layers L_s")
+    p.add_argument("--intermediate-size", type=int, default=768, help="PDM MLP width")
+    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
+    p.add_argument("--self-distill", type=int, default=128,
+                   help="prompts answered by the target itself (self-distillation)")
+    p.add_argument("--response-tokens", type=int, default=192,
+                   help="max tokens of each self-distilled response")
+    p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
+    p.add_argument("--steps", type=int, default=1600)
+    p.add_argument("--batch", type=int, default=2, help="sequences per optimiser step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--storage", choices=("int8", "fp16", "fp32"), default="int8",
+                   help="weight storage of the saved checkpoint (int8: ~4x smaller than fp32)")
+    p.set_defaults(func=cmd_train)
+
+
+def cmd_train(args) -> int:
+    from spd.assets import cache_dir
+    from spd.distill import FeatureSet, build_sequences, extract_features
+    from spd.loading import load_target
+    from spd.partition import DepthLayout, default_anchors
+    from spd.trainer import TrainConfig, train
+
+    if args.steps < 1 or args.batch < 1:
+        raise SPDError("--steps and --batch must be >= 1")
+    target = load_target(args.model, device=args.device)
+    layout = DepthLayout.build(target.num_layers, args.stages, _parse_ints(args.split, "--split"),
+                               _parse_ints(args.anchors, "--anchors"))
+    feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
+    feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
+    meta = Path(feat_dir) / "meta.json"
+    if not meta.exists() or _unfinished(meta):
+        seqs = build_sequences(target, conversations=args.conversations,
+                               self_distill_prompts=args.self_distill, max_len=args.max_len,
+                               response_tokens=args.response_tokens, seed=args.seed)
+        extract_features(target, seqs, feat_anchors, feat_dir)
+    features = FeatureSet(feat_dir, target)
+    cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
+                      pdm_layers=args.pdm_layers, intermediate_size=args.intermediate_size,
+                      draft_vocab_size=args.draft_vocab_size, steps=args.steps,
+                      batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
+                      save_every=args.eval_every, max_len=args.max_len, seed=args.seed)
+    final = train(target, features, cfg, args.out, storage=args.storage)
+    print(json.dumps({"out": args.out, "final": final}))
+    return 0
+
+
+def _unfinished(meta_path) -> bool:
+    meta = json.loads(meta_path.read_text())
+    return not meta.get("shards")
+
+
+def _add_eval(sub) -> None:
+    p = sub.add_parser("eval", help="decode prompt sets with SPD and report alpha and speedup")
+    _add_model_layout_args(p)
+    p.add_argument("--dataset", action="append", default=None,
+                   help="mt_bench or humaneval (repeat or comma-separate; default: both unless "
+                        "--prompts is given)")
+    p.add_argument("--prompts", default=None,
+                   help="FastChat question .jsonl (one object a line with a 'turns' list)")
+    p.add_argument("--limit", type=int, default=None, help="first K prompts of each set")
+    p.add_argument("--pdm", default=None, help="PDM checkpoint (default: the shipped one)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
+                   help="compare every output with autoregressive decoding (default: on at T=0)")
+    p.add_argument("--json-out", default=None, help="write the report as JSON")
+    p.set_defaults(func=cmd_eval)
+
+
+def cmd_eval(args) -> int:
+    from spd.engine import SamplingParams, SPDEngine
+    from spd.evaluate import collect_sets, format_table, run_eval, write_json
+    from spd.loading import load_target
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    names = [x for d in (args.dataset or []) for x in d.split(",") if x]
+    if not names and not args.prompts:
+        names = ["mt_bench", "humaneval"]
+    sets = collect_sets(names, args.prompts, args.limit)
+    target = load_target(args.model, device=args.device)
+    engine = SPDEngine(target, n_stages=args.stages, split=_parse_ints(args.split, "--split"),
+                       anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
+                       warn_untrained=False)
+    if engine.pdm_source == "untrained":
+        print("[spd] warning: no trained PDM for this target and layout; using an untrained one",
+              file=sys.stderr)
+    check = sampling.greedy if args.check is None else args.check
+    if check and not sampling.greedy:
+        raise SPDError("--check compares with autoregressive decoding token for token, which "
+                       "only holds at --temperature 0")
+    report = run_eval(engine, sets, args.max_new_tokens, sampling, check)
+    print(format_table(report))
+    if args.json_out:
+        write_json(report, args.json_out)
+        print(f"wrote {args.json_out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m spd",
                                      description="Speculative Pipeline Decoding")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_train(sub)
+    _add_eval(sub)
     return parser
 
 

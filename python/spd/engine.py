@@ -16,7 +16,7 @@ import torch
 from spd.drafters import Draft, PDMDrafter
 from spd.errors import SPDError
 from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule
+from spd.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm
 from spd.schedule import PipelineSchedule
 from spd.target import Stage, TargetModel
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
@@ -108,8 +108,9 @@ class _Timer:
 class SPDEngine:
     """Speculative pipeline decoding of one sequence on a target cut into n stages.
 
-    pdm: a PipelineDraftModule, a checkpoint folder, or None for an untrained PDM (exact output,
-    many rejections; a warning says so).
+    pdm: a PipelineDraftModule, a checkpoint folder, "untrained", or None for the checkpoint
+    shipped for this target and layout (an untrained PDM if there is none: exact output, many
+    rejections, and a warning says so).
     """
 
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,
@@ -124,17 +125,22 @@ class SPDEngine:
         # Called as hook(stages, drafter, tokens, committed_length) after every rollback: lets
         # tests check that the truncated caches equal a fresh prefill of the committed tokens.
         self.rollback_hooks: list[Callable] = []
+        self.pdm_source = "none"
         if self.n >= 2:
-            if pdm is None:
+            if pdm is None:  # the checkpoint shipped for this target and layout, if any
+                pdm = find_shipped_pdm(target, self.layout) or "untrained"
+            if isinstance(pdm, str) and pdm == "untrained":
                 if warn_untrained:
                     warnings.warn("no trained PDM for this target and n: using an untrained one "
                                   "(output stays exact, decoding is slower)", stacklevel=2)
                 pdm = PipelineDraftModule.untrained(target, self.layout, pdm_layers)
+                self.pdm_source = "untrained"
             elif not isinstance(pdm, PipelineDraftModule):
+                self.pdm_source = str(pdm)
                 pdm = PipelineDraftModule.load(pdm, target, self.layout)
             else:
-                from spd.pdm import check_compatible
                 check_compatible(pdm.config, target, self.layout)
+                self.pdm_source = "given"
             self.pdm = pdm
             self.drafter = PDMDrafter(pdm)
 

@@ -42,14 +42,8 @@ def apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: torch.Tensor,
-                   v_cache: torch.Tensor, start: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int) -> torch.Tensor:
-    """x [T, d] at positions start..start+T-1 -> attention output [T, d].
-
-    Writes K/V into k_cache/v_cache [kvh, S, hd] at rows start..start+T-1 and attends over rows
-    0..start+T-1, causally inside the chunk.
-    """
+def _qkv(attn: nn.Module, x: torch.Tensor, cos, sin, num_heads, num_kv_heads, head_dim):
+    """x [T, d] -> q [H, T, hd], k [KVH, T, hd] (both with RoPE), v [KVH, T, hd]."""
     t = x.shape[0]
     q = attn.q_proj(x).view(t, num_heads, head_dim)
     k = attn.k_proj(x).view(t, num_kv_heads, head_dim)
@@ -57,24 +51,42 @@ def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: torch.Te
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         q = attn.q_norm(q)
         k = attn.k_norm(k)
-    q = apply_rope(q.transpose(0, 1), cos, sin)
-    k = apply_rope(k.transpose(0, 1), cos, sin)
+    return (apply_rope(q.transpose(0, 1), cos, sin), apply_rope(k.transpose(0, 1), cos, sin),
+            v.transpose(0, 1))
+
+
+def _attend(attn, q, keys, values, mask, num_heads, num_kv_heads, head_dim):
+    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
+                                         enable_gqa=num_heads != num_kv_heads)
+    return attn.o_proj(out[0].transpose(0, 1).reshape(q.shape[1], num_heads * head_dim))
+
+
+def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: torch.Tensor | None,
+                   v_cache: torch.Tensor | None, start: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, d] at positions start..start+T-1 -> attention output [T, d].
+
+    With caches: writes K/V into k_cache/v_cache [kvh, S, hd] at rows start..start+T-1 and
+    attends over rows 0..start+T-1, causally inside the chunk. Without caches (training): the
+    rows attend to each other under the boolean `mask` [T, T] (True = may attend).
+    """
+    q, k, v = _qkv(attn, x, cos, sin, num_heads, num_kv_heads, head_dim)
+    if k_cache is None:
+        return _attend(attn, q, k, v, mask, num_heads, num_kv_heads, head_dim)
+    t = x.shape[0]
     end = start + t
     k_cache[:, start:end] = k
-    v_cache[:, start:end] = v.transpose(0, 1)
-    keys, values = k_cache[:, :end], v_cache[:, :end]
-    mask = None
+    v_cache[:, start:end] = v
     if t > 1:
         mask = (torch.arange(end, device=x.device)[None, :]
                 <= torch.arange(start, end, device=x.device)[:, None])
-    out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask,
-                                         enable_gqa=num_heads != num_kv_heads)
-    return attn.o_proj(out[0].transpose(0, 1).reshape(t, num_heads * head_dim))
+    return _attend(attn, q, k_cache[:, :end], v_cache[:, :end], mask, num_heads, num_kv_heads,
+                   head_dim)
 
 
 def decoder_layer_step(layer: nn.Module, x, cos, sin, k_cache, v_cache, start: int,
-                       num_heads: int, num_kv_heads: int, head_dim: int):
+                       num_heads: int, num_kv_heads: int, head_dim: int, mask=None):
     h = layer.input_layernorm(x)
     x = x + attention_step(layer.self_attn, h, cos, sin, k_cache, v_cache, start,
-                           num_heads, num_kv_heads, head_dim)
+                           num_heads, num_kv_heads, head_dim, mask)
     return x + layer.mlp(layer.post_attention_layernorm(x))

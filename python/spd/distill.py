@@ -1,0 +1,203 @@
+"""Distillation data: token sequences, and the frozen target's features for them, cached on disk.
+
+Sequences are chat conversations with the target's chat template applied. With self-distillation
+the assistant turn is the target's own greedy response to the user's first turn (the drafter must
+predict what the target says, not what people said). Evaluation prompts are excluded.
+
+Features are written in shards (`shard_00000.safetensors`), each holding for its tokens: the
+anchor hidden states [m, N, d] (fp16), the final normed hidden state [N, d] (fp16, the target's
+logits are lm_head of it, recomputed on the draft vocabulary at train time), the target's argmax
+[N] and the token ids, plus sequence offsets. Extraction resumes from the last finished shard.
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from spd.errors import SPDError
+from spd.target import Stage
+
+META = "meta.json"
+
+
+# --- sequences --------------------------------------------------------------------------------
+def _encode(tokenizer, conversation) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(conversation, tokenize=True)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return tokenizer("\n".join(t["content"] for t in conversation))["input_ids"]
+
+
+def _prompt_ids(tokenizer, text) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                        add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+@torch.no_grad()
+def self_distill(target, prompts: list[str], max_new_tokens: int, max_prompt: int = 256,
+                 batch_size: int = 16) -> list[list[int]]:
+    """prompt + the target's greedy response, for each prompt (batched, left-padded)."""
+    tok = target.tokenizer
+    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
+    eos = set(target.eos_token_ids)
+    out = []
+    encoded = [_prompt_ids(tok, p)[-max_prompt:] for p in prompts]
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding
+    results = {}
+    for b in tqdm(range(0, len(order), batch_size), desc="self-distillation", unit="batch"):
+        idx = order[b:b + batch_size]
+        width = max(len(encoded[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad, dtype=torch.long)
+        attn = torch.zeros((len(idx), width), dtype=torch.long)
+        for r, i in enumerate(idx):
+            ids[r, width - len(encoded[i]):] = torch.tensor(encoded[i])
+            attn[r, width - len(encoded[i]):] = 1
+        gen = target.hf.generate(ids.to(target.device), attention_mask=attn.to(target.device),
+                                 max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=pad)
+        for r, i in enumerate(idx):
+            resp = gen[r, width:].tolist()
+            cut = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))
+            results[i] = encoded[i] + resp[:cut]
+    out = [results[i] for i in range(len(encoded))]
+    return out
+
+
+def build_sequences(target, *, conversations: int, self_distill_prompts: int, max_len: int,
+                    response_tokens: int, seed: int = 0, exclude_eval: bool = True,
+                    extra_conversations=None) -> list[list[int]]:
+    """ShareGPT conversations (chat template applied, cut to max_len) and self-distilled ones."""
+    from spd.datasets import contains_eval_prompt, eval_prompt_keys, iter_sharegpt
+
+    tok = target.tokenizer
+    keys = eval_prompt_keys() if exclude_eval else set()
+    convs = [c for c in iter_sharegpt() if not contains_eval_prompt(c, keys)]
+    convs += list(extra_conversations or [])
+    rng = random.Random(seed)
+    rng.shuffle(convs)
+    distill_src = convs[:self_distill_prompts]
+    human_src = convs[self_distill_prompts:self_distill_prompts + conversations]
+    seqs = []
+    if distill_src:
+        prompts = [c[0]["content"] for c in distill_src]
+        seqs += self_distill(target, prompts, response_tokens)
+    for conv in tqdm(human_src, desc="tokenising conversations", unit="conv"):
+        ids = _encode(tok, conv)[:max_len]
+        if len(ids) >= 16:
+            seqs.append(ids)
+    return [s[:max_len] for s in seqs if len(s) >= 16]
+
+
+# --- features ---------------------------------------------------------------------------------
+@torch.no_grad()
+def sequence_features(target, ids: list[int], anchors: list[int]):
+    """(anchor states [m, T, d], final normed hidden [T, d], target argmax [T]) for one sequence."""
+    t = target
+    x = torch.tensor(ids, device=t.device)
+    stage = Stage(t, 0, range(t.num_layers), capacity=len(ids))
+    slot = {b: j for j, b in enumerate(anchors)}
+    out = torch.empty(len(anchors), len(ids), t.hidden_size, device=t.device, dtype=t.dtype)
+
+    def record(idx, h):
+        if idx in slot:
+            out[slot[idx]] = h
+
+    h = t.embed_tokens(x)
+    record(0, h)
+    h = stage.forward(h, 0, record)
+    final = t.norm(h)
+    argmax = t.lm_head(final).argmax(-1)
+    return out, final, argmax
+
+
+def extract_features(target, sequences: list[list[int]], anchors: list[int], out_dir,
+                     shard_tokens: int = 32768) -> Path:
+    """Write feature shards for `sequences` into out_dir (resumable: finished shards are kept)."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    meta_path = out / META
+    meta = {"target_fingerprint": target.fingerprint(), "anchors": list(anchors),
+            "hidden_size": target.hidden_size, "num_layers": target.num_layers,
+            "num_sequences": len(sequences), "shards": []}
+    if meta_path.exists():
+        old = json.loads(meta_path.read_text())
+        same = {k: old.get(k) for k in ("target_fingerprint", "anchors", "num_sequences")} == \
+            {k: meta[k] for k in ("target_fingerprint", "anchors", "num_sequences")}
+        if not same:
+            raise SPDError(f"{out} holds features of another target, anchor set or data; "
+                           "use a fresh --features folder")
+        meta = old
+    # Group sequences into shards of about shard_tokens tokens, deterministically.
+    groups, cur, size = [], [], 0
+    for i, s in enumerate(sequences):
+        cur.append(i)
+        size += len(s)
+        if size >= shard_tokens:
+            groups.append(cur)
+            cur, size = [], 0
+    if cur:
+        groups.append(cur)
+    done = set(meta["shards"])
+    bar = tqdm(total=sum(len(s) for s in sequences), desc="extracting features", unit="tok")
+    for k, group in enumerate(groups):
+        name = f"shard_{k:05d}.safetensors"
+        n_tok = sum(len(sequences[i]) for i in group)
+        if name in done and (out / name).exists():
+            bar.update(n_tok)
+            continue
+        parts = [sequence_features(target, sequences[i], anchors) for i in group]
+        offsets = torch.tensor([0] + [len(sequences[i]) for i in group]).cumsum(0)
+        save_file({
+            "tokens": torch.tensor([t for i in group for t in sequences[i]], dtype=torch.int32),
+            "offsets": offsets,
+            "anchors": torch.cat([p[0] for p in parts], dim=1).half().contiguous(),
+            "final": torch.cat([p[1] for p in parts]).half().contiguous(),
+            "argmax": torch.cat([p[2] for p in parts]).int().contiguous(),
+        }, str(out / name))
+        meta["shards"].append(name)
+        meta_path.write_text(json.dumps(meta, indent=1))
+        bar.update(n_tok)
+    bar.close()
+    return out
+
+
+class FeatureSet:
+    """All sequences of a features folder in memory: seq(i) -> dict of tensors."""
+
+    def __init__(self, folder, target=None):
+        from safetensors.torch import load_file
+
+        folder = Path(folder)
+        if not (folder / META).exists():
+            raise SPDError(f"{folder} has no {META}: extract features first (spd train "
+                           "--features FOLDER extracts them when missing)")
+        self.meta = json.loads((folder / META).read_text())
+        if target is not None and self.meta["target_fingerprint"] != target.fingerprint():
+            raise SPDError(f"features in {folder} were extracted from another target")
+        self.anchors = self.meta["anchors"]
+        self.items = []
+        for name in self.meta["shards"]:
+            sh = load_file(str(folder / name))
+            off = sh["offsets"].tolist()
+            for a, b in zip(off, off[1:]):
+                self.items.append({k: (sh[k][:, a:b] if k == "anchors" else sh[k][a:b])
+                                   for k in ("tokens", "anchors", "final", "argmax")})
+
+    def __len__(self):
+        return len(self.items)
+
+    def token_count(self) -> int:
+        return sum(len(x["tokens"]) for x in self.items)
+
+    def argmax_counts(self, vocab_size: int) -> torch.Tensor:
+        counts = torch.zeros(vocab_size, dtype=torch.int64)
+        for x in self.items:
+            counts += torch.bincount(x["argmax"].long(), minlength=vocab_size)
+        return counts

@@ -1,0 +1,112 @@
+"""`spd eval`: decode prompt sets with SPD and report N, K, alpha, speedup, acceptance.
+
+Each prompt's first turn is wrapped in the chat template and decoded. With `check=True` (the
+default at T=0) every SPD output is compared token for token with the autoregressive path, and a
+mismatch is an error. Results are aggregated per dataset (sums of N and K, so alpha = sum N /
+sum K) and overall.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+from spd.datasets import load_dataset, load_question_file
+from spd.engine import SamplingParams
+from spd.errors import SPDError
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    from spd.cli import encode_prompt
+    return encode_prompt(tokenizer, text, chat=True)
+
+
+def summarise(rows: list[dict], n: int) -> dict:
+    N = sum(r["N"] for r in rows)
+    K = sum(r["K"] for r in rows)
+    judged = sum(r["judged"] for r in rows)
+    accepted = sum(r["accepted"] for r in rows)
+    decode_s = sum(r["decode_s"] for r in rows)
+    in_vocab = sum(r["in_vocab"] for r in rows)
+    total = sum(r["new_tokens"] for r in rows)
+    alpha = N / K if K else 0.0
+    return {"prompts": len(rows), "n": n, "N": N, "K": K, "alpha": alpha,
+            "theoretical_speedup": alpha * n,
+            "acceptance_rate": accepted / judged if judged else 0.0,
+            "decode_tok_s": N / decode_s if decode_s else 0.0,
+            "draft_vocab_coverage": in_vocab / total if total else 0.0}
+
+
+def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling: SamplingParams,
+             check: bool, progress: bool = True) -> dict:
+    target = engine.target
+    tok = target.tokenizer
+    vocab = set(engine.pdm.draft_to_target.tolist()) if engine.pdm is not None else set()
+    report = {"config": {"n": engine.n, "split": engine.layout.split,
+                         "anchors": list(engine.layout.anchors),
+                         "pdm": getattr(engine, "pdm_source", "untrained"),
+                         "pdm_layers": engine.pdm.config.num_layers if engine.pdm else 0,
+                         "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
+                         "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
+                         "checked_against_ar": check},
+              "datasets": {}}
+    all_rows = []
+    total = sum(len(v) for v in sets.values())
+    bar = tqdm(total=total, desc="eval", unit="prompt", disable=not progress)
+    for name, questions in sets.items():
+        rows = []
+        for q in questions:
+            ids = _encode(tok, q["turns"][0])
+            res = engine.generate(ids, max_new_tokens, sampling)
+            if check:
+                ref = engine.generate_ar(ids, max_new_tokens, sampling).token_ids
+                if ref != res.token_ids:
+                    raise SPDError(f"{name} prompt {q['id']}: SPD output differs from the "
+                                   "autoregressive output (this is a bug; please report it)")
+            st = res.stats
+            rows.append({"id": q["id"], "N": st.N, "K": st.K, "judged": st.drafts_judged,
+                         "accepted": st.drafts_accepted, "decode_s": st.decode_s,
+                         "new_tokens": len(res.token_ids),
+                         "in_vocab": sum(t in vocab for t in res.token_ids)})
+            bar.update(1)
+            bar.set_postfix(alpha=f"{summarise(rows, engine.n)['alpha']:.3f}")
+        report["datasets"][name] = summarise(rows, engine.n) | {"per_prompt": rows}
+        all_rows += rows
+    bar.close()
+    report["overall"] = summarise(all_rows, engine.n)
+    return report
+
+
+def format_table(report: dict) -> str:
+    hdr = (f"{'dataset':<12}{'prompts':>8}{'N':>7}{'K':>7}{'alpha':>8}{'S_theory':>10}"
+           f"{'accept':>8}{'tok/s':>8}{'vocab cov':>10}")
+    lines = [hdr, "-" * len(hdr)]
+    for name, s in list(report["datasets"].items()) + [("overall", report["overall"])]:
+        lines.append(f"{name:<12}{s['prompts']:>8}{s['N']:>7}{s['K']:>7}{s['alpha']:>8.3f}"
+                     f"{s['theoretical_speedup']:>10.2f}{s['acceptance_rate']:>8.2f}"
+                     f"{s['decode_tok_s']:>8.1f}{s['draft_vocab_coverage']:>10.2f}")
+    return "\n".join(lines)
+
+
+def collect_sets(datasets: list[str], prompts_file: str | None, limit: int | None) -> dict:
+    sets = {}
+    if prompts_file:
+        sets[Path(prompts_file).stem] = load_question_file(prompts_file)
+    for name in datasets:
+        sets[name] = load_dataset(name)
+    if limit is not None:
+        if limit < 1:
+            raise SPDError(f"--limit must be >= 1, got {limit}")
+        sets = {k: v[:limit] for k, v in sets.items()}
+    if not sets:
+        raise SPDError("nothing to evaluate: give --dataset and/or --prompts")
+    return sets
+
+
+def write_json(report: dict, path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(report, indent=1))
+
+
+__all__ = ["collect_sets", "format_table", "run_eval", "summarise", "write_json"]

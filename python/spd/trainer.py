@@ -1,0 +1,231 @@
+"""PDM training by distillation from the frozen target (DESIGN section 1, "Training").
+
+Every step takes sequences of cached target features, samples a fill level per sequence (full
+with probability `full_fill_prob`, else uniform in 1..n-1), lays the sequence out with
+`train_layout.training_layout` so each draft row sees exactly what it would see at inference,
+and minimises KL(target || draft) on the draft vocabulary. Positions whose target argmax lies
+outside the draft vocabulary are left out of the loss (the draft can never propose it).
+Checkpoints every `save_every` steps; a run started again on the same output folder resumes.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from spd.errors import SPDError
+from spd.partition import DepthLayout
+from spd.pdm import PipelineDraftModule, pdm_config_for
+from spd.train_layout import training_layout
+
+STATE = "train_state.pt"
+
+
+@dataclass
+class TrainConfig:
+    n_stages: int = 4
+    split: list | None = None
+    anchors: list | None = None
+    pdm_layers: int = 2
+    intermediate_size: int = 768
+    draft_vocab_size: int = 8192
+    steps: int = 1000
+    batch_sequences: int = 2
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    full_fill_prob: float = 0.5
+    max_len: int = 512
+    eval_every: int = 100
+    save_every: int = 100
+    eval_sequences: int = 16
+    seed: int = 0
+    history: list = field(default_factory=list)
+
+
+def build_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` most frequent target ids (ties broken by id), sorted by id."""
+    size = min(size, counts.numel())
+    order = sorted(range(counts.numel()), key=lambda i: (-int(counts[i]), i))[:size]
+    return torch.tensor(sorted(order), dtype=torch.int64)
+
+
+def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor):
+    """A PDM that starts close to 'read the deepest anchor through the target's head'.
+
+    Output projections of every layer start at zero (each layer starts as the identity), each
+    type's projection starts as the identity on its deepest anchor block, the final norm copies
+    the target's and the LM head is the target's rows of the draft vocabulary (kept frozen).
+    """
+    pdm_cfg = pdm_config_for(target, layout, cfg.pdm_layers, len(vocab))
+    pdm_cfg.intermediate_size = cfg.intermediate_size
+    pdm_cfg.extra = {"head_from_target": True}
+    torch.manual_seed(cfg.seed)
+    pdm = PipelineDraftModule(pdm_cfg)
+    d = target.hidden_size
+    with torch.no_grad():
+        for name, p in pdm.named_parameters():
+            if p.dim() == 2:
+                torch.nn.init.normal_(p, std=0.02)
+            elif name.endswith("bias"):
+                p.zero_()
+        for layer in pdm.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for key, proj in pdm.projections.items():
+            e = int(key)
+            proj.weight.mul_(0.1)
+            proj.weight[:, e * d:(e + 1) * d] += torch.eye(d)
+        pdm.norm.weight.copy_(target.norm.weight.detach().float())
+        pdm.draft_to_target.copy_(vocab)
+        pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab])
+    pdm.lm_head.weight.requires_grad_(False)
+    return pdm.float()
+
+
+def _anchor_index(features_anchors: list[int], wanted: list[int]) -> list[int]:
+    missing = [b for b in wanted if b not in features_anchors]
+    if missing:
+        raise SPDError(f"the features hold anchors {features_anchors} but the PDM needs "
+                       f"{wanted} (missing {missing}); extract features with these anchors")
+    return [features_anchors.index(b) for b in wanted]
+
+
+class Distiller:
+    """Computes the training loss of one sequence for a given fill level."""
+
+    def __init__(self, target, pdm, feature_anchors: list[int]):
+        self.pdm = pdm
+        self.layout = pdm.layout
+        self.slots = _anchor_index(feature_anchors, list(self.layout.anchors))
+        vocab = pdm.draft_to_target
+        self.head = target.lm_head.weight.detach().float()[vocab]  # target logits on draft vocab
+        self.in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
+        self.in_vocab[vocab] = True
+        self._layouts = {}
+
+    def layout_for(self, length: int, fill: int):
+        key = (length, fill)
+        if key not in self._layouts:
+            if len(self._layouts) > 64:
+                self._layouts.clear()
+            self._layouts[key] = training_layout(length, self.layout, fill)
+        return self._layouts[key]
+
+    def loss(self, item, fill: int):
+        """(mean KL over valid positions, #valid, top-1 agreement with the target's argmax)."""
+        anchors = item["anchors"][self.slots].float()
+        tl = self.layout_for(anchors.shape[1], fill)
+        q_logits = self.pdm.forward_train(anchors, tl)
+        p_logp = F.log_softmax(item["final"].float() @ self.head.t(), dim=-1)
+        q_logp = F.log_softmax(q_logits, dim=-1)
+        valid = self.in_vocab[item["argmax"].long()]
+        kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)
+        nvalid = int(valid.sum())
+        loss = (kl * valid).sum() / max(1, nvalid)
+        draft = self.pdm.draft_to_target[q_logits.argmax(-1)]
+        agree = (draft == item["argmax"].long()).float().mean()
+        return loss, nvalid, float(agree)
+
+
+def _lr_at(step: int, cfg: TrainConfig) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
+
+
+@torch.no_grad()
+def evaluate(distiller: Distiller, items) -> dict:
+    n = distiller.layout.n
+    out = {}
+    for fill in sorted({1, n}):
+        losses, agrees = [], []
+        for it in items:
+            loss, _, agree = distiller.loss(it, fill)
+            losses.append(float(loss))
+            agrees.append(agree)
+        out[f"fill{fill}_kl"] = sum(losses) / len(losses)
+        out[f"fill{fill}_top1"] = sum(agrees) / len(agrees)
+    return out
+
+
+def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
+          storage: str = "int8") -> dict:
+    """Train a PDM on a FeatureSet; writes the checkpoint to out_dir and returns the summary."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    layout = DepthLayout.build(target.num_layers, cfg.n_stages, cfg.split, cfg.anchors)
+    if len(features) <= cfg.eval_sequences:
+        raise SPDError(f"only {len(features)} sequences of features: need more than the "
+                       f"{cfg.eval_sequences} held out for evaluation")
+    held_out = features.items[-cfg.eval_sequences:]
+    train_items = features.items[:-cfg.eval_sequences]
+    vocab = build_draft_vocab(features.argmax_counts(target.vocab_size), cfg.draft_vocab_size)
+    pdm = init_pdm(target, layout, cfg, vocab)
+    params = [p for p in pdm.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step = 0
+    rng = random.Random(cfg.seed)
+    state_path = out / STATE
+    if state_path.exists():  # resume
+        st = torch.load(state_path, weights_only=False)
+        if st["config"]["n_stages"] != cfg.n_stages or st["config"]["anchors"] != cfg.anchors:
+            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
+        pdm.load_state_dict(st["pdm"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        rng.setstate(st["rng"])
+        torch.set_rng_state(st["torch_rng"])
+        cfg.history = st["history"]
+    distiller = Distiller(target, pdm, features.anchors)
+    pdm.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"training PDM (n={layout.n})", unit="step",
+               disable=not progress)
+    order: list[int] = []
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        total, agree_sum = 0.0, 0.0
+        for _ in range(cfg.batch_sequences):
+            if not order:
+                order = list(range(len(train_items)))
+                rng.shuffle(order)
+            item = train_items[order.pop()]
+            fill = layout.n if rng.random() < cfg.full_fill_prob else rng.randint(1, layout.n - 1) \
+                if layout.n > 1 else 1
+            loss, _, agree = distiller.loss(item, fill)
+            (loss / cfg.batch_sequences).backward()
+            total += loss.item() / cfg.batch_sequences
+            agree_sum += agree / cfg.batch_sequences
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{total:.3f}", top1=f"{agree_sum:.2f}")
+        record = {"step": step, "loss": total, "top1": agree_sum}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            pdm.eval()
+            record.update(evaluate(distiller, held_out))
+            pdm.train()
+            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                  for k, v in record.items()}))
+        cfg.history.append(record)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            torch.save({"step": step, "pdm": pdm.state_dict(), "opt": opt.state_dict(),
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                        "history": cfg.history, "config": asdict(cfg)}, state_path)
+    bar.close()
+    pdm.eval()
+    pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
+                            final_eval={k: v for k, v in cfg.history[-1].items()},
+                            train_tokens=features.token_count() - sum(
+                                len(x["tokens"]) for x in held_out))
+    pdm.save(out, storage=storage)
+    (out / "history.json").write_text(json.dumps(cfg.history))
+    return cfg.history[-1] if cfg.history else {}

@@ -1,0 +1,80 @@
+"""The training layout against what inference actually shows the PDM."""
+import random
+
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from spd.partition import DepthLayout
+from spd.pdm import PipelineDraftModule
+from spd.schedule import PipelineSchedule
+from spd.train_layout import training_layout
+
+
+def inference_views(n, prompt_len, decisions):
+    """Brute force from the real schedule: for each cycle, (newest position, fill, {position:
+    depth} of every row the drafter's newest row depends on)."""
+    s = PipelineSchedule(n)
+    s.seed(prompt_len, prompt_len)
+    views = []
+    it = iter(decisions)
+    while True:
+        newest, fill = s.newest, s.count
+        views.append((newest, fill, {p: s.depth(p) for p in range(newest + 1)}))
+        s.after_draft()
+        if not s.full:
+            s.refill()
+            continue
+        try:
+            s.accept() if next(it) else s.reject()
+        except StopIteration:
+            return views
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_mask_matches_brute_force_inference_views(n):
+    lay = DepthLayout.build(8, n, None, [0, 3, 5, 7])
+    rng = random.Random(n)
+    views = inference_views(n, 3, [rng.random() < 0.5 for _ in range(14)])
+    T = max(v[0] for v in views) + 1
+    layouts = {f: training_layout(T, lay, f) for f in range(1, n + 1)}
+    for newest, fill, depth_of in views:
+        tl = layouts[fill]
+        row_of = {(int(d), int(p)): r for r, (d, p) in enumerate(zip(tl.depth, tl.position))}
+        # Every row the draft depends on: the window rows (recomputed this cycle), each seeing
+        # exactly one copy of every earlier position, at that position's depth this cycle.
+        for q in range(newest - fill + 1, newest + 1):
+            r = row_of[(depth_of[q], q)]
+            seen = {(int(tl.depth[k]), int(tl.position[k])) for k in tl.mask[r].nonzero()[:, 0]}
+            assert seen == {(depth_of[p], p) for p in range(q + 1)}, (newest, fill, q)
+            assert int(tl.types[r]) == lay.agg_type(depth_of[q])
+        # Committed rows (cached earlier) saw only committed keys.
+        for q in range(newest - fill + 1):
+            r = row_of[(n, q)]
+            seen = {(int(tl.depth[k]), int(tl.position[k])) for k in tl.mask[r].nonzero()[:, 0]}
+            assert seen == {(n, p) for p in range(q + 1)}
+
+
+@pytest.mark.parametrize("fill", [1, 2, 3])
+def test_training_forward_equals_incremental_inference(fill):
+    """Numerically: the loss row for position t equals the engine-style cached PDM step."""
+    n = 3
+    t = make_tiny_target(seed=4, vocab=24, layers=6, hidden=32)
+    lay = DepthLayout.build(6, n, None, [0, 2, 4, 5])
+    pdm = PipelineDraftModule.untrained(t, lay, num_layers=2).float()
+    T = 9
+    g = torch.Generator().manual_seed(fill)
+    anchors = torch.randn(len(lay.anchors), T, 32, generator=g)
+    with torch.no_grad():
+        train_logits = pdm.forward_train(anchors, training_layout(T, lay, fill))
+    for newest in range(fill - 1, T):
+        depths = [n if newest - p >= fill else newest - p for p in range(newest + 1)]
+        types = torch.tensor([lay.agg_type(d) for d in depths])
+        # Inference: committed rows were cached with depth-n features, then the window rows are
+        # recomputed with this cycle's depths, in one chunk, exactly as the engine does.
+        cache = pdm.new_cache(T + 1)
+        start = newest - fill + 1
+        if start > 0:
+            pdm.step(pdm.features(anchors[:, :start], types[:start]), 0, cache)
+        logits = pdm.step(pdm.features(anchors[:, start:newest + 1], types[start:]), start, cache)
+        torch.testing.assert_close(train_logits[newest], logits, rtol=1e-4, atol=1e-4)

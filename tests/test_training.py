@@ -1,0 +1,140 @@
+"""PDM training pipeline on tiny random targets: data, features, training, checkpoints."""
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from spd.datasets import iter_conversations, load_question_file
+from spd.distill import FeatureSet, extract_features
+from spd.errors import SPDError
+from spd.partition import DepthLayout
+from spd.pdm import PipelineDraftModule
+from spd.trainer import TrainConfig, build_draft_vocab, train
+
+ANCHORS = [0, 2, 3]
+
+
+@pytest.fixture
+def tiny_features(tmp_path):
+    t = make_tiny_target(seed=7, vocab=40, layers=4, hidden=32, head_scale=6.0)
+    g = torch.Generator().manual_seed(0)
+    # Sequences with structure (repeated motifs), so there is something to learn.
+    seqs = []
+    for i in range(24):
+        motif = torch.randint(0, 40, (5,), generator=g).tolist()
+        seqs.append((motif * 8)[: 24 + i % 9])
+    extract_features(t, seqs, ANCHORS, tmp_path / "feat", shard_tokens=200)
+    return t, FeatureSet(tmp_path / "feat", t), seqs
+
+
+def _cfg(**kw):
+    base = dict(n_stages=2, anchors=ANCHORS, pdm_layers=1, intermediate_size=64,
+                draft_vocab_size=32, steps=60, batch_sequences=2, lr=3e-3, warmup=5,
+                eval_every=30, save_every=30, eval_sequences=4, seed=0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_features_are_resumable_and_complete(tiny_features, tmp_path):
+    t, fs, seqs = tiny_features
+    assert len(fs) == len(seqs) and fs.token_count() == sum(map(len, seqs))
+    assert len(fs.meta["shards"]) > 2
+    item = fs.items[3]
+    assert item["anchors"].shape == (3, len(seqs[3]), 32)
+    assert item["tokens"].tolist() == seqs[3]
+    # Rerunning skips finished shards (same files, untouched).
+    shard = tmp_path / "feat" / fs.meta["shards"][0]
+    before = shard.stat().st_mtime_ns
+    extract_features(t, seqs, ANCHORS, tmp_path / "feat", shard_tokens=200)
+    assert shard.stat().st_mtime_ns == before
+    with pytest.raises(SPDError, match="another target"):
+        FeatureSet(tmp_path / "feat", make_tiny_target(seed=8, vocab=40, layers=4, hidden=32))
+    with pytest.raises(SPDError, match="another target, anchor set or data"):
+        extract_features(t, seqs[:5], ANCHORS, tmp_path / "feat")
+
+
+def test_training_lowers_loss_and_is_deterministic(tiny_features, tmp_path):
+    t, fs, _ = tiny_features
+    first = train(t, fs, _cfg(), tmp_path / "a", progress=False)
+    hist = json.loads((tmp_path / "a" / "history.json").read_text())
+    early = sum(h["loss"] for h in hist[:5]) / 5
+    late = sum(h["loss"] for h in hist[-5:]) / 5
+    assert late < 0.6 * early, (early, late)
+    assert hist[29]["fill2_kl"] > hist[-1]["fill2_kl"]
+    second = train(t, fs, _cfg(), tmp_path / "b", progress=False)
+    assert first == second  # same seed, same data: the same run
+    a = PipelineDraftModule.load(tmp_path / "a", t, DepthLayout.build(4, 2, None, ANCHORS))
+    b = PipelineDraftModule.load(tmp_path / "b", t, DepthLayout.build(4, 2, None, ANCHORS))
+    for (k, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), k
+
+
+def test_training_resumes(tiny_features, tmp_path):
+    t, fs, _ = tiny_features
+    train(t, fs, _cfg(steps=30), tmp_path / "r", progress=False)
+    train(t, fs, _cfg(steps=60), tmp_path / "r", progress=False)
+    hist = json.loads((tmp_path / "r" / "history.json").read_text())
+    assert [h["step"] for h in hist] == list(range(1, 61))
+    with pytest.raises(SPDError, match="another configuration"):
+        train(t, fs, _cfg(n_stages=3, steps=70), tmp_path / "r", progress=False)
+
+
+def test_checkpoint_round_trip_and_refusals(tiny_features, tmp_path):
+    t, fs, _ = tiny_features
+    train(t, fs, _cfg(steps=4), tmp_path / "c", progress=False, storage="fp32")
+    lay = DepthLayout.build(4, 2, None, ANCHORS)
+    exact = PipelineDraftModule.load(tmp_path / "c", t, lay)
+    exact.save(tmp_path / "q", storage="int8")
+    quant = PipelineDraftModule.load(tmp_path / "q", t, lay)
+    for (k, x), (_, y) in zip(exact.state_dict().items(), quant.state_dict().items()):
+        if x.is_floating_point():
+            assert (x - y).abs().max() <= x.abs().max() / 127 + 1e-6, k
+        else:
+            assert torch.equal(x, y), k
+    # The head is not stored: rebuilt from the target's rows of the draft vocabulary.
+    assert torch.equal(quant.lm_head.weight, t.lm_head.weight[quant.draft_to_target].float())
+    with pytest.raises(SPDError, match="trained on another target"):
+        PipelineDraftModule.load(tmp_path / "q", make_tiny_target(seed=1, vocab=40, layers=4,
+                                                                  hidden=32), lay)
+    with pytest.raises(SPDError, match="n=2 stages but n=4"):
+        PipelineDraftModule.load(tmp_path / "q", t, DepthLayout.build(4, 4, None, ANCHORS))
+    with pytest.raises(SPDError, match="pass the target"):
+        PipelineDraftModule.load(tmp_path / "q")
+
+
+def test_trained_pdm_drafts_in_the_engine(tiny_features, tmp_path):
+    from spd import SPDEngine
+    t, fs, seqs = tiny_features
+    train(t, fs, _cfg(steps=60), tmp_path / "e", progress=False)
+    trained = SPDEngine(t, n_stages=2, anchors=ANCHORS, pdm=tmp_path / "e")
+    untrained = SPDEngine(t, n_stages=2, anchors=ANCHORS, pdm="untrained")
+    prompt = seqs[0][:10]
+    a = trained.generate(prompt, 40)
+    assert a.token_ids == untrained.generate_ar(prompt, 40).token_ids
+    assert a.stats.acceptance_rate > untrained.generate(prompt, 40).stats.acceptance_rate
+
+
+def test_draft_vocab_by_frequency():
+    counts = torch.tensor([5, 0, 9, 5, 1, 9])
+    assert build_draft_vocab(counts, 3).tolist() == [0, 2, 5]
+    assert build_draft_vocab(counts, 10).tolist() == list(range(6))
+
+
+def test_truncated_sharegpt_json_decodes_whole_objects():
+    text = ('[\n {"id": "a", "conversations": [{"from": "human", "value": "hi"}, '
+            '{"from": "gpt", "value": "hello"}]},\n {"id": "b", "conversations": '
+            '[{"from": "gpt", "value": "starts with the model"}]},\n {"id": "c", "conversa')
+    convs = list(iter_conversations(text))
+    assert convs == [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]]
+
+
+def test_question_file_errors(tmp_path):
+    p = tmp_path / "q.jsonl"
+    p.write_text('{"question_id": 1, "turns": ["What is 2+2?"]}\n{"turns": []}\n')
+    with pytest.raises(SPDError, match=":2: 'turns' must be a non-empty list"):
+        load_question_file(p)
+    with pytest.raises(SPDError, match="does not exist"):
+        load_question_file(tmp_path / "missing.jsonl")
+    p.write_text('{"question_id": 1, "turns": ["What is 2+2?"]}\n')
+    assert load_question_file(p)[0]["turns"] == ["What is 2+2?"]
