@@ -8,4 +8,6 @@ from setuptools import setup
 setup(
     packages=["spd", "spd_kernels"],
     package_dir={"spd": "python/spd", "spd_kernels": "spd_kernels"},
+    # Trained PDMs shipped for the default model (int8, a few MB each).
+    package_data={"spd": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors"]},
 )
