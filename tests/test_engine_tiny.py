@@ -174,3 +174,16 @@ def test_pdm_checkpoint_mismatches(tmp_path):
         SPDEngine(t, n_stages=2, pdm=tmp_path / "missing")
     with pytest.raises(SPDError, match="n=2 stages but n=4"):
         PipelineDraftModule.load(tmp_path / "pdm", t, SPDEngine(t, n_stages=4).layout)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_post_step_drafting_is_lossless(n):
+    t = make_tiny_target(seed=30 + n, vocab=32, layers=4)
+    pdm = PipelineDraftModule.untrained(t, SPDEngine(t, n_stages=n).layout)
+    pdm.config.features = "post-step"
+    eng = SPDEngine(t, n_stages=n, pdm=pdm)
+    assert eng.drafter.post_step
+    ar = eng.generate_ar(PROMPT, 30).token_ids
+    assert eng.generate(PROMPT, 30).token_ids == ar
+    sp = SamplingParams(temperature=1.0, seed=3)
+    assert len(eng.generate(PROMPT, 12, sp).token_ids) == 12

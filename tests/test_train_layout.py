@@ -55,9 +55,11 @@ def test_mask_matches_brute_force_inference_views(n):
             assert seen == {(n, p) for p in range(q + 1)}
 
 
+@pytest.mark.parametrize("shift", [0, 1])
 @pytest.mark.parametrize("fill", [1, 2, 3])
-def test_training_forward_equals_incremental_inference(fill):
-    """Numerically: the loss row for position t equals the engine-style cached PDM step."""
+def test_training_forward_equals_incremental_inference(fill, shift):
+    """Numerically: the loss row for position t equals the engine-style cached PDM step
+    (shift=1: post-step drafting, every in-flight token one stage deeper)."""
     n = 3
     t = make_tiny_target(seed=4, vocab=24, layers=6, hidden=32)
     lay = DepthLayout.build(6, n, None, [0, 2, 4, 5])
@@ -66,9 +68,10 @@ def test_training_forward_equals_incremental_inference(fill):
     g = torch.Generator().manual_seed(fill)
     anchors = torch.randn(len(lay.anchors), T, 32, generator=g)
     with torch.no_grad():
-        train_logits = pdm.forward_train(anchors, training_layout(T, lay, fill))
+        train_logits = pdm.forward_train(anchors, training_layout(T, lay, fill, shift=shift))
     for newest in range(fill - 1, T):
-        depths = [n if newest - p >= fill else newest - p for p in range(newest + 1)]
+        depths = [n if newest - p >= fill else min(n, newest - p + shift)
+                  for p in range(newest + 1)]
         types = torch.tensor([lay.agg_type(d) for d in depths])
         # Inference: committed rows were cached with depth-n features, then the window rows are
         # recomputed with this cycle's depths, in one chunk, exactly as the engine does.

@@ -40,6 +40,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
+    from spd.launch import add_distributed_args
+    add_distributed_args(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -83,6 +85,9 @@ class _Streamer:
 
 
 def cmd_generate(args) -> int:
+    from spd.launch import cmd_generate_distributed, wants_distributed
+    if wants_distributed(args):
+        return cmd_generate_distributed(args)
     import torch
 
     from spd.engine import SamplingParams, SPDEngine
@@ -148,6 +153,10 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--feature-timing", choices=("pre-step", "post-step"), default="pre-step",
+                   help="pre-step (default): draft from features that exist when the cycle "
+                        "starts, hidden behind the stages; post-step: after the stage step "
+                        "(more accurate, not hidden; the paper's ablation)")
     p.add_argument("--storage", choices=("int8", "fp16", "fp32"), default="int8",
                    help="weight storage of the saved checkpoint (int8: ~4x smaller than fp32)")
     p.set_defaults(func=cmd_train)
@@ -178,7 +187,8 @@ def cmd_train(args) -> int:
                       pdm_layers=args.pdm_layers, intermediate_size=args.intermediate_size,
                       draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
-                      save_every=args.eval_every, max_len=args.max_len, seed=args.seed)
+                      save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
+                      features=args.feature_timing)
     final = train(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0

@@ -26,6 +26,7 @@ class PDMDrafter:
     def __init__(self, pdm):
         self.pdm = pdm
         self.cache = None
+        self.post_step = pdm.config.features == "post-step"
 
     def begin(self, capacity: int, vocab_size: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:

@@ -274,6 +274,19 @@ class SPDEngine:
             anchors[0, position] = e[0]
             carry[position] = e[0]
 
+        post_step = getattr(drafter, "post_step", False)
+
+        def draft_newest(extra_depth: int) -> Draft:
+            with timer("draft"):
+                rows = sched.draft_rows()
+                depths = torch.tensor([min(n, sched.depth(p) + extra_depth) for p in rows],
+                                      device=t.device)
+                u = torch.rand((), generator=gen)
+                draft = drafter.draft(anchors[:, rows.start:rows.stop], type_of_depth[depths],
+                                      rows.start, sched.newest + 1, sampling, u)
+                sched.after_draft()
+            return draft
+
         # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
         t0 = time.perf_counter()
         h = self._prefill(stages, ids, record_at(0))
@@ -292,19 +305,16 @@ class SPDEngine:
         t0 = time.perf_counter()
         while not done:
             stats.K += 1
-            # 1. Draft the successor of the newest token from pre-step features.
-            with timer("draft"):
-                rows = sched.draft_rows()
-                depths = torch.tensor([sched.depth(p) for p in rows], device=t.device)
-                u = torch.rand((), generator=gen)
-                draft: Draft = drafter.draft(anchors[:, rows.start:rows.stop],
-                                             type_of_depth[depths], rows.start,
-                                             sched.newest + 1, sampling, u)
-                sched.after_draft()
-            # 2. Every in-flight token runs its next stage.
+            # 1. Draft the successor of the newest token from pre-step features, concurrently
+            #    with 2. every in-flight token running its next stage. (Post-step drafting, an
+            #    ablation, waits for the stages and sees every in-flight token one stage deeper.)
+            if not post_step:
+                draft = draft_newest(0)
             for s, p in sched.stage_work():
                 with timer(f"stage_{s}"):
                     carry[p] = stages[s].forward(carry[p:p + 1], p, record_at(p))[0]
+            if post_step:
+                draft = draft_newest(1)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle
                 sched.refill()
                 self._enter_draft(enter, draft_q, sched.newest, draft)

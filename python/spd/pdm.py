@@ -75,7 +75,7 @@ def pdm_config_for(target, layout: DepthLayout, num_layers: int | None = None,
         intermediate_size=cfg.intermediate_size,
         draft_vocab_size=min(draft_vocab_size, target.vocab_size), rms_eps=target.rms_eps,
         rope_theta=float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
-        target_name=target.name)
+        target_name=Path(target.name).name)
 
 
 class _Attention(nn.Module):

@@ -40,7 +40,11 @@ def copies_for_fill(n: int, fill: int) -> list[int]:
     return list(range(fill)) + [n]
 
 
-def training_layout(seq_len: int, layout: DepthLayout, fill: int, device=None) -> TrainLayout:
+def training_layout(seq_len: int, layout: DepthLayout, fill: int, device=None,
+                    shift: int = 0) -> TrainLayout:
+    """shift=1 lays out post-step drafting: the PDM runs after the stage step, so every
+    in-flight token is one stage deeper (the attention pattern is the same, only the
+    aggregation type of each copy changes)."""
     n = layout.n
     copies = torch.tensor(copies_for_fill(n, fill), device=device)
     depth = copies.repeat_interleave(seq_len)
@@ -49,6 +53,7 @@ def training_layout(seq_len: int, layout: DepthLayout, fill: int, device=None) -
     j = depth[:, None] + gap
     key_depth = torch.where((depth[:, None] == n) | (j >= fill), torch.full_like(j, n), j)
     mask = (gap >= 0) & (depth[None, :] == key_depth)
-    type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)], device=device)
+    type_of_depth = torch.tensor([layout.agg_type(min(n, k + shift)) for k in range(n + 1)],
+                                 device=device)
     return TrainLayout(depth, position, type_of_depth[depth], mask,
                        torch.arange(seq_len, device=device))

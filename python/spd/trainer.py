@@ -45,6 +45,7 @@ class TrainConfig:
     save_every: int = 100
     eval_sequences: int = 16
     seed: int = 0
+    features: str = "pre-step"   # or "post-step" (the paper's ablation: drafting not hidden)
     history: list = field(default_factory=list)
 
 
@@ -65,6 +66,9 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
     pdm_cfg = pdm_config_for(target, layout, cfg.pdm_layers, len(vocab))
     pdm_cfg.intermediate_size = cfg.intermediate_size
     pdm_cfg.extra = {"head_from_target": True}
+    if cfg.features not in ("pre-step", "post-step"):
+        raise SPDError(f"features must be pre-step or post-step, got {cfg.features}")
+    pdm_cfg.features = cfg.features
     torch.manual_seed(cfg.seed)
     pdm = PipelineDraftModule(pdm_cfg)
     d = target.hidden_size
@@ -108,13 +112,14 @@ class Distiller:
         self.in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
         self.in_vocab[vocab] = True
         self._layouts = {}
+        self.shift = 1 if pdm.config.features == "post-step" else 0
 
     def layout_for(self, length: int, fill: int):
         key = (length, fill)
         if key not in self._layouts:
             if len(self._layouts) > 64:
                 self._layouts.clear()
-            self._layouts[key] = training_layout(length, self.layout, fill)
+            self._layouts[key] = training_layout(length, self.layout, fill, shift=self.shift)
         return self._layouts[key]
 
     def loss(self, item, fill: int):
@@ -174,7 +179,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
     state_path = out / STATE
     if state_path.exists():  # resume
         st = torch.load(state_path, weights_only=False)
-        if st["config"]["n_stages"] != cfg.n_stages or st["config"]["anchors"] != cfg.anchors:
+        if any(st["config"].get(k) != getattr(cfg, k) for k in ("n_stages", "anchors", "features")):
             raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
         pdm.load_state_dict(st["pdm"])
         opt.load_state_dict(st["opt"])

@@ -1,0 +1,904 @@
+"""Distributed SPD: n stage ranks plus one draft rank on torch.distributed.
+
+Roles (world size n + 1):
+  rank 0      the draft rank: PDM, anchor buffers and feature aggregation, the verifier (final norm
+              and LM head), the sampling generator, the pipeline schedule, and the control plane.
+  rank s + 1  stage s: its decoder layers and their KV cache (stage 0 also embeds the token that
+              enters the pipeline, from its id; stage 0 and rank 0 both keep the embedding table).
+
+Why the verifier sits on the draft rank: judging a draft needs the draft distribution q and the
+one random stream, both of which live where the draft is made, and the decision is what the
+control message carries; on the last stage the LM head (vocab x d, larger than a layer of a small
+model) would lengthen the slowest stage every cycle instead of running while the draft rank is
+otherwise idle waiting for the pipeline. The last stage therefore sends its final hidden state
+(one row) with its anchor states, and rank 0 applies norm + LM head.
+
+One cycle, as `SPDEngine.generate` runs it (same `PipelineSchedule`, same draw order of the
+generator, so greedy tokens, N and K and seeded samples are identical):
+  rank 0: send control (window start/count, truncation, token entering stage 0) to every stage;
+          post receives for this cycle's anchor snaps; wait for last cycle's snaps (pre-step
+          features) and draft while the stages compute; if the window is full wait for the last
+          stage's row and verify; the decision goes into the next cycle's control message.
+  stage s: wait for control; truncate on rollback; if it has a token (s < count) take its input
+          (the embedding, or the hidden state the previous stage sent last cycle), run its layers,
+          send its anchor states (and, last stage, the output row) to rank 0 and the output to
+          stage s + 1 with non-blocking sends.
+Gloo point-to-point sends complete only once the receiver has posted its receive, so every
+receive is posted ahead of need (control one cycle ahead, hidden states when the sender's work is
+announced) and sends are waited lazily: the protocol never waits in a cycle.
+
+Requests (prefill header, shutdown) and statistics go through the rendezvous store, so idle ranks
+wait there without a communication timeout. Failures: every rank heartbeats into the store; a rank
+that raises writes a failure record first; a watchdog thread in every rank exits the process
+(naming the failed rank) when a record appears or a heartbeat stops for `fault_timeout` seconds;
+a dead peer also breaks gloo's connection, which surfaces at once.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import signal
+import statistics
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from spd.drafters import Draft, ReferenceDrafter
+from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine, _Timer
+from spd.errors import SPDError
+from spd.partition import DepthLayout
+from spd.schedule import PipelineSchedule
+from spd.target import Stage
+
+DRAFT_RANK = 0
+# Hidden states and snaps alternate between two tags by cycle parity, so that a receive for this
+# cycle can be posted while last cycle's from the same peer is still outstanding.
+TAG_CTRL, TAG_HIDDEN, TAG_SNAP = 10, 20, 30
+OP_CYCLE, OP_STOP = 1, 2
+CTRL_FIELDS = 6  # op, cycle, window start, window count, truncate to (-1: none), token entering
+HEARTBEAT_DONE = 1 << 40  # added to a rank's heartbeat counter when it finished cleanly
+
+EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_PEER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def role_of(rank: int) -> str:
+    return "draft rank" if rank == DRAFT_RANK else f"stage {rank - 1}"
+
+
+# --- configuration ----------------------------------------------------------------------------
+@dataclass
+class DistConfig:
+    """What every rank needs to build its piece. Picklable (sent to spawned ranks)."""
+    n_stages: int = 4
+    split: list[int] | None = None
+    anchors: list[int] | None = None
+    pdm: str | None = None
+    pdm_layers: int | None = None
+    model: str | None = None
+    device: str = "cpu"
+    # factory(rank) -> TargetModel; default: load_target(model, device). Tests pass tiny targets.
+    target_factory: Callable | None = None
+    fault_timeout: float = 10.0   # a silent rank is declared dead after this many seconds
+    op_timeout: float = 300.0     # bound of any single wait inside a generation (hangs)
+    threads: int | None = None    # torch threads per rank (None: leave torch's default)
+    backend: str | None = None    # None: nccl for CUDA devices, gloo otherwise
+    # Test hook: {"rank": r, "cycle": c, "action": "raise" | "kill"} fails rank r at decode cycle c.
+    fault: dict | None = None
+
+    @property
+    def world_size(self) -> int:
+        return self.n_stages + 1
+
+    def validate(self) -> None:
+        if int(self.n_stages) != self.n_stages or self.n_stages < 2:
+            raise SPDError(f"the distributed runtime needs at least 2 stages (n + 1 >= 3 ranks), "
+                           f"got --stages {self.n_stages}; use the single-process engine for n=1")
+        if not self.fault_timeout > 0:
+            raise SPDError(f"fault timeout must be > 0 seconds, got {self.fault_timeout}")
+        if not self.op_timeout > 0:
+            raise SPDError(f"communication timeout must be > 0 seconds, got {self.op_timeout}")
+
+
+def parse_fault(text: str | None) -> dict | None:
+    """'rank=2,cycle=5,action=kill' -> {'rank': 2, 'cycle': 5, 'action': 'kill'} (test hook)."""
+    if not text:
+        return None
+    try:
+        out = dict(kv.split("=", 1) for kv in text.split(",") if kv.strip())
+        fault = {"rank": int(out["rank"]), "cycle": int(out.get("cycle", 1)),
+                 "action": out.get("action", "raise")}
+    except (KeyError, ValueError) as exc:
+        raise SPDError(f"fault spec must look like rank=2,cycle=5,action=kill, got '{text}'") from exc
+    if fault["action"] not in ("raise", "kill"):
+        raise SPDError(f"fault action must be raise or kill, got '{fault['action']}'")
+    return fault
+
+
+@dataclass
+class GenerateRequest:
+    """One generation for `run_requests` (tests, benchmarks): reference=... uses the oracle."""
+    prompt_ids: list[int]
+    max_new_tokens: int = 32
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    reference: list[int] | None = None
+    reference_accuracy: float = 1.0
+    reference_seed: int = 0
+
+
+class RankFailedError(RuntimeError):
+    """A rank failed (raised, was killed, or stopped responding) and the run was stopped."""
+
+    def __init__(self, rank: int, kind: str, reason: str, exitcodes: dict | None = None):
+        self.rank, self.kind, self.reason = rank, kind, reason
+        self.exitcodes = exitcodes or {}
+        super().__init__(describe_failure({"rank": rank, "kind": kind, "error": reason}))
+
+
+def describe_failure(rec: dict) -> str:
+    rank, kind, err = rec.get("rank", -1), rec.get("kind", "error"), rec.get("error", "")
+    if rank < 0:
+        return f"the launcher stopped the run: {err}"
+    verb = {"error": "failed", "input": "failed", "lost": "was lost",
+            "killed": "was killed", "exited": "exited"}.get(kind, "failed")
+    return f"rank {rank} ({role_of(rank)}) {verb}: {err}"
+
+
+# --- failure records in the store ---------------------------------------------------------------
+FAIL_KEY = "fail/first"
+
+
+def write_failure(store, rank: int, kind: str, error: str, reporter: int) -> dict:
+    """First writer wins; returns the record that is in the store afterwards."""
+    rec = json.dumps({"rank": rank, "kind": kind, "error": error, "reporter": reporter})
+    try:
+        return json.loads(store.compare_set(FAIL_KEY, "", rec))
+    except Exception:  # the store is gone: keep our own view
+        return json.loads(rec)
+
+
+def read_failure(store) -> dict | None:
+    if not store.check([FAIL_KEY]):
+        return None
+    return json.loads(store.get(FAIL_KEY))
+
+
+def short_error(exc: BaseException) -> str:
+    """First line of an error, without gloo's source-location prefix."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if text.startswith("[") and "] " in text:
+        text = text.split("] ", 1)[1]
+    return text[:300]
+
+
+class CommError(RuntimeError):
+    """A point-to-point wait failed (peer gone, or no message within the op timeout)."""
+
+    def __init__(self, peer: int, what: str, cause: BaseException):
+        self.peer, self.what, self.cause = peer, what, short_error(cause)
+        super().__init__(f"{what} with rank {peer} ({role_of(peer)}) failed: {self.cause}")
+
+
+# --- per-process runtime: stores, heartbeat watchdog, communication helpers --------------------
+class Runtime:
+    def __init__(self, rank: int, world: int, config: DistConfig, host: str, port: int,
+                 is_master: bool = False, prefix: str = "spd/"):
+        self.rank, self.world, self.config = rank, world, config
+        self.op_timeout = _td(config.op_timeout)
+        self._exit_lock = threading.Lock()
+        self._exiting = False
+        timeout = _td(max(config.op_timeout, 30.0))
+        # Two clients: the watchdog must never queue behind a blocking wait of the main thread.
+        self.raw_store = dist.TCPStore(host, port, is_master=is_master, timeout=timeout,
+                                       wait_for_workers=False)
+        self.store = dist.PrefixStore(prefix, self.raw_store)
+        self.wd_store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
+                                                               timeout=timeout))
+        self.pg_store = dist.PrefixStore(prefix + "pg/", self.raw_store)
+        for r in range(world):
+            self.store.add(f"hb/{r}", 0)
+        self.store.add(f"hb/{rank}", 1)
+        self.watchdog = _Watchdog(self)
+        self.watchdog.start()
+        self.data_group = None
+        self.ctrl_group = None
+        self.backend = None
+        self._outgoing: list[tuple] = []
+
+    # failure handling ------------------------------------------------------------------------
+    def report(self, kind: str, error: str, rank: int | None = None) -> dict:
+        return write_failure(self.store, self.rank if rank is None else rank, kind, error,
+                             self.rank)
+
+    def exit_now(self, code: int, message: str | None) -> None:
+        """Print once and leave at once (other threads may be blocked inside gloo)."""
+        with self._exit_lock:
+            if self._exiting:
+                return
+            self._exiting = True
+        if message:
+            print(f"spd: rank {self.rank} ({role_of(self.rank)}): {message}", file=sys.stderr)
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+    def stop_for(self, rec: dict) -> None:
+        """Leave because of someone else's failure record."""
+        if rec.get("kind") == "interrupted":
+            self.exit_now(EXIT_INTERRUPTED, None)
+        self.exit_now(EXIT_PEER, f"stopping: {describe_failure(rec)}")
+
+    def wait_for_failure(self, seconds: float) -> dict | None:
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                rec = read_failure(self.store)
+            except Exception:
+                return None
+            if rec is not None or time.monotonic() >= deadline:
+                return rec
+            time.sleep(0.05)  # polling a store for another process's record, not synchronising
+
+    def finish(self) -> None:
+        self.watchdog.stop()
+        try:
+            self.store.add(f"hb/{self.rank}", HEARTBEAT_DONE)
+        except Exception:
+            pass
+
+    # process group ---------------------------------------------------------------------------
+    def init_groups(self, device: torch.device) -> None:
+        backend = self.config.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise SPDError("NCCL is not available in this torch build: pass backend gloo")
+        if not dist.is_gloo_available():
+            raise SPDError("this torch build has no gloo backend (needed for the control plane)")
+        dist.init_process_group(backend, store=self.pg_store, rank=self.rank,
+                                world_size=self.world, timeout=self.op_timeout)
+        self.backend = backend
+        self.data_group = dist.group.WORLD
+        # Control messages are host integers: keep them on gloo even when data moves over NCCL.
+        self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else self.data_group
+
+    def close_groups(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # point to point --------------------------------------------------------------------------
+    def wait(self, work, peer: int, what: str) -> None:
+        try:
+            work.wait(self.op_timeout)
+        except Exception as exc:
+            raise CommError(peer, what, exc) from exc
+
+    def irecv(self, tensor, src: int, tag: int):
+        group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        return dist.irecv(tensor, src, group=group, tag=tag)
+
+    def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
+        group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        self._outgoing.append((dist.isend(tensor, dst, group=group, tag=tag), dst, tensor, epoch))
+
+    def flush_sends(self, before: int | None = None) -> None:
+        """Wait for the sends of epochs (cycles) < before (all when None). Waiting one cycle
+        late keeps these waits off the critical path; parity tags keep at most one send per
+        (peer, tag) outstanding."""
+        keep = []
+        for item in self._outgoing:
+            if before is None or item[3] < before:
+                self.wait(item[0], item[1], "completion of a send")
+            else:
+                keep.append(item)
+        self._outgoing = keep
+
+
+class _Watchdog(threading.Thread):
+    """Heartbeats into the store and stops this process when another rank failed or went silent."""
+
+    def __init__(self, rt: Runtime):
+        super().__init__(name=f"spd-watchdog-{rt.rank}", daemon=True)
+        self.rt = rt
+        self.interval = max(0.05, min(1.0, rt.config.fault_timeout / 10))
+        self._stop_event = threading.Event()
+
+    def stop(self) -> None:
+        self._stop_event.set()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=5)
+
+    def run(self) -> None:
+        rt, store = self.rt, self.rt.wd_store
+        keys = [f"hb/{r}" for r in range(rt.world)]
+        seen: dict[int, tuple[int, float]] = {}
+        while not self._stop_event.is_set():
+            try:
+                store.add(f"hb/{rt.rank}", 1)
+                rec = read_failure(store)
+                values = store.multi_get(keys)
+            except Exception as exc:
+                if self._stop_event.is_set():
+                    return
+                rt.exit_now(EXIT_PEER, f"stopping: lost the rendezvous store (its host, the "
+                                       f"launcher or torchrun's node 0, is gone): {exc}")
+                return
+            if rec is not None and not (rec.get("rank") == rt.rank
+                                        and rec.get("reporter") == rt.rank):
+                rt.stop_for(rec)
+            now = time.monotonic()
+            for r, raw in enumerate(values):
+                count = int(raw)
+                if r == rt.rank or count == 0 or count >= HEARTBEAT_DONE:
+                    continue  # not started yet (covered by the init timeout), or finished
+                last = seen.get(r)
+                if last is None or last[0] != count:
+                    seen[r] = (count, now)
+                elif now - last[1] > rt.config.fault_timeout:
+                    rec = write_failure(store, r, "lost",
+                                        f"no heartbeat for {rt.config.fault_timeout:g} s "
+                                        "(killed, crashed or frozen)", rt.rank)
+                    rt.stop_for(rec)
+            self._stop_event.wait(self.interval)
+
+
+# --- consistency checks across ranks ------------------------------------------------------------
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    size = path.stat().st_size
+    h.update(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= 256 << 20:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+        else:  # large files: head, tail and size
+            h.update(f.read(8 << 20))
+            f.seek(size - (8 << 20))
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def pdm_digest(pdm) -> str | None:
+    if pdm is None:
+        return None
+    folder = Path(pdm).expanduser()
+    files = [folder / "config.json", folder / "model.safetensors"]
+    if not all(f.exists() for f in files):
+        return f"missing: {folder}"
+    return "+".join(file_digest(f) for f in files)
+
+
+def rank_info(rank: int, world: int, config: DistConfig, target, layout: DepthLayout) -> dict:
+    from spd import __version__
+    return {"rank": rank, "world_size": world, "spd_version": __version__,
+            "n_stages": layout.n, "stage_split": layout.split, "anchors": list(layout.anchors),
+            "target_fingerprint": target.fingerprint(), "target_name": target.name,
+            "dtype": str(target.dtype), "pdm": pdm_digest(config.pdm),
+            "pdm_path": str(config.pdm) if config.pdm else None}
+
+
+_CHECKED = (("world_size", "world size"), ("spd_version", "spd version"),
+            ("n_stages", "number of stages"), ("stage_split", "stage split"),
+            ("anchors", "anchor layers"), ("target_fingerprint", "target model"),
+            ("dtype", "model dtype"), ("pdm", "PDM checkpoint"))
+
+
+def check_handshake(infos: list[dict]) -> None:
+    """Every rank must describe the same run as rank 0; raise SPDError naming the first that does not."""
+    ref = infos[0]
+    for info in infos[1:]:
+        for key, what in _CHECKED:
+            if info[key] != ref[key]:
+                r = info["rank"]
+                extra = ""
+                if key == "target_fingerprint":
+                    extra = f" (rank {r} loaded {info['target_name']}, rank 0 {ref['target_name']})"
+                elif key == "pdm":
+                    extra = f" (rank {r}: {info['pdm_path']}, rank 0: {ref['pdm_path']})"
+                raise SPDError(f"rank {r} ({role_of(r)}) disagrees with rank 0 on the {what}: "
+                               f"{info[key]!r} vs {ref[key]!r}{extra}. Every rank must be started "
+                               "with the same model files, PDM checkpoint and stage options")
+
+
+def exchange_info(rt: Runtime, info: dict) -> list[dict]:
+    rt.store.set(f"hello/{rt.rank}", json.dumps(info))
+    return [json.loads(rt.store.get(f"hello/{r}")) for r in range(rt.world)]
+
+
+# --- stage ranks -------------------------------------------------------------------------------
+class StageWorker:
+    """Stage s = rank s + 1: its layers, its KV cache, and the cycle loop of one stage."""
+
+    def __init__(self, rt: Runtime, target, layout: DepthLayout):
+        self.rt, self.target, self.layout = rt, target, layout
+        self.s = rt.rank - 1
+        self.n = layout.n
+        self.first = self.s == 0
+        self.last = self.s == self.n - 1
+        self.snap_idx = [b for _, b in layout.anchors_of_stage(self.s)]
+        self.stage: Stage | None = None
+        self.prev, self.next = rt.rank - 1, rt.rank + 1
+
+    def serve(self) -> None:
+        gen = 0
+        while True:
+            gen += 1
+            req = wait_request(self.rt, gen)
+            if req["op"] == "shutdown":
+                return
+            self.run(gen, req)
+
+    def _forward(self, h: torch.Tensor, pos: int):
+        snaps: dict[int, torch.Tensor] = {}
+        want = set(self.snap_idx)
+
+        def record(idx, x):
+            if idx in want:
+                snaps[idx] = x
+        out = self.stage.forward(h, pos, record)
+        rows = [snaps[b] for b in self.snap_idx] + ([out] if self.last else [])
+        return out, (torch.stack(rows).contiguous() if rows else None)
+
+    def _send(self, out, snap, cycle: int) -> None:
+        if snap is not None:
+            self.rt.isend(snap, DRAFT_RANK, TAG_SNAP + cycle % 2, cycle)
+        if not self.last:
+            self.rt.isend(out.contiguous(), self.next, TAG_HIDDEN + cycle % 2, cycle)
+
+    @torch.no_grad()
+    def run(self, gen: int, req: dict) -> None:
+        rt, t = self.rt, self.target
+        phases: dict[str, float] = {}
+        timer = _Timer(phases)
+        cap = int(req["capacity"])
+        if self.stage is None or self.stage.cache.capacity < cap:
+            self.stage = Stage(t, self.s, self.layout.stages[self.s], cap)
+        self.stage.cache.truncate(0)
+        d, dev = t.hidden_size, t.device
+        ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)
+        ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + 1)  # cycle 1 (or the stop)
+        # Prefill: the whole prompt through this stage as one chunk.
+        t0 = time.perf_counter()
+        if self.first:
+            h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=dev))
+        else:
+            h = torch.empty(int(req["prompt_len"]), d, dtype=t.dtype, device=dev)
+            rt.wait(rt.irecv(h, self.prev, TAG_HIDDEN), self.prev, "prefill input")
+        out, snap = self._forward(h, 0)
+        self._send(out, snap, 0)
+        rt.flush_sends()
+        prefill_s = time.perf_counter() - t0
+        fwd: list[float] = []
+        pending = None  # (work, buffer): the previous stage's output of the last cycle
+        fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
+        t_dec = time.perf_counter()
+        while True:
+            with timer("wait_ctrl"):
+                rt.wait(ctrl_work, DRAFT_RANK, "control message")
+            op, cycle, start, count, trunc, token = ctrl.tolist()
+            if op == OP_STOP:
+                break
+            ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)  # next cycle's, posted ahead
+            ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + (cycle + 1) % 2)
+            if fault and cycle == fault["cycle"]:
+                inject_fault(fault)
+            incoming = None  # the previous stage works this cycle: its output is ours next cycle
+            if not self.first and self.s - 1 < count:
+                buf = torch.empty(1, d, dtype=t.dtype, device=dev)
+                incoming = (rt.irecv(buf, self.prev, TAG_HIDDEN + cycle % 2), buf)
+            if trunc >= 0:
+                with timer("rollback"):
+                    self.stage.cache.truncate(trunc)
+            if self.s < count:
+                pos = start + count - 1 - self.s
+                if self.first:
+                    h = t.embed_tokens(torch.tensor([token], dtype=torch.int64, device=dev))
+                else:
+                    if pending is None:
+                        raise SPDError(f"internal: stage {self.s} has work at cycle {cycle} but "
+                                       "no input was announced")
+                    with timer("wait_input"):
+                        rt.wait(pending[0], self.prev, "hidden state")
+                    h = pending[1]
+                tf = time.perf_counter()
+                out, snap = self._forward(h, pos)
+                fwd.append(time.perf_counter() - tf)
+                with timer("send"):
+                    self._send(out, snap, cycle)
+            else:
+                fwd.append(0.0)
+                if pending is not None:  # dropped by a rollback: receive it and discard it
+                    with timer("wait_input"):
+                        rt.wait(pending[0], self.prev, "hidden state")
+            pending = incoming
+            with timer("send"):
+                rt.flush_sends(before=cycle)
+        decode_s = time.perf_counter() - t_dec
+        if pending is not None:
+            rt.wait(pending[0], self.prev, "hidden state")
+        rt.flush_sends()
+        phases["forward"] = sum(fwd)
+        rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
+            {"rank": rt.rank, "role": role_of(rt.rank),
+             "layers": [self.stage.layer_ids.start, self.stage.layer_ids.stop],
+             "prefill_s": prefill_s, "decode_s": decode_s, "phase_s": phases, "forward_s": fwd}))
+
+
+def inject_fault(fault: dict) -> None:
+    if fault["action"] == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"injected fault at cycle {fault['cycle']}")
+
+
+def wait_request(rt: Runtime, gen: int) -> dict:
+    """Idle stage ranks wait here (the store, no communication timeout); faults end the process
+    through the watchdog."""
+    key = f"req/{gen}"
+    while True:
+        try:
+            rt.store.wait([key], _td(3600))
+            return json.loads(rt.store.get(key))
+        except Exception as exc:  # store wait timed out after an hour idle: keep waiting
+            if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
+                raise
+
+
+# --- the draft rank ----------------------------------------------------------------------------
+@dataclass
+class DistributedDecodeStats(DecodeStats):
+    distributed: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        d = self.distributed
+        extra = ""
+        if d:
+            extra = (f" ranks={d['world_size']} cycle={d['cycle_ms']['median']:.2f} ms "
+                     f"overhead={d['overhead_ms']['median']:.2f} ms")
+        return super().summary() + extra
+
+
+class DistributedSPDEngine:
+    """Rank 0's side of the distributed engine: `generate` has `SPDEngine.generate`'s contract."""
+
+    def __init__(self, rt: Runtime, engine: SPDEngine):
+        self.rt = rt
+        self.engine = engine
+        self.target = engine.target
+        self.layout = engine.layout
+        self.n = engine.n
+        self._gen = 0
+        lay = self.layout
+        # Rows of stage s's snap message: its anchors (slots), then (last stage) its output.
+        self.snap_slots = [[j for j, _ in lay.anchors_of_stage(s)] for s in range(self.n)]
+        self.snap_rows = [len(sl) + (1 if s == self.n - 1 else 0)
+                          for s, sl in enumerate(self.snap_slots)]
+
+    def _request(self, payload: dict) -> int:
+        self._gen += 1
+        self.rt.store.set(f"req/{self._gen}", json.dumps(payload))
+        return self._gen
+
+    def shutdown(self) -> None:
+        self._request({"op": "shutdown"})
+
+    def _send_ctrl(self, values: list[int]) -> None:
+        rt, cycle = self.rt, values[1]
+        rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
+        for s in range(self.n):
+            rt.isend(torch.tensor(values, dtype=torch.int64), s + 1, TAG_CTRL + cycle % 2, cycle)
+
+    def _post_snaps(self, work: list[tuple[int, int]], cycle: int, rows: int = 1) -> list:
+        """Post receives for the snaps of (stage, first position) pairs; rows per position."""
+        t = self.target
+        out = []
+        for s, pos in work:
+            if self.snap_rows[s]:
+                buf = torch.empty(self.snap_rows[s], rows, t.hidden_size, dtype=t.dtype,
+                                  device=t.device)
+                out.append((s, pos, buf, self.rt.irecv(buf, s + 1, TAG_SNAP + cycle % 2)))
+        return out
+
+    def _take_snap(self, item, anchors) -> None:
+        s, pos, buf, work = item
+        self.rt.wait(work, s + 1, "anchor states")
+        for i, j in enumerate(self.snap_slots[s]):
+            anchors[j, pos:pos + buf.shape[1]] = buf[i]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids, max_new_tokens: int = 64,
+                 sampling: SamplingParams = SamplingParams(), drafter=None,
+                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+        eng, rt = self.engine, self.rt
+        ids, max_new = eng._check_prompt(prompt_ids, max_new_tokens)
+        t, n, layout = self.target, self.n, self.layout
+        drafter = drafter or eng.drafter
+        prompt_len = ids.numel()
+        capacity = prompt_len + max_new + n + 2
+        drafter.begin(capacity, t.vocab_size)
+        gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
+                                "prompt_len": prompt_len, "capacity": capacity})
+
+        tokens = torch.zeros(capacity, dtype=torch.int64, device=t.device)
+        tokens[:prompt_len] = ids
+        anchors = torch.zeros(len(layout.anchors), capacity, t.hidden_size, device=t.device,
+                              dtype=t.dtype)
+        draft_q: dict[int, torch.Tensor] = {}
+        type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)], device=t.device)
+        stats = DistributedDecodeStats(mode="spd", n=n)
+        timer = _Timer(stats.phase_s)
+        gen = torch.Generator().manual_seed(sampling.seed)
+        fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
+
+        def enter(position: int, token: int) -> None:
+            tokens[position] = token
+            anchors[0, position] = t.embed_tokens(tokens[position:position + 1])[0]
+
+        # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
+        t0 = time.perf_counter()
+        snaps = self._post_snaps([(s, 0) for s in range(n)], 0, rows=prompt_len)
+        anchors[0, :prompt_len] = t.embed_tokens(ids)
+        for item in snaps:
+            self._take_snap(item, anchors)
+        last_rows = snaps[-1][2][-1]
+        first = eng._pick(t.logits(last_rows[-1:])[0], sampling, gen)
+        drafter.prefill(anchors[:, :prompt_len], type_of_depth[n].repeat(prompt_len))
+        stats.prefill_s = time.perf_counter() - t0
+        out = [first]
+        if on_token:
+            on_token(first)
+
+        sched = PipelineSchedule(n)
+        sched.seed(prompt_len, drafter_valid=prompt_len)
+        enter(prompt_len, first)
+        done = first in t.eos_token_ids or len(out) >= max_new
+        pending: list = []   # last cycle's snaps still to receive (pre-step features)
+        trunc = -1
+        cycle_s: list[float] = []
+        draft_s: list[float] = []
+        t0 = time.perf_counter()
+        while not done:
+            tc = time.perf_counter()
+            stats.K += 1
+            if fault and stats.K == fault["cycle"]:
+                inject_fault(fault)
+            with timer("control_send"):
+                self._send_ctrl([OP_CYCLE, stats.K, sched.start, sched.count, trunc,
+                                 int(tokens[sched.newest])])
+                trunc = -1
+                current = self._post_snaps(sorted(sched.stage_work()), stats.K)
+            with timer("wait_snaps"):
+                for item in pending:
+                    self._take_snap(item, anchors)
+            # 1. Draft the successor of the newest token from pre-step features (overlaps the
+            #    stages' forwards of this cycle).
+            td = time.perf_counter()
+            with timer("draft"):
+                rows = sched.draft_rows()
+                depths = torch.tensor([sched.depth(p) for p in rows], device=t.device)
+                u = torch.rand((), generator=gen)
+                draft: Draft = drafter.draft(anchors[:, rows.start:rows.stop],
+                                             type_of_depth[depths], rows.start,
+                                             sched.newest + 1, sampling, u)
+                sched.after_draft()
+            draft_s.append(time.perf_counter() - td)
+            if not sched.full:  # filling: nothing leaves the pipeline this cycle
+                sched.refill()
+                SPDEngine._enter_draft(enter, draft_q, sched.newest, draft)
+                pending = current
+                cycle_s.append(time.perf_counter() - tc)
+                continue
+            # 3. The oldest token leaves the last stage; its row judges the next token.
+            last = current[-1]
+            assert last[0] == n - 1
+            with timer("wait_stage"):
+                self._take_snap(last, anchors)
+            pending = current[:-1]
+            with timer("verify"):
+                judged = sched.judged
+                accepted, token = eng._verify(last[2][-1], tokens[judged:judged + 1],
+                                              draft_q.pop(judged, None), sampling, gen)
+            stats.drafts_judged += 1
+            stats.N += 1
+            out.append(token)
+            if on_token:
+                on_token(token)
+            done = token in t.eos_token_ids or len(out) >= max_new
+            if accepted:
+                stats.drafts_accepted += 1
+                sched.accept()
+                if not done:
+                    SPDEngine._enter_draft(enter, draft_q, sched.newest, draft)
+            else:
+                with timer("rollback"):
+                    sched.reject()
+                    trunc = judged  # every stage truncates at the start of the next cycle
+                    draft_q.clear()
+                    if not done:
+                        enter(judged, token)
+            cycle_s.append(time.perf_counter() - tc)
+        stats.decode_s = time.perf_counter() - t0
+        stats.new_tokens = len(out)
+        # Stop: every stage leaves its loop; drain what is still in flight.
+        self._send_ctrl([OP_STOP, stats.K + 1, 0, 0, -1, 0])
+        for item in pending:
+            self._take_snap(item, anchors)
+        rt.flush_sends()
+        stage_stats = [json.loads(rt.store.get(f"stats/{gen_id}/{r}"))
+                       for r in range(1, rt.world)]
+        for r in range(1, rt.world):
+            rt.store.delete_key(f"stats/{gen_id}/{r}")
+        stats.distributed = breakdown(rt, stats, cycle_s, draft_s, stage_stats)
+        return GenerationResult(out, stats)
+
+
+def _summary(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0}
+    srt = sorted(xs)
+    return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
+            "p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))]}
+
+
+def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: list[float],
+              stage_stats: list[dict]) -> dict:
+    """Per-cycle breakdown: each rank's phases, stage forwards, waits, and the overhead.
+
+    overhead of a cycle = its wall time on rank 0 minus the longest computation that had to fit
+    in it (the draft or the slowest stage forward of that cycle): communication, control,
+    verification and rollback, i.e. what n devices could not hide.
+    """
+    K = len(cycle_s)
+    ms = 1e3
+    per_cycle = lambda total: total / K * ms if K else 0.0  # noqa: E731
+    overhead, comm = [], []
+    verify_total = stats.phase_s.get("verify", 0.0) + stats.phase_s.get("rollback", 0.0)
+    for c in range(K):
+        slowest = max([st["forward_s"][c] for st in stage_stats if c < len(st["forward_s"])]
+                      + [draft_s[c]])
+        overhead.append((cycle_s[c] - slowest) * ms)
+    verify_per_cycle = per_cycle(verify_total)
+    comm = [o - verify_per_cycle for o in overhead]
+    ranks = [{"rank": 0, "role": role_of(0),
+              "phase_ms_per_cycle": {k: per_cycle(v) for k, v in stats.phase_s.items()}}]
+    for st in stage_stats:
+        worked = [f for f in st["forward_s"] if f > 0]
+        ranks.append({"rank": st["rank"], "role": st["role"], "layers": st["layers"],
+                      "cycles_worked": len(worked),
+                      "forward_ms": _summary([f * ms for f in worked]),
+                      "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
+                      "prefill_ms": st["prefill_s"] * ms})
+    return {"world_size": rt.world, "backend": rt.backend, "draft_rank": DRAFT_RANK,
+            "cycles": K, "cycle_ms": _summary([c * ms for c in cycle_s]),
+            "draft_ms": _summary([d * ms for d in draft_s]),
+            "overhead_ms": _summary(overhead),
+            "comm_control_ms": _summary(comm),
+            "verify_rollback_ms_per_cycle": verify_per_cycle,
+            "ranks": ranks}
+
+
+def run_requests(requests: list[GenerateRequest], engine: DistributedSPDEngine,
+                 progress=None) -> list[GenerationResult]:
+    """A rank-0 job: run the requests in order (tests, benchmarks). `progress` (an Event) is set
+    after the first token."""
+    results = []
+
+    def tick(_tok):
+        if progress is not None and not progress.is_set():
+            progress.set()
+    for req in requests:
+        drafter = None
+        if req.reference is not None:
+            drafter = ReferenceDrafter(req.reference, req.reference_accuracy, req.reference_seed)
+        results.append(engine.generate(req.prompt_ids, req.max_new_tokens, req.sampling,
+                                       drafter=drafter, on_token=tick))
+    return results
+
+
+def run_forever(request: GenerateRequest, engine: DistributedSPDEngine, progress=None,
+                limit: int = 10_000):
+    """A rank-0 job that keeps generating (fault tests kill a rank while it runs)."""
+    for _ in range(limit):
+        run_requests([request], engine, progress)
+    return None
+
+
+# --- one rank's whole life ---------------------------------------------------------------------
+def _drop_unused_layers(target, keep: range) -> None:
+    """Free the decoder layers this rank does not run (their weights move to the meta device)."""
+    for lid in range(target.num_layers):
+        if lid not in keep:
+            target.layers[lid].to("meta")
+
+
+def _rank_device(config: DistConfig, local_rank: int) -> str:
+    if config.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SPDError("--device cuda was requested but no CUDA device is available")
+        if config.device == "cuda":
+            dev = f"cuda:{local_rank % torch.cuda.device_count()}"
+        else:
+            dev = config.device
+        torch.cuda.set_device(torch.device(dev))
+        return dev
+    return config.device
+
+
+def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, host: str,
+             port: int, *, is_master: bool = False, prefix: str = "spd/", local_rank: int = 0,
+             result_sink: Callable | None = None) -> int:
+    """Everything one rank does; returns its exit status (failures are reported in the store)."""
+    rt = None
+    try:
+        if world != config.world_size:
+            raise SPDError(f"{world} ranks were started but --stages {config.n_stages} needs "
+                           f"{config.world_size} ({config.n_stages} stage ranks + 1 draft rank)")
+        rt = Runtime(rank, world, config, host, port, is_master=is_master, prefix=prefix)
+        if config.threads:
+            torch.set_num_threads(int(config.threads))
+        device = _rank_device(config, local_rank)
+        if config.target_factory is not None:
+            target = config.target_factory(rank)
+        else:
+            from spd.loading import load_target
+            target = load_target(config.model, device=device)
+        layout = DepthLayout.build(target.num_layers, config.n_stages, config.split,
+                                   config.anchors)
+        target.fingerprint()
+        engine = None
+        if rank == DRAFT_RANK:
+            engine = SPDEngine(target, n_stages=config.n_stages, split=config.split,
+                               anchors=config.anchors, pdm=config.pdm,
+                               pdm_layers=config.pdm_layers, warn_untrained=False)
+        check_handshake(exchange_info(rt, rank_info(rank, world, config, target, layout)))
+        _drop_unused_layers(target, range(0) if rank == DRAFT_RANK else layout.stages[rank - 1])
+        rt.init_groups(torch.device(target.device))
+        if rank == DRAFT_RANK:
+            deng = DistributedSPDEngine(rt, engine)
+            result = job(deng) if job is not None else None
+            deng.shutdown()
+            if result_sink is not None:
+                result_sink(result)
+        else:
+            StageWorker(rt, target, layout).serve()
+        rt.finish()
+        rt.close_groups()
+        return EXIT_OK
+    except SPDError as exc:
+        if rt is None:
+            raise
+        rt.report("input", str(exc))
+        rt.exit_now(EXIT_INPUT, f"error: {exc}")
+    except CommError as exc:
+        if rt is None:
+            raise
+        # Usually a symptom: the peer died or failed. Name the cause if someone recorded it.
+        rec = rt.wait_for_failure(min(3.0, config.fault_timeout))
+        if rec is None:
+            rec = rt.report("lost", f"rank {rank} lost its connection while waiting for the "
+                                    f"{exc.what}: {exc.cause}", rank=exc.peer)
+        rt.stop_for(rec)
+    except KeyboardInterrupt:
+        if rt is None:
+            raise
+        rt.report("interrupted", "interrupted (Ctrl-C)")
+        rt.exit_now(EXIT_INTERRUPTED, None)
+    except BaseException as exc:  # noqa: BLE001 - any error: record it, then leave
+        if rt is None:
+            raise
+        tb = traceback.format_exc()
+        rt.report("error", f"{type(exc).__name__}: {exc}")
+        print(tb, file=sys.stderr)
+        rt.exit_now(EXIT_ERROR, f"failed: {type(exc).__name__}: {exc}")
+    return EXIT_ERROR  # not reached: exit_now leaves the process

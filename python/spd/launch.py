@@ -1,0 +1,317 @@
+"""Starting the distributed runtime: local self-launch, torchrun, and the CLI glue.
+
+  python -m spd generate --distributed --stages N ...     spawns N + 1 local ranks (this module)
+  torchrun --nproc-per-node N+1 -m spd generate ...       one rank per torchrun worker
+  torchrun --nnodes 2 --node-rank {0,1} --master-addr A --master-port P --nproc-per-node K ...
+
+The local launcher hosts the rendezvous store itself (a busy port fails here, before any rank
+starts), watches its ranks, and on the first failure names the failed rank, lets the others stop
+through their watchdogs (bounded by the fault timeout) and kills what is left. Ranks die with the
+launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+
+This module imports only the standard library at import time (the CLI imports it for its flags).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from functools import partial
+
+from spd.errors import SPDError
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def under_torchrun() -> bool:
+    return all(v in os.environ for v in TORCHRUN_VARS)
+
+
+# --- local launcher -----------------------------------------------------------------------------
+def _set_pdeathsig() -> None:
+    """Linux: this process gets SIGKILL when its parent (the launcher) dies."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _local_rank_main(rank, world, config, job, host, port, conn, parent_pid):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
+    _set_pdeathsig()
+    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+    from spd.distributed import run_rank
+
+    def sink(result):
+        conn.send(("result", result))
+    code = 1
+    try:
+        code = run_rank(rank, world, config, job, host, port, local_rank=rank, result_sink=sink)
+    except BaseException as exc:  # failed before the store existed: tell the launcher directly
+        try:
+            kind = "input" if isinstance(exc, SPDError) else "error"
+            conn.send(("failure", {"rank": rank, "kind": kind,
+                                   "error": f"{exc}" if kind == "input" else
+                                   f"{type(exc).__name__}: {exc}"}))
+        except Exception:
+            pass
+        code = 2 if isinstance(exc, SPDError) else 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _open_store(host: str, port: int, timeout_s: float):
+    import torch.distributed as dist
+
+    from spd.distributed import _td
+    try:
+        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=_td(timeout_s))
+    except Exception as exc:  # DistNetworkError and friends
+        text = str(exc)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise SPDError(f"port {port} on {host} is busy (another process listens there): pass "
+                           "--master-port with a free port, or 0 to pick one") from exc
+        raise SPDError(f"cannot listen on {host}:{port} for the rendezvous store: "
+                       f"{text.splitlines()[0] if text else exc}") from exc
+
+
+def _exit_reason(code: int) -> tuple[str, str]:
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return "killed", f"killed by {name}"
+    return "exited", f"exited with status {code} before reporting an error"
+
+
+def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: int = 0,
+                 on_spawn=None, timeout: float | None = None):
+    """Run `job(engine)` on rank 0 of n + 1 local ranks; return its result.
+
+    Raises SPDError for bad input (a busy port, a mismatch between ranks, a bad prompt) and
+    spd.distributed.RankFailedError when a rank fails; every rank is gone when this returns.
+    `on_spawn({rank: pid})` is called once the ranks are started; `timeout` bounds the whole run.
+    """
+    import multiprocessing as mp
+    from multiprocessing.connection import wait as mp_wait
+
+    from spd.distributed import RankFailedError, describe_failure, read_failure, write_failure
+
+    config.validate()
+    world = config.world_size
+    if config.threads is None:
+        config.threads = max(1, (os.cpu_count() or 1) // world)
+    store = _open_store(master_addr, int(master_port), max(config.op_timeout, 30.0))
+    port = store.port
+    ctx = mp.get_context("spawn")
+    recv_conn, send_conn = ctx.Pipe(duplex=False)
+    procs = {}
+    deadline = None if timeout is None else time.monotonic() + timeout
+    try:
+        for r in range(world):
+            p = ctx.Process(target=_local_rank_main, name=f"spd-rank{r}",
+                            args=(r, world, config, job if r == 0 else None, master_addr, port,
+                                  send_conn, os.getpid()))
+            p.start()
+            procs[r] = p
+        send_conn.close()
+        if on_spawn is not None:
+            on_spawn({r: p.pid for r, p in procs.items()})
+        result, have_result, failure = None, False, None
+        while True:
+            wait_s = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+            ready = mp_wait([recv_conn] + [p.sentinel for p in procs.values()
+                                           if p.exitcode is None], timeout=wait_s)
+            if recv_conn in ready:
+                try:
+                    tag, payload = recv_conn.recv()
+                except EOFError:  # every rank closed its end
+                    tag, payload = None, None
+                if tag == "result":
+                    result, have_result = payload, True
+                    # the others only have to leave now: bound that
+                    finish_by = time.monotonic() + config.fault_timeout + 5.0
+                    deadline = finish_by if deadline is None else min(deadline, finish_by)
+                elif tag == "failure" and failure is None:
+                    failure = payload
+            for r, p in procs.items():
+                if p.exitcode not in (None, 0) and failure is None:
+                    failure = _failure_of(store, r, p.exitcode, read_failure)
+            if failure is not None:
+                break
+            if all(p.exitcode == 0 for p in procs.values()):
+                if not have_result:
+                    raise SPDError("the ranks finished but rank 0 returned no result")
+                return result
+            if deadline is not None and time.monotonic() >= deadline:
+                if have_result:  # the answer is in; a rank that lingers at shutdown is killed
+                    _reap(procs, 0.0)
+                    return result
+                failure = {"rank": -1, "kind": "timeout",
+                           "error": f"the run did not finish within {timeout:g} s"}
+                break
+        # A rank failed: let the others stop themselves (their watchdogs see the record), then
+        # kill whatever is left.
+        write_failure(store, failure["rank"], failure["kind"], failure["error"], -1)
+        _reap(procs, config.fault_timeout + 2.0)
+        codes = {r: p.exitcode for r, p in procs.items()}
+        if failure["kind"] == "input":
+            raise SPDError(failure["error"])
+        if failure["rank"] < 0:
+            raise RankFailedError(-1, failure["kind"], failure["error"], codes)
+        raise RankFailedError(failure["rank"], failure["kind"], failure["error"], codes)
+    except KeyboardInterrupt:
+        write_failure(store, -1, "interrupted", "interrupted (Ctrl-C)", -1)
+        _reap(procs, 2.0)
+        raise
+    finally:
+        _reap(procs, 0.0)
+        recv_conn.close()
+        del store
+
+
+def _failure_of(store, rank: int, code: int, read_failure) -> dict:
+    """The failure to report when rank `rank` exited with `code` (prefer the recorded cause)."""
+    rec = None
+    for _ in range(20):  # the record is written before the rank exits; allow the store a moment
+        try:
+            rec = read_failure(store)
+        except Exception:
+            rec = None
+        if rec is not None or code < 0:
+            break
+        time.sleep(0.05)
+    if code < 0 and (rec is None or (rec.get("kind") == "lost" and rec.get("rank") == rank)):
+        kind, why = _exit_reason(code)
+        return {"rank": rank, "kind": kind, "error": why}
+    if rec is not None:
+        return rec
+    kind, why = _exit_reason(code)
+    return {"rank": rank, "kind": kind, "error": why}
+
+
+def _reap(procs: dict, grace: float) -> None:
+    """Wait up to `grace` seconds for the ranks to exit, then kill the rest (our own children)."""
+    deadline = time.monotonic() + grace
+    for p in procs.values():
+        if p.exitcode is None:
+            p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs.values():
+        if p.exitcode is None:
+            p.kill()
+    for p in procs.values():
+        p.join(5)
+
+
+# --- torchrun -----------------------------------------------------------------------------------
+def run_torchrun(config, job) -> int:
+    """This process is one torchrun worker: run its rank; return the exit status."""
+    from spd.distributed import run_rank
+
+    config.validate()
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except (KeyError, ValueError) as exc:
+        raise SPDError(f"torchrun environment is incomplete or malformed: {exc}") from exc
+    if world != config.world_size:
+        raise SPDError(f"torchrun started {world} ranks (WORLD_SIZE={world}) but --stages "
+                       f"{config.n_stages} needs {config.world_size} ({config.n_stages} stage "
+                       f"ranks + 1 draft rank): use --nproc-per-node {config.world_size} on one "
+                       "node, or nodes whose --nproc-per-node add up to that")
+    # torchrun's agent hosts the store on node 0; otherwise rank 0 does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    prefix = (f"spd/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
+              f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    return run_rank(rank, world, config, job, host, port,
+                    is_master=(not agent_store and rank == 0), prefix=prefix,
+                    local_rank=local_rank)
+
+
+# --- CLI glue ------------------------------------------------------------------------------------
+def add_distributed_args(p) -> None:
+    g = p.add_argument_group("distributed runtime (n stage ranks + 1 draft rank)")
+    g.add_argument("--distributed", action="store_true",
+                   help="run one process per stage plus a draft rank (spawned locally; under "
+                        "torchrun this is automatic)")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of the rendezvous store for --distributed (default 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=0,
+                   help="port of the rendezvous store for --distributed (default 0: a free one)")
+    g.add_argument("--fault-timeout", type=float, default=10.0,
+                   help="seconds after which a silent rank is declared dead (default 10)")
+    g.add_argument("--comm-timeout", type=float, default=300.0,
+                   help="bound in seconds of any single wait inside a generation (default 300)")
+
+
+def wants_distributed(args) -> bool:
+    return bool(getattr(args, "distributed", False)) or under_torchrun()
+
+
+def config_from_args(args):
+    from spd.cli import _parse_ints
+    from spd.distributed import DistConfig, parse_fault
+
+    if args.mode == "ar":
+        raise SPDError("--mode ar is single-process only: drop --distributed (or torchrun)")
+    return DistConfig(n_stages=args.stages, split=_parse_ints(args.split, "--split"),
+                      anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
+                      pdm_layers=args.pdm_layers, model=args.model, device=args.device,
+                      fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
+                      fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
+
+
+def cli_job(opts: dict, engine):
+    """Rank 0's job for `generate`: encode, decode (streaming or --json), print."""
+    from spd.cli import _Streamer, encode_prompt
+    from spd.engine import SamplingParams
+
+    target = engine.target
+    sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"])
+    if opts["pdm"] is None:
+        print("[spd] warning: no trained PDM given (--pdm); using an untrained one. Output is "
+              "still exactly the target's, but most drafts are rejected, so decoding is slow.",
+              file=sys.stderr)
+    streamer = None if opts["json"] else _Streamer(target.tokenizer)
+    result = engine.generate(prompt_ids, opts["max_new_tokens"], sampling, on_token=streamer)
+    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    st = result.stats
+    if opts["json"]:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": st.as_dict()}))
+    else:
+        print()
+        print(f"[spd] {st.summary()} prefill={st.prefill_s * 1000:.0f} ms")
+    sys.stdout.flush()
+    return {"token_ids": result.token_ids}
+
+
+def cmd_generate_distributed(args) -> int:
+    from spd.distributed import RankFailedError
+
+    if args.max_new_tokens < 1:
+        raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt:
+        raise SPDError("the prompt is empty: pass --prompt TEXT")
+    config = config_from_args(args)
+    opts = {k: getattr(args, k) for k in ("prompt", "chat", "temperature", "top_k", "top_p",
+                                          "seed", "max_new_tokens", "json", "pdm")}
+    job = partial(cli_job, opts)
+    if under_torchrun():
+        return run_torchrun(config, job)
+    try:
+        launch_local(config, job, master_addr=args.master_addr, master_port=args.master_port)
+    except RankFailedError as exc:
+        print(f"spd: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
