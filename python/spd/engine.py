@@ -267,12 +267,15 @@ class SPDEngine:
                     anchors[j, position:position + h.shape[0]] = h
             return record
 
-        def enter(position: int, token: int) -> None:
-            """Token enters the pipeline at depth 0: only its embedding exists."""
+        def enter(position: int, token: int, q: torch.Tensor | None = None) -> None:
+            """Token enters the pipeline at depth 0: only its embedding exists. q is the draft
+            distribution that proposed it (sampling), kept until the token is judged."""
             tokens[position] = token
             e = t.embed_tokens(tokens[position:position + 1])
             anchors[0, position] = e[0]
             carry[position] = e[0]
+            if q is not None:
+                draft_q[position] = q
 
         post_step = getattr(drafter, "post_step", False)
 
@@ -317,7 +320,7 @@ class SPDEngine:
                 draft = draft_newest(1)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle
                 sched.refill()
-                self._enter_draft(enter, draft_q, sched.newest, draft)
+                enter(sched.newest, draft.token, draft.q)
                 continue
             # 3. The oldest token leaves the last stage; its logits judge the next one.
             with timer("verify"):
@@ -335,7 +338,7 @@ class SPDEngine:
                 stats.drafts_accepted += 1
                 sched.accept()
                 if not done:
-                    self._enter_draft(enter, draft_q, sched.newest, draft)
+                    enter(sched.newest, draft.token, draft.q)
             else:
                 with timer("rollback"):
                     sched.reject()
@@ -349,12 +352,6 @@ class SPDEngine:
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
         return GenerationResult(out, stats)
-
-    @staticmethod
-    def _enter_draft(enter, draft_q, position, draft: Draft) -> None:
-        enter(position, draft.token)
-        if draft.q is not None:
-            draft_q[position] = draft.q
 
     def _verify(self, hidden, draft_token, q, sampling: SamplingParams, gen):
         """(accepted, committed token) for the draft judged by `hidden` (the predecessor's state)."""
