@@ -138,3 +138,16 @@ def test_question_file_errors(tmp_path):
         load_question_file(tmp_path / "missing.jsonl")
     p.write_text('{"question_id": 1, "turns": ["What is 2+2?"]}\n')
     assert load_question_file(p)[0]["turns"] == ["What is 2+2?"]
+
+
+def test_sequences_are_built_once(tmp_path):
+    from spd.distill import cached_sequences
+    calls = []
+
+    def build():
+        calls.append(1)
+        return [[1, 2, 3], [4, 5]]
+
+    assert cached_sequences(tmp_path / "s.json", build) == [[1, 2, 3], [4, 5]]
+    assert cached_sequences(tmp_path / "s.json", build) == [[1, 2, 3], [4, 5]]
+    assert len(calls) == 1

@@ -164,7 +164,7 @@ def _add_train(sub) -> None:
 
 def cmd_train(args) -> int:
     from spd.assets import cache_dir
-    from spd.distill import FeatureSet, build_sequences, extract_features
+    from spd.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.loading import load_target
     from spd.partition import DepthLayout, default_anchors
     from spd.trainer import TrainConfig, train
@@ -178,9 +178,9 @@ def cmd_train(args) -> int:
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
     meta = Path(feat_dir) / "meta.json"
     if not meta.exists() or _unfinished(meta):
-        seqs = build_sequences(target, conversations=args.conversations,
-                               self_distill_prompts=args.self_distill, max_len=args.max_len,
-                               response_tokens=args.response_tokens, seed=args.seed)
+        seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
+            target, conversations=args.conversations, self_distill_prompts=args.self_distill,
+            max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(feat_dir, target)
     cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
@@ -196,7 +196,7 @@ def cmd_train(args) -> int:
 
 def _unfinished(meta_path) -> bool:
     meta = json.loads(meta_path.read_text())
-    return not meta.get("shards")
+    return not meta.get("shards") or not meta.get("complete")
 
 
 def _add_eval(sub) -> None:

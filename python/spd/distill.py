@@ -68,6 +68,20 @@ def self_distill(target, prompts: list[str], max_new_tokens: int, max_prompt: in
     return out
 
 
+def cached_sequences(path, build) -> list[list[int]]:
+    """Sequences from `path` if a previous run saved them there, else build() and save them
+    (self-distillation is the slow part of data building: never do it twice)."""
+    p = Path(path)
+    if p.exists():
+        return json.loads(p.read_text())
+    seqs = build()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(".partial")
+    tmp.write_text(json.dumps(seqs))
+    tmp.rename(p)
+    return seqs
+
+
 def build_sequences(target, *, conversations: int, self_distill_prompts: int, max_len: int,
                     response_tokens: int, seed: int = 0, exclude_eval: bool = True,
                     extra_conversations=None) -> list[list[int]]:
@@ -165,6 +179,8 @@ def extract_features(target, sequences: list[list[int]], anchors: list[int], out
         meta_path.write_text(json.dumps(meta, indent=1))
         bar.update(n_tok)
     bar.close()
+    meta["complete"] = True
+    meta_path.write_text(json.dumps(meta, indent=1))
     return out
 
 
