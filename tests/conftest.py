@@ -15,11 +15,11 @@ def make_tiny_target(seed: int = 0, vocab: int = 16, layers: int = 4, hidden: in
                      heads: int = 4, kv_heads: int = 2, model_type: str = "llama",
                      head_scale: float = 4.0, max_pos: int = 256):
     """A random Llama/Qwen3 target with peaky next-token distributions (head weights scaled)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     from spd.target import TargetModel
 
-    cls = {"llama": LlamaConfig, "qwen3": Qwen3Config}[model_type]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
     cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
               num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
               max_position_embeddings=max_pos, tie_word_embeddings=False,

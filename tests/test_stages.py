@@ -7,7 +7,7 @@ from spd.partition import partition_layers
 from spd.target import Stage
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("split", [None, [1, 3], [2, 1, 1]])
 def test_stages_match_full_model(model_type, split):
     t = make_tiny_target(seed=3, vocab=40, layers=4, model_type=model_type)
