@@ -151,3 +151,19 @@ def test_sequences_are_built_once(tmp_path):
     assert cached_sequences(tmp_path / "s.json", build) == [[1, 2, 3], [4, 5]]
     assert cached_sequences(tmp_path / "s.json", build) == [[1, 2, 3], [4, 5]]
     assert len(calls) == 1
+
+
+def test_crop_takes_one_consistent_window(tiny_features):
+    import random
+
+    from spd.trainer import crop
+    _, fs, seqs = tiny_features
+    item = fs.items[10]
+    w = crop(item, 7, random.Random(1))
+    toks = item["tokens"].tolist()
+    start = next(a for a in range(len(toks) - 6) if toks[a:a + 7] == w["tokens"].tolist()
+                 and torch.equal(item["final"][a:a + 7], w["final"]))
+    assert torch.equal(w["anchors"], item["anchors"][:, start:start + 7])
+    assert torch.equal(w["argmax"], item["argmax"][start:start + 7])
+    assert crop(item, 1000, random.Random(1)) is item
+    assert torch.equal(crop(item, 5, None)["tokens"], item["tokens"][:5])

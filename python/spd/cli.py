@@ -148,6 +148,9 @@ def _add_train(sub) -> None:
     p.add_argument("--response-tokens", type=int, default=192,
                    help="max tokens of each self-distilled response")
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
+    p.add_argument("--crop-len", type=int, default=256,
+                   help="train on random windows of this many tokens (attention cost grows "
+                        "with its square)")
     p.add_argument("--steps", type=int, default=1600)
     p.add_argument("--batch", type=int, default=2, help="sequences per optimiser step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -188,7 +191,7 @@ def cmd_train(args) -> int:
                       draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
                       save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
-                      features=args.feature_timing)
+                      features=args.feature_timing, crop_len=args.crop_len)
     final = train(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0

@@ -41,6 +41,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     full_fill_prob: float = 0.5
     max_len: int = 512
+    crop_len: int = 256          # train on random windows of this many tokens (cost ~ len^2)
     eval_every: int = 100
     save_every: int = 100
     eval_sequences: int = 16
@@ -138,6 +139,15 @@ class Distiller:
         return loss, nvalid, float(agree)
 
 
+def crop(item: dict, length: int, rng: random.Random | None) -> dict:
+    """A window of `length` tokens (random if rng is given, else the first ones)."""
+    total = len(item["tokens"])
+    if total <= length:
+        return item
+    a = rng.randint(0, total - length) if rng is not None else 0
+    return {k: (v[:, a:a + length] if k == "anchors" else v[a:a + length]) for k, v in item.items()}
+
+
 def _lr_at(step: int, cfg: TrainConfig) -> float:
     if step < cfg.warmup:
         return cfg.lr * (step + 1) / cfg.warmup
@@ -168,7 +178,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
     if len(features) <= cfg.eval_sequences:
         raise SPDError(f"only {len(features)} sequences of features: need more than the "
                        f"{cfg.eval_sequences} held out for evaluation")
-    held_out = features.items[-cfg.eval_sequences:]
+    held_out = [crop(x, cfg.crop_len, None) for x in features.items[-cfg.eval_sequences:]]
     train_items = features.items[:-cfg.eval_sequences]
     vocab = build_draft_vocab(features.argmax_counts(target.vocab_size), cfg.draft_vocab_size)
     pdm = init_pdm(target, layout, cfg, vocab)
@@ -201,7 +211,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
             if not order:
                 order = list(range(len(train_items)))
                 rng.shuffle(order)
-            item = train_items[order.pop()]
+            item = crop(train_items[order.pop()], cfg.crop_len, rng)
             fill = layout.n if rng.random() < cfg.full_fill_prob else rng.randint(1, layout.n - 1) \
                 if layout.n > 1 else 1
             loss, _, agree = distiller.loss(item, fill)
