@@ -144,6 +144,7 @@ class RankFailedError(RuntimeError):
     def __init__(self, rank: int, kind: str, reason: str, exitcodes: dict | None = None):
         self.rank, self.kind, self.reason = rank, kind, reason
         self.exitcodes = exitcodes or {}
+        self.stopped_s = 0.0
         super().__init__(describe_failure({"rank": rank, "kind": kind, "error": reason}))
 
 
@@ -371,7 +372,7 @@ def file_digest(path: Path) -> str:
 
 
 def pdm_digest(pdm) -> str | None:
-    if pdm is None:
+    if pdm is None or pdm == "untrained":  # rank 0 resolves these the same way everywhere
         return None
     folder = Path(pdm).expanduser()
     files = [folder / "config.json", folder / "model.safetensors"]
@@ -612,6 +613,8 @@ class DistributedSPDEngine:
 
     def _take_snap(self, item, anchors) -> None:
         s, pos, buf, work = item
+        if work is None:  # already received and stored
+            return
         self.rt.wait(work, s + 1, "anchor states")
         for i, j in enumerate(self.snap_slots[s]):
             anchors[j, pos:pos + buf.shape[1]] = buf[i]
@@ -641,9 +644,29 @@ class DistributedSPDEngine:
         gen = torch.Generator().manual_seed(sampling.seed)
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
 
-        def enter(position: int, token: int) -> None:
+        def enter(position: int, token: int, q: torch.Tensor | None = None) -> None:
+            """Token enters stage 0 next cycle: rank 0 keeps its embedding (anchor 0) and the
+            draft distribution that proposed it (sampling) until it is judged."""
             tokens[position] = token
             anchors[0, position] = t.embed_tokens(tokens[position:position + 1])[0]
+            if q is not None:
+                draft_q[position] = q
+
+        post_step = getattr(drafter, "post_step", False)
+        draft_s: list[float] = []
+
+        def draft_newest(extra_depth: int) -> Draft:
+            td = time.perf_counter()
+            with timer("draft"):
+                rows = sched.draft_rows()
+                depths = torch.tensor([min(n, sched.depth(p) + extra_depth) for p in rows],
+                                      device=t.device)
+                u = torch.rand((), generator=gen)
+                draft = drafter.draft(anchors[:, rows.start:rows.stop], type_of_depth[depths],
+                                      rows.start, sched.newest + 1, sampling, u)
+                sched.after_draft()
+            draft_s.append(time.perf_counter() - td)
+            return draft
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
         t0 = time.perf_counter()
@@ -666,7 +689,6 @@ class DistributedSPDEngine:
         pending: list = []   # last cycle's snaps still to receive (pre-step features)
         trunc = -1
         cycle_s: list[float] = []
-        draft_s: list[float] = []
         t0 = time.perf_counter()
         while not done:
             tc = time.perf_counter()
@@ -681,21 +703,20 @@ class DistributedSPDEngine:
             with timer("wait_snaps"):
                 for item in pending:
                     self._take_snap(item, anchors)
-            # 1. Draft the successor of the newest token from pre-step features (overlaps the
-            #    stages' forwards of this cycle).
-            td = time.perf_counter()
-            with timer("draft"):
-                rows = sched.draft_rows()
-                depths = torch.tensor([sched.depth(p) for p in rows], device=t.device)
-                u = torch.rand((), generator=gen)
-                draft: Draft = drafter.draft(anchors[:, rows.start:rows.stop],
-                                             type_of_depth[depths], rows.start,
-                                             sched.newest + 1, sampling, u)
-                sched.after_draft()
-            draft_s.append(time.perf_counter() - td)
+            # 1. Draft the successor of the newest token from pre-step features, overlapping
+            #    the stages' forwards of this cycle. (Post-step drafting, an ablation, waits for
+            #    this cycle's snaps and sees every in-flight token one stage deeper.)
+            if post_step:
+                with timer("wait_stage"):
+                    for item in current:
+                        self._take_snap(item, anchors)
+                current = [item[:3] + (None,) for item in current]  # received already
+                draft = draft_newest(1)
+            else:
+                draft = draft_newest(0)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle
                 sched.refill()
-                SPDEngine._enter_draft(enter, draft_q, sched.newest, draft)
+                enter(sched.newest, draft.token, draft.q)
                 pending = current
                 cycle_s.append(time.perf_counter() - tc)
                 continue
@@ -719,7 +740,7 @@ class DistributedSPDEngine:
                 stats.drafts_accepted += 1
                 sched.accept()
                 if not done:
-                    SPDEngine._enter_draft(enter, draft_q, sched.newest, draft)
+                    enter(sched.newest, draft.token, draft.q)
             else:
                 with timer("rollback"):
                     sched.reject()
@@ -822,10 +843,16 @@ def _drop_unused_layers(target, keep: range) -> None:
             target.layers[lid].to("meta")
 
 
-def _rank_device(config: DistConfig, local_rank: int) -> str:
+def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:
     if config.device.startswith("cuda"):
         if not torch.cuda.is_available():
             raise SPDError("--device cuda was requested but no CUDA device is available")
+        backend = config.backend or "nccl"
+        if backend == "nccl" and config.device == "cuda" and \
+                torch.cuda.device_count() < local_world:
+            raise SPDError(f"NCCL needs one GPU per rank: {local_world} ranks on this node but "
+                           f"{torch.cuda.device_count()} GPU(s); use more nodes or GPUs, or fewer "
+                           "stages")
         if config.device == "cuda":
             dev = f"cuda:{local_rank % torch.cuda.device_count()}"
         else:
@@ -837,7 +864,7 @@ def _rank_device(config: DistConfig, local_rank: int) -> str:
 
 def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, host: str,
              port: int, *, is_master: bool = False, prefix: str = "spd/", local_rank: int = 0,
-             result_sink: Callable | None = None) -> int:
+             local_world: int | None = None, result_sink: Callable | None = None) -> int:
     """Everything one rank does; returns its exit status (failures are reported in the store)."""
     rt = None
     try:
@@ -847,7 +874,7 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
         rt = Runtime(rank, world, config, host, port, is_master=is_master, prefix=prefix)
         if config.threads:
             torch.set_num_threads(int(config.threads))
-        device = _rank_device(config, local_rank)
+        device = _rank_device(config, local_rank, local_world or world)
         if config.target_factory is not None:
             target = config.target_factory(rank)
         else:
@@ -883,8 +910,9 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
     except CommError as exc:
         if rt is None:
             raise
-        # Usually a symptom: the peer died or failed. Name the cause if someone recorded it.
-        rec = rt.wait_for_failure(min(3.0, config.fault_timeout))
+        # Usually a symptom: the peer died or failed. A rank that fails records why before it
+        # exits, so its record is normally there already; else name the peer we lost.
+        rec = rt.wait_for_failure(min(1.0, config.fault_timeout))
         if rec is None:
             rec = rt.report("lost", f"rank {rank} lost its connection while waiting for the "
                                     f"{exc.what}: {exc.cause}", rank=exc.peer)

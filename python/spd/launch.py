@@ -6,8 +6,9 @@
 
 The local launcher hosts the rendezvous store itself (a busy port fails here, before any rank
 starts), watches its ranks, and on the first failure names the failed rank, lets the others stop
-through their watchdogs (bounded by the fault timeout) and kills what is left. Ranks die with the
-launcher (PR_SET_PDEATHSIG), so a killed launcher leaves no orphans.
+through their watchdogs (bounded by the fault timeout) and kills what is left. Ranks fork from a
+fork server that exits with the launcher, and die with it (PR_SET_PDEATHSIG), so a killed
+launcher leaves no orphans.
 
 This module imports only the standard library at import time (the CLI imports it for its flags).
 """
@@ -40,10 +41,12 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def _local_rank_main(rank, world, config, job, host, port, conn, parent_pid):
+def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
+    # Our parent is the fork server, which exits when the launcher does; die with it.
+    parent = os.getppid()
     _set_pdeathsig()
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+    if os.getppid() != parent or not _pid_alive(launcher_pid):  # gone before prctl took effect
         os._exit(1)
     from spd.distributed import run_rank
 
@@ -65,6 +68,16 @@ def _local_rank_main(rank, world, config, job, host, port, conn, parent_pid):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _open_store(host: str, port: int, timeout_s: float):
@@ -110,9 +123,14 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     world = config.world_size
     if config.threads is None:
         config.threads = max(1, (os.cpu_count() or 1) // world)
-    store = _open_store(master_addr, int(master_port), max(config.op_timeout, 30.0))
-    port = store.port
-    ctx = mp.get_context("spawn")
+    import torch.distributed as dist
+    master = _open_store(master_addr, int(master_port), max(config.op_timeout, 30.0))
+    port = master.port
+    store = dist.PrefixStore("spd/", master)  # the ranks' default prefix
+    # Ranks fork from a fork server that imported torch once (per launcher process), instead of
+    # n + 1 interpreters importing it each: seconds per launch on a small machine.
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["spd.distributed"])
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -161,14 +179,15 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
                 break
         # A rank failed: let the others stop themselves (their watchdogs see the record), then
         # kill whatever is left.
+        t_fail = time.monotonic()
         write_failure(store, failure["rank"], failure["kind"], failure["error"], -1)
         _reap(procs, config.fault_timeout + 2.0)
         codes = {r: p.exitcode for r, p in procs.items()}
         if failure["kind"] == "input":
             raise SPDError(failure["error"])
-        if failure["rank"] < 0:
-            raise RankFailedError(-1, failure["kind"], failure["error"], codes)
-        raise RankFailedError(failure["rank"], failure["kind"], failure["error"], codes)
+        err = RankFailedError(failure["rank"], failure["kind"], failure["error"], codes)
+        err.stopped_s = time.monotonic() - t_fail  # detection to the last rank gone
+        raise err
     except KeyboardInterrupt:
         write_failure(store, -1, "interrupted", "interrupted (Ctrl-C)", -1)
         _reap(procs, 2.0)
@@ -176,7 +195,7 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     finally:
         _reap(procs, 0.0)
         recv_conn.close()
-        del store
+        del store, master
 
 
 def _failure_of(store, rank: int, code: int, read_failure) -> dict:
@@ -235,7 +254,8 @@ def run_torchrun(config, job) -> int:
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
     return run_rank(rank, world, config, job, host, port,
                     is_master=(not agent_store and rank == 0), prefix=prefix,
-                    local_rank=local_rank)
+                    local_rank=local_rank,
+                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
 
 
 # --- CLI glue ------------------------------------------------------------------------------------
@@ -279,10 +299,11 @@ def cli_job(opts: dict, engine):
     target = engine.target
     sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"])
-    if opts["pdm"] is None:
-        print("[spd] warning: no trained PDM given (--pdm); using an untrained one. Output is "
-              "still exactly the target's, but most drafts are rejected, so decoding is slow.",
-              file=sys.stderr)
+    if getattr(engine.engine, "pdm_source", "untrained" if opts["pdm"] is None else "") \
+            == "untrained":
+        print("[spd] warning: no trained PDM for this target and layout; using an untrained one. "
+              "Output is still exactly the target's, but most drafts are rejected, so decoding "
+              "is slow.", file=sys.stderr)
     streamer = None if opts["json"] else _Streamer(target.tokenizer)
     result = engine.generate(prompt_ids, opts["max_new_tokens"], sampling, on_token=streamer)
     text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)

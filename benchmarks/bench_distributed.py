@@ -1,0 +1,185 @@
+"""Distributed runtime benchmark: per-cycle breakdown of n stage ranks + 1 draft rank (local ranks).
+
+For each n, one local launch (gloo on 127.0.0.1, one process per rank) runs every prompt with the
+reference ("oracle") drafter, which proposes the target's own next token (steady state: every
+cycle full and accepted), and with the untrained PDM (rejections and refills). Outputs are checked
+against autoregressive decoding of the same target. Reported per cycle (ms), from each run's
+breakdown: cycle wall time on the draft rank, the slowest stage forward, the draft, and the
+overhead = cycle - max(draft, slowest stage forward of that cycle): communication, control,
+verification and rollback, i.e. the fixed cost n devices could not hide. K-weighted over prompts.
+
+    python benchmarks/bench_distributed.py --stages 2,3 --max-new-tokens 48 --json-out out.json
+
+On a CPU machine with fewer cores than ranks the stage forwards and the draft compete for cores,
+so cycle times there are an upper bound of what separate devices would see; the overhead column
+is the number this benchmark is for.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from datetime import date
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from spd import SPDEngine
+from spd.cli import encode_prompt
+from spd.distributed import DistConfig, GenerateRequest, run_requests
+from spd.launch import launch_local
+from spd.loading import load_target
+
+PROMPTS = [
+    "Explain in detail how a CPU cache works.",
+    "Write a short story about a robot who learns to paint.",
+    "Give me three tips for writing clear Python code, with examples.",
+]
+
+
+def tiny_model_dir() -> str:
+    """A random 4-layer, hidden-64 Llama with the default model's tokenizer (built once in
+    $SPD_CACHE): its stage forwards take well under a millisecond, so a cycle is almost all
+    communication and control."""
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from spd.loading import cache_dir, resolve_model_path
+
+    folder = cache_dir() / "models" / "tiny-random-llama"
+    if not (folder / "config.json").exists():
+        tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=4096, tie_word_embeddings=False,
+                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(cfg).eval()
+        model.generation_config.eos_token_id = None
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+    return str(folder)
+
+
+def weighted(results, key_fn):
+    total_k = sum(r.stats.K for r in results)
+    return sum(key_fn(r) * r.stats.K for r in results) / total_k if total_k else 0.0
+
+
+def summarise(results) -> dict:
+    d0 = results[0].stats.distributed
+    n_ranks = d0["world_size"]
+    out = {
+        "N": sum(r.stats.N for r in results), "K": sum(r.stats.K for r in results),
+        "decode_s": sum(r.stats.decode_s for r in results),
+        "cycle_ms": weighted(results, lambda r: r.stats.distributed["cycle_ms"]["mean"]),
+        "cycle_ms_median": weighted(results, lambda r: r.stats.distributed["cycle_ms"]["median"]),
+        "draft_ms": weighted(results, lambda r: r.stats.distributed["draft_ms"]["mean"]),
+        "overhead_ms": weighted(results, lambda r: r.stats.distributed["overhead_ms"]["mean"]),
+        "overhead_ms_median": weighted(
+            results, lambda r: r.stats.distributed["overhead_ms"]["median"]),
+        "comm_control_ms": weighted(
+            results, lambda r: r.stats.distributed["comm_control_ms"]["mean"]),
+        "comm_control_ms_median": weighted(
+            results, lambda r: r.stats.distributed["comm_control_ms"]["median"]),
+        "verify_rollback_ms": weighted(
+            results, lambda r: r.stats.distributed["verify_rollback_ms_per_cycle"]),
+        "stage_forward_ms": [weighted(results, lambda r, i=i: r.stats.distributed["ranks"][i]
+                                      ["forward_ms"]["mean"]) for i in range(1, n_ranks)],
+        "rank_phase_ms_per_cycle": {},
+    }
+    for i in range(n_ranks):
+        phases = {}
+        for r in results:
+            for k, v in r.stats.distributed["ranks"][i]["phase_ms_per_cycle"].items():
+                phases[k] = phases.get(k, 0.0) + v * r.stats.K
+        out["rank_phase_ms_per_cycle"][f"rank{i}"] = {k: v / out["K"] for k, v in phases.items()}
+    out["alpha"] = out["N"] / out["K"]
+    out["decode_tok_s"] = out["N"] / out["decode_s"]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None,
+                    help="local HF folder; default SmolLM2-135M-Instruct; 'tiny' = a random "
+                         "4-layer Llama (measures the fixed per-cycle overhead)")
+    ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--json-out", default=None)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads of the autoregressive baseline and of each rank (default 1:"
+                         " on a small CPU machine more threads than cores slow everything down)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.model == "tiny":
+        args.model = tiny_model_dir()
+
+    target = load_target(args.model)
+    prompts = PROMPTS[:args.limit]
+    ids_list = [encode_prompt(target.tokenizer, p, True) for p in prompts]
+    m = args.max_new_tokens
+    base = SPDEngine(target, n_stages=1)
+    ar_tok, ar_s, refs = 0, 0.0, []
+    for ids in ids_list:
+        r = base.generate_ar(ids, m)
+        refs.append(r.token_ids)
+        ar_tok += r.stats.N
+        ar_s += r.stats.decode_s
+    ar_tok_s = ar_tok / ar_s
+    rows = []
+    for n in [int(x) for x in args.stages.split(",")]:
+        warm = [GenerateRequest(ids_list[0], 8)]
+        oracle = [GenerateRequest(ids, m, reference=ids + ref) for ids, ref in zip(ids_list, refs)]
+        untrained = [GenerateRequest(ids, m) for ids in ids_list]
+        config = DistConfig(n_stages=n, model=args.model, fault_timeout=30.0,
+                            threads=args.threads)
+        t0 = time.perf_counter()
+        res = launch_local(config, partial(run_requests, warm + oracle + untrained), timeout=1800)
+        wall = time.perf_counter() - t0
+        res = res[1:]
+        for name, part in (("oracle", res[:len(ids_list)]), ("untrained-pdm", res[len(ids_list):])):
+            assert [r.token_ids for r in part] == refs, f"n={n} {name}: output differs from AR"
+            row = dict(method=name, n=n, **summarise(part))
+            rows.append(row)
+        print(f"n={n}: launch + {2 * len(ids_list) + 1} generations took {wall:.1f} s",
+              file=sys.stderr)
+
+    print(f"\nDistributed runtime on CPU (gloo, 127.0.0.1), {target.name}, {len(ids_list)} prompts x "
+          f"{m} new tokens, {os.cpu_count()} cores, {args.threads} thread(s) per process; "
+          f"single-process AR: {ar_tok_s:.1f} tok/s")
+    hdr = (f"{'drafter':<15}{'n':>3}{'N':>5}{'K':>5}{'alpha':>7}{'tok/s':>7}{'cycle':>8}"
+           f"{'stages fwd':>18}{'draft':>7}{'overhead':>10}{'(median)':>9}{'comm+ctl':>9}"
+           f"{'verify':>8}")
+    print(hdr + "\n" + "-" * len(hdr))
+    for r in rows:
+        fwd = "/".join(f"{x:.1f}" for x in r["stage_forward_ms"])
+        print(f"{r['method']:<15}{r['n']:>3}{r['N']:>5}{r['K']:>5}{r['alpha']:>7.3f}"
+              f"{r['decode_tok_s']:>7.1f}{r['cycle_ms']:>8.2f}{fwd:>18}{r['draft_ms']:>7.2f}"
+              f"{r['overhead_ms']:>10.2f}{r['overhead_ms_median']:>9.2f}"
+              f"{r['comm_control_ms']:>9.2f}{r['verify_rollback_ms']:>8.2f}")
+    print("(ms per cycle; overhead = cycle - max(draft, slowest stage forward); comm+ctl = "
+          "overhead - verify/rollback)")
+    print("\nEach rank's phases (ms per cycle):")
+    for r in rows:
+        for rank, ph in r["rank_phase_ms_per_cycle"].items():
+            parts = "  ".join(f"{k}={v:.2f}" for k, v in sorted(ph.items()))
+            print(f"  {r['method']:<14} n={r['n']} {rank}: {parts}")
+    if args.json_out:
+        meta = dict(date=str(date.today()), device="cpu", cores=os.cpu_count(),
+                    threads=args.threads, load_avg=os.getloadavg(),
+                    platform=platform.platform(), torch=torch.__version__, model=target.name,
+                    prompts=prompts, max_new_tokens=m, ar_tok_s=ar_tok_s,
+                    command=" ".join(sys.argv))
+        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+        print(f"\nwrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,374 @@
+"""Distributed runtime on CPU (gloo on 127.0.0.1): the same tokens, N and K as the single-process
+engine; faults end every rank within the bound and name the failed rank; torchrun across two
+"nodes" on loopback; bad input gets clear errors.
+
+Every launch is bounded (launch_local's timeout, subprocess timeouts) and every process group a
+test starts is killed in a finally block, so a bug fails a test instead of hanging CI.
+"""
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from conftest import make_tiny_target
+from spd import SamplingParams, SPDEngine
+from spd.cli import encode_prompt, main
+from spd.distributed import (DistConfig, GenerateRequest, RankFailedError, check_handshake,
+                             parse_fault, run_forever, run_requests)
+from spd.drafters import ReferenceDrafter
+from spd.errors import SPDError
+from spd.launch import launch_local
+from spd.pdm import PipelineDraftModule
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+PY = sys.executable
+REPO = Path(__file__).resolve().parents[1]
+
+
+def tiny_factory(seed: int, rank: int, odd_rank: int | None = None):
+    """The target every rank builds (identical weights from the seed); odd_rank gets another."""
+    return make_tiny_target(seed=seed + (1000 if rank == odd_rank else 0), vocab=48, layers=4)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is dead for our purposes
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Is any process of the group still running? (Zombies do not count: this container's init
+    does not reap re-parented children, so their entries linger after they have died.)"""
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def _group_gone(pgid: int, within: float = 10.0) -> bool:
+    """True once no process of the group is left (helpers such as multiprocessing's fork server
+    leave a moment after their parent); polls a condition, bounded by `within` seconds."""
+    deadline = time.monotonic() + within
+    while _group_alive(pgid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --- exactness against the single-process engine -------------------------------------------------
+@pytest.mark.parametrize("n,features", [(2, "pre-step"), (3, "post-step"), (4, "pre-step")])
+def test_same_tokens_n_and_k_as_single_process(n, features, tmp_path):
+    t = make_tiny_target(seed=10 + n, vocab=48, layers=4)
+    pdm = None
+    if features == "post-step":  # a PDM checkpoint folder (as --pdm gives it), post-step ablation
+        pdm = PipelineDraftModule.untrained(t, SPDEngine(t, n_stages=n).layout, seed=1)
+        pdm.config.features = "post-step"
+        pdm.save(tmp_path / "pdm")
+        pdm = str(tmp_path / "pdm")
+    eng = SPDEngine(t, n_stages=n, pdm=pdm)
+    assert getattr(eng.drafter, "post_step", False) == (features == "post-step")
+    ar = eng.generate_ar(PROMPT, 24).token_ids
+    ref = PROMPT + ar
+    sp = SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=7)
+    cases = [  # (request for rank 0, the same call on the single-process engine)
+        (GenerateRequest(PROMPT, 24), {}),                                   # untrained PDM
+        (GenerateRequest(PROMPT, 24, reference=ref), {"drafter": ReferenceDrafter(ref)}),
+        (GenerateRequest(PROMPT, 24, reference=ref, reference_accuracy=0.6, reference_seed=n),
+         {"drafter": ReferenceDrafter(ref, 0.6, n)}),                        # mixed accept/reject
+        (GenerateRequest(PROMPT, 24, sp), {"sampling": sp}),                 # seeded sampling
+        (GenerateRequest(PROMPT, 24, sp, reference=ref, reference_accuracy=0.6, reference_seed=1),
+         {"sampling": sp, "drafter": ReferenceDrafter(ref, 0.6, 1)}),
+    ]
+    expected = [eng.generate(PROMPT, 24, **kw) for _, kw in cases]
+    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 10 + n), pdm=pdm,
+                        fault_timeout=5.0, op_timeout=60.0)
+    got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=150)
+    assert len(got) == len(cases)
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids
+        assert (g.stats.N, g.stats.K, g.stats.drafts_judged, g.stats.drafts_accepted) == \
+            (e.stats.N, e.stats.K, e.stats.drafts_judged, e.stats.drafts_accepted)
+    assert got[1].stats.K == got[1].stats.N + n - 1                 # oracle: only the first fill
+    assert 0 < got[2].stats.drafts_accepted < got[2].stats.drafts_judged
+    assert got[3].token_ids != got[0].token_ids                      # sampling really sampled
+    # The breakdown accounts for every cycle on every rank.
+    for g in got:
+        d = g.stats.distributed
+        assert d["world_size"] == n + 1 and d["cycles"] == g.stats.K
+        assert [r["rank"] for r in d["ranks"]] == list(range(n + 1))
+        assert d["ranks"][1]["cycles_worked"] == g.stats.K            # stage 0 works every cycle
+        assert d["ranks"][n]["cycles_worked"] == g.stats.drafts_judged  # last: full cycles only
+        assert d["cycle_ms"]["mean"] > 0 and "wait_stage" in d["ranks"][0]["phase_ms_per_cycle"]
+        json.dumps(g.stats.as_dict())
+
+
+# --- faults -------------------------------------------------------------------------------------
+def test_raising_draft_rank_stops_every_rank():
+    config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 3), fault_timeout=3.0,
+                        op_timeout=60.0, fault={"rank": 0, "cycle": 4, "action": "raise"})
+    pids = {}
+    with pytest.raises(RankFailedError) as info:
+        launch_local(config, partial(run_requests, [GenerateRequest(PROMPT, 40)]),
+                     on_spawn=pids.update, timeout=120)
+    err = info.value
+    assert err.rank == 0 and "draft rank" in str(err) and "injected fault at cycle 4" in str(err)
+    # The draft rank exited with an error; the stage ranks stopped by themselves (status 3), i.e.
+    # within the launcher's grace of fault_timeout + 2 s, before anything had to be killed.
+    assert err.exitcodes[0] == 1
+    assert all(err.exitcodes[r] == 3 for r in (1, 2)), err.exitcodes
+    assert err.stopped_s < config.fault_timeout + 2.5
+    assert not any(_alive(p) for p in pids.values())
+
+
+def test_killed_stage_rank_ends_the_run_within_the_bound():
+    started = mp.get_context("spawn").Event()
+    config = DistConfig(n_stages=3, target_factory=partial(tiny_factory, 5), fault_timeout=3.0,
+                        op_timeout=60.0)
+    pids, box = {}, {}
+
+    def run():
+        try:
+            launch_local(config, partial(run_forever, GenerateRequest(PROMPT, 40),
+                                         progress=started), on_spawn=pids.update, timeout=150)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            box["error"] = exc
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        assert started.wait(120), "rank 0 never produced a token"
+        t_kill = time.monotonic()
+        os.kill(pids[2], signal.SIGKILL)  # stage 1, in the middle of the pipeline
+        th.join(60)
+        elapsed = time.monotonic() - t_kill
+        assert not th.is_alive(), "the launcher did not return"
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+    err = box.get("error")
+    assert isinstance(err, RankFailedError), err
+    assert err.rank == 2 and "stage 1" in str(err) and "SIGKILL" in str(err)
+    assert elapsed < config.fault_timeout + 3.0
+    assert err.exitcodes[2] == -signal.SIGKILL
+    assert all(err.exitcodes[r] == 3 for r in (0, 1, 3)), err.exitcodes
+    assert not any(_alive(p) for p in pids.values())
+
+
+# --- bad input ----------------------------------------------------------------------------------
+def test_mismatched_model_on_one_rank_is_refused():
+    config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 4, odd_rank=2),
+                        fault_timeout=3.0, op_timeout=60.0)
+    with pytest.raises(SPDError, match=r"rank 2 \(stage 1\) disagrees with rank 0 on the target "
+                                       r"model"):
+        launch_local(config, partial(run_requests, [GenerateRequest(PROMPT, 4)]), timeout=120)
+
+
+def test_handshake_checks_pdm_and_layout():
+    base = {"rank": 0, "world_size": 3, "spd_version": "x", "n_stages": 2,
+            "stage_split": [2, 2], "anchors": [0, 2], "target_fingerprint": "f",
+            "target_name": "m", "dtype": "float32", "pdm": "abc", "pdm_path": "/a"}
+    check_handshake([base, dict(base, rank=1), dict(base, rank=2)])
+    with pytest.raises(SPDError, match=r"rank 1 \(stage 0\).*PDM checkpoint.*/b"):
+        check_handshake([base, dict(base, rank=1, pdm="def", pdm_path="/b"), dict(base, rank=2)])
+    with pytest.raises(SPDError, match=r"rank 2 \(stage 1\).*stage split"):
+        check_handshake([base, dict(base, rank=1), dict(base, rank=2, stage_split=[3, 1])])
+
+
+def test_busy_port_is_a_clear_error(capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(SPDError, match=f"port {port} on 127.0.0.1 is busy"):
+            launch_local(DistConfig(n_stages=2), None, master_port=port)
+        rc = main(["generate", "--distributed", "--stages", "2", "--prompt", "hi",
+                   "--master-port", str(port)])
+    assert rc == 2 and "is busy" in capsys.readouterr().err
+
+
+def test_world_size_must_be_n_plus_1(monkeypatch, capsys):
+    for k, v in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    rc = main(["generate", "--stages", "2", "--prompt", "hi"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "WORLD_SIZE=4" in err and "--nproc-per-node 3" in err
+
+
+def test_bad_distributed_options(capsys):
+    assert main(["generate", "--distributed", "--stages", "1", "--prompt", "hi"]) == 2
+    assert "at least 2 stages" in capsys.readouterr().err
+    assert main(["generate", "--distributed", "--mode", "ar", "--prompt", "hi"]) == 2
+    assert "single-process only" in capsys.readouterr().err
+    assert main(["generate", "--distributed", "--fault-timeout", "0", "--prompt", "hi"]) == 2
+    assert "fault timeout" in capsys.readouterr().err
+    assert parse_fault("rank=3,cycle=2,action=kill") == {"rank": 3, "cycle": 2, "action": "kill"}
+    with pytest.raises(SPDError):
+        parse_fault("cycle=2")
+
+
+# --- command line: torchrun on two "nodes", self-launch, Ctrl-C ----------------------------------
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Llama with the default model's tokenizer, as a local HF folder (fast to load)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    from spd.loading import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def _single_process(model_dir: str, n: int, prompt: str, max_new: int) -> list[int]:
+    from spd.loading import load_target
+    t = load_target(model_dir)
+    ids = encode_prompt(t.tokenizer, prompt, True)
+    return SPDEngine(t, n_stages=n).generate(ids, max_new).token_ids
+
+
+def _torchrun(node_rank: int, port: int, extra_env: dict, args: list[str]) -> subprocess.Popen:
+    cmd = [PY, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node_rank),
+           "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "--monitor-interval", "0.5", "-m", "spd", "generate"] + args
+    env = dict(os.environ, **extra_env)
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO, start_new_session=True)
+
+
+def test_torchrun_two_nodes_on_loopback(tiny_model_dir):
+    prompt = "Name three colours."
+    args = ["--model", tiny_model_dir, "--stages", "3", "--prompt", prompt,
+            "--max-new-tokens", "16", "--json", "--fault-timeout", "5"]
+    port = _free_port()
+    procs = [_torchrun(i, port, {}, args) for i in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            _kill_group(p)
+    assert [p.returncode for p in procs] == [0, 0], [o[1][-2000:] for o in outs]
+    result = json.loads(outs[0][0].strip().splitlines()[-1])  # rank 0 lives on node 0
+    assert outs[1][0].strip() == ""                          # node 1 holds stages only
+    assert result["stats"]["distributed"]["world_size"] == 4
+    expected = _single_process(tiny_model_dir, 3, prompt, 16)
+    assert result["token_ids"] == expected
+
+
+def test_torchrun_killed_rank_on_other_node_stops_both_nodes(tiny_model_dir):
+    args = ["--model", tiny_model_dir, "--stages", "3", "--prompt", "Count to one hundred.",
+            "--max-new-tokens", "2000", "--json", "--fault-timeout", "3"]
+    port = _free_port()
+    fault = {"SPD_FAULT_INJECT": "rank=3,cycle=3,action=kill"}  # the last stage, on node 1
+    procs = [_torchrun(i, port, fault, args) for i in (0, 1)]
+    t0 = time.monotonic()
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            _kill_group(p)
+    assert procs[0].returncode != 0 and procs[1].returncode != 0
+    # Node 0's ranks name the rank that died on the other node.
+    assert "rank 3 (stage 2)" in outs[0][1], outs[0][1][-3000:]
+    assert time.monotonic() - t0 < 120
+    assert _group_gone(procs[0].pid) and _group_gone(procs[1].pid)
+
+
+@pytest.mark.slow
+def test_cli_self_launch_default_model_matches_single_process(default_target):
+    prompt = "Explain how a CPU cache works."
+    cmd = [PY, "-m", "spd", "generate", "--distributed", "--stages", "2", "--prompt", prompt,
+           "--max-new-tokens", "12", "--json"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    ids = encode_prompt(default_target.tokenizer, prompt, True)
+    expected = SPDEngine(default_target, n_stages=2).generate(ids, 12)
+    assert result["token_ids"] == expected.token_ids
+    st = result["stats"]
+    assert (st["N"], st["K"]) == (expected.stats.N, expected.stats.K)
+    assert st["distributed"]["ranks"][2]["forward_ms"]["mean"] > 0
+    assert _group_gone(proc.pid)
+
+
+def test_ctrl_c_stops_the_self_launched_ranks(tiny_model_dir):
+    cmd = [PY, "-m", "spd", "generate", "--distributed", "--stages", "2", "--model",
+           tiny_model_dir, "--prompt", "Tell me a long story.", "--max-new-tokens", "3500",
+           "--no-chat"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            start_new_session=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)  # bounded wait for output
+        first = proc.stdout.read(1) if ready else b""  # streaming has begun: ranks are decoding
+        assert first, "no output within 120 s"
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
+        proc.wait(30)
+        elapsed = time.monotonic() - t0
+        err = proc.stderr.read().decode()
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err and "Traceback" not in err
+    assert elapsed < 10
+    assert _group_gone(proc.pid)
