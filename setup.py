@@ -1,13 +1,128 @@
-"""Build script: the two Python packages live in different folders.
+"""Build script: the two Python packages live in different folders, plus an optional CUDA extension.
 
 `spd_kernels/` (the ops) sits at the top level so other runtimes can vendor it; the runtime
-package `spd` lives in `python/spd`. Native extensions (csrc/) are added here by later work.
+package `spd` lives in `python/spd`.
+
+The CUDA C++ kernels in `csrc/` become the extension `spd_kernels._spd_cuda`: nvcc compiles the .cu
+files (sm_90 code plus compute_90 PTX, so newer GPUs JIT it; SPD_CUDA_ARCHS="80;90" changes the
+list), the host compiler compiles the pybind11 bindings, and the CUDA runtime is linked statically.
+It does not use torch's C++ API (so it builds against a CPU-only torch too). The build is skipped,
+with a message, when nvcc is not found or SPD_SKIP_CUDA_BUILD=1; the package works without it
+(reference and Triton backends).
 """
-from setuptools import setup
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+CSRC = "csrc"
+CU_SOURCES = ["verify.cu", "kv_cache.cu", "features.cu", "runtime.cu"]
+
+
+def _say(msg: str) -> None:
+    print(f"spd setup: {msg}", file=sys.stderr)
+
+
+def _find_nvcc() -> str | None:
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and (Path(home) / "bin" / "nvcc").exists():
+            return str(Path(home) / "bin" / "nvcc")
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    default = Path("/usr/local/cuda/bin/nvcc")
+    return str(default) if default.exists() else None
+
+
+def _cudart_dir(nvcc: str) -> Path:
+    """The folder holding libcudart_static.a (nvcc may be a wrapper script outside CUDA_HOME)."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+             str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"]
+    for home in filter(None, homes):
+        for sub in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
+            if (Path(home) / sub / "libcudart_static.a").exists():
+                return Path(home) / sub
+    raise RuntimeError("libcudart_static.a not found: set CUDA_HOME to the CUDA toolkit, or "
+                       "SPD_SKIP_CUDA_BUILD=1 to install without the CUDA extension")
+
+
+def _gencode_flags() -> list[str]:
+    archs = [a.strip() for a in os.environ.get("SPD_CUDA_ARCHS", "90").replace(",", ";").split(";")
+             if a.strip()]
+    flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+    flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # portable PTX
+    return flags
+
+
+class BuildExt(build_ext):
+    """Compiles the .cu sources with nvcc (in parallel, skipped when up to date), then links them
+    into the pybind11 extension with the default toolchain."""
+
+    def build_extension(self, ext):
+        if ext.name != "spd_kernels._spd_cuda":
+            return super().build_extension(ext)
+        nvcc = _find_nvcc()
+        lib = _cudart_dir(nvcc)
+        tmp = Path(self.build_temp) / "cuda"
+        tmp.mkdir(parents=True, exist_ok=True)
+        headers = list((ROOT / CSRC).glob("*.h")) + list((ROOT / CSRC).glob("*.cuh"))
+        newest_header = max((h.stat().st_mtime for h in headers), default=0.0)
+
+        def compile_one(name: str) -> str:
+            src = ROOT / CSRC / name
+            obj = tmp / (name + ".o")
+            if (obj.exists() and obj.stat().st_mtime >= src.stat().st_mtime
+                    and obj.stat().st_mtime >= newest_header):
+                return str(obj)
+            cmd = [nvcc, "-c", str(src), "-o", str(obj), "-O3", "-std=c++17",
+                   "-Xcompiler", "-fPIC", f"-I{ROOT / CSRC}", *_gencode_flags()]
+            _say(" ".join(cmd) + "\n")
+            subprocess.run(cmd, check=True)
+            return str(obj)
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(CU_SOURCES), os.cpu_count() or 1))) as pool:
+            ext.extra_objects = list(pool.map(compile_one, CU_SOURCES))
+        ext.library_dirs = [str(lib)]
+        ext.libraries = ["cudart_static", "dl", "rt", "pthread"]
+        return super().build_extension(ext)
+
+
+def _extensions() -> list[Extension]:
+    if os.environ.get("SPD_SKIP_CUDA_BUILD", "0") == "1":
+        _say("SPD_SKIP_CUDA_BUILD=1: not building the CUDA extension spd_kernels._spd_cuda")
+        return []
+    if _find_nvcc() is None:
+        _say("nvcc not found (set CUDA_HOME or put nvcc on PATH): not building the CUDA "
+             "extension spd_kernels._spd_cuda; the reference and Triton backends still work")
+        return []
+    try:
+        import pybind11
+    except ImportError:
+        _say("pybind11 is not installed: not building the CUDA extension spd_kernels._spd_cuda")
+        return []
+    return [Extension(
+        "spd_kernels._spd_cuda",
+        sources=[f"{CSRC}/bindings.cpp"],
+        include_dirs=[pybind11.get_include(), CSRC],
+        language="c++",
+        extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
+        depends=[f"{CSRC}/{n}" for n in CU_SOURCES] + [f"{CSRC}/spd_cuda.h", f"{CSRC}/common.cuh"],
+    )]
+
 
 setup(
     packages=["spd", "spd_kernels"],
     package_dir={"spd": "python/spd", "spd_kernels": "spd_kernels"},
     # Trained PDMs shipped for the default model (int8, a few MB each).
     package_data={"spd": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors"]},
+    ext_modules=_extensions(),
+    cmdclass={"build_ext": BuildExt},
 )

@@ -1,21 +1,32 @@
 """Hot-path ops of Speculative Pipeline Decoding.
 
 Each op has a plain PyTorch reference that is both the fallback and the specification of what
-faster backends (Triton, CUDA C++) must compute. The runtime package `spd` calls only these
-functions, so a backend can be swapped in behind them without touching the engine.
+faster backends (Triton, CUDA C++) must compute; `spd_kernels.dispatch` picks the backend per op
+and device (`SPD_BACKEND` forces one). The runtime package `spd` calls only these functions, so a
+backend can be swapped in behind them without touching the engine. The ops are also registered
+with torch.library as `torch.ops.spd.*` (with fake implementations) for torch.compile and other
+runtimes.
 """
 from spd_kernels.checks import SPDInputError
+from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
 from spd_kernels.kv_cache import truncate_kv_
+from spd_kernels.pdm import pdm_step, qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
-from spd_kernels.verify import rejection_sample, verify_greedy
+from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
+from spd_kernels import library  # noqa: F401  (registers torch.ops.spd.*)
 
 __all__ = [
+    "SPDBackendError",
     "SPDInputError",
     "anchor_projection",
     "filtered_probs",
+    "pdm_step",
+    "qkv_rope_append",
     "rejection_sample",
+    "rejection_sample_logits",
     "sample_from_probs",
     "truncate_kv_",
+    "use_backend",
     "verify_greedy",
 ]

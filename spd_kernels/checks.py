@@ -1,6 +1,8 @@
 """Argument checks shared by the ops: a clear error at the Python boundary, never a crash inside."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 
@@ -30,3 +32,36 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
             listing = ", ".join(f"{k} on {v}" for k, v in devices.items())
             raise SPDInputError(f"inputs must share one device: {listing}")
     return first
+
+
+def check_integer(name: str, t: torch.Tensor) -> None:
+    if t.dtype not in (torch.int32, torch.int64):
+        raise SPDInputError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+
+
+def check_kernel_float(name: str, t: torch.Tensor) -> str | None:
+    """Reason why a kernel cannot take t's dtype (None when it can)."""
+    if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"{name} has dtype {t.dtype}; the kernels take float32, bfloat16 or float16"
+    return None
+
+
+def last_dim_contiguous(name: str, t: torch.Tensor) -> str | None:
+    if t.dim() and t.shape[-1] > 1 and t.stride(-1) != 1:
+        return f"{name} must be contiguous in its last dimension (stride {t.stride(-1)})"
+    return None
+
+
+def check_values_enabled(*tensors: torch.Tensor) -> bool:
+    """Whether to check values inside tensors (token ids in range, lengths >= 0, ...).
+
+    Always for CPU tensors. For device tensors a value check is a host synchronisation, which the
+    decode loop must not pay (nor may it happen inside CUDA-graph capture), so there it runs only
+    with SPD_CHECK_VALUES=1; the kernels clamp or mask out-of-range values instead of reading out
+    of bounds, so an unchecked bad value gives a wrong answer, never an illegal memory access.
+    """
+    if all(t.device.type == "cpu" for t in tensors):
+        return True
+    if os.environ.get("SPD_CHECK_VALUES", "0") != "1":
+        return False
+    return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

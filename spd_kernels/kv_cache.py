@@ -3,6 +3,15 @@
 A cache is a preallocated buffer plus a length; truncation only lowers the length, so it is O(1)
 and never reallocates or copies. `poison=True` (a debug mode for tests) fills the dropped tail
 with NaN so that any later read of a stale row shows up as NaN in the output.
+
+Backends (see spd_kernels.dispatch):
+  reference  torch.minimum on the lengths; the poison loop reads lengths on the host.
+  triton     one launch updates the lengths of every layer; new lengths are read on the device,
+             so no host synchronisation and CUDA-graph safe. With poison, one launch before it
+             NaNs rows [new, old) of every layer of every buffer (a table of buffer pointers).
+  cuda       the same two kernels in C++ (csrc/kv_cache.cu).
+The kernels clamp negative new lengths to 0 (the reference raises; on device tensors that value
+check needs a host sync, so it runs only with SPD_CHECK_VALUES=1).
 """
 from __future__ import annotations
 
@@ -10,32 +19,170 @@ from typing import Sequence
 
 import torch
 
-from spd_kernels.checks import SPDInputError, check_tensor
+from spd_kernels import _cuda, dispatch
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, check_values_enabled
 
 
-def truncate_kv_(lengths: torch.Tensor, new_lengths: torch.Tensor,
-                 buffers: Sequence[torch.Tensor] = (), *, seq_dim: int = -2,
-                 poison: bool = False) -> torch.Tensor:
-    """lengths [C] (int64, one per cache) <- min(lengths, new_lengths), in place.
-
-    With poison, rows [new, old) of every buffer in `buffers` (each [C, ..., S, ...] with the
-    sequence axis at `seq_dim` and the cache axis first) are set to NaN.
-    """
+def _check(lengths, new_lengths, buffers, seq_dim, poison):
     check_tensor("lengths", lengths, dim=1, dtype=torch.int64)
     check_tensor("new_lengths", new_lengths, dtype=torch.int64, device=lengths.device)
     if new_lengths.dim() > 1 or (new_lengths.dim() == 1 and new_lengths.shape != lengths.shape):
         raise SPDInputError(f"new_lengths must be a scalar or have shape {tuple(lengths.shape)}, "
                             f"got {tuple(new_lengths.shape)}")
-    if bool((new_lengths < 0).any()):
+    if check_values_enabled(new_lengths) and bool((new_lengths < 0).any()):
         raise SPDInputError("new_lengths must be non-negative")
-    old = lengths.clone() if poison else None
-    torch.minimum(lengths, new_lengths.expand_as(lengths), out=lengths)
     if poison:
-        for buf in buffers:
+        for i, buf in enumerate(buffers):
+            check_tensor(f"buffers[{i}]", buf, floating=True, device=lengths.device)
+            if buf.dim() < 2:
+                raise SPDInputError(f"buffers[{i}] must have a cache axis and a sequence axis, "
+                                    f"got shape {tuple(buf.shape)}")
             if buf.shape[0] != lengths.shape[0]:
                 raise SPDInputError(f"buffer has {buf.shape[0]} caches, lengths has {lengths.shape[0]}")
+            sd = seq_dim if seq_dim < 0 else seq_dim
+            if not (-buf.dim() <= sd < buf.dim()) or sd % buf.dim() == 0:
+                raise SPDInputError(f"seq_dim {seq_dim} is not a sequence axis of buffers[{i}] "
+                                    f"with shape {tuple(buf.shape)} (axis 0 is the cache axis)")
+
+
+def truncate_kv_(lengths: torch.Tensor, new_lengths: torch.Tensor,
+                 buffers: Sequence[torch.Tensor] = (), *, seq_dim: int = -2,
+                 poison: bool = False, backend: str | None = None) -> torch.Tensor:
+    """lengths [C] (int64, one per cache) <- min(lengths, new_lengths), in place.
+
+    With poison, rows [new, old) of every buffer in `buffers` (each [C, ..., S, ...] with the
+    sequence axis at `seq_dim` and the cache axis first) are set to NaN.
+    """
+    buffers = tuple(buffers)
+    _check(lengths, new_lengths, buffers, seq_dim, poison)
+    dispatch.call("truncate_kv", lengths.device, lengths, new_lengths, buffers, seq_dim, poison,
+                  backend=backend)
+    return lengths
+
+
+@dispatch.register("truncate_kv", "reference")
+def truncate_kv_reference(lengths, new_lengths, buffers, seq_dim, poison):
+    old = lengths.clone() if poison else None
+    torch.minimum(lengths, new_lengths.clamp_min(0).expand_as(lengths), out=lengths)
+    if poison:
+        for buf in buffers:
             for c in range(lengths.shape[0]):
                 lo, hi = int(lengths[c]), int(old[c])
                 if hi > lo:
                     buf[c].narrow(seq_dim if seq_dim < 0 else seq_dim - 1, lo, hi - lo).fill_(float("nan"))
+    return lengths
+
+
+def _layout(buf: torch.Tensor, seq_dim: int) -> tuple[int, int, int]:
+    """(outer, S, inner) of one cache slice buf[c] viewed as [outer, S, inner]."""
+    sd = seq_dim % buf.dim()
+    outer = 1
+    for s in buf.shape[1:sd]:
+        outer *= s
+    inner = 1
+    for s in buf.shape[sd + 1:]:
+        inner *= s
+    return outer, buf.shape[sd], inner
+
+
+def _kernel_supports(lengths, new_lengths, buffers, seq_dim, poison):
+    if not lengths.is_contiguous():
+        return "lengths must be contiguous for the kernels (they update it in place)"
+    if not poison or not buffers:
+        return None
+    first = buffers[0]
+    for i, b in enumerate(buffers):
+        why = check_kernel_float(f"buffers[{i}]", b)
+        if why:
+            return why
+        if not b.is_contiguous():
+            return f"buffers[{i}] must be contiguous for the poison kernel"
+        if b.shape != first.shape or b.dtype != first.dtype:
+            return "the poison kernel needs buffers of one shape and dtype"
+    return None
+
+
+_TABLES: dict = {}
+
+
+def _pointer_table(buffers) -> torch.Tensor:
+    """int64 device tensor of the buffers' addresses (cached: built once per set of buffers)."""
+    key = (buffers[0].device, tuple(b.data_ptr() for b in buffers))
+    t = _TABLES.get(key)
+    if t is None:
+        if len(_TABLES) > 64:
+            _TABLES.clear()
+        t = torch.tensor(key[1], dtype=torch.int64).to(buffers[0].device)
+        _TABLES[key] = t
+    return t
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _lengths_kernel(len_ptr, new_ptr, new_stride, C, BLOCK_C: tl.constexpr):
+        offs = tl.arange(0, BLOCK_C)
+        mask = offs < C
+        old = tl.load(len_ptr + offs, mask=mask, other=0)
+        new = tl.maximum(tl.load(new_ptr + offs * new_stride, mask=mask, other=0), 0)
+        tl.store(len_ptr + offs, tl.minimum(old, new), mask=mask)
+
+    @triton.jit
+    def _poison_kernel(len_ptr, new_ptr, new_stride, table_ptr, OUTER, S, INNER,
+                       CODE: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (c, b * OUTER + o): NaN rows [new, old) of slice o of cache c of buffer b
+        (a contiguous span of (old - new) * INNER elements)."""
+        c = tl.program_id(0).to(tl.int64)
+        bo = tl.program_id(1)
+        b = bo // OUTER
+        o = bo % OUTER
+        old = tl.load(len_ptr + c)
+        new = tl.minimum(tl.maximum(tl.load(new_ptr + c * new_stride), 0), old)
+        addr = tl.load(table_ptr + b)
+        if CODE == 1:
+            base = addr.to(tl.pointer_type(tl.bfloat16))
+        elif CODE == 2:
+            base = addr.to(tl.pointer_type(tl.float16))
+        else:
+            base = addr.to(tl.pointer_type(tl.float32))
+        base += ((c * OUTER + o) * S) * INNER
+        end = old * INNER
+        for start in range(new * INNER, end, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            tl.store(base + offs, float("nan"), mask=offs < end)
+
+
+@dispatch.register("truncate_kv", "triton", supports=_kernel_supports)
+def truncate_kv_triton(lengths, new_lengths, buffers, seq_dim, poison):
+    new_lengths = new_lengths.contiguous()
+    C = lengths.shape[0]
+    new_stride = 1 if new_lengths.dim() == 1 else 0
+    if C == 0:
+        return lengths
+    if poison and buffers:
+        outer, S, inner = _layout(buffers[0], seq_dim)
+        block = min(next_pow2(max(inner, 1) * 8), 1024 if not INTERPRET else 4096)
+        _poison_kernel[(C, len(buffers) * outer)](
+            lengths, new_lengths, new_stride, _pointer_table(buffers), outer, S, inner,
+            CODE=dtype_code(buffers[0].dtype), BLOCK=block)
+    _lengths_kernel[(1,)](lengths, new_lengths, new_stride, C, BLOCK_C=next_pow2(C))
+    return lengths
+
+
+@dispatch.register("truncate_kv", "cuda", supports=_kernel_supports)
+def truncate_kv_cuda(lengths, new_lengths, buffers, seq_dim, poison):
+    ext = _cuda.ext()
+    new_lengths = new_lengths.contiguous()
+    C = lengths.shape[0]
+    new_stride = 1 if new_lengths.dim() == 1 else 0
+    if C == 0:
+        return lengths
+    stream = _cuda.stream_of(lengths)
+    if poison and buffers:
+        outer, S, inner = _layout(buffers[0], seq_dim)
+        ext.kv_poison(lengths.data_ptr(), new_lengths.data_ptr(), new_stride,
+                      _pointer_table(buffers).data_ptr(), len(buffers), C, outer, S, inner,
+                      dtype_code(buffers[0].dtype), stream)
+    ext.kv_truncate(lengths.data_ptr(), new_lengths.data_ptr(), new_stride, C, stream)
     return lengths

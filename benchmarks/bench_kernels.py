@@ -1,0 +1,457 @@
+"""Kernel microbenchmarks: every spd_kernels op against its eager reference and torch.compile of
+the reference, at the shapes of SmolLM2-135M, Qwen3-4B and Qwen3-8B.
+
+For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda,
+and for the PDM step a CUDA-graph replay of the eager step) it prints the median time per call,
+the bytes the op must move at least (weights it reads once, inputs, outputs), the achieved GB/s,
+that as a percentage of this device's measured copy bandwidth, and the time over the bytes-moved
+floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
+benchmarks/results/<date>-kernels-<device>.json).
+
+On a GPU it also checks the issue's targets (Qwen3-4B shapes): verify within 1.2x of reading the
+LM head once; anchor projection within 1.25x of its floor; the PDM step (3 layers, 32k draft
+vocabulary, 9 rows) within 1.5x of its weight-read floor and faster than a 4-layer stage; KV
+truncation under 5 us with no host synchronisation. Run it there with TRITON_INTERPRET unset:
+
+    TRITON_INTERPRET=0 python benchmarks/bench_kernels.py                # GPU: all (compile: Qwen3-4B)
+    TRITON_INTERPRET=0 python benchmarks/bench_kernels.py --models qwen3-4b --compile off \
+        --iters 20                                                      # GPU, short device budget
+    python benchmarks/bench_kernels.py --iters 3 --warmup 1 --threads 1  # CPU: reference (+ compile
+                                                                         # on SmolLM2)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from datetime import date
+from pathlib import Path
+
+import logging
+
+import torch
+
+import spd_kernels
+from spd_kernels import dispatch
+from spd_kernels.features import anchor_projection_reference
+from spd_kernels.kv_cache import truncate_kv_reference
+from spd_kernels.pdm import LayerWeights, PDMWeights, pdm_step, qkv_rope_append_reference
+from spd_kernels.verify import rejection_sample_logits_reference, verify_greedy_reference
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    hidden: int
+    vocab: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    qk_norm: bool
+
+
+MODELS = {
+    "smollm2-135m": Shape("smollm2-135m", 576, 49152, 30, 9, 3, 64, 1536, False),
+    "qwen3-4b": Shape("qwen3-4b", 2560, 151936, 36, 32, 8, 128, 9728, True),
+    "qwen3-8b": Shape("qwen3-8b", 4096, 151936, 36, 32, 8, 128, 12288, True),
+}
+OPS = ["verify_greedy", "rejection_sample_logits", "anchor_projection", "truncate_kv",
+       "qkv_rope_append", "pdm_step"]
+N_STAGES = 8          # pipeline depth the shapes assume (9 in-flight rows, staircase types)
+N_ANCHORS = 5
+DRAFT_VOCAB = 32768
+PDM_LAYERS = 3
+CONTEXT = 1024        # positions already in the caches for the attention-bearing ops
+CACHE_CAPACITY = 4096
+
+
+# --- timing -------------------------------------------------------------------------------------
+
+class Timer:
+    def __init__(self, device: torch.device, iters: int, warmup: int, flush: bool):
+        self.device, self.iters, self.warmup = device, iters, warmup
+        self.flush_buf = None
+        if flush and device.type == "cuda":  # larger than the H200's 50 MB L2
+            self.flush_buf = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=device)
+
+    def __call__(self, fn) -> tuple[float, float]:
+        """(median, min) microseconds per call."""
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            for _ in range(self.iters):
+                if self.flush_buf is not None:
+                    self.flush_buf.zero_()
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+        else:
+            for _ in range(self.iters):
+                t0 = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times), min(times)
+
+
+def copy_bandwidth(device: torch.device, timer: Timer) -> float:
+    """GB/s of a large device-to-device copy (bytes read + bytes written)."""
+    n = (1024 if device.type == "cuda" else 256) * 2 ** 20
+    src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
+    dst = torch.empty_like(src)
+    med, _ = timer(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * n / (med * 1e-6) / 1e9
+
+
+def no_host_sync(fn, device) -> bool | None:
+    """Whether fn runs without a device->host synchronisation (CUDA only)."""
+    if device.type != "cuda":
+        return None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return True
+    except RuntimeError:
+        return False
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+
+
+# --- workloads ------------------------------------------------------------------------------------
+
+def staircase_types(device):
+    return torch.tensor([min(N_ANCHORS - 1, (k * N_ANCHORS) // (N_STAGES + 1))
+                         for k in range(N_STAGES + 1)][::-1], device=device)
+
+
+def rand(*shape, dtype, device, scale=1.0):
+    return (torch.randn(*shape, device=device, dtype=torch.float32) * scale).to(dtype)
+
+
+def layer_weights(s: Shape, dtype, device) -> LayerWeights:
+    d, hd = s.hidden, s.head_dim
+    sc = d ** -0.5
+    return LayerWeights(
+        rand(d, dtype=dtype, device=device, scale=0.1) + 1,
+        rand(s.heads * hd, d, dtype=dtype, device=device, scale=sc),
+        rand(s.kv_heads * hd, d, dtype=dtype, device=device, scale=sc),
+        rand(s.kv_heads * hd, d, dtype=dtype, device=device, scale=sc),
+        (rand(hd, dtype=dtype, device=device, scale=0.1) + 1) if s.qk_norm else None,
+        (rand(hd, dtype=dtype, device=device, scale=0.1) + 1) if s.qk_norm else None,
+        rand(d, s.heads * hd, dtype=dtype, device=device, scale=sc),
+        rand(d, dtype=dtype, device=device, scale=0.1) + 1,
+        rand(s.intermediate, d, dtype=dtype, device=device, scale=sc),
+        rand(s.intermediate, d, dtype=dtype, device=device, scale=sc),
+        rand(d, s.intermediate, dtype=dtype, device=device, scale=s.intermediate ** -0.5))
+
+
+def layer_bytes(lw: LayerWeights) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(lw).values() if t is not None)
+
+
+def rope(s: Shape, dtype, device):
+    from spd.layers import rope_table  # the runtime's table; any Llama-style table would do
+    return rope_table(s.head_dim, CACHE_CAPACITY, 1e6, device=device, dtype=dtype)
+
+
+def build_cases(op: str, s: Shape, dtype, device):
+    """Yield (case name, {backend: callable}, bytes floor, extra) for one op at one shape."""
+    d, V = s.hidden, s.vocab
+    el = torch.tensor([], dtype=dtype).element_size()
+    if op == "verify_greedy":
+        hidden = rand(1, d, dtype=dtype, device=device)
+        norm = rand(d, dtype=dtype, device=device, scale=0.1) + 1
+        head = rand(V, d, dtype=dtype, device=device, scale=d ** -0.5)
+        draft = torch.tensor([7], device=device)
+        args = (hidden, norm, 1e-6, head, draft)
+        fns = {"reference": (verify_greedy_reference, args)}
+        fns.update({b: (lambda *a, b=b: spd_kernels.verify_greedy(*a, backend=b), args)
+                    for b in ("triton", "cuda")})
+        yield "R=1", fns, V * d * el + 2 * d * el, {}
+    elif op == "rejection_sample_logits":
+        vd = min(DRAFT_VOCAB, V)
+        logits = torch.randn(1, V, device=device) * 3
+        q = torch.softmax(torch.randn(1, vd, device=device) * 2, -1)
+        d2t = torch.randperm(V, device=device)[:vd]
+        tok = d2t[:1].clone()
+        u = torch.rand(1, 2, device=device)
+        for case, (t, k, p) in {"T=0.8": (0.8, 0, 1.0), "T=0.8,k=50,p=0.9": (0.8, 50, 0.9)}.items():
+            args = (logits, q, d2t, tok, u, t, k, p)
+            fns = {"reference": (rejection_sample_logits_reference, args)}
+            fns["triton"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: spd_kernels.rejection_sample_logits(
+                lg, qq, m, tk, uu, temperature=t_, top_k=k_, top_p=p_, backend="triton"), args)
+            yield case, fns, V * 4 + vd * 4 + V * 4, {}
+    elif op == "anchor_projection":
+        types = staircase_types(device)
+        rows = types.numel()
+        store = rand(N_ANCHORS, CONTEXT, d, dtype=dtype, device=device)
+        anchors = store[:, CONTEXT - rows:]  # in place: a window of the engine's anchor buffer
+        weights = [rand(d, (e + 1) * d, dtype=dtype, device=device, scale=d ** -0.5)
+                   for e in range(N_ANCHORS)]
+        biases = [rand(d, dtype=dtype, device=device, scale=0.01) for _ in range(N_ANCHORS)]
+        args = (anchors, types, weights, biases)
+        fns = {"reference": (anchor_projection_reference, args)}
+        fns.update({b: (lambda *a, b=b: spd_kernels.anchor_projection(*a, backend=b), args)
+                    for b in ("triton", "cuda")})
+        present = set(types.tolist())
+        floor = sum(weights[e].numel() * el + d * el for e in present)
+        floor += sum((int(e) + 1) * d * el for e in types.tolist()) + rows * d * el
+        yield f"rows={rows},m={N_ANCHORS}", fns, floor, {}
+    elif op == "truncate_kv":
+        C = math.ceil(s.layers / N_STAGES)
+        lengths = torch.full((C,), CONTEXT, dtype=torch.int64, device=device)
+        new = torch.tensor(CONTEXT, dtype=torch.int64, device=device)  # restored each call
+        k = torch.empty(C, s.kv_heads, CACHE_CAPACITY, s.head_dim, dtype=dtype, device=device)
+
+        def wrap(impl):
+            def run(*_):
+                impl(lengths, new, (k,), -2, False)
+            return run
+        fns = {"reference": (wrap(truncate_kv_reference), ())}
+        fns.update({b: (wrap(lambda *a, b=b: spd_kernels.truncate_kv_(
+            a[0], a[1], a[2], seq_dim=a[3], poison=a[4], backend=b)), ()) for b in ("triton", "cuda")})
+        yield f"C={C} layers", fns, 2 * C * 8, {"sync_check": True}
+    elif op == "qkv_rope_append":
+        rows = N_STAGES + 1
+        lw = layer_weights(s, dtype, device)
+        cos, sin = rope(s, dtype, device)
+        kc = torch.zeros(s.kv_heads, CACHE_CAPACITY, s.head_dim, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        x = rand(rows, d, dtype=dtype, device=device)
+        start = torch.tensor([CONTEXT], device=device)
+        args = (x, lw.input_norm, 1e-6, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos, sin,
+                start, kc, vc, s.heads, s.kv_heads)
+        fns = {"reference": (qkv_rope_append_reference, args)}
+        fns["triton"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="triton"), args)
+        floor = (lw.wq.numel() + lw.wk.numel() + lw.wv.numel()) * el + rows * d * el * 2
+        yield f"rows={rows}", fns, floor, {}
+    elif op == "pdm_step":
+        rows = N_STAGES + 1
+        vd = min(DRAFT_VOCAB, V)
+        cos, sin = rope(s, dtype, device)
+        for case, n_layers, head_rows in ((f"PDM {PDM_LAYERS} layers, Vd={vd}", PDM_LAYERS, vd),
+                                          ("target stage, 4 layers, 1 row", 4, 1)):
+            layers = [layer_weights(s, dtype, device) for _ in range(n_layers)]
+            w = PDMWeights(layers, rand(d, dtype=dtype, device=device) + 1,
+                           rand(head_rows, d, dtype=dtype, device=device, scale=d ** -0.5),
+                           s.heads, s.kv_heads, s.head_dim, 1e-6)
+            kc = rand(n_layers, s.kv_heads, CACHE_CAPACITY, s.head_dim, dtype=dtype, device=device)
+            vc = rand(n_layers, s.kv_heads, CACHE_CAPACITY, s.head_dim, dtype=dtype, device=device)
+            n_rows = rows if head_rows > 1 else 1
+            x = rand(n_rows, d, dtype=dtype, device=device)
+            args = (x, w, kc, vc, CONTEXT, cos, sin)
+            fns = {"reference": (lambda *a: pdm_step(*a, backend="reference"), args)}
+            fns["triton"] = (lambda *a: pdm_step(*a, backend="triton"), args)
+            floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
+            floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
+            yield case, fns, floor, {"graph": True}
+
+
+# --- running ----------------------------------------------------------------------------------------
+
+def backend_ready(op: str, backend: str, device) -> str | None:
+    real_op = {"pdm_step": "qkv_rope_append"}.get(op, op)
+    if backend in ("reference", "compile", "cuda_graph"):
+        return None
+    if backend not in dispatch.available(real_op, device):
+        return "not available here"
+    if backend == "triton" and device.type == "cpu":
+        return "Triton interpreter is not a speed path"
+    return None
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    timer = Timer(device, args.iters, args.warmup, flush=not args.no_flush)
+    torch.manual_seed(0)
+    bw = copy_bandwidth(device, timer)
+    print(f"device {device_name(device)}: copy bandwidth {bw:.1f} GB/s; dtype {dtype}; "
+          f"iters {args.iters}")
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
+    # torch.compile takes tens of seconds per op and shape: by default only one model is compiled
+    # (the target shapes on a GPU, the smallest on a CPU).
+    compile_models = set(models) if args.compile == "on" else (
+        set() if args.compile == "off" else
+        ({"qwen3-4b"} if device.type == "cuda" else {"smollm2-135m"}) & set(models))
+    rows = []
+    for m in models:
+        s = MODELS[m]
+        for op in ops:
+            for case, fns, floor_bytes, extra in build_cases(op, s, dtype, device):
+                entries = dict(fns)
+                if m in compile_models:
+                    ref_fn, ref_args = fns["reference"]
+                    entries["compile"] = (torch.compile(ref_fn, dynamic=False), ref_args)
+                if extra.get("graph") and device.type == "cuda":
+                    entries["cuda_graph"] = graph_of(*fns["reference"])
+                for backend, entry in entries.items():
+                    row = dict(model=m, op=op, case=case, backend=backend, bytes=floor_bytes)
+                    why = backend_ready(op, backend, device)
+                    if why is not None:
+                        continue
+                    fn, fargs = entry
+                    try:
+                        t0 = time.perf_counter()
+                        med, best = timer(lambda: fn(*fargs))
+                        row["wall_s"] = round(time.perf_counter() - t0, 3)
+                    except Exception as exc:  # record and go on: one broken backend != no table
+                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+                        rows.append(row)
+                        print(f"  {m} {op} {case} {backend}: ERROR {row['error']}")
+                        continue
+                    row.update(us=med, us_min=best, gb_s=floor_bytes / (med * 1e-6) / 1e9)
+                    row["pct_copy_bw"] = 100 * row["gb_s"] / bw
+                    row["floor_us"] = floor_bytes / (bw * 1e9) * 1e6
+                    row["x_floor"] = med / row["floor_us"]
+                    if extra.get("sync_check"):
+                        row["no_host_sync"] = no_host_sync(lambda: fn(*fargs), device)
+                    rows.append(row)
+                    print_row(row)
+                del entries, fns
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    return dict(meta=meta(args, device, dtype, bw), rows=rows, targets=targets(rows, device))
+
+
+def graph_of(fn, fargs):
+    """The eager reference captured once as a CUDA graph (launch overhead gone)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn(*fargs)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(*fargs)
+    return (lambda: graph.replay(), ())
+
+
+def targets(rows, device) -> list[dict]:
+    if device.type != "cuda":
+        return [dict(target="GPU targets", status="not evaluated on CPU")]
+
+    def best(op, model="qwen3-4b", case=None, backends=("triton", "cuda", "cuda_graph")):
+        cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
+                 and r["backend"] in backends and (case is None or r["case"].startswith(case))]
+        return min(cands, key=lambda r: r["us"]) if cands else None
+    out = []
+    v = best("verify_greedy")
+    out.append(dict(target="verify (Qwen3-4B) <= 1.2x LM-head read", value=v and v["x_floor"],
+                    backend=v and v["backend"], ok=bool(v and v["x_floor"] <= 1.2)))
+    a = best("anchor_projection")
+    out.append(dict(target="anchor projection (Qwen3-4B) <= 1.25x bytes floor",
+                    value=a and a["x_floor"], backend=a and a["backend"],
+                    ok=bool(a and a["x_floor"] <= 1.25)))
+    p = best("pdm_step", case="PDM")
+    st = best("pdm_step", case="target stage", backends=("reference", "cuda_graph", "triton"))
+    out.append(dict(target="PDM step (Qwen3-4B) <= 1.5x weight floor", value=p and p["x_floor"],
+                    backend=p and p["backend"], ok=bool(p and p["x_floor"] <= 1.5)))
+    out.append(dict(target="PDM step faster than a 4-layer Qwen3-4B stage",
+                    value=p and st and p["us"] / st["us"], ok=bool(p and st and p["us"] < st["us"])))
+    k = best("truncate_kv")
+    out.append(dict(target="KV truncation < 5 us, no host sync", value=k and k["us"],
+                    backend=k and k["backend"],
+                    ok=bool(k and k["us"] < 5 and k.get("no_host_sync"))))
+    return out
+
+
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def device_tag(device) -> str:
+    if device.type != "cuda":
+        return "cpu"
+    name = torch.cuda.get_device_name(device).lower()
+    for key in ("h200", "h100", "a100", "l40s", "b200"):
+        if key in name:
+            return key
+    return "".join(ch if ch.isalnum() else "-" for ch in name).strip("-")
+
+
+def meta(args, device, dtype, bw) -> dict:
+    import triton
+    return dict(date=args.date, device=device_name(device), platform=platform.platform(),
+                torch=torch.__version__, triton=getattr(triton, "__version__", None),
+                cuda_extension=dispatch.describe()["cuda_extension"], dtype=str(dtype),
+                copy_bandwidth_gb_s=bw, iters=args.iters, warmup=args.warmup,
+                l2_flush=not args.no_flush and device.type == "cuda",
+                triton_interpret=os.environ.get("TRITON_INTERPRET", "0"),
+                shapes={k: vars(v) for k, v in MODELS.items()},
+                settings=dict(n_stages=N_STAGES, anchors=N_ANCHORS, draft_vocab=DRAFT_VOCAB,
+                              pdm_layers=PDM_LAYERS, context=CONTEXT, cache=CACHE_CAPACITY),
+                command=" ".join(sys.argv))
+
+
+HEADER = (f"{'model':<14}{'op':<24}{'case':<32}{'backend':<11}{'us':>11}{'GB/s':>9}"
+          f"{'%copy':>7}{'x floor':>9}")
+
+
+def print_row(r):
+    extra = "" if r.get("no_host_sync") is None else ("  no-sync" if r["no_host_sync"] else "  SYNC")
+    print(f"{r['model']:<14}{r['op']:<24}{r['case'][:31]:<32}{r['backend']:<11}{r['us']:>11.1f}"
+          f"{r['gb_s']:>9.2f}{r['pct_copy_bw']:>7.1f}{r['x_floor']:>9.2f}{extra}", flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (default 50 GPU, 3 CPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
+    ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                    help="torch.compile the references (auto: Qwen3-4B on GPU, SmolLM2 on CPU)")
+    ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--date", default=str(date.today()))
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    gpu = args.device.startswith("cuda")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch._logging.set_logs(dynamo=logging.ERROR)  # graph breaks in the references are expected
+    args.iters = args.iters or (50 if gpu else 3)
+    args.warmup = args.warmup if args.warmup is not None else (5 if gpu else 1)
+    if os.environ.get("TRITON_INTERPRET") == "1" and gpu:
+        print("TRITON_INTERPRET=1 is set: the Triton backend will be skipped on the GPU",
+              file=sys.stderr)
+    print(HEADER)
+    result = run(args)
+    print("-" * len(HEADER))
+    for t in result["targets"]:
+        print("target:", json.dumps(t))
+    out = Path(args.json_out or Path(__file__).parent / "results" /
+               f"{args.date}-kernels-{device_tag(torch.device(args.device))}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

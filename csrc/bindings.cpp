@@ -1,0 +1,117 @@
+// pybind11 bindings of the spd_kernels CUDA kernels (module spd_kernels._spd_cuda).
+//
+// Every tensor argument is a raw device address (Python int, e.g. tensor.data_ptr()) and the
+// stream is a raw cudaStream_t (torch.cuda.current_stream().cuda_stream), so this module does not
+// depend on torch's C++ API or ABI. Shapes, dtypes and value ranges are checked in Python
+// (spd_kernels/*.py); here a missing device or a CUDA error becomes a RuntimeError naming it.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "spd_cuda.h"
+
+namespace py = pybind11;
+
+namespace {
+
+std::string describe(int err) {
+  return std::string(spd::error_name(err)) + ": " + spd::error_string(err);
+}
+
+void check(int err, const char* what) {
+  if (err != 0)
+    throw std::runtime_error(std::string("spd_kernels._spd_cuda.") + what + " failed: " + describe(err));
+}
+
+int device_count() {
+  int n = 0;
+  const int err = spd::device_count(&n);
+  if (err != 0)
+    throw std::runtime_error("spd_kernels._spd_cuda: no usable CUDA device (cudaGetDeviceCount: " +
+                             describe(err) + ")");
+  if (n == 0) throw std::runtime_error("spd_kernels._spd_cuda: no usable CUDA device (none found)");
+  return n;
+}
+
+void require_device() {
+  static bool ok = false;  // one successful query is enough for the process
+  if (!ok) {
+    device_count();
+    ok = true;
+  }
+}
+
+template <typename T>
+T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
+
+}  // namespace
+
+PYBIND11_MODULE(_spd_cuda, m) {
+  m.doc() = "CUDA kernels of spd_kernels (raw device pointers, no torch C++ API)";
+  m.def("device_count", &device_count, "number of CUDA devices; raises when none is usable");
+  m.def("runtime_version", &spd::runtime_version, "CUDA runtime version compiled in");
+  m.def("verify_greedy_num_blocks", &spd::verify_greedy_num_blocks, py::arg("V"));
+
+  m.def(
+      "verify_greedy",
+      [](uintptr_t hidden, int64_t stride_h, uintptr_t norm_weight, uintptr_t weight,
+         int64_t stride_w, uintptr_t draft, bool draft_i64, uintptr_t pval, uintptr_t pidx,
+         uintptr_t target, uintptr_t accepted, int R, int D, int V, float eps, int dtype,
+         uintptr_t stream) {
+        require_device();
+        check(spd::verify_greedy(ptr<const void>(hidden), stride_h, ptr<const void>(norm_weight),
+                                 ptr<const void>(weight), stride_w, ptr<const void>(draft),
+                                 draft_i64, ptr<float>(pval), ptr<int>(pidx), ptr<int64_t>(target),
+                                 ptr<bool>(accepted), R, D, V, eps, dtype, ptr<void>(stream)),
+              "verify_greedy");
+      },
+      py::arg("hidden"), py::arg("stride_h"), py::arg("norm_weight"), py::arg("weight"),
+      py::arg("stride_w"), py::arg("draft"), py::arg("draft_i64"), py::arg("pval"),
+      py::arg("pidx"), py::arg("target"), py::arg("accepted"), py::arg("R"), py::arg("D"),
+      py::arg("V"), py::arg("eps"), py::arg("dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "kv_truncate",
+      [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream) {
+        require_device();
+        check(spd::kv_truncate(ptr<int64_t>(lengths), ptr<const int64_t>(new_lengths), new_stride,
+                               C, ptr<void>(stream)),
+              "kv_truncate");
+      },
+      py::arg("lengths"), py::arg("new_lengths"), py::arg("new_stride"), py::arg("C"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "kv_poison",
+      [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, uintptr_t table, int n_buffers,
+         int C, int64_t outer, int64_t S, int64_t inner, int dtype, uintptr_t stream) {
+        require_device();
+        check(spd::kv_poison(ptr<const int64_t>(lengths), ptr<const int64_t>(new_lengths),
+                             new_stride, ptr<const int64_t>(table), n_buffers, C, outer, S, inner,
+                             dtype, ptr<void>(stream)),
+              "kv_poison");
+      },
+      py::arg("lengths"), py::arg("new_lengths"), py::arg("new_stride"), py::arg("table"),
+      py::arg("n_buffers"), py::arg("C"), py::arg("outer"), py::arg("S"), py::arg("inner"),
+      py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "anchor_projection",
+      [](uintptr_t anchors, int64_t stride_am, int64_t stride_ar, uintptr_t types, bool types_i64,
+         uintptr_t table, uintptr_t out, int64_t stride_or, int M, int R, int D, int N, int dtype,
+         bool vectorized, uintptr_t stream) {
+        require_device();
+        check(spd::anchor_projection(ptr<const void>(anchors), stride_am, stride_ar,
+                                     ptr<const void>(types), types_i64, ptr<const int64_t>(table),
+                                     ptr<void>(out), stride_or, M, R, D, N, dtype, vectorized,
+                                     ptr<void>(stream)),
+              "anchor_projection");
+      },
+      py::arg("anchors"), py::arg("stride_am"), py::arg("stride_ar"), py::arg("types"),
+      py::arg("types_i64"), py::arg("table"), py::arg("out"), py::arg("stride_or"), py::arg("M"),
+      py::arg("R"), py::arg("D"), py::arg("N"), py::arg("dtype"), py::arg("vectorized"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,21 @@
+// Runtime queries for the bindings (kept here so bindings.cpp needs no CUDA headers).
+#include "common.cuh"
+
+namespace spd {
+
+int device_count(int* count) {
+  *count = 0;
+  return cudaGetDeviceCount(count);
+}
+
+const char* error_name(int err) { return cudaGetErrorName(static_cast<cudaError_t>(err)); }
+
+const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }
+
+int runtime_version() {
+  int v = 0;
+  cudaRuntimeGetVersion(&v);
+  return v;
+}
+
+}  // namespace spd

@@ -1,0 +1,39 @@
+// C++ interface of the spd_kernels CUDA kernels: raw device pointers, a cudaStream_t passed as
+// void*, plain integers. No torch, no pybind11 here; every function returns a cudaError_t value
+// (0 = success) so the bindings can turn it into a Python exception.
+#pragma once
+#include <cstdint>
+
+namespace spd {
+
+enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+int device_count(int* count);
+const char* error_name(int err);
+const char* error_string(int err);
+int runtime_version();
+
+// Greedy verification: fused RMSNorm + LM-head GEMV + argmax (+ compare), logits never stored.
+// Pass 1 writes per-vocabulary-block maxima to pval/pidx [R, verify_greedy_num_blocks(V)],
+// pass 2 reduces them and writes target [R] (int64) and accepted [R] (bool).
+int verify_greedy_num_blocks(int V);
+int verify_greedy(const void* hidden, int64_t stride_h, const void* norm_weight, const void* weight,
+                  int64_t stride_w, const void* draft, bool draft_i64, float* pval, int* pidx,
+                  int64_t* target, bool* accepted, int R, int D, int V, float eps, int dtype,
+                  void* stream);
+
+// KV truncation: lengths[c] = min(lengths[c], max(new_lengths[c * new_stride], 0)).
+int kv_truncate(int64_t* lengths, const int64_t* new_lengths, int new_stride, int C, void* stream);
+// Debug poison, run before kv_truncate: NaN rows [new, old) of every buffer. table: device array
+// of n_buffers addresses, each buffer contiguous [C, outer, S, inner].
+int kv_poison(const int64_t* lengths, const int64_t* new_lengths, int new_stride,
+              const int64_t* table, int n_buffers, int C, int64_t outer, int64_t S, int64_t inner,
+              int dtype, void* stream);
+
+// Anchor concat-projection: out[r] = sum_{j<=e(r)} W_e[:, j*D:(j+1)*D] a[j, r] + b_e.
+// table: device int64 [2, M]: weight addresses then bias addresses per type (0 = none).
+int anchor_projection(const void* anchors, int64_t stride_am, int64_t stride_ar, const void* types,
+                      bool types_i64, const int64_t* table, void* out, int64_t stride_or, int M,
+                      int R, int D, int N, int dtype, bool vectorized, void* stream);
+
+}  // namespace spd

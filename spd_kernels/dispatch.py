@@ -1,0 +1,192 @@
+"""Backend choice per op and device: cuda (C++ extension), triton, or the PyTorch reference.
+
+Automatic choice (the default):
+  - CUDA tensors: the CUDA C++ kernel if the extension is built and the op has one that supports
+    the arguments, else the Triton kernel, else the reference.
+  - CPU tensors: the reference (the Triton interpreter is a correctness tool, not a speed path).
+
+Forcing a backend:
+  - `SPD_BACKEND=triton` (or cuda / reference / auto) forces one for every op;
+    `SPD_BACKEND=verify_greedy=cuda,anchor_projection=triton` forces per op, and a bare name in the
+    list sets the default for the others (`SPD_BACKEND=triton,truncate_kv=reference`).
+  - `with spd_kernels.dispatch.use_backend("triton"): ...` does the same in-process (tests).
+  - the `backend=` keyword of each public op, which wins over both.
+
+A forced backend that cannot run (not built, wrong device, Triton on CPU without
+`TRITON_INTERPRET=1`, unsupported arguments) raises `SPDBackendError` naming why; the automatic
+choice never raises for that reason, it falls back to the next backend.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from spd_kernels import _cuda
+from spd_kernels._triton import HAS_TRITON, INTERPRET
+
+BACKENDS = ("cuda", "triton", "reference")
+OPS = ("verify_greedy", "rejection_sample", "rejection_sample_logits", "truncate_kv",
+       "anchor_projection", "qkv_rope_append")
+
+
+class SPDBackendError(RuntimeError):
+    """A backend was requested explicitly but cannot run this op here."""
+
+
+@dataclass
+class _Impl:
+    fn: Callable
+    # supports(*args, **kwargs) -> None when the impl handles these arguments, else a reason.
+    supports: Callable | None = None
+
+
+_REGISTRY: dict[str, dict[str, _Impl]] = {op: {} for op in OPS}
+_local = threading.local()
+
+
+def register(op: str, backend: str, supports: Callable | None = None):
+    """Decorator: `fn` implements `op` on `backend` (same signature as the public op)."""
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}")
+
+    def deco(fn):
+        _REGISTRY[op][backend] = _Impl(fn, supports)
+        return fn
+    return deco
+
+
+def backend_unavailable(backend: str, device: torch.device) -> str | None:
+    """Why `backend` cannot run on `device` at all (None when it can)."""
+    if backend == "reference":
+        return None
+    if backend == "triton":
+        if not HAS_TRITON:
+            return "Triton is not installed"
+        if device.type == "cuda":
+            if INTERPRET:
+                return ("TRITON_INTERPRET=1 was set when spd_kernels was imported, so the Triton "
+                        "kernels run in the CPU interpreter and cannot take CUDA tensors")
+            return None
+        if device.type == "cpu":
+            if INTERPRET:
+                return None
+            return ("Triton kernels run on CPU tensors only in the interpreter: set "
+                    "TRITON_INTERPRET=1 before importing spd_kernels")
+        return f"Triton kernels do not run on {device.type} tensors"
+    if backend == "cuda":
+        if device.type != "cuda":
+            return f"the CUDA C++ kernels need CUDA tensors, got {device.type} tensors"
+        if not _cuda.built():
+            return _cuda.unavailable_reason()
+        return None
+    return f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)} or auto)"
+
+
+def _parse_env(value: str) -> tuple[str | None, dict[str, str]]:
+    default, per_op = None, {}
+    for part in filter(None, (p.strip() for p in value.split(","))):
+        if "=" in part:
+            op, name = (s.strip() for s in part.split("=", 1))
+            if op not in _REGISTRY:
+                raise SPDBackendError(f"SPD_BACKEND names unknown op {op!r} "
+                                      f"(ops: {', '.join(OPS)})")
+            per_op[op] = name
+        else:
+            default = part
+    return default, per_op
+
+
+def requested_backend(op: str, explicit: str | None = None) -> str:
+    """The backend asked for (explicit > use_backend context > SPD_BACKEND > auto)."""
+    if explicit is not None:
+        return explicit
+    forced = getattr(_local, "forced", None)
+    if forced is not None:
+        default, per_op = forced
+        if op in per_op:
+            return per_op[op]
+        if default is not None:
+            return default
+    default, per_op = _parse_env(os.environ.get("SPD_BACKEND", ""))
+    return per_op.get(op, default) or "auto"
+
+
+@contextlib.contextmanager
+def use_backend(default: str | None = None, **per_op: str):
+    """Force backends inside a block: use_backend("triton") or use_backend(verify_greedy="cuda")."""
+    for op in per_op:
+        if op not in _REGISTRY:
+            raise SPDBackendError(f"unknown op {op!r} (ops: {', '.join(OPS)})")
+    old = getattr(_local, "forced", None)
+    _local.forced = (default, dict(per_op))
+    try:
+        yield
+    finally:
+        _local.forced = old
+
+
+def _auto_order(device: torch.device) -> tuple[str, ...]:
+    if device.type == "cuda":
+        return ("cuda", "triton", "reference")
+    return ("reference",)
+
+
+def select(op: str, device: torch.device, args=None, kwargs=None,
+           backend: str | None = None) -> tuple[str, Callable]:
+    """(backend name, implementation) for a call with these arguments; with args=None the
+    arguments are not considered (a query: which backend would this op use on this device)."""
+    check_args = args is not None
+    args, kwargs = args or (), kwargs or {}
+    impls = _REGISTRY[op]
+    name = requested_backend(op, backend)
+    if name != "auto":
+        if name not in BACKENDS:
+            raise SPDBackendError(f"unknown backend {name!r} for {op} (expected one of "
+                                  f"{', '.join(BACKENDS)} or auto)")
+        impl = impls.get(name)
+        if impl is None:
+            have = ", ".join(b for b in BACKENDS if b in impls)
+            raise SPDBackendError(f"{op} has no {name} implementation (available: {have})")
+        why = backend_unavailable(name, device)
+        if why is None and impl.supports is not None and check_args:
+            why = impl.supports(*args, **kwargs)
+        if why is not None:
+            raise SPDBackendError(f"{op}: the {name} backend was requested but cannot run: {why}")
+        return name, impl.fn
+    for cand in _auto_order(device):
+        impl = impls.get(cand)
+        if impl is None or backend_unavailable(cand, device) is not None:
+            continue
+        if check_args and impl.supports is not None and impl.supports(*args, **kwargs) is not None:
+            continue
+        return cand, impl.fn
+    return "reference", impls["reference"].fn
+
+
+def call(op: str, device: torch.device, *args, backend: str | None = None, **kwargs):
+    _, fn = select(op, device, args, kwargs, backend)
+    return fn(*args, **kwargs)
+
+
+def available(op: str, device) -> list[str]:
+    """Backends that can run `op` on `device` here (argument support aside)."""
+    device = torch.device(device)
+    return [b for b in BACKENDS if b in _REGISTRY[op] and backend_unavailable(b, device) is None]
+
+
+def describe() -> dict:
+    """What is registered and available, for logs and benchmarks."""
+    devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
+    return {
+        "triton": HAS_TRITON, "triton_interpret": INTERPRET, "cuda_extension": _cuda.built(),
+        "cuda_extension_error": _cuda.unavailable_reason(),
+        "ops": {op: {"implemented": [b for b in BACKENDS if b in _REGISTRY[op]],
+                     **{str(d): available(op, d) for d in devices}} for op in OPS},
+    }

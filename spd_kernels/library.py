@@ -1,0 +1,117 @@
+"""torch.library registration: the ops as `torch.ops.spd.*`, with fake (meta) implementations.
+
+The custom ops run the same dispatcher as the Python functions (so SPD_BACKEND applies), and their
+fake implementations give output shapes and dtypes without running anything, so the ops trace
+under torch.compile (fullgraph) and export. The Python functions in spd_kernels call the
+dispatcher directly (no custom-op overhead on the eager decode path); other runtimes and compiled
+graphs use torch.ops.spd.*.
+
+    torch.ops.spd.verify_greedy(hidden, norm_weight, eps, lm_head_weight, draft_tokens)
+        -> (target int64 [R], accepted bool [R])
+    torch.ops.spd.rejection_sample(target_probs, draft_probs, draft_tokens, uniforms)
+        -> (token int64 [R], accepted bool [R])
+    torch.ops.spd.rejection_sample_logits(target_logits, draft_probs, draft_to_target,
+        draft_tokens, uniforms, philox_seed, philox_offset, temperature, top_k, top_p)
+        -> (token, accepted); mutates philox_offset (advanced by R) when uniforms is None
+    torch.ops.spd.truncate_kv_(lengths, new_lengths, buffers, seq_dim, poison) -> ()
+        mutates lengths (and buffers when poison)
+    torch.ops.spd.anchor_projection(anchors, types, weights, biases) -> features [R, d_out]
+        (biases: one slot per type, None where there is none)
+    torch.ops.spd.qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin,
+        start, k_cache, v_cache, num_heads, num_kv_heads) -> q [H, T, hd]; mutates the caches
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from spd_kernels import features, kv_cache, pdm, verify
+
+LIB = "spd"
+
+
+@torch.library.custom_op(f"{LIB}::verify_greedy", mutates_args=())
+def verify_greedy_op(hidden: Tensor, norm_weight: Tensor, eps: float, lm_head_weight: Tensor,
+                     draft_tokens: Tensor) -> tuple[Tensor, Tensor]:
+    return verify.verify_greedy(hidden, norm_weight, eps, lm_head_weight, draft_tokens)
+
+
+@verify_greedy_op.register_fake
+def _(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+    verify._check_heads(hidden, norm_weight, lm_head_weight)
+    rows = hidden.shape[0]
+    return (hidden.new_empty(rows, dtype=torch.int64), hidden.new_empty(rows, dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{LIB}::rejection_sample", mutates_args=())
+def rejection_sample_op(target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor,
+                        uniforms: Tensor) -> tuple[Tensor, Tensor]:
+    return verify.rejection_sample(target_probs, draft_probs, draft_tokens, uniforms)
+
+
+@rejection_sample_op.register_fake
+def _(target_probs, draft_probs, draft_tokens, uniforms):
+    rows = target_probs.shape[0]
+    return (target_probs.new_empty(rows, dtype=torch.int64),
+            target_probs.new_empty(rows, dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{LIB}::rejection_sample_logits", mutates_args=("philox_offset",))
+def rejection_sample_logits_op(target_logits: Tensor, draft_probs: Tensor,
+                               draft_to_target: Tensor, draft_tokens: Tensor,
+                               uniforms: Optional[Tensor], philox_seed: Optional[Tensor],
+                               philox_offset: Optional[Tensor], temperature: float, top_k: int,
+                               top_p: float) -> tuple[Tensor, Tensor]:
+    return verify.rejection_sample_logits(
+        target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
+        temperature=temperature, top_k=top_k, top_p=top_p, philox_seed=philox_seed,
+        philox_offset=philox_offset)
+
+
+@rejection_sample_logits_op.register_fake
+def _(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms, philox_seed,
+      philox_offset, temperature, top_k, top_p):
+    rows = target_logits.shape[0]
+    return (target_logits.new_empty(rows, dtype=torch.int64),
+            target_logits.new_empty(rows, dtype=torch.bool))
+
+
+@torch.library.custom_op(f"{LIB}::truncate_kv_", mutates_args=("lengths", "buffers"))
+def truncate_kv_op(lengths: Tensor, new_lengths: Tensor, buffers: list[Tensor], seq_dim: int,
+                   poison: bool) -> None:
+    kv_cache.truncate_kv_(lengths, new_lengths, buffers, seq_dim=seq_dim, poison=poison)
+
+
+@truncate_kv_op.register_fake
+def _(lengths, new_lengths, buffers, seq_dim, poison):
+    return None
+
+
+@torch.library.custom_op(f"{LIB}::anchor_projection", mutates_args=())
+def anchor_projection_op(anchors: Tensor, types: Tensor, weights: list[Optional[Tensor]],
+                         biases: list[Optional[Tensor]]) -> Tensor:
+    return features.anchor_projection(anchors, types, weights, biases)
+
+
+@anchor_projection_op.register_fake
+def _(anchors, types, weights, biases):
+    present = [w for w in weights if w is not None]
+    d_out = present[0].shape[0] if present else anchors.shape[2]
+    return anchors.new_empty(anchors.shape[1], d_out)
+
+
+@torch.library.custom_op(f"{LIB}::qkv_rope_append", mutates_args=("k_cache", "v_cache"))
+def qkv_rope_append_op(x: Tensor, norm_weight: Tensor, eps: float, wq: Tensor, wk: Tensor,
+                       wv: Tensor, q_norm: Optional[Tensor], k_norm: Optional[Tensor],
+                       cos: Tensor, sin: Tensor, start: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       num_heads: int, num_kv_heads: int) -> Tensor:
+    return pdm.qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin,
+                                    start, k_cache, v_cache, num_heads, num_kv_heads)
+
+
+@qkv_rope_append_op.register_fake
+def _(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
+      num_heads, num_kv_heads):
+    return x.new_empty(num_heads, x.shape[0], k_cache.shape[2])

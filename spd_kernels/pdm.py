@@ -1,0 +1,342 @@
+"""The PDM decoder step as plain tensors, and its first fused piece.
+
+`pdm_step` is the draft module's forward for a chunk of rows against its KV cache (what
+`spd.pdm.PipelineDraftModule.step` computes), written over plain weight tensors so kernels can
+replace its parts and a CUDA graph can capture it: per layer RMSNorm + QKV + q/k norm + RoPE +
+cache append, causal GQA attention over the cache, output projection + residual, RMSNorm + SwiGLU
+MLP + residual; then the final norm and the LM head over the draft vocabulary for the last row.
+The position `start` may be a device tensor, so nothing in the step needs the host.
+
+Op `qkv_rope_append` (dispatched, see spd_kernels.dispatch):
+  reference  torch, mirroring spd.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
+  triton     one launch per layer: program (row, head) normalises the row, computes the head's
+             q, k or v (the two RoPE halves as two accumulators), applies the per-head RMSNorm and
+             RoPE in registers, and writes q out or k/v straight into the cache at position
+             start + row (read on the device; rows past the cache capacity are dropped).
+The attention, output projection, MLP and LM head stay in torch for now; a fused attention with
+the cache length read on the device (so the whole step can be captured once as a CUDA graph whatever
+the position) is the next piece (spd_kernels/README.md lists what is left).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from spd_kernels import _alloc, dispatch
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
+                                check_values_enabled, last_dim_contiguous)
+
+if HAS_TRITON:
+    from spd_kernels._triton import round_to
+
+
+@dataclass
+class LayerWeights:
+    """One Qwen3-style decoder layer as plain tensors ([out, in] linear weights)."""
+    input_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    post_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+
+    @classmethod
+    def from_module(cls, layer) -> "LayerWeights":
+        """From a layer with Llama/Qwen3 attribute names (spd.pdm's layers, HF layers)."""
+        a, m = layer.self_attn, layer.mlp
+        qn = getattr(a, "q_norm", None)
+        kn = getattr(a, "k_norm", None)
+        return cls(layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
+                   a.v_proj.weight, None if qn is None else qn.weight,
+                   None if kn is None else kn.weight, a.o_proj.weight,
+                   layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                   m.down_proj.weight)
+
+
+@dataclass
+class PDMWeights:
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor
+    lm_head: torch.Tensor          # [Vd, hidden]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+    @classmethod
+    def from_pdm(cls, pdm) -> "PDMWeights":
+        c = pdm.config
+        return cls([LayerWeights.from_module(layer) for layer in pdm.layers], pdm.norm.weight,
+                   pdm.lm_head.weight, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """As spd.layers.RMSNorm: fp32 statistics, result in the input dtype times the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _positions(start, rows: int, device) -> torch.Tensor:
+    if isinstance(start, torch.Tensor):
+        return start.reshape(-1)[:1].to(torch.int64) + torch.arange(rows, device=device)
+    return torch.arange(start, start + rows, device=device)
+
+
+# ------------------------------------------------------------------------------------------------
+# qkv_rope_append
+# ------------------------------------------------------------------------------------------------
+
+def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
+               num_heads, num_kv_heads):
+    check_tensor("x", x, dim=2, floating=True)
+    dev = x.device
+    T, d = x.shape
+    for name, t in (("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
+                    ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, floating=True, device=dev)
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise SPDInputError(f"num_heads ({num_heads}) must be a positive multiple of "
+                            f"num_kv_heads ({num_kv_heads})")
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.shape[0] != num_kv_heads:
+        raise SPDInputError(f"k_cache and v_cache must both be [num_kv_heads={num_kv_heads}, S, "
+                            f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hd = k_cache.shape[2]
+    if hd % 2:
+        raise SPDInputError(f"head_dim must be even for RoPE, got {hd}")
+    if tuple(norm_weight.shape) != (d,):
+        raise SPDInputError(f"norm_weight must have shape ({d},), got {tuple(norm_weight.shape)}")
+    for name, w, heads in (("wq", wq, num_heads), ("wk", wk, num_kv_heads),
+                           ("wv", wv, num_kv_heads)):
+        if tuple(w.shape) != (heads * hd, d):
+            raise SPDInputError(f"{name} must have shape ({heads * hd}, {d}), got {tuple(w.shape)}")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            check_tensor(name, w, floating=True, device=dev)
+            if tuple(w.shape) != (hd,):
+                raise SPDInputError(f"{name} must have shape ({hd},), got {tuple(w.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise SPDInputError("give both q_norm and k_norm, or neither")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != hd:
+        raise SPDInputError(f"cos and sin must be RoPE tables [positions, {hd}], got "
+                            f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    if isinstance(start, torch.Tensor):
+        check_tensor("start", start, dtype=torch.int64, device=dev)
+        if start.numel() != 1:
+            raise SPDInputError(f"start must hold one position, got shape {tuple(start.shape)}")
+        first = int(start.reshape(-1)[0]) if check_values_enabled(start) else None
+    else:
+        first = int(start)
+    if first is not None:
+        if first < 0 or first + T > k_cache.shape[1]:
+            raise SPDInputError(f"rows {first}..{first + T - 1} do not fit a cache of "
+                                f"{k_cache.shape[1]} positions")
+        if first + T > cos.shape[0]:
+            raise SPDInputError(f"the RoPE tables cover {cos.shape[0]} positions, rows reach "
+                                f"{first + T - 1}")
+
+
+def qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
+                    v_cache, num_heads, num_kv_heads, *, backend=None) -> torch.Tensor:
+    """Rows x [T, d] at positions start..start+T-1 -> q [num_heads, T, head_dim] (RMSNorm'd input,
+    per-head q/k RMSNorm when q_norm/k_norm are given, RoPE from the full tables cos/sin
+    [P, head_dim] at those positions). Writes the rows' k (with RoPE) and v into k_cache/v_cache
+    [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor."""
+    _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
+               num_heads, num_kv_heads)
+    return dispatch.call("qkv_rope_append", x.device, x, norm_weight, float(eps), wq, wk, wv,
+                         q_norm, k_norm, cos, sin, start, k_cache, v_cache, int(num_heads),
+                         int(num_kv_heads), backend=backend)
+
+
+@dispatch.register("qkv_rope_append", "reference")
+def qkv_rope_append_reference(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
+                              k_cache, v_cache, num_heads, num_kv_heads):
+    T = x.shape[0]
+    hd = k_cache.shape[2]
+    h = rms_norm(x, norm_weight, eps)
+    q = F.linear(h, wq).view(T, num_heads, hd)
+    k = F.linear(h, wk).view(T, num_kv_heads, hd)
+    v = F.linear(h, wv).view(T, num_kv_heads, hd)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    pos = _positions(start, T, x.device)
+    c, s = cos[pos], sin[pos]
+    q = q.transpose(0, 1)
+    k = k.transpose(0, 1)
+    q = q * c + _rotate_half(q) * s
+    k = k * c + _rotate_half(k) * s
+    k_cache[:, pos] = k.to(k_cache.dtype)
+    v_cache[:, pos] = v.transpose(0, 1).to(v_cache.dtype)
+    return q.contiguous()
+
+
+def _qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
+                  v_cache, num_heads, num_kv_heads):
+    hd = k_cache.shape[2]
+    if hd != next_pow2(hd):
+        return f"the kernel needs a power-of-two head_dim, got {hd}"
+    named = [("x", x), ("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
+             ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)]
+    named += [(n, t) for n, t in (("q_norm", q_norm), ("k_norm", k_norm)) if t is not None]
+    why = check_kernel_float("x", x)
+    if why:
+        return why
+    for name, t in named:
+        if t.dtype != x.dtype:
+            return (f"the kernel needs every tensor in one dtype (x is {x.dtype}, {name} is "
+                    f"{t.dtype})")
+        why = last_dim_contiguous(name, t)
+        if why:
+            return why
+    for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+    return None
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _qkv_rope_kernel(x_ptr, stride_x, g_ptr, wq_ptr, wk_ptr, wv_ptr, qn_ptr, kn_ptr,
+                         cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr, kc_ptr, vc_ptr,
+                         T, D, H, KVH, S, eps,
+                         HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
+        """Program (t, j): j < H: query head j; then H..H+KVH-1 key heads; then value heads.
+        Every intermediate is rounded to the model dtype (code R) where the reference rounds."""
+        HALF: tl.constexpr = HD // 2
+        t = tl.program_id(0)
+        j = tl.program_id(1)
+        pos = tl.load(start_ptr).to(tl.int64) + t
+        x_row = x_ptr + t.to(tl.int64) * stride_x
+        ss = tl.zeros([BLOCK_D], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            cols = k0 + tl.arange(0, BLOCK_D)
+            xv = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
+            ss += xv * xv
+        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
+        if j < H:
+            w_base = wq_ptr + (j * HD).to(tl.int64) * D
+        elif j < H + KVH:
+            w_base = wk_ptr + ((j - H) * HD).to(tl.int64) * D
+        else:
+            w_base = wv_ptr + ((j - H - KVH) * HD).to(tl.int64) * D
+        half = tl.arange(0, HALF)
+        acc_lo = tl.zeros([HALF], dtype=tl.float32)
+        acc_hi = tl.zeros([HALF], dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_D):
+            cols = k0 + tl.arange(0, BLOCK_D)
+            cm = cols < D
+            xv = tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
+            g = tl.load(g_ptr + cols, mask=cm, other=0.0).to(tl.float32)
+            hn = round_to(g * round_to(xv * rstd, R), R)
+            w_lo = tl.load(w_base + half[:, None] * D + cols[None, :], mask=cm[None, :],
+                           other=0.0).to(tl.float32)
+            w_hi = tl.load(w_base + (half + HALF)[:, None] * D + cols[None, :], mask=cm[None, :],
+                           other=0.0).to(tl.float32)
+            acc_lo += tl.sum(w_lo * hn[None, :], axis=1)
+            acc_hi += tl.sum(w_hi * hn[None, :], axis=1)
+        lo = round_to(acc_lo, R)
+        hi = round_to(acc_hi, R)
+        ok = pos < S
+        if j < H + KVH:
+            if QK_NORM:
+                r2 = 1.0 / tl.sqrt((tl.sum(lo * lo, axis=0) + tl.sum(hi * hi, axis=0)) / HD + eps)
+                if j < H:
+                    n_lo = tl.load(qn_ptr + half).to(tl.float32)
+                    n_hi = tl.load(qn_ptr + HALF + half).to(tl.float32)
+                else:
+                    n_lo = tl.load(kn_ptr + half).to(tl.float32)
+                    n_hi = tl.load(kn_ptr + HALF + half).to(tl.float32)
+                lo = round_to(n_lo * round_to(lo * r2, R), R)
+                hi = round_to(n_hi * round_to(hi * r2, R), R)
+            cs_row = pos * stride_cs
+            c_lo = tl.load(cos_ptr + cs_row + half, mask=ok, other=0.0).to(tl.float32)
+            c_hi = tl.load(cos_ptr + cs_row + HALF + half, mask=ok, other=0.0).to(tl.float32)
+            s_lo = tl.load(sin_ptr + cs_row + half, mask=ok, other=0.0).to(tl.float32)
+            s_hi = tl.load(sin_ptr + cs_row + HALF + half, mask=ok, other=0.0).to(tl.float32)
+            # x * cos + rotate_half(x) * sin, rounded op by op like the reference
+            out_lo = round_to(round_to(lo * c_lo, R) + round_to(-hi * s_lo, R), R)
+            out_hi = round_to(round_to(hi * c_hi, R) + round_to(lo * s_hi, R), R)
+            if j < H:
+                q_row = q_ptr + (j.to(tl.int64) * T + t) * HD
+                tl.store(q_row + half, out_lo)
+                tl.store(q_row + HALF + half, out_hi)
+            else:
+                k_row = kc_ptr + ((j - H).to(tl.int64) * S + pos) * HD
+                tl.store(k_row + half, out_lo, mask=ok & (half >= 0))
+                tl.store(k_row + HALF + half, out_hi, mask=ok & (half >= 0))
+        else:
+            v_row = vc_ptr + ((j - H - KVH).to(tl.int64) * S + pos) * HD
+            tl.store(v_row + half, lo, mask=ok & (half >= 0))
+            tl.store(v_row + HALF + half, hi, mask=ok & (half >= 0))
+
+
+@dispatch.register("qkv_rope_append", "triton", supports=_qkv_supports)
+def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
+                           k_cache, v_cache, num_heads, num_kv_heads):
+    T, D = x.shape
+    kvh, S, hd = k_cache.shape
+    q = _alloc.empty(num_heads, T, hd, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return q
+    if not isinstance(start, torch.Tensor):
+        start = torch.tensor([int(start)], dtype=torch.int64, device=x.device)
+    block_d = min(next_pow2(D), 256 if INTERPRET else max(32, 4096 // hd))
+    _qkv_rope_kernel[(T, num_heads + 2 * num_kv_heads)](
+        x, x.stride(0), norm_weight, wq, wk, wv,
+        q_norm if q_norm is not None else norm_weight, k_norm if k_norm is not None else norm_weight,
+        cos, sin, cos.stride(0), start, q, k_cache, v_cache, T, D, num_heads, num_kv_heads, S,
+        eps, HD=hd, QK_NORM=q_norm is not None, R=dtype_code(x.dtype), BLOCK_D=block_d,
+        num_warps=1 if INTERPRET else 4)
+    return q
+
+
+# ------------------------------------------------------------------------------------------------
+# The whole step
+# ------------------------------------------------------------------------------------------------
+
+def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, start, cos: torch.Tensor, sin: torch.Tensor, *,
+             backend: str | None = None) -> torch.Tensor:
+    """Rows features [T, hidden] at positions start.. through every layer -> draft logits of the
+    last row [Vd] (fp32). k_cache/v_cache [layers, kv_heads, S, head_dim] get the rows' keys and
+    values; cos/sin are the full RoPE tables. `backend` picks the qkv_rope_append backend; the
+    other parts run in torch. Attention covers cache rows [0, start + T) (start must be an int
+    here; a device-side length for graph capture needs the fused attention kernel, not done)."""
+    T = features.shape[0]
+    H, KVH, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
+    start_i = int(start) if not isinstance(start, torch.Tensor) else int(start.reshape(-1)[0])
+    end = start_i + T
+    mask = None
+    if T > 1:
+        mask = (torch.arange(end, device=features.device)[None, :]
+                <= torch.arange(start_i, end, device=features.device)[:, None])
+    x = features
+    for i, lw in enumerate(weights.layers):
+        q = qkv_rope_append(x, lw.input_norm, weights.eps, lw.wq, lw.wk, lw.wv, lw.q_norm,
+                            lw.k_norm, cos, sin, start, k_cache[i], v_cache[i], H, KVH,
+                            backend=backend)
+        keys, values = k_cache[i][:, :end], v_cache[i][:, :end]
+        att = F.scaled_dot_product_attention(q[None].to(keys.dtype), keys[None], values[None],
+                                             attn_mask=mask, enable_gqa=H != KVH)
+        x = x + F.linear(att[0].transpose(0, 1).reshape(T, H * hd), lw.wo)
+        h = rms_norm(x, lw.post_norm, weights.eps)
+        x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
+    return F.linear(rms_norm(x[-1:], weights.final_norm, weights.eps), weights.lm_head)[0].float()

@@ -1,0 +1,162 @@
+"""Helpers for testing the ops and their kernels (used by tests/test_kernels_*.py).
+
+- `poisoned_outputs(mode)`: buffers allocated by kernel launchers start as sentinels.
+- `chi2_pvalue(counts, probs)`: goodness of fit of sampled counts against probabilities.
+- `TRITON_DEVICE`: where the Triton kernels can run in this process ("cpu" under the interpreter,
+  "cuda" when compiled for a GPU, None when neither), so one test body covers both.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from spd_kernels import _alloc
+from spd_kernels._triton import HAS_TRITON, INTERPRET
+
+if not HAS_TRITON:
+    TRITON_DEVICE = None
+elif INTERPRET:
+    TRITON_DEVICE = "cpu"
+else:
+    TRITON_DEVICE = "cuda" if torch.cuda.is_available() else None
+
+TRITON_SKIP_REASON = ("the Triton kernels need TRITON_INTERPRET=1 set before import (CPU) or a "
+                      "CUDA device with TRITON_INTERPRET unset")
+
+
+@contextlib.contextmanager
+def poisoned_outputs(mode: str = "a"):
+    """Inside the block, every buffer a kernel launcher allocates starts as a sentinel."""
+    if mode not in ("a", "b"):
+        raise ValueError("mode is 'a' or 'b'")
+    old = _alloc.POISON
+    _alloc.POISON = mode
+    try:
+        yield
+    finally:
+        _alloc.POISON = old
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    """Survival function of the chi-square distribution (regularised upper gamma)."""
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
+    """p-value of observed counts against probabilities; cells expected < min_expected pooled.
+
+    Fails (AssertionError) if a zero-probability outcome was observed.
+    """
+    counts = counts.double().cpu()
+    probs = probs.double().cpu()
+    total = counts.sum().item()
+    exp = probs * total
+    big = exp >= min_expected
+    obs_cells = list(counts[big])
+    exp_cells = list(exp[big])
+    if (~big).any():
+        obs_cells.append(counts[~big].sum())
+        exp_cells.append(exp[~big].sum())
+    obs = torch.stack(obs_cells)
+    e = torch.stack(exp_cells)
+    keep = e > 0
+    assert (obs[~keep] == 0).all(), "a zero-probability outcome was observed"
+    stat = ((obs[keep] - e[keep]) ** 2 / e[keep]).sum().item()
+    return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
+    """One bf16 unit in the last place at |x| (fp32 result)."""
+    x = x.float().abs().clamp_min(1e-30)
+    return torch.exp2(torch.floor(torch.log2(x)) - 7)
+
+
+# --- ahead-of-time compilation of the Triton kernels for a GPU target ------------------------------
+
+def _variants():
+    """(name, kernel, signature, constexprs) for the kernel variants the launchers use."""
+    from spd_kernels import features, kv_cache, pdm, verify
+    ptr = lambda t: f"*{t}"
+    out = []
+    for tag, dt, code, br, bv, bd in (("bf16-R1", "bf16", 1, 1, 32, 256),
+                                       ("bf16-R4", "bf16", 1, 4, 16, 256),
+                                       ("fp32-R2", "fp32", 0, 2, 16, 256)):
+        out.append((f"verify._greedy_partial_kernel[{tag}]", verify._greedy_partial_kernel,
+                    dict(h_ptr=ptr(dt), g_ptr=ptr(dt), w_ptr=ptr(dt), pval_ptr="*fp32",
+                         pidx_ptr="*i32", R="i32", D="i32", V="i32", NB="i32", stride_h="i32",
+                         stride_w="i32", eps="fp32", R_H="constexpr", R_G="constexpr",
+                         R_L="constexpr", BLOCK_R="constexpr", BLOCK_V="constexpr",
+                         BLOCK_D="constexpr"),
+                    dict(R_H=code, R_G=code, R_L=code, BLOCK_R=br, BLOCK_V=bv, BLOCK_D=bd)))
+    out.append(("verify._greedy_reduce_kernel", verify._greedy_reduce_kernel,
+                dict(pval_ptr="*fp32", pidx_ptr="*i32", draft_ptr="*i64", target_ptr="*i64",
+                     accepted_ptr="*i8", NB="i32", BLOCK_NB="constexpr"), dict(BLOCK_NB=1024)))
+    rej_sig = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32", t2d_ptr="*i32",
+                   tok_ptr="*i64", u_ptr="*fp32", stride_u="i32", seed_ptr="*i64",
+                   offset_ptr="*i64", out_tok_ptr="*i64", out_acc_ptr="*i8", V="i32",
+                   temperature="fp32", top_k="i32", top_p="fp32", FROM_LOGITS="constexpr",
+                   GREEDY="constexpr", TOP_K="constexpr", TOP_P="constexpr", Q_MAPPED="constexpr",
+                   PHILOX="constexpr", BLOCK="constexpr")
+    for tag, flags in (("logits-topk-topp-philox", (True, False, True, True, True, True)),
+                       ("logits-temperature-uniforms", (True, False, False, False, True, False)),
+                       ("logits-greedy", (True, True, False, False, True, False)),
+                       ("probs", (False, False, False, False, False, False))):
+        names = ("FROM_LOGITS", "GREEDY", "TOP_K", "TOP_P", "Q_MAPPED", "PHILOX")
+        out.append((f"verify._rejection_kernel[{tag}]", verify._rejection_kernel, rej_sig,
+                    dict(zip(names, flags), BLOCK=2048)))
+    out.append(("kv_cache._lengths_kernel", kv_cache._lengths_kernel,
+                dict(len_ptr="*i64", new_ptr="*i64", new_stride="i32", C="i32",
+                     BLOCK_C="constexpr"), dict(BLOCK_C=64)))
+    for code in (0, 1):
+        out.append((f"kv_cache._poison_kernel[{code}]", kv_cache._poison_kernel,
+                    dict(len_ptr="*i64", new_ptr="*i64", new_stride="i32", table_ptr="*i64",
+                         OUTER="i32", S="i32", INNER="i32", CODE="constexpr",
+                         BLOCK="constexpr"), dict(CODE=code, BLOCK=1024)))
+    for code, dt in ((1, "bf16"), (0, "fp32")):
+        out.append((f"features._anchor_kernel[{dt}]", features._anchor_kernel,
+                    dict(a_ptr=ptr(dt), stride_am="i32", stride_ar="i32", types_ptr="*i64",
+                         table_ptr="*i64", out_ptr=ptr(dt), stride_or="i32", M="i32", D="i32",
+                         N="i32", W_CODE="constexpr", OUT_CODE="constexpr", BLOCK_N="constexpr",
+                         BLOCK_K="constexpr"),
+                    dict(W_CODE=code, OUT_CODE=code, BLOCK_N=32, BLOCK_K=256)))
+    for code, dt, hd, qkn in ((1, "bf16", 128, True), (0, "fp32", 64, False)):
+        out.append((f"pdm._qkv_rope_kernel[{dt}-{hd}]", pdm._qkv_rope_kernel,
+                    dict(x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), wq_ptr=ptr(dt),
+                         wk_ptr=ptr(dt), wv_ptr=ptr(dt), qn_ptr=ptr(dt), kn_ptr=ptr(dt),
+                         cos_ptr=ptr(dt), sin_ptr=ptr(dt), stride_cs="i32", start_ptr="*i64",
+                         q_ptr=ptr(dt), kc_ptr=ptr(dt), vc_ptr=ptr(dt), T="i32", D="i32",
+                         H="i32", KVH="i32", S="i32", eps="fp32", HD="constexpr",
+                         QK_NORM="constexpr", R="constexpr", BLOCK_D="constexpr"),
+                    dict(HD=hd, QK_NORM=qkn, R=code, BLOCK_D=32)))
+    return out
+
+
+def compile_for_gpu(arch: int = 90) -> dict[str, str]:
+    """Compile every Triton kernel variant to a cubin for sm_<arch> without a GPU (Triton's own
+    ptxas). Needs TRITON_INTERPRET unset when spd_kernels was imported. Returns name -> "ok" or
+    the error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    if INTERPRET:
+        raise RuntimeError("compile_for_gpu needs TRITON_INTERPRET unset at import time")
+    results = {}
+    for name, kernel, signature, constexprs in _variants():
+        try:
+            src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+            compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
+            results[name] = "ok" if compiled.asm.get("cubin") else "no cubin"
+        except Exception as exc:  # report every variant, not just the first failure
+            results[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
+    return results
+
+
+if __name__ == "__main__":  # python -m spd_kernels.testing: compile check, one line per kernel
+    import sys
+    res = compile_for_gpu(int(sys.argv[1]) if len(sys.argv) > 1 else 90)
+    for k, v in res.items():
+        print(f"{k}: {v}")
+    sys.exit(0 if all(v == "ok" for v in res.values()) else 1)

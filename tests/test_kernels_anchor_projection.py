@@ -1,0 +1,131 @@
+"""Fused anchor concat-projection kernels vs the reference: mixed aggregation types in one launch,
+anchors read in place through their strides, outputs poisoned first."""
+import pytest
+import torch
+
+from spd_kernels import SPDBackendError, SPDInputError, anchor_projection
+from spd_kernels import dispatch
+from spd_kernels.features import anchor_projection_reference, anchor_projection_triton
+from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_case(m, rows, d, d_out, dtype, device, seed, types=None, missing=()):
+    g = torch.Generator().manual_seed(seed)
+    store = torch.randn(m, rows + 7, d, generator=g)  # a bigger buffer: anchors are a strided view
+    if types is None:
+        types = torch.randint(0, m, (rows,), generator=g)
+        types[0] = m - 1
+    weights = [None if e in missing else torch.randn(d_out, (e + 1) * d, generator=g) / d ** 0.5
+               for e in range(m)]
+    biases = [None if e % 2 or e in missing else torch.randn(d_out, generator=g) for e in range(m)]
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)
+    anchors = cast(store)[:, 3:3 + rows]
+    return anchors, types.to(device), [cast(w) for w in weights], [cast(b) for b in biases]
+
+
+def oracle(anchors, types, weights, biases):
+    """The reference in fp32 (the kernels accumulate in fp32 and round once)."""
+    up = lambda t: None if t is None else t.float()
+    return anchor_projection_reference(up(anchors), types, [up(w) for w in weights],
+                                       [up(b) for b in biases])
+
+
+def staircase(n, m):
+    """Types of an n-deep in-flight window: depth k gets the anchors its stages produced."""
+    return torch.tensor([min(m - 1, (k * m) // (n + 1)) for k in range(n + 1)][::-1])
+
+
+CASES = [(4, 1, 8, 8), (4, 7, 16, 12), (3, 33, 5, 9), (5, 9, 64, 48), (2, 4, 130, 70)]
+
+
+@needs_triton
+@pytest.mark.parametrize("m,rows,d,d_out", CASES)
+def test_triton_fp32_matches_reference(m, rows, d, d_out):
+    args = make_case(m, rows, d, d_out, torch.float32, TRITON_DEVICE, seed=rows * 10 + d)
+    assert not args[0].is_contiguous()
+    ref = anchor_projection_reference(*args)
+    for mode in ("a", "b"):
+        with poisoned_outputs(mode):
+            out = anchor_projection(*args, backend="triton")
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_half_precision_rounds_once(dtype):
+    args = make_case(5, 9, 48, 40, dtype, TRITON_DEVICE, seed=2, types=staircase(8, 5))
+    with poisoned_outputs("a"):
+        out = anchor_projection(*args, backend="triton")
+    assert out.dtype == dtype
+    ref = oracle(*args)
+    # one rounding of an fp32 sum: within half an ulp of the output dtype (plus fp32 noise)
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(out.float(), ref, rtol=eps, atol=1e-3)
+
+
+@needs_triton
+def test_triton_staircase_int32_types_and_missing_slots():
+    m = 5
+    types = torch.tensor([3, 3, 2, 1, 0, 1], dtype=torch.int32)  # type 4 absent, no weight
+    args = make_case(m, len(types), 24, 20, torch.float32, TRITON_DEVICE, seed=4, types=types,
+                     missing=(4,))
+    torch.testing.assert_close(anchor_projection(*args, backend="triton"),
+                               anchor_projection_reference(*args), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(anchor_projection(args[0], args[1], args[2], None,
+                                                 backend="triton"),
+                               anchor_projection_reference(args[0], args[1], args[2], None),
+                               rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+def test_triton_bad_type_gives_nan_row_not_a_crash():
+    """Without value checks (device tensors), a row whose type has no weight becomes NaN."""
+    anchors, types, weights, biases = make_case(3, 4, 8, 6, torch.float32, TRITON_DEVICE, seed=5,
+                                                types=torch.tensor([0, 1, 2, 0]), missing=(1,))
+    out = anchor_projection_triton(anchors, types, weights, biases)
+    assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
+
+
+def test_reference_default_and_checks():
+    assert dispatch.select("anchor_projection", torch.device("cpu"))[0] == "reference"
+    a = torch.randn(3, 4, 8)
+    w = [torch.randn(6, 8), None, torch.randn(6, 24)]
+    with pytest.raises(SPDInputError, match="no projection for it"):
+        anchor_projection(a, torch.tensor([0, 1, 0, 2]), w)
+    with pytest.raises(SPDInputError, match="output rows"):
+        anchor_projection(a, torch.tensor([0, 0, 0, 0]), [torch.randn(6, 8), None,
+                                                          torch.randn(5, 24)])
+    with pytest.raises(SPDInputError, match="one bias slot per anchor"):
+        anchor_projection(a, torch.tensor([0, 0, 0, 0]), w, [None])
+    with pytest.raises(SPDInputError, match="integer"):
+        anchor_projection(a, torch.tensor([0.0, 0, 0, 0]), w)
+    with pytest.raises(SPDBackendError, match="CUDA tensors"):
+        anchor_projection(a, torch.tensor([0, 0, 2, 2]), w, backend="cuda")
+
+
+def test_library_op():
+    args = make_case(3, 5, 8, 6, torch.float32, "cpu", seed=6)
+    torch.library.opcheck(torch.ops.spd.anchor_projection.default, args)
+    torch.testing.assert_close(torch.ops.spd.anchor_projection(*args),
+                               anchor_projection_reference(*args))
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("d,d_out", [(576, 576), (2560, 2560), (4096, 4096), (100, 36)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_backends_match_reference(d, d_out, dtype):
+    backends = [b for b in ("triton", "cuda") if b in dispatch.available("anchor_projection", "cuda")]
+    args = make_case(5, 9, d, d_out, dtype, "cuda", seed=d, types=staircase(8, 5))
+    ref = oracle(*args)
+    tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for backend in backends:
+        with poisoned_outputs("a"):
+            out = anchor_projection(*args, backend=backend)
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 10)

@@ -1,0 +1,86 @@
+"""The CUDA C++ extension: built whenever nvcc is there (CI), importable, and on a machine
+without a usable GPU every entry point raises a clear RuntimeError instead of crashing. The
+package must import and work without the extension."""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from spd_kernels import _cuda, dispatch
+
+ROOT = Path(__file__).resolve().parents[1]
+NO_GPU_MESSAGE = r"no usable CUDA device.*(InsufficientDriver|NoDevice|none found)"
+
+
+def nvcc_present() -> bool:
+    return (shutil.which("nvcc") is not None or Path("/usr/local/cuda/bin/nvcc").exists()
+            or bool(os.environ.get("CUDA_HOME")))
+
+
+def test_extension_built_when_nvcc_is_present():
+    if os.environ.get("SPD_SKIP_CUDA_BUILD") == "1" or not nvcc_present():
+        pytest.skip("no nvcc (or SPD_SKIP_CUDA_BUILD=1): the extension is not expected")
+    assert _cuda.built(), _cuda.unavailable_reason()
+    ext = _cuda.ext()
+    assert ext.runtime_version() >= 12000
+    assert ext.verify_greedy_num_blocks(151936) > 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_calls_without_gpu_raise_clear_errors():
+    if not _cuda.built():
+        pytest.skip("extension not built")
+    ext = _cuda.ext()
+    with pytest.raises(RuntimeError, match=NO_GPU_MESSAGE):
+        ext.device_count()
+    with pytest.raises(RuntimeError, match=NO_GPU_MESSAGE):
+        ext.kv_truncate(0, 0, 0, 1, 0)  # null pointers: must fail before any launch
+    with pytest.raises(RuntimeError, match=NO_GPU_MESSAGE):
+        ext.verify_greedy(0, 8, 0, 0, 8, 0, True, 0, 0, 0, 0, 1, 8, 16, 1e-6, 1, 0)
+    with pytest.raises(RuntimeError, match=NO_GPU_MESSAGE):
+        ext.anchor_projection(0, 8, 8, 0, True, 0, 0, 8, 1, 1, 8, 8, 1, False, 0)
+
+
+def test_package_works_without_the_extension():
+    code = (
+        "import sys; sys.modules['spd_kernels._spd_cuda'] = None\n"
+        "import torch, spd_kernels\n"
+        "from spd_kernels import _cuda, dispatch, verify_greedy\n"
+        "assert not _cuda.built()\n"
+        "print('REASON', _cuda.unavailable_reason())\n"
+        "print('CUDA_AVAILABLE', dispatch.available('verify_greedy', 'cuda'))\n"
+        "t, ok = verify_greedy(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(5, 8),"
+        " torch.tensor([0, 1]))\n"
+        "print('OK', t.shape)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "REASON the CUDA extension spd_kernels._spd_cuda is not built" in out.stdout
+    assert "CUDA_AVAILABLE ['triton', 'reference']" in out.stdout or \
+        "CUDA_AVAILABLE ['reference']" in out.stdout
+    assert "OK torch.Size([2])" in out.stdout
+
+
+def test_setup_skips_the_build_with_a_message():
+    out = subprocess.run([sys.executable, "setup.py", "--name"], cwd=ROOT, capture_output=True,
+                         text=True, env={**os.environ, "SPD_SKIP_CUDA_BUILD": "1"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "SPD_SKIP_CUDA_BUILD=1: not building the CUDA extension" in out.stderr
+
+
+def test_cuda_backend_refuses_cpu_tensors():
+    from spd_kernels import SPDBackendError
+    with pytest.raises(SPDBackendError, match="need CUDA tensors"):
+        dispatch.select("anchor_projection", torch.device("cpu"), backend="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gpu_extension_sees_the_device():
+    assert _cuda.built(), _cuda.unavailable_reason()
+    assert _cuda.ext().device_count() >= 1
+    assert "cuda" in dispatch.available("verify_greedy", "cuda")

@@ -1,0 +1,149 @@
+"""The backend dispatcher: automatic choice and fallback, SPD_BACKEND / use_backend / backend=
+forcing with clear errors, and the SPD engine staying lossless with every op forced to Triton."""
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from spd import SamplingParams, SPDEngine
+from spd_kernels import SPDBackendError, dispatch, truncate_kv_, use_backend
+from spd_kernels.testing import TRITON_DEVICE
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+needs_triton_cpu = pytest.mark.skipif(TRITON_DEVICE != "cpu",
+                                      reason="needs the Triton interpreter (TRITON_INTERPRET=1)")
+CPU = torch.device("cpu")
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+@pytest.fixture(autouse=True)
+def _no_env(monkeypatch):
+    monkeypatch.delenv("SPD_BACKEND", raising=False)
+
+
+def test_auto_on_cpu_is_reference_for_every_op():
+    for op in dispatch.OPS:
+        assert dispatch.select(op, CPU)[0] == "reference"
+        assert "reference" in dispatch.available(op, CPU)
+    info = dispatch.describe()
+    assert set(info["ops"]) == set(dispatch.OPS)
+    assert all("reference" in v["implemented"] and "triton" in v["implemented"]
+               for v in info["ops"].values())
+
+
+@needs_triton_cpu
+def test_env_forces_backend_globally_and_per_op(monkeypatch):
+    monkeypatch.setenv("SPD_BACKEND", "triton")
+    assert dispatch.select("verify_greedy", CPU)[0] == "triton"
+    monkeypatch.setenv("SPD_BACKEND", "triton,truncate_kv=reference")
+    assert dispatch.select("verify_greedy", CPU)[0] == "triton"
+    assert dispatch.select("truncate_kv", CPU)[0] == "reference"
+    monkeypatch.setenv("SPD_BACKEND", "anchor_projection=triton")
+    assert dispatch.select("anchor_projection", CPU)[0] == "triton"
+    assert dispatch.select("verify_greedy", CPU)[0] == "reference"
+    monkeypatch.setenv("SPD_BACKEND", "auto")
+    assert dispatch.select("verify_greedy", CPU)[0] == "reference"
+
+
+def test_env_errors(monkeypatch):
+    monkeypatch.setenv("SPD_BACKEND", "warp_drive")
+    with pytest.raises(SPDBackendError, match="unknown backend 'warp_drive'"):
+        dispatch.select("verify_greedy", CPU)
+    monkeypatch.setenv("SPD_BACKEND", "not_an_op=triton")
+    with pytest.raises(SPDBackendError, match="unknown op 'not_an_op'"):
+        dispatch.select("verify_greedy", CPU)
+
+
+def test_explicit_unavailable_backend_raises_clearly():
+    with pytest.raises(SPDBackendError, match="cuda backend was requested.*CUDA tensors"):
+        dispatch.select("verify_greedy", CPU, backend="cuda")
+    with pytest.raises(SPDBackendError, match="rejection_sample has no cuda implementation"):
+        dispatch.select("rejection_sample", CPU, backend="cuda")
+
+
+def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
+    monkeypatch.setattr(dispatch, "INTERPRET", False)
+    with pytest.raises(SPDBackendError, match="TRITON_INTERPRET=1"):
+        dispatch.select("verify_greedy", CPU, backend="triton")
+    assert dispatch.select("verify_greedy", CPU)[0] == "reference"  # auto never raises for it
+    monkeypatch.setattr(dispatch, "HAS_TRITON", False)
+    with pytest.raises(SPDBackendError, match="Triton is not installed"):
+        dispatch.select("verify_greedy", CPU, backend="triton")
+
+
+@needs_triton_cpu
+def test_precedence_and_context(monkeypatch):
+    monkeypatch.setenv("SPD_BACKEND", "reference")
+    with use_backend("triton"):
+        assert dispatch.select("verify_greedy", CPU)[0] == "triton"
+        assert dispatch.select("verify_greedy", CPU, backend="reference")[0] == "reference"
+        with use_backend(verify_greedy="reference"):
+            assert dispatch.select("verify_greedy", CPU)[0] == "reference"
+            assert dispatch.select("truncate_kv", CPU)[0] == "reference"  # env applies again
+        assert dispatch.select("truncate_kv", CPU)[0] == "triton"
+    assert dispatch.select("verify_greedy", CPU)[0] == "reference"
+    with pytest.raises(SPDBackendError, match="unknown op"):
+        with use_backend(no_such_op="triton"):
+            pass
+
+
+@needs_triton_cpu
+def test_auto_skips_a_backend_that_does_not_support_the_arguments(monkeypatch):
+    monkeypatch.setattr(dispatch, "_auto_order", lambda device: ("triton", "reference"))
+    length = torch.tensor([4, 4])
+    mixed = [torch.randn(2, 1, 6, 2), torch.randn(2, 1, 6, 2).half()]
+    args = (length, torch.tensor(2), mixed, -2, True)
+    assert dispatch.select("truncate_kv", CPU, args)[0] == "reference"
+    same = [torch.randn(2, 1, 6, 2), torch.randn(2, 1, 6, 2)]
+    assert dispatch.select("truncate_kv", CPU, (length, torch.tensor(2), same, -2, True))[0] == "triton"
+    with pytest.raises(SPDBackendError, match="one shape and dtype"):
+        truncate_kv_(length, torch.tensor(2), mixed, poison=True, backend="triton")
+
+
+@pytest.fixture
+def one_thread():
+    """The interpreter's numpy work and torch's OpenMP pool fight over 2 cores: one torch thread
+    keeps this test from crawling on a busy machine (the results do not depend on it)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@needs_triton_cpu
+@pytest.mark.parametrize("n", [2, 3])
+def test_engine_lossless_with_every_op_on_triton(n, one_thread):
+    """Greedy SPD with verify, KV truncation (with NaN poison) and the anchor projection all run
+    by the Triton kernels must reproduce autoregressive decoding token for token; sampled SPD must
+    reproduce the reference backends' run (same uniforms, bit-exact rejection sampling)."""
+    t = make_tiny_target(seed=40 + n, vocab=40, layers=4)
+    eng = SPDEngine(t, n_stages=n, anchors=[0, 2, 3], debug_poison=True)
+    ar = eng.generate_ar(PROMPT, 16).token_ids
+    with use_backend("triton"):
+        res = eng.generate(PROMPT, 16)
+    assert res.token_ids == ar
+    assert res.stats.drafts_judged > res.stats.drafts_accepted  # rollbacks happened
+    sp = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=5)
+    ref = eng.generate(PROMPT, 10, sp).token_ids
+    with use_backend("triton"):
+        assert eng.generate(PROMPT, 10, sp).token_ids == ref
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_engine_lossless_under_each_backend(backend):
+    """On a GPU, greedy SPD with verify / truncation (poisoned) / anchor projection on `backend`
+    reproduces autoregressive decoding (reference backends) token for token."""
+    from spd.target import TargetModel
+    ops = ("verify_greedy", "truncate_kv", "anchor_projection")
+    if any(backend not in dispatch.available(op, "cuda") for op in ops):
+        pytest.skip(f"{backend} backend not available for CUDA tensors here")
+    for n in (2, 4):
+        cpu = make_tiny_target(seed=50 + n, vocab=64, layers=4)
+        t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+        eng = SPDEngine(t, n_stages=n, anchors=[0, 2, 3], debug_poison=True)
+        with use_backend("reference"):
+            ar = eng.generate_ar(PROMPT, 24).token_ids
+        with use_backend(**{op: backend for op in ops}):
+            res = eng.generate(PROMPT, 24)
+        assert res.token_ids == ar

@@ -1,0 +1,144 @@
+"""In-place KV truncation kernels vs the reference: lengths from a device tensor, every layer in
+one launch, debug poison of exactly the dropped rows (rows kept and rows never written untouched)."""
+import pytest
+import torch
+
+from spd_kernels import SPDBackendError, SPDInputError, truncate_kv_
+from spd_kernels import dispatch
+from spd_kernels.kv_cache import truncate_kv_reference
+from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_case(C, H, S, hd, dtype, device, seed, per_cache=True, seq_first=False):
+    g = torch.Generator().manual_seed(seed)
+    shape = (C, S, H, hd) if seq_first else (C, H, S, hd)
+    bufs = [(torch.randn(shape, generator=g) + 3.0).to(dtype).to(device) for _ in range(2)]
+    old = torch.randint(0, S + 1, (C,), generator=g)
+    if per_cache:
+        new = torch.randint(0, S + 1, (C,), generator=g)
+        new[0] = old[0] + 1 if old[0] < S else old[0]  # one cache that must not grow
+    else:
+        new = torch.tensor(int(torch.randint(0, S + 1, (), generator=g)))
+    return old.to(device), new.to(device), bufs
+
+
+def run_both(C, H, S, hd, dtype, device, seed, backend, **kw):
+    seq_dim = 1 if kw.get("seq_first") else -2
+    old, new, bufs = make_case(C, H, S, hd, dtype, device, seed, **kw)
+    ref_len, ref_bufs = old.clone(), [b.clone() for b in bufs]
+    truncate_kv_reference(ref_len, new, ref_bufs, seq_dim, True)
+    length = old.clone()
+    out = truncate_kv_(length, new, bufs, seq_dim=seq_dim, poison=True, backend=backend)
+    assert out is length
+    assert torch.equal(length, ref_len)
+    for b, rb in zip(bufs, ref_bufs):
+        assert torch.equal(b.isnan(), rb.isnan())
+        assert torch.equal(torch.nan_to_num(b), torch.nan_to_num(rb))
+    return old, length, bufs
+
+
+@needs_triton
+@pytest.mark.parametrize("C,H,S,hd", [(1, 1, 8, 4), (3, 2, 10, 4), (5, 3, 17, 7), (4, 8, 33, 16),
+                                      (2, 1, 1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_poison_matches_reference(C, H, S, hd, dtype):
+    run_both(C, H, S, hd, dtype, TRITON_DEVICE, seed=C * 100 + S, backend="triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("seq_first", [False, True])
+def test_triton_scalar_new_length_and_layouts(seq_first):
+    run_both(4, 3, 12, 5, torch.float32, TRITON_DEVICE, seed=9, backend="triton",
+             per_cache=False, seq_first=seq_first)
+
+
+@needs_triton
+def test_triton_without_poison_touches_only_lengths():
+    old, new, bufs = make_case(6, 2, 20, 8, torch.float32, TRITON_DEVICE, seed=1)
+    before = [b.clone() for b in bufs]
+    length = old.clone()
+    truncate_kv_(length, new, bufs, backend="triton")
+    assert torch.equal(length, torch.minimum(old, new))
+    assert all(torch.equal(b, c) for b, c in zip(bufs, before))
+    truncate_kv_(length, torch.tensor(10**6, device=TRITON_DEVICE), backend="triton")  # never grows
+    assert torch.equal(length, torch.minimum(old, new))
+    truncate_kv_(length, torch.tensor(0, device=TRITON_DEVICE), backend="triton")
+    assert int(length.sum()) == 0
+
+
+@needs_triton
+def test_triton_mixed_buffers_fall_back_or_raise():
+    length = torch.tensor([5, 5], device=TRITON_DEVICE)
+    bufs = [torch.randn(2, 1, 8, 4, device=TRITON_DEVICE),
+            torch.randn(2, 1, 8, 4, device=TRITON_DEVICE).half()]
+    with pytest.raises(SPDBackendError, match="one shape and dtype"):
+        truncate_kv_(length, torch.tensor(2, device=TRITON_DEVICE), bufs, poison=True,
+                     backend="triton")
+    with pytest.raises(SPDBackendError, match="contiguous"):
+        truncate_kv_(length, torch.tensor(2, device=TRITON_DEVICE),
+                     [bufs[0].transpose(2, 3)], seq_dim=-1, poison=True, backend="triton")
+
+
+def test_reference_default_and_checks():
+    assert dispatch.select("truncate_kv", torch.device("cpu"))[0] == "reference"
+    length = torch.tensor([4, 4])
+    with pytest.raises(SPDInputError, match="non-negative"):
+        truncate_kv_(length, torch.tensor([-1, 2]))
+    with pytest.raises(SPDInputError, match="scalar or have shape"):
+        truncate_kv_(length, torch.tensor([1, 2, 3]))
+    with pytest.raises(SPDInputError, match="lengths has 2"):
+        truncate_kv_(length, torch.tensor(1), [torch.randn(3, 8, 4)], poison=True)
+    with pytest.raises(SPDInputError, match="not a sequence axis"):
+        truncate_kv_(length, torch.tensor(1), [torch.randn(2, 8, 4)], seq_dim=0, poison=True)
+    with pytest.raises(SPDBackendError, match="CUDA tensors"):
+        truncate_kv_(length, torch.tensor(1), backend="cuda")
+
+
+def test_library_op():
+    length = torch.tensor([7, 3, 5])
+    k = torch.randn(3, 2, 8, 4)
+    torch.library.opcheck(torch.ops.spd.truncate_kv_.default,
+                          (length.clone(), torch.tensor(4), [k.clone(), k.clone()], -2, True))
+    torch.ops.spd.truncate_kv_(length, torch.tensor(4), [k], -2, True)
+    assert length.tolist() == [4, 3, 4] and k[0, :, 4:7].isnan().all()
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+def gpu_backends():
+    return [b for b in ("triton", "cuda") if b in dispatch.available("truncate_kv", "cuda")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_backends_match_reference(dtype):
+    for backend in gpu_backends():
+        run_both(36, 8, 2048, 128, dtype, "cuda", seed=3, backend=backend)
+        run_both(7, 3, 33, 7, dtype, "cuda", seed=4, backend=backend, per_cache=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_truncation_in_cuda_graph_without_host_sync():
+    """New lengths live in a device tensor: a captured graph truncates to whatever it holds."""
+    for backend in gpu_backends():
+        length = torch.full((36,), 1000, dtype=torch.int64, device="cuda")
+        new = torch.tensor(900, device="cuda")
+        k = torch.randn(36, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+        truncate_kv_(length, new, [k], poison=True, backend=backend)  # warm up
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            truncate_kv_(length, new, [k], poison=True, backend=backend)
+        expect = 900  # after the warm-up call
+        for target in (800, 512, 600, 3):
+            new.fill_(target)
+            graph.replay()
+            torch.cuda.synchronize()
+            expect = min(expect, target)  # never grows
+            assert int(length.max()) == int(length.min()) == expect
+        assert k[:, :, 3:1000].isnan().all() and not k[:, :, :3].isnan().any()

@@ -1,0 +1,175 @@
+"""Greedy verification kernels (fused RMSNorm + LM-head GEMV + argmax + compare) vs the reference.
+
+The Triton kernel runs in the interpreter on CPU (TRITON_INTERPRET=1, set by conftest) or compiled
+on a GPU; the CUDA kernel only on a GPU (tests marked `gpu`). fp32 must match exactly; in bf16 /
+fp16 the kernel rounds like the reference, and any disagreement must be a near-tie of the
+reference logits (fp32 accumulation order differs).
+"""
+import pytest
+import torch
+
+from spd_kernels import SPDBackendError, SPDInputError, verify_greedy
+from spd_kernels import dispatch
+from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+from spd_kernels.verify import final_logits, verify_greedy_reference
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make_inputs(R, D, V, dtype, device, seed, strided=False):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(R, D + (5 if strided else 0), generator=g) * 2
+    if strided:
+        hidden = hidden[:, 2:D + 2]  # row stride D + 5: the kernel must use the stride
+    norm = torch.rand(D, generator=g) + 0.5
+    head = torch.randn(V, D, generator=g) / D ** 0.5
+    cast = lambda t: t.to(device=device, dtype=dtype)
+    hidden, norm, head = cast(hidden), cast(norm), cast(head)
+    ref = final_logits(hidden, norm, 1e-6, head).argmax(-1)
+    drafts = torch.randint(0, V, (R,), generator=g).to(device)
+    drafts[::2] = ref[::2]  # half the rows carry the right draft
+    return hidden, norm, head, drafts
+
+
+def check_against_reference(hidden, norm, head, drafts, backend, exact):
+    ref_t, ref_ok = verify_greedy_reference(hidden, norm, 1e-6, head, drafts)
+    for mode in ("a", "b"):
+        with poisoned_outputs(mode):
+            t, ok = verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)
+        assert t.dtype == torch.int64 and ok.dtype == torch.bool
+        if exact:
+            assert torch.equal(t, ref_t), (t, ref_t)
+            assert torch.equal(ok, ref_ok)
+        else:
+            logits = final_logits(hidden, norm, 1e-6, head).float()
+            best = logits.max(-1).values
+            got = logits.gather(1, t[:, None].clamp(0, head.shape[0] - 1))[:, 0]
+            ulp = torch.exp2(torch.floor(torch.log2(best.abs().clamp_min(1e-6))) - 7)
+            assert ((t >= 0) & (t < head.shape[0])).all()
+            assert (got >= best - ulp).all(), "kernel argmax is not a near-tie of the reference"
+            assert torch.equal(ok, t == drafts.long())
+            assert (t == ref_t).float().mean() >= 0.5
+
+
+SHAPES = [(1, 32, 100), (3, 45, 257), (5, 64, 300), (17, 24, 50), (2, 7, 33), (4, 128, 1000),
+          (6, 96, 131)]
+
+
+@needs_triton
+@pytest.mark.parametrize("R,D,V", SHAPES)
+def test_triton_fp32_exact(R, D, V):
+    args = make_inputs(R, D, V, torch.float32, TRITON_DEVICE, seed=R * 1000 + D)
+    check_against_reference(*args, backend="triton", exact=True)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R,D,V", [(1, 64, 500), (5, 40, 333)])
+def test_triton_half_precision(R, D, V, dtype):
+    args = make_inputs(R, D, V, dtype, TRITON_DEVICE, seed=V)
+    check_against_reference(*args, backend="triton", exact=False)
+
+
+@needs_triton
+def test_triton_strided_hidden_and_int32_drafts():
+    hidden, norm, head, drafts = make_inputs(3, 40, 90, torch.float32, TRITON_DEVICE, seed=7,
+                                             strided=True)
+    assert not hidden.is_contiguous()
+    check_against_reference(hidden, norm, head, drafts.int(), backend="triton", exact=True)
+    spaced = torch.stack([drafts, drafts], 1).reshape(-1)[::2]  # a strided draft-token view
+    assert spaced.stride(0) == 2
+    check_against_reference(hidden, norm, head, spaced, backend="triton", exact=True)
+
+
+@needs_triton
+def test_triton_ties_go_to_lowest_id():
+    """Duplicate LM-head rows give exactly tied logits: the lowest id wins, as torch.argmax."""
+    g = torch.Generator().manual_seed(3)
+    D, V = 16, 200
+    head = torch.randn(V, D, generator=g)
+    hidden = torch.randn(4, D, generator=g)
+    norm = torch.ones(D)
+    ref = final_logits(hidden, norm, 1e-6, head).argmax(-1)
+    for r, winner in enumerate(ref.tolist()):
+        for dup in (winner + 67, winner + 131):  # copies in other vocabulary blocks, later ids
+            head[dup % V] = head[winner]
+    ref = final_logits(hidden, norm, 1e-6, head).argmax(-1)
+    hidden, norm, head = (t.to(TRITON_DEVICE) for t in (hidden, norm, head))
+    t, ok = verify_greedy(hidden, norm, 1e-6, head, ref.to(TRITON_DEVICE), backend="triton")
+    assert torch.equal(t.cpu(), ref) and ok.all()
+
+
+@needs_triton
+def test_triton_empty_batch():
+    hidden = torch.randn(0, 8, device=TRITON_DEVICE)
+    t, ok = verify_greedy(hidden, torch.ones(8, device=TRITON_DEVICE), 1e-6,
+                          torch.randn(10, 8, device=TRITON_DEVICE),
+                          torch.zeros(0, dtype=torch.int64, device=TRITON_DEVICE), backend="triton")
+    assert t.shape == (0,) and ok.shape == (0,)
+
+
+def test_cpu_default_is_reference_and_checks():
+    assert dispatch.select("verify_greedy", torch.device("cpu"))[0] == "reference"
+    h, w, head = torch.randn(2, 8), torch.ones(8), torch.randn(10, 8)
+    with pytest.raises(SPDInputError, match="hidden size mismatch"):
+        verify_greedy(h, w, 1e-6, torch.randn(10, 4), torch.tensor([0, 1]))
+    with pytest.raises(SPDInputError, match="int32 or int64"):
+        verify_greedy(h, w, 1e-6, head, torch.tensor([0.0, 1.0]))
+    with pytest.raises(SPDInputError, match="dtype"):
+        verify_greedy(h, w, 1e-6, head.double(), torch.tensor([0, 1]))
+    with pytest.raises(SPDInputError, match="2 rows"):
+        verify_greedy(h, w, 1e-6, head, torch.tensor([0, 1, 2]))
+    with pytest.raises(SPDBackendError, match="CUDA tensors"):
+        verify_greedy(h, w, 1e-6, head, torch.tensor([0, 1]), backend="cuda")
+
+
+def test_library_op_and_fake():
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(3, 16, generator=g), torch.rand(16, generator=g) + 0.5, 1e-6,
+            torch.randn(40, 16, generator=g), torch.tensor([1, 2, 3]))
+    torch.library.opcheck(torch.ops.spd.verify_greedy.default, args)
+    t, ok = torch.ops.spd.verify_greedy(*args)
+    assert torch.equal(t, verify_greedy_reference(*args)[0])
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(h, w, head, d):
+        t, ok = torch.ops.spd.verify_greedy(h, w, 1e-6, head, d)
+        return t + 1, ok
+    t2, _ = step(args[0], args[1], args[3], args[4])
+    assert torch.equal(t2, t + 1)
+
+
+# --- GPU ------------------------------------------------------------------------------------------
+
+def gpu_backends():
+    return [b for b in ("triton", "cuda") if b in dispatch.available("verify_greedy", "cuda")]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("R,D,V", [(1, 576, 49152), (1, 2560, 151936), (3, 2560, 151936),
+                                   (9, 4096, 151936), (2, 100, 1001)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_backends_match_reference(R, D, V, dtype):
+    for backend in gpu_backends():
+        args = make_inputs(R, D, V, dtype, "cuda", seed=R + D)
+        check_against_reference(*args, backend=backend, exact=False)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_cuda_graph_replay():
+    for backend in gpu_backends():
+        hidden, norm, head, drafts = make_inputs(1, 2560, 151936, torch.bfloat16, "cuda", seed=5)
+        verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)  # warm up / compile
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            t, ok = verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)
+        for seed in range(3):
+            hidden.copy_(torch.randn_like(hidden) * 2)
+            graph.replay()
+            ref, _ = verify_greedy_reference(hidden, norm, 1e-6, head, drafts)
+            torch.cuda.synchronize()
+            assert torch.equal(t, ref)
