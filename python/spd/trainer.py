@@ -61,7 +61,9 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
     """A PDM that starts close to 'read the deepest anchor through the target's head'.
 
     Output projections of every layer start at zero (each layer starts as the identity), each
-    type's projection starts as the identity on its deepest anchor block, the final norm copies
+    type's projection but type 0's starts as the identity on its deepest anchor block (type 0
+    holds only the token's own embedding; through the tied head that would predict the token
+    itself, so it starts small and random), the final norm copies
     the target's and the LM head is the target's rows of the draft vocabulary (kept frozen).
     """
     pdm_cfg = pdm_config_for(target, layout, cfg.pdm_layers, len(vocab))
@@ -84,6 +86,8 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
             layer.mlp.down_proj.weight.zero_()
         for key, proj in pdm.projections.items():
             e = int(key)
+            if e == 0:
+                continue  # type 0 is the embedding alone: identity there would predict a repeat
             proj.weight.mul_(0.1)
             proj.weight[:, e * d:(e + 1) * d] += torch.eye(d)
         pdm.norm.weight.copy_(target.norm.weight.detach().float())
