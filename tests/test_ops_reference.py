@@ -6,31 +6,8 @@ import torch
 
 from spd_kernels import (SPDInputError, anchor_projection, filtered_probs, rejection_sample,
                          sample_from_probs, truncate_kv_, verify_greedy)
+from spd_kernels.testing import chi2_pvalue as chi2_test
 from spd_kernels.verify import final_logits, scatter_draft_probs
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    """Survival function of the chi-square distribution (regularised upper gamma)."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
-                                         torch.tensor(stat / 2.0, dtype=torch.float64)))
-
-
-def chi2_test(counts: torch.Tensor, probs: torch.Tensor, min_expected: float = 5.0) -> float:
-    """p-value of observed counts against probabilities; cells expected < min_expected pooled."""
-    total = counts.sum().item()
-    exp = probs.double() * total
-    big = exp >= min_expected
-    obs_cells = list(counts[big].double())
-    exp_cells = list(exp[big])
-    if (~big).any():
-        obs_cells.append(counts[~big].double().sum())
-        exp_cells.append(exp[~big].sum())
-    obs = torch.stack(obs_cells)
-    e = torch.stack(exp_cells)
-    keep = e > 0
-    assert (obs[~keep] == 0).all(), "a zero-probability outcome was observed"
-    stat = ((obs[keep] - e[keep]) ** 2 / e[keep]).sum().item()
-    return chi2_sf(stat, int(keep.sum()) - 1)
 
 
 @pytest.mark.parametrize("rows,d,d_out", [(1, 8, 8), (7, 16, 12), (33, 5, 9)])
