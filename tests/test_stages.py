@@ -51,3 +51,11 @@ def test_cache_overflow_and_gap_are_errors():
         st.forward(h[:1], 5)
     with pytest.raises(SPDError, match="overflow"):
         st.forward(h[:2], 3)
+
+
+def test_fingerprint_ignores_load_dtype_but_not_weights():
+    from spd.target import TargetModel
+    t = make_tiny_target(seed=3)
+    bf16 = TargetModel(make_tiny_target(seed=3).hf.to(torch.bfloat16), None)
+    assert bf16.fingerprint() == t.fingerprint()
+    assert make_tiny_target(seed=4).fingerprint() != t.fingerprint()

@@ -79,7 +79,10 @@ class TargetModel:
         return self.lm_head(self.norm(hidden)).float()
 
     def fingerprint(self) -> str:
-        """Short hash of the architecture and a sample of weights: identifies the target."""
+        """Short hash of the architecture and a sample of weights: identifies the target.
+
+        The sample is rounded to bf16 first, so the same model loaded in fp32 (CPU) or bf16
+        (GPU) has the same fingerprint and a PDM trained on one loads on the other."""
         if self._fingerprint is None:
             h = hashlib.sha256()
             h.update(repr((self.config.model_type, self.num_layers, self.hidden_size,
@@ -88,7 +91,7 @@ class TargetModel:
                       self.layers[-1].mlp.down_proj.weight, self.norm.weight):
                 flat = w.detach().reshape(-1)
                 sample = flat[:: max(1, flat.numel() // 4096)][:4096]
-                h.update(sample.float().cpu().numpy().tobytes())
+                h.update(sample.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
