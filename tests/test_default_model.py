@@ -128,3 +128,20 @@ def test_cli_eval_two_prompts_writes_json(tmp_path, capsys):
     assert report["datasets"]["two"]["prompts"] == 2 and report["overall"]["prompts"] == 4
     assert report["overall"]["N"] == sum(d["N"] for d in report["datasets"].values())
     assert "overall" in capsys.readouterr().out
+
+
+def test_shipped_pdm_is_picked_and_lossless(default_target, references):
+    """The n=4 PDM shipped in python/spd/checkpoints loads by default and drafts better than
+    an untrained one, with the output still exactly Hugging Face's."""
+    from spd.pdm import find_shipped_pdm
+    eng = SPDEngine(default_target, n_stages=4)
+    assert find_shipped_pdm(default_target, eng.layout) is not None
+    assert eng.pdm_source.endswith("smollm2-135m-instruct-n4")
+    untrained = SPDEngine(default_target, n_stages=4, pdm="untrained", warn_untrained=False)
+    accepted = {"shipped": 0, "untrained": 0}
+    for ids, ref in references:
+        res = eng.generate(ids, NEW)
+        assert res.token_ids == ref
+        accepted["shipped"] += res.stats.drafts_accepted
+        accepted["untrained"] += untrained.generate(ids, NEW).stats.drafts_accepted
+    assert accepted["shipped"] > accepted["untrained"] + 5
