@@ -45,22 +45,11 @@ def tiny_model_dir() -> str:
     """A random 4-layer, hidden-64 Llama with the default model's tokenizer (built once in
     $SPD_CACHE): its stage forwards take well under a millisecond, so a cycle is almost all
     communication and control."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from spd.loading import cache_dir, resolve_model_path
+    from spd.loading import cache_dir, save_tiny_random_llama
 
     folder = cache_dir() / "models" / "tiny-random-llama"
     if not (folder / "config.json").exists():
-        tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
-        cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                          max_position_embeddings=4096, tie_word_embeddings=False,
-                          eos_token_id=None, bos_token_id=None, pad_token_id=None)
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(cfg).eval()
-        model.generation_config.eos_token_id = None
-        model.save_pretrained(folder)
-        tok.save_pretrained(folder)
+        save_tiny_random_llama(folder)
     return str(folder)
 
 

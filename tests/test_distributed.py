@@ -256,22 +256,8 @@ def test_bad_distributed_options(capsys):
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with the default model's tokenizer, as a local HF folder (fast to load)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
-
-    from spd.loading import resolve_model_path
-
-    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
-                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=4096, tie_word_embeddings=False,
-                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).eval()
-    model.generation_config.eos_token_id = None
-    folder = tmp_path_factory.mktemp("tiny-llama")
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
+    from spd.loading import save_tiny_random_llama
+    folder = save_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama"))
     return str(folder)
 
 

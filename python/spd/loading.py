@@ -91,3 +91,23 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
     return TargetModel(model, tokenizer, name=str(folder))
+
+
+def save_tiny_random_llama(folder) -> Path:
+    """A random 4-layer, hidden-64 Llama with the default model's tokenizer, saved as a local
+    Hugging Face folder (seeded): it loads and runs in milliseconds, for tests and benchmarks."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    folder = Path(folder)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=4096, tie_word_embeddings=False,
+                      eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
