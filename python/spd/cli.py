@@ -139,7 +139,15 @@ def _add_train(sub) -> None:
     p.add_argument("--features", default=None,
                    help="feature cache folder (default: $SPD_CACHE/features/<target>); extracted "
                         "when missing, reused and resumed otherwise")
-    p.add_argument("--pdm-layers", type=int, default=2, help="PDM decoder layers L_s")
+    p.add_argument("--method", choices=("spd", "ppsd", "eagle3"), default="spd",
+                   help="spd (default): a PDM on multi-depth features; ppsd: the PPSD baseline "
+                        "(a drafter on the first stage's output only, run after each pipeline "
+                        "step); eagle3: the EAGLE-3-style chain-drafting head (one layer)")
+    p.add_argument("--init-from", default=None,
+                   help="warm start from a PDM checkpoint: copies every weight whose name and "
+                        "shape match (e.g. a trained n=4 PDM to start an n=6 one)")
+    p.add_argument("--pdm-layers", type=int, default=None,
+                   help="PDM decoder layers L_s (default 2; 1 for ppsd)")
     p.add_argument("--intermediate-size", type=int, default=768, help="PDM MLP width")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
@@ -156,10 +164,10 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--feature-timing", choices=("pre-step", "post-step"), default="pre-step",
+    p.add_argument("--feature-timing", choices=("pre-step", "post-step"), default=None,
                    help="pre-step (default): draft from features that exist when the cycle "
                         "starts, hidden behind the stages; post-step: after the stage step "
-                        "(more accurate, not hidden; the paper's ablation)")
+                        "(more accurate, not hidden; the paper's ablation; the default for ppsd)")
     p.add_argument("--storage", choices=("int8", "fp16", "fp32"), default="int8",
                    help="weight storage of the saved checkpoint (int8: ~4x smaller than fp32)")
     p.set_defaults(func=cmd_train)
@@ -175,8 +183,11 @@ def cmd_train(args) -> int:
     if args.steps < 1 or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
     target = load_target(args.model, device=args.device)
-    layout = DepthLayout.build(target.num_layers, args.stages, _parse_ints(args.split, "--split"),
-                               _parse_ints(args.anchors, "--anchors"))
+    anchors = _parse_ints(args.anchors, "--anchors")
+    split = _parse_ints(args.split, "--split")
+    if args.method == "ppsd" and anchors is None:  # PPSD sees the first stage's output only
+        anchors = [0, DepthLayout.build(target.num_layers, args.stages, split).split[0]]
+    layout = DepthLayout.build(target.num_layers, args.stages, split, anchors)
     feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
     meta = Path(feat_dir) / "meta.json"
@@ -186,8 +197,12 @@ def cmd_train(args) -> int:
             max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(feat_dir, target)
+    if args.feature_timing is None:
+        args.feature_timing = "post-step" if args.method == "ppsd" else "pre-step"
     cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
-                      pdm_layers=args.pdm_layers, intermediate_size=args.intermediate_size,
+                      pdm_layers=args.pdm_layers or (1 if args.method == "ppsd" else 2),
+                      method=args.method, init_from=args.init_from,
+                      intermediate_size=args.intermediate_size,
                       draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
                       save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
@@ -203,52 +218,118 @@ def _unfinished(meta_path) -> bool:
 
 
 def _add_eval(sub) -> None:
-    p = sub.add_parser("eval", help="decode prompt sets with SPD and report alpha and speedup")
-    _add_model_layout_args(p)
-    p.add_argument("--dataset", action="append", default=None,
+    p = sub.add_parser(
+        "eval", help="decode prompt sets with SPD (or a grid of methods) and report speedups",
+        description="Decode prompt sets and report N, K, alpha, theoretical speedup and "
+        "acceptance. With --methods, run the comparison grid (ar, pp, eagle3, ppsd, spd over "
+        "--stages, --pdm-layers, --datasets and --temperature lists), check every greedy output "
+        "against autoregressive decoding, and write grid.json, report.md and plots to --out-dir "
+        "(rerun the same command to resume).")
+    p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--stages", default="4",
+                   help="pipeline stages n (a comma list with --methods, e.g. 2,4,6)")
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (single run)")
+    p.add_argument("--anchors", default=None, help="anchor hidden-state indices (single run)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dataset", "--datasets", dest="dataset", action="append", default=None,
                    help="mt_bench or humaneval (repeat or comma-separate; default: both unless "
                         "--prompts is given)")
     p.add_argument("--prompts", default=None,
                    help="FastChat question .jsonl (one object a line with a 'turns' list)")
     p.add_argument("--limit", type=int, default=None, help="first K prompts of each set")
-    p.add_argument("--pdm", default=None, help="PDM checkpoint (default: the shipped one)")
+    p.add_argument("--pdm", default=None, help="PDM checkpoint (single run; default: shipped)")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", default="0",
+                   help="sampling temperature (a comma list with --methods, e.g. 0,1)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="compare every output with autoregressive decoding (default: on at T=0)")
-    p.add_argument("--json-out", default=None, help="write the report as JSON")
+    p.add_argument("--json-out", default=None, help="write the report as JSON (single run)")
+    g = p.add_argument_group("comparison grid")
+    g.add_argument("--methods", default=None,
+                   help="comma list of ar, pp, eagle3, ppsd, spd: run the grid")
+    g.add_argument("--pdm-layers", default="2", help="SPD drafter depths L_s, e.g. 1,2,3")
+    g.add_argument("--out-dir", default="spd-eval-grid",
+                   help="where grid.json, report.md and the plots go (default: ./spd-eval-grid)")
+    g.add_argument("--checkpoint-dir", action="append", default=[],
+                   help="extra folder of drafter checkpoints (subfolders with config.json) to "
+                        "search besides the shipped ones; repeatable")
+    g.add_argument("--cost-reps", type=int, default=10,
+                   help="timing repetitions per piece of the cost model")
     p.set_defaults(func=cmd_eval)
 
 
+def _parse_floats(text, what):
+    try:
+        return [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError as exc:
+        raise SPDError(f"{what} must be comma-separated numbers, got '{text}'") from exc
+
+
 def cmd_eval(args) -> int:
-    from spd.engine import SamplingParams, SPDEngine
-    from spd.evaluate import collect_sets, format_table, run_eval, write_json
+    from spd.evaluate import collect_sets
     from spd.loading import load_target
 
-    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    stages = _parse_ints(args.stages, "--stages")
+    temps = _parse_floats(args.temperature, "--temperature")
+    if not args.methods and (len(stages) != 1 or len(temps) != 1):
+        raise SPDError("lists of --stages or --temperature need --methods (the grid)")
     names = [x for d in (args.dataset or []) for x in d.split(",") if x]
     if not names and not args.prompts:
         names = ["mt_bench", "humaneval"]
     sets = collect_sets(names, args.prompts, args.limit)
+    if args.methods:
+        return _eval_grid(args, sets, stages, temps)
+    from spd.engine import SamplingParams, SPDEngine
+    from spd.evaluate import format_table, run_eval, write_json
+    sampling = SamplingParams(temps[0], args.top_k, args.top_p, args.seed)
+    check = sampling.greedy if args.check is None else args.check
+    if check and not sampling.greedy:
+        raise SPDError("--check compares with autoregressive decoding token for token, which "
+                       "only holds at --temperature 0")
     target = load_target(args.model, device=args.device)
-    engine = SPDEngine(target, n_stages=args.stages, split=_parse_ints(args.split, "--split"),
+    engine = SPDEngine(target, n_stages=stages[0], split=_parse_ints(args.split, "--split"),
                        anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        warn_untrained=False)
     if engine.pdm_source == "untrained":
         print("[spd] warning: no trained PDM for this target and layout; using an untrained one",
               file=sys.stderr)
-    check = sampling.greedy if args.check is None else args.check
-    if check and not sampling.greedy:
-        raise SPDError("--check compares with autoregressive decoding token for token, which "
-                       "only holds at --temperature 0")
     report = run_eval(engine, sets, args.max_new_tokens, sampling, check)
     print(format_table(report))
     if args.json_out:
         write_json(report, args.json_out)
         print(f"wrote {args.json_out}")
+    return 0
+
+
+def _eval_grid(args, sets, stages, temps) -> int:
+    from spd.harness import GridSpec, run_grid
+    from spd.loading import load_target
+    from spd.report import markdown, write_report
+
+    if args.pdm or args.split or args.anchors or args.json_out:
+        raise SPDError("--pdm, --split, --anchors and --json-out belong to a single run; the "
+                       "grid finds its drafters itself (add folders with --checkpoint-dir) and "
+                       "writes to --out-dir")
+    if args.top_k or args.top_p != 1.0:
+        raise SPDError("the grid samples with plain temperature; drop --top-k/--top-p")
+    if args.check is False:
+        raise SPDError("the grid always checks greedy outputs against autoregressive decoding")
+    spec = GridSpec(methods=[m for m in args.methods.split(",") if m], stages=stages,
+                    pdm_layers=_parse_ints(args.pdm_layers, "--pdm-layers"), datasets=sets,
+                    temperatures=temps, max_new_tokens=args.max_new_tokens, seed=args.seed,
+                    checkpoint_dirs=args.checkpoint_dir, cost_reps=args.cost_reps)
+    for d in args.checkpoint_dir:
+        if not Path(d).is_dir():
+            raise SPDError(f"--checkpoint-dir {d} is not a folder")
+    target = load_target(args.model, device=args.device)
+    command = "python -m spd " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else ""
+    state = run_grid(target, spec, args.out_dir, command=command)
+    written = write_report(state, args.out_dir)
+    print(markdown(state))
+    print("wrote " + ", ".join(str(x) for x in [Path(args.out_dir) / "grid.json", *written]))
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -16,7 +17,7 @@ import torch
 from spd.drafters import Draft, PDMDrafter
 from spd.errors import SPDError
 from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm
+from spd.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
 from spd.schedule import PipelineSchedule
 from spd.target import Stage, TargetModel
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
@@ -46,10 +47,23 @@ class DecodeStats:
     K: int = 0                 # decode cycles (target forwards for the AR path), refills included
     drafts_judged: int = 0
     drafts_accepted: int = 0
+    draft_calls: int = 0       # drafter invocations (their time is phase_s["draft"])
     new_tokens: int = 0        # all new tokens returned, the prefill's first token included
     prefill_s: float = 0.0
     decode_s: float = 0.0
     phase_s: dict = field(default_factory=dict)  # seconds per phase (draft, stage_i, verify, ...)
+    # Judged and accepted drafts by draft position: SPD counts the tokens in flight when the
+    # draft was made (how far it looks past the newest fully computed token); chain drafters
+    # (EAGLE-3) count the step in the chain. {position: [judged, accepted]}
+    by_position: dict = field(default_factory=dict)
+
+    def count_draft(self, position: int, accepted: bool) -> None:
+        """One judged draft at draft position `position` (1-based)."""
+        self.drafts_judged += 1
+        self.drafts_accepted += int(accepted)
+        cell = self.by_position.setdefault(int(position), [0, 0])
+        cell[0] += 1
+        cell[1] += int(accepted)
 
     @property
     def alpha(self) -> float:
@@ -70,6 +84,7 @@ class DecodeStats:
     def as_dict(self) -> dict:
         d = asdict(self)
         d["phase_s"] = dict(self.phase_s)
+        d["by_position"] = {str(k): list(v) for k, v in sorted(self.by_position.items())}
         d["phase_s"]["control"] = max(0.0, self.decode_s - sum(self.phase_s.values()))
         d.update(alpha=self.alpha, theoretical_speedup=self.theoretical_speedup,
                  acceptance_rate=self.acceptance_rate, decode_tok_s=self.decode_tok_s)
@@ -117,6 +132,9 @@ class SPDEngine:
                  pdm=None, pdm_layers: int | None = None, debug_poison: bool = False,
                  warn_untrained: bool = True):
         self.target = target
+        if isinstance(pdm, (str, Path)) and str(pdm) != "untrained" and anchors is None:
+            # A checkpoint fixes its own anchors (a PPSD drafter's differ from the default)
+            anchors = read_pdm_config(pdm).anchors
         self.layout = DepthLayout.build(target.num_layers, n_stages, split, anchors)
         self.n = self.layout.n
         self.debug_poison = debug_poison
@@ -252,6 +270,7 @@ class SPDEngine:
                               dtype=t.dtype)
         carry = torch.zeros(capacity, t.hidden_size, device=t.device, dtype=t.dtype)
         draft_q: dict[int, torch.Tensor] = {}
+        draft_fill: dict[int, int] = {}   # position -> tokens in flight when it was drafted
         slot = {b: j for j, b in enumerate(layout.anchors)}
         type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                      device=t.device)
@@ -287,6 +306,8 @@ class SPDEngine:
                 u = torch.rand((), generator=gen)
                 draft = drafter.draft(anchors[:, rows.start:rows.stop], type_of_depth[depths],
                                       rows.start, sched.newest + 1, sampling, u)
+                draft_fill[sched.newest + 1] = sched.count
+                stats.draft_calls += 1
                 sched.after_draft()
             return draft
 
@@ -328,14 +349,13 @@ class SPDEngine:
                 accepted, token = self._verify(carry[sched.start:sched.start + 1],
                                                tokens[judged:judged + 1],
                                                draft_q.pop(judged, None), sampling, gen)
-            stats.drafts_judged += 1
+            stats.count_draft(draft_fill.pop(judged, n), accepted)
             stats.N += 1
             out.append(token)
             if on_token:
                 on_token(token)
             done = token in t.eos_token_ids or len(out) >= max_new
             if accepted:
-                stats.drafts_accepted += 1
                 sched.accept()
                 if not done:
                     enter(sched.newest, draft.token, draft.q)
@@ -345,6 +365,7 @@ class SPDEngine:
                     for st in stages:
                         st.cache.truncate(judged)
                     draft_q.clear()
+                    draft_fill.clear()
                     if not done:
                         enter(judged, token)
                 for hook in self.rollback_hooks:

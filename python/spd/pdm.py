@@ -177,25 +177,11 @@ class PipelineDraftModule(nn.Module):
     def load(cls, folder, target=None, layout: DepthLayout | None = None):
         from safetensors.torch import load_file
         folder = Path(folder)
-        if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
-            raise SPDError(f"PDM checkpoint {folder} not found (expected {CONFIG_NAME} and "
-                           f"{WEIGHTS_NAME} in that folder)")
-        raw = json.loads((folder / CONFIG_NAME).read_text())
-        try:
-            config = PDMConfig(**raw)
-        except TypeError as exc:
-            raise SPDError(f"{folder / CONFIG_NAME} is not a PDM config: {exc}") from exc
+        config = read_pdm_config(folder)
         if target is not None:
             check_compatible(config, target, layout, source=str(folder))
         pdm = cls(config)
-        raw = load_file(str(folder / WEIGHTS_NAME))
-        state = {}
-        for k, v in raw.items():
-            if k.endswith(_SCALE):
-                continue
-            if k + _SCALE in raw:  # int8 storage: dequantise
-                v = v.float() * raw[k + _SCALE].float()
-            state[k] = v.float() if v.is_floating_point() else v
+        state = dequantise(load_file(str(folder / WEIGHTS_NAME)))
         missing, unexpected = pdm.load_state_dict(state, strict=False)
         if pdm.head_from_target and missing == ["lm_head.weight"]:
             if target is None:
@@ -267,6 +253,30 @@ class PipelineDraftModule(nn.Module):
         return self.lm_head(self.norm(x[-1:]))[0].float()
 
 
+def read_pdm_config(folder) -> PDMConfig:
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
+        raise SPDError(f"PDM checkpoint {folder} not found (expected {CONFIG_NAME} and "
+                       f"{WEIGHTS_NAME} in that folder)")
+    raw = json.loads((folder / CONFIG_NAME).read_text())
+    try:
+        return PDMConfig(**raw)
+    except TypeError as exc:
+        raise SPDError(f"{folder / CONFIG_NAME} is not a PDM config: {exc}") from exc
+
+
+def dequantise(raw: dict) -> dict:
+    """A stored state dict (int8 rows with scales, fp16 or fp32) as fp32 tensors."""
+    state = {}
+    for k, v in raw.items():
+        if k.endswith(_SCALE):
+            continue
+        if k + _SCALE in raw:  # int8 storage
+            v = v.float() * raw[k + _SCALE].float()
+        state[k] = v.float() if v.is_floating_point() else v
+    return state
+
+
 def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, source: str = "PDM"):
     """Refuse a checkpoint built for another target, stage count, split or anchor set."""
     if config.target_num_layers != target.num_layers or \
@@ -294,17 +304,20 @@ def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, sour
                            f"{list(layout.anchors)}")
 
 
-def find_shipped_pdm(target, layout: DepthLayout):
-    """The checkpoint shipped with the package for this target, n, split and anchors, or None."""
-    if not SHIPPED_DIR.is_dir():
-        return None
-    for cfg_path in sorted(SHIPPED_DIR.glob(f"*/{CONFIG_NAME}")):
-        try:
-            c = json.loads(cfg_path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        if (c.get("target_fingerprint") == target.fingerprint() and c.get("n_stages") == layout.n
-                and c.get("stage_split") == layout.split
-                and c.get("anchors") == list(layout.anchors)):
-            return cfg_path.parent
+def find_shipped_pdm(target, layout: DepthLayout, num_layers: int | None = None,
+                     method: str = "spd", search=(SHIPPED_DIR,)):
+    """The checkpoint for this target, n, split and anchors (and L_s, method if given) found in
+    the folders `search` (default: those shipped with the package), or None."""
+    for root in map(Path, search):
+        for cfg_path in sorted(root.glob(f"*/{CONFIG_NAME}")) if root.is_dir() else []:
+            try:
+                c = json.loads(cfg_path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if (c.get("target_fingerprint") == target.fingerprint()
+                    and c.get("n_stages") == layout.n and c.get("stage_split") == layout.split
+                    and c.get("anchors") == list(layout.anchors)
+                    and (c.get("extra") or {}).get("method", "spd") == method
+                    and num_layers in (None, c.get("num_layers"))):
+                return cfg_path.parent
     return None

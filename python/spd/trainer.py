@@ -47,6 +47,8 @@ class TrainConfig:
     eval_sequences: int = 16
     seed: int = 0
     features: str = "pre-step"   # or "post-step" (the paper's ablation: drafting not hidden)
+    method: str = "spd"          # or "ppsd" (first-stage features, post-step); metadata only
+    init_from: str | None = None  # warm start: copy every matching weight of this checkpoint
     history: list = field(default_factory=list)
 
 
@@ -68,7 +70,7 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
     """
     pdm_cfg = pdm_config_for(target, layout, cfg.pdm_layers, len(vocab))
     pdm_cfg.intermediate_size = cfg.intermediate_size
-    pdm_cfg.extra = {"head_from_target": True}
+    pdm_cfg.extra = {"head_from_target": True, "method": cfg.method}
     if cfg.features not in ("pre-step", "post-step"):
         raise SPDError(f"features must be pre-step or post-step, got {cfg.features}")
     pdm_cfg.features = cfg.features
@@ -95,6 +97,30 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
         pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab])
     pdm.lm_head.weight.requires_grad_(False)
     return pdm.float()
+
+
+def warm_start(pdm, folder) -> list[str]:
+    """Copy every weight of the PDM checkpoint `folder` whose name and shape match `pdm`'s
+    (decoder layers, norms, the projections of types both layouts share). Lets a PDM for
+    another n start from a trained one. Returns the names copied."""
+    from safetensors.torch import load_file
+    from spd.pdm import WEIGHTS_NAME, dequantise
+    path = Path(folder) / WEIGHTS_NAME
+    if not path.exists():
+        raise SPDError(f"--init-from {folder}: no {WEIGHTS_NAME} there")
+    source = dequantise(load_file(str(path)))
+    own = pdm.state_dict()
+    copied = []
+    with torch.no_grad():
+        for name, value in source.items():
+            if name in ("lm_head.weight", "draft_to_target") or name not in own:
+                continue
+            if own[name].shape == value.shape:
+                own[name].copy_(value.to(own[name].dtype))
+                copied.append(name)
+    if not copied:
+        raise SPDError(f"--init-from {folder}: no weight matches this PDM's shapes")
+    return copied
 
 
 def _anchor_index(features_anchors: list[int], wanted: list[int]) -> list[int]:
@@ -201,6 +227,10 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
         rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"])
         cfg.history = st["history"]
+    elif cfg.init_from:
+        copied = warm_start(pdm, cfg.init_from)
+        if progress:
+            print(f"[spd] warm start from {cfg.init_from}: {len(copied)} tensors copied")
     distiller = Distiller(target, pdm, features.anchors)
     pdm.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"training PDM (n={layout.n})", unit="step",

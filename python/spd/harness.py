@@ -1,0 +1,303 @@
+"""The evaluation grid: AR, pipeline-parallel AR, EAGLE-3, PPSD and SPD on the same prompts.
+
+`run_grid` decodes every prompt of every dataset with every method configuration at every
+temperature, checks each greedy output against the autoregressive one (a mismatch is an error:
+every method here is lossless), and keeps the results in `<out>/grid.json` after every cell, so a
+run that stops resumes where it was (finished cells are skipped). `spd.report` turns that file
+into the markdown report and the plots.
+
+Cells: `ar` and `eagle3` run once per dataset and temperature (one device, no stages); `pp`,
+`ppsd` and `spd` once per stage count n (and `spd` per PDM depth L_s). Drafters come from the
+checkpoints shipped with the package or from `checkpoint_dirs`; a configuration with no trained
+drafter is recorded as skipped, with the command that trains one.
+
+`pp` (plain pipeline-parallel decoding on the same n stages) computes exactly what AR computes,
+token for token and forward for forward, so its counts follow from the AR cell (N tokens take
+K = N*n stage cycles) instead of decoding everything again; its cost comes from the cost model.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from spd.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
+from spd.engine import SamplingParams, SPDEngine
+from spd.errors import SPDError
+from spd.partition import DepthLayout
+from spd.pdm import SHIPPED_DIR, find_shipped_pdm
+
+METHODS = ("ar", "pp", "eagle3", "ppsd", "spd")
+GRID_FILE = "grid.json"
+# Every method's tokens/s is measured in this one process, but only single-device methods run
+# here as they would be deployed; the pipelined ones run their stages one after another.
+MEASURED_FOR_REAL = ("ar", "eagle3")
+
+
+@dataclass
+class GridSpec:
+    methods: list[str]
+    stages: list[int]
+    pdm_layers: list[int]
+    datasets: dict            # name -> list of questions ({'id', 'turns', ...})
+    temperatures: list[float]
+    max_new_tokens: int = 256
+    seed: int = 0
+    checkpoint_dirs: list[str] = field(default_factory=list)
+    cost_context: int = 256
+    cost_reps: int = 10
+
+    def __post_init__(self):
+        bad = [m for m in self.methods if m not in METHODS]
+        if bad or not self.methods:
+            raise SPDError(f"unknown method(s) {bad or self.methods}: choose from "
+                           f"{', '.join(METHODS)}")
+        if not self.stages or any(n < 2 for n in self.stages):
+            raise SPDError(f"--stages must list stage counts >= 2, got {self.stages}")
+        if not self.pdm_layers or any(x < 1 for x in self.pdm_layers):
+            raise SPDError(f"--pdm-layers must list depths >= 1, got {self.pdm_layers}")
+        if not self.temperatures or any(t < 0 for t in self.temperatures):
+            raise SPDError(f"--temperature must list values >= 0, got {self.temperatures}")
+        if not self.datasets:
+            raise SPDError("nothing to evaluate: give --datasets and/or --prompts")
+        if self.max_new_tokens < 1:
+            raise SPDError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+
+    def settings(self) -> dict:
+        """What a resumed run must share with the stored one (cells are comparable)."""
+        return {"max_new_tokens": self.max_new_tokens, "seed": self.seed,
+                "prompts": {k: [str(q["id"]) for q in v] for k, v in self.datasets.items()}}
+
+
+@dataclass(frozen=True)
+class Cell:
+    method: str
+    n: int                 # stages (1 for ar and eagle3)
+    pdm_layers: int | None
+    dataset: str
+    temperature: float
+
+    @property
+    def config(self) -> str:
+        """The method configuration, the row label of the report."""
+        if self.method in ("ar", "eagle3"):
+            return self.method
+        if self.method == "spd":
+            return f"spd n={self.n} L_s={self.pdm_layers}"
+        return f"{self.method} n={self.n}"
+
+    @property
+    def key(self) -> str:
+        return f"{self.config} | {self.dataset} | T={self.temperature:g}"
+
+
+def plan_cells(spec: GridSpec) -> list[Cell]:
+    """Every cell, AR first (the greedy checks need its outputs)."""
+    cells = []
+    order = ["ar"] + [m for m in METHODS if m != "ar"]
+    need_ar = True  # AR is the reference of every check and of measured ratios
+    for method in order:
+        if method not in spec.methods and not (method == "ar" and need_ar):
+            continue
+        for temp in spec.temperatures:
+            for ds in spec.datasets:
+                if method in ("ar", "eagle3"):
+                    cells.append(Cell(method, 1, None, ds, temp))
+                elif method == "spd":
+                    cells += [Cell(method, n, ls, ds, temp) for n in spec.stages
+                              for ls in spec.pdm_layers]
+                else:
+                    cells += [Cell(method, n, None, ds, temp) for n in spec.stages]
+    return cells
+
+
+class _Decoders:
+    """Builds (once) the decoder of each method configuration; None when no drafter exists."""
+
+    def __init__(self, target, spec: GridSpec):
+        self.target = target
+        self.search = [SHIPPED_DIR, *map(Path, spec.checkpoint_dirs)]
+        self._cache = {}
+
+    def get(self, cell: Cell):
+        key = (cell.method, cell.n, cell.pdm_layers)
+        if key not in self._cache:
+            self._cache[key] = self._build(cell)
+        return self._cache[key]
+
+    def _build(self, cell: Cell):
+        t = self.target
+        if cell.method in ("ar", "pp"):
+            return SPDEngine(t, n_stages=1), "none"
+        if cell.method == "eagle3":
+            from spd.eagle import find_eagle
+            from spd.eagle_decode import EagleDecoder
+            head = find_eagle(t, search=self.search)
+            if head is None:
+                return None, ("no trained EAGLE-3 head for this target: train one with "
+                              "`python -m spd train --method eagle3 --out DIR` and pass "
+                              "--checkpoint-dir")
+            return EagleDecoder(t, head=head), str(head)
+        layout = DepthLayout.build(t.num_layers, cell.n)
+        if cell.method == "ppsd":
+            layout = DepthLayout.build(t.num_layers, cell.n, anchors=[0, layout.split[0]])
+        path = find_shipped_pdm(t, layout, num_layers=cell.pdm_layers, method=cell.method,
+                                search=self.search)
+        if path is None:
+            what = (f"--pdm-layers {cell.pdm_layers}" if cell.method == "spd"
+                    else "--method ppsd")
+            return None, (f"no trained {cell.method} drafter for n={cell.n}"
+                          f"{f', L_s={cell.pdm_layers}' if cell.pdm_layers else ''}: train one "
+                          f"with `python -m spd train --stages {cell.n} {what} --out DIR` and "
+                          "pass --checkpoint-dir")
+        return SPDEngine(t, n_stages=cell.n, split=layout.split, anchors=list(layout.anchors),
+                         pdm=path), str(path)
+
+
+def _encode(target, question) -> list[int]:
+    from spd.cli import encode_prompt
+    return encode_prompt(target.tokenizer, question["turns"][0], chat=True)
+
+
+def _summarise(rows: list[dict]) -> dict:
+    keys = ("N", "K", "judged", "accepted", "decode_s", "draft_s", "draft_calls", "new_tokens")
+    tot = {k: sum(r[k] for r in rows) for k in keys}
+    by_pos: dict = {}
+    for r in rows:
+        for p, (j, a) in r["by_position"].items():
+            cell = by_pos.setdefault(str(p), [0, 0])
+            cell[0] += j
+            cell[1] += a
+    tot["by_position"] = dict(sorted(by_pos.items(), key=lambda kv: int(kv[0])))
+    tot["prompts"] = len(rows)
+    return tot
+
+
+def derived(cell: dict, costs: Costs, ar_tok_s: float | None) -> dict:
+    """Speedups of one cell's totals: theoretical, draft-cost-adjusted, per device, measured."""
+    method, n = cell["method"], cell["n"]
+    t = cell["totals"]
+    alpha = t["N"] / t["K"] if t["K"] else 0.0
+    # S_theory = alpha * n: tokens per target-forward-equivalent (EAGLE: tokens per round)
+    s_theory = alpha * n
+    draft_s = t["draft_s"] / t["draft_calls"] if t["draft_calls"] else 0.0
+    adj = adjusted_speedup(method, costs, n=n, s_theory=s_theory, draft_s=draft_s,
+                           draft_steps=cell.get("draft_steps", 0))
+    devices = devices_used(method, n)
+    tok_s = t["N"] / t["decode_s"] if t["decode_s"] else 0.0
+    measured = (tok_s / ar_tok_s if (method in MEASURED_FOR_REAL and ar_tok_s) else None)
+    return {"alpha": alpha, "theoretical_speedup": s_theory, "adjusted_speedup": adj,
+            "devices": devices, "adjusted_speedup_per_device": adj / devices,
+            "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
+            "draft_ms": draft_s * 1e3, "decode_tok_s": tok_s, "measured_ratio": measured}
+
+
+def load_state(out_dir: Path) -> dict:
+    path = out_dir / GRID_FILE
+    if path.exists():
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise SPDError(f"{path} is not valid JSON ({exc}); remove it to start over") from exc
+    return {}
+
+
+def _save(out_dir: Path, state: dict) -> None:
+    tmp = out_dir / (GRID_FILE + ".tmp")
+    tmp.write_text(json.dumps(state, indent=1))
+    tmp.replace(out_dir / GRID_FILE)  # atomic: a killed run never leaves a torn file
+
+
+def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: str = "") -> dict:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = load_state(out_dir)
+    settings = spec.settings()
+    if state and state.get("settings") != settings:
+        raise SPDError(f"{out_dir / GRID_FILE} holds a grid with other settings (prompts, "
+                       "max_new_tokens or seed); use another --out-dir or remove it")
+    state.setdefault("settings", settings)
+    state.setdefault("cells", {})
+    state.setdefault("reference", {})  # AR token ids per (dataset, T): the greedy checks
+    state["target"] = {"name": target.name, "fingerprint": target.fingerprint(),
+                       "device": str(target.device), "dtype": str(target.dtype)}
+    if command:
+        state["command"] = command
+    cells = plan_cells(spec)
+    decoders = _Decoders(target, spec)
+    if "costs" not in state:
+        eagle_rows = []
+        if "eagle3" in spec.methods:
+            from spd.eagle import DEFAULT_DRAFT_STEPS
+            eagle_rows = [DEFAULT_DRAFT_STEPS + 1]
+        state["costs"] = measure_costs(target, spec.stages, eagle_rows, spec.cost_context,
+                                       spec.cost_reps).as_dict()
+        _save(out_dir, state)
+    costs = Costs.from_dict(state["costs"])
+    todo = [c for c in cells if c.key not in state["cells"]]
+    units = sum(len(spec.datasets[c.dataset]) for c in todo if c.method != "pp")
+    bar = tqdm(total=units, desc="eval grid", unit="prompt", disable=not progress)
+    for cell in todo:
+        bar.set_postfix_str(cell.key)
+        state["cells"][cell.key] = _run_cell(cell, spec, decoders, state, costs, bar)
+        _save(out_dir, state)
+    bar.close()
+    return state
+
+
+def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, costs: Costs,
+              bar) -> dict:
+    ref_key = f"{cell.dataset} | T={cell.temperature:g}"
+    record = asdict(cell) | {"config": cell.config}
+    ar_cell = state["cells"].get(Cell("ar", 1, None, cell.dataset, cell.temperature).key)
+    if cell.method == "pp":  # same computation as AR: counts follow from the AR cell
+        t = dict(ar_cell["totals"])
+        t.update(K=t["N"] * cell.n, judged=0, accepted=0, by_position={}, draft_s=0.0,
+                 draft_calls=0)
+        record.update(totals=t, source="derived from the AR cell (identical computation)")
+    else:
+        decoder, source = decoders.get(cell)
+        if decoder is None:
+            return record | {"skipped": source}
+        record["source"] = source
+        if cell.method == "eagle3":
+            record["draft_steps"] = decoder.draft_steps
+        reference = state["reference"].setdefault(ref_key, {})
+        rows = []
+        for i, q in enumerate(spec.datasets[cell.dataset]):
+            sampling = SamplingParams(temperature=cell.temperature, seed=spec.seed + i)
+            ids = _encode(decoders.target, q)
+            if cell.method == "ar":
+                res = decoder.generate_ar(ids, spec.max_new_tokens, sampling)
+                reference[str(q["id"])] = res.token_ids
+            else:
+                res = decoder.generate(ids, spec.max_new_tokens, sampling)
+                ref = reference.get(str(q["id"]))
+                if sampling.greedy and ref is not None and ref != res.token_ids:
+                    raise SPDError(f"{cell.key}, prompt {q['id']}: output differs from "
+                                   "autoregressive decoding (a bug: please report it)")
+            st = res.stats
+            rows.append({"id": str(q["id"]), "N": st.N, "K": st.K, "judged": st.drafts_judged,
+                         "accepted": st.drafts_accepted, "decode_s": st.decode_s,
+                         "draft_s": st.phase_s.get("draft", 0.0),
+                         "draft_calls": st.draft_calls, "new_tokens": len(res.token_ids),
+                         "by_position": {str(k): list(v) for k, v in st.by_position.items()}})
+            bar.update(1)
+        record.update(totals=_summarise(rows), per_prompt=rows,
+                      checked_against_ar=cell.temperature == 0 and cell.method != "ar")
+    ar_tok_s = None
+    if ar_cell is not None and cell.method != "ar":
+        ar_tok_s = ar_cell["derived"]["decode_tok_s"]
+    elif cell.method == "ar":
+        ar_tok_s = None
+    record["derived"] = derived(record, costs, ar_tok_s)
+    if cell.method == "ar":
+        record["derived"]["measured_ratio"] = 1.0
+    record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    return record
+
+
+__all__ = ["Cell", "GridSpec", "METHODS", "derived", "load_state", "plan_cells", "run_grid"]

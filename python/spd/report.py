@@ -1,0 +1,226 @@
+"""The evaluation grid's report: a markdown table shaped like the paper's Table 2, and plots.
+
+Reads the state `spd.harness.run_grid` keeps (`grid.json`). Per method configuration and
+dataset: theoretical speedup, draft-cost-adjusted speedup (cost model, measured on the run's
+device) and, where the run measures something real, the decode tokens/s ratio over AR. Plots:
+speedup against n per method, and acceptance by draft position.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from spd.harness import METHODS
+
+OVERALL = "overall"
+
+
+def _rows_by_config(state: dict) -> dict:
+    """{temperature: {config: {dataset: cell}}} with an 'overall' entry per config."""
+    from spd.cost_model import Costs
+    from spd.harness import derived
+    costs = Costs.from_dict(state["costs"])
+    out: dict = {}
+    for cell in state["cells"].values():
+        out.setdefault(cell["temperature"], {}).setdefault(cell["config"], {})[cell["dataset"]] = cell
+    for by_config in out.values():
+        ar_all = _merge(list(by_config.get("ar", {}).values()))
+        ar_tok_s = (ar_all["totals"]["N"] / ar_all["totals"]["decode_s"]
+                    if ar_all and ar_all["totals"]["decode_s"] else None)
+        for config, by_ds in by_config.items():
+            merged = _merge([c for c in by_ds.values() if "totals" in c])
+            if merged is None:
+                continue
+            merged["derived"] = derived(merged, costs, ar_tok_s)
+            if merged["method"] == "ar":
+                merged["derived"]["measured_ratio"] = 1.0
+            by_ds[OVERALL] = merged
+    return out
+
+
+def _merge(cells: list[dict]) -> dict | None:
+    """One cell whose totals are the sums over `cells` (datasets of one configuration)."""
+    cells = [c for c in cells if "totals" in c]
+    if not cells:
+        return None
+    tot = {}
+    for k in ("N", "K", "judged", "accepted", "decode_s", "draft_s", "draft_calls",
+              "new_tokens", "prompts"):
+        tot[k] = sum(c["totals"][k] for c in cells)
+    by_pos: dict = {}
+    for c in cells:
+        for p, (j, a) in c["totals"]["by_position"].items():
+            cur = by_pos.setdefault(p, [0, 0])
+            cur[0] += j
+            cur[1] += a
+    tot["by_position"] = by_pos
+    first = cells[0]
+    return {k: first[k] for k in ("method", "n", "pdm_layers", "config")} | {
+        "dataset": OVERALL, "totals": tot, "draft_steps": first.get("draft_steps", 0)}
+
+
+def _config_order(config: str, cell: dict) -> tuple:
+    return (METHODS.index(cell["method"]), cell["n"], cell.get("pdm_layers") or 0, config)
+
+
+def markdown(state: dict) -> str:
+    rows = _rows_by_config(state)
+    datasets = list(state["settings"]["prompts"])
+    costs = state["costs"]
+    lines = ["# Evaluation grid", ""]
+    tgt = state.get("target", {})
+    lines += [f"Target: {tgt.get('name', '?')} (fingerprint {tgt.get('fingerprint', '?')}), "
+              f"device {tgt.get('device', '?')}, {tgt.get('dtype', '?')}. "
+              f"{state['settings']['max_new_tokens']} new tokens per prompt; prompts per set: "
+              + ", ".join(f"{k} {len(v)}" for k, v in state["settings"]["prompts"].items()) + "."]
+    if state.get("command"):
+        lines += ["", f"Command: `{state['command']}`"]
+    lines += ["", "S_theory = alpha * n (EAGLE-3: tokens per verification round; zero draft "
+              "cost). S_adj = draft-cost-adjusted speedup over AR from the cost model below. "
+              "per dev = S_adj / devices used. tok/s ratio = measured decode tokens/s over AR "
+              "in this run, shown only for single-device methods (in one process the pipelined "
+              "methods run their stages one after another, so their wall clock is not theirs)."]
+    for temp in sorted(rows):
+        by_config = rows[temp]
+        lines += ["", f"## T = {temp:g}", ""]
+        head = "| method | devices |" + "".join(
+            f" {d} S_theory | {d} S_adj |" for d in datasets + [OVERALL]) + \
+            " overall per dev | overall tok/s ratio | overall acceptance |"
+        lines += [head, "|" + "---|" * (head.count("|") - 1)]
+        order = sorted(by_config.items(),
+                       key=lambda kv: _config_order(kv[0], next(iter(kv[1].values()))))
+        skipped = []
+        for config, by_ds in order:
+            if OVERALL not in by_ds:
+                reasons = sorted({c["skipped"] for c in by_ds.values() if "skipped" in c})
+                skipped += [f"- {config}: {r}" for r in reasons]
+                continue
+            ov = by_ds[OVERALL]["derived"]
+            cells = []
+            for d in datasets + [OVERALL]:
+                c = by_ds.get(d)
+                if c is None or "derived" not in c:
+                    cells.append(" - | - |")
+                else:
+                    cells.append(f" {c['derived']['theoretical_speedup']:.2f} | "
+                                 f"{c['derived']['adjusted_speedup']:.2f} |")
+            ratio = ov["measured_ratio"]
+            acc = f"{ov['acceptance_rate']:.2f}" if by_ds[OVERALL]["totals"]["judged"] else "-"
+            lines.append(f"| {config} | {ov['devices']} |" + "".join(cells) +
+                         f" {ov['adjusted_speedup_per_device']:.2f} |"
+                         f" {'-' if ratio is None else f'{ratio:.2f}'} |"
+                         f" {acc} |")
+        if skipped:
+            lines += ["", "Skipped:", *skipped]
+        lines += ["", "Details (all datasets):", "",
+                  "| method | N | K | alpha | draft ms/call | decode tok/s |",
+                  "|---|---|---|---|---|---|"]
+        for config, by_ds in order:
+            if OVERALL in by_ds:
+                t, d = by_ds[OVERALL]["totals"], by_ds[OVERALL]["derived"]
+                lines.append(f"| {config} | {t['N']} | {t['K']} | {d['alpha']:.3f} | "
+                             f"{d['draft_ms']:.2f} | {d['decode_tok_s']:.1f} |")
+    lines += ["", "## Cost model (measured in this run)", "",
+              f"Device {costs['device']}, context {costs['context']} tokens, median of "
+              f"{costs['reps']} runs. Full forward {costs['forward_s'] * 1e3:.2f} ms; final norm + "
+              f"LM head {costs['head_s'] * 1e3:.2f} ms."]
+    for n, per in costs["stage_s"].items():
+        lines.append(f"- n={n}: stage forwards " + ", ".join(f"{x * 1e3:.2f}" for x in per)
+                     + " ms")
+    for rows_, s in costs["chunk_s"].items():
+        lines.append(f"- forward of a {rows_}-token chunk (EAGLE-3 verification): "
+                     f"{s * 1e3:.2f} ms")
+    lines += ["", "Draft steps are timed inside each method's own decoding (draft ms/call "
+              "above). Formulas (t_fwd full forward, t_s slowest stage):",
+              "- pp: t_fwd / (sum of stages + head)",
+              "- spd: S_theory/n * t_fwd / max(t_s, t_draft + t_head) (drafting and verify "
+              "hidden behind the stages on the draft rank)",
+              "- ppsd: S_theory/n * t_fwd / (t_s + t_draft) (drafting waits for each step)",
+              "- eagle3: S_theory * t_fwd / (k * t_draft + t_chunk(k+1))"]
+    return "\n".join(lines) + "\n"
+
+
+def plots(state: dict, out_dir) -> list[Path]:
+    """speedup_vs_n.png and acceptance_by_position.png; [] if matplotlib is missing."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
+    except ImportError:
+        return []
+    out_dir = Path(out_dir)
+    rows = _rows_by_config(state)
+    temps = sorted(rows)
+    written = []
+
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        series: dict = {}
+        flat = []
+        for config, by_ds in rows[temp].items():
+            if OVERALL not in by_ds:
+                continue
+            c = by_ds[OVERALL]
+            label = c["method"] + (f" L_s={c['pdm_layers']}" if c["method"] == "spd" else "")
+            if c["method"] in ("ar", "eagle3"):
+                flat.append((label, c["derived"]))
+            else:
+                series.setdefault(label, []).append((c["n"], c["derived"]))
+        for i, (label, pts) in enumerate(sorted(series.items())):
+            pts.sort()
+            xs = [n for n, _ in pts]
+            line, = ax.plot(xs, [d["theoretical_speedup"] for _, d in pts], "o-",
+                            label=f"{label} (theory)")
+            ax.plot(xs, [d["adjusted_speedup"] for _, d in pts], "s--", color=line.get_color(),
+                    label=f"{label} (draft-cost adjusted)")
+        for label, d in flat:
+            line = ax.axhline(d["theoretical_speedup"], linestyle="-", alpha=0.6,
+                              label=f"{label} (theory)",
+                              color="gray" if label == "ar" else None)
+            if label != "ar":
+                ax.axhline(d["adjusted_speedup"], linestyle="--", color=line.get_color(),
+                           alpha=0.6, label=f"{label} (draft-cost adjusted)")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("pipeline stages n")
+        ax.set_ylabel("speedup over AR")
+        ax.set_title(f"Speedup vs n (all datasets, T={temp:g})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "speedup_vs_n.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+
+    fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
+    for ax, temp in zip(axes[0], temps):
+        for config, by_ds in sorted(rows[temp].items()):
+            c = by_ds.get(OVERALL)
+            if c is None or not c["totals"]["by_position"]:
+                continue
+            pts = sorted((int(p), a / j) for p, (j, a) in c["totals"]["by_position"].items() if j)
+            ax.plot([p for p, _ in pts], [r for _, r in pts], "o-", label=config)
+        ax.set_xlabel("draft position (EAGLE-3: chain step; SPD/PPSD: tokens in flight "
+                      "when drafted)", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_ylabel("acceptance rate")
+        ax.set_ylim(0, 1)
+        ax.set_title(f"Acceptance by draft position (T={temp:g})")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / "acceptance_by_position.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    written.append(path)
+    return written
+
+
+def write_report(state: dict, out_dir) -> list[Path]:
+    out_dir = Path(out_dir)
+    md = out_dir / "report.md"
+    md.write_text(markdown(state))
+    return [md, *plots(state, out_dir)]
+
+
+__all__ = ["markdown", "plots", "write_report"]

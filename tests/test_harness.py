@@ -1,0 +1,179 @@
+"""The comparison grid (spd.harness), its cost model and report, on a tiny random target."""
+import json
+
+import pytest
+import torch
+
+from conftest import make_tiny_target
+from spd.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
+from spd.distill import FeatureSet, extract_features
+from spd.errors import SPDError
+from spd.harness import GridSpec, plan_cells, run_grid
+from spd.report import markdown, write_report
+from spd.trainer import TrainConfig, train
+
+VOCAB = 40
+
+
+class CharTokenizer:
+    """Enough of a tokenizer for the harness: text -> ids, no chat template."""
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) % VOCAB for c in text]}
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny target plus a trained SPD drafter (n=2, L_s=1) and a PPSD drafter (n=2)."""
+    root = tmp_path_factory.mktemp("grid")
+    t = make_tiny_target(seed=7, vocab=VOCAB, layers=4, hidden=32, head_scale=6.0)
+    t.tokenizer = CharTokenizer()
+    g = torch.Generator().manual_seed(0)
+    seqs = []
+    for i in range(24):
+        motif = torch.randint(0, VOCAB, (5,), generator=g).tolist()
+        seqs.append((motif * 8)[: 24 + i % 9])
+    extract_features(t, seqs, [0, 1, 2, 3], root / "feat", shard_tokens=200)
+    feats = FeatureSet(root / "feat", t)
+    common = dict(n_stages=2, intermediate_size=64, draft_vocab_size=32, steps=40,
+                  batch_sequences=2, lr=3e-3, warmup=5, eval_every=40, save_every=40,
+                  eval_sequences=4, seed=0)
+    train(t, feats, TrainConfig(anchors=[0, 1, 2, 3], pdm_layers=1, **common),
+          root / "ckpt" / "spd-n2", progress=False)
+    train(t, feats, TrainConfig(anchors=[0, 2], pdm_layers=1, features="post-step",
+                                method="ppsd", **common),
+          root / "ckpt" / "ppsd-n2", progress=False)
+    return t, root / "ckpt"
+
+
+def _spec(ckpt, **kw):
+    base = dict(methods=["ar", "pp", "ppsd", "spd"], stages=[2], pdm_layers=[1, 2],
+                datasets={"a": [{"id": 1, "turns": ["hello there"]},
+                                {"id": 2, "turns": ["the motif repeats"]}],
+                          "b": [{"id": "x", "turns": ["abcabcabc"]}]},
+                temperatures=[0.0, 1.0], max_new_tokens=12, checkpoint_dirs=[str(ckpt)],
+                cost_context=16, cost_reps=2)
+    base.update(kw)
+    return GridSpec(**base)
+
+
+def test_plan_puts_ar_first_and_covers_the_grid(trained):
+    spec = _spec(trained[1], methods=["spd", "pp"], stages=[2, 3])
+    cells = plan_cells(spec)
+    assert cells[0].method == "ar"  # the reference is always run, and first
+    keys = {c.key for c in cells}
+    assert len(keys) == len(cells)
+    # ar: 2 datasets x 2 T; pp: 2 n x 2 x 2; spd: 2 n x 2 L_s x 2 x 2
+    assert len(cells) == 4 + 8 + 16
+
+
+def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
+    t, ckpt = trained
+    spec = _spec(ckpt)
+    state = run_grid(t, spec, tmp_path, progress=False, command="test")
+    cells = state["cells"]
+    ar = cells["ar | a | T=0"]
+    assert ar["derived"]["theoretical_speedup"] == pytest.approx(1.0)
+    assert ar["derived"]["measured_ratio"] == 1.0
+    pp = cells["pp n=2 | a | T=0"]
+    assert pp["totals"]["K"] == 2 * pp["totals"]["N"]
+    assert pp["derived"]["theoretical_speedup"] == pytest.approx(1.0)
+    assert pp["derived"]["measured_ratio"] is None  # serial stages: not a real measurement
+    for key in ("spd n=2 L_s=1 | a | T=0", "ppsd n=2 | b | T=1"):
+        c = cells[key]
+        tot, d = c["totals"], c["derived"]
+        assert tot["N"] > 0 and tot["K"] >= tot["N"]
+        assert d["theoretical_speedup"] == pytest.approx(tot["N"] / tot["K"] * 2)
+        assert tot["judged"] == sum(j for j, _ in tot["by_position"].values())
+        assert d["adjusted_speedup"] > 0 and d["draft_ms"] > 0
+    assert cells["spd n=2 L_s=1 | a | T=0"]["checked_against_ar"] is True
+    # No trained L_s=2 drafter: skipped, with the command that trains one
+    assert "--pdm-layers 2" in cells["spd n=2 L_s=2 | a | T=0"]["skipped"]
+    assert len(cells) == len(plan_cells(spec))
+    on_disk = json.loads((tmp_path / "grid.json").read_text())
+    assert on_disk["cells"].keys() == cells.keys()
+
+    # Resume: every cell is finished, so nothing decodes again.
+    from spd.engine import SPDEngine
+
+    def boom(*a, **k):
+        raise AssertionError("a finished cell was decoded again")
+    monkeypatch.setattr(SPDEngine, "generate", boom)
+    monkeypatch.setattr(SPDEngine, "generate_ar", boom)
+    run_grid(t, spec, tmp_path, progress=False)
+    with pytest.raises(SPDError, match="other settings"):
+        run_grid(t, _spec(ckpt, max_new_tokens=5), tmp_path, progress=False)
+
+    written = write_report(state, tmp_path)
+    md = (tmp_path / "report.md").read_text()
+    assert "| spd n=2 L_s=1 | 3 |" in md and "| ppsd n=2 | 2 |" in md
+    assert "Skipped:" in md and "## T = 1" in md and "Cost model" in md
+    assert md == markdown(state)
+    pytest.importorskip("matplotlib", reason="plots need matplotlib (the test extra has it)")
+    for name in ("speedup_vs_n.png", "acceptance_by_position.png"):
+        assert (tmp_path / name) in written
+        assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_grid_refuses_an_output_that_differs_from_ar(trained, tmp_path, monkeypatch):
+    t, ckpt = trained
+    from spd.engine import SPDEngine
+    real = SPDEngine.generate
+
+    def corrupt(self, *a, **k):
+        res = real(self, *a, **k)
+        res.token_ids[-1] = (res.token_ids[-1] + 1) % VOCAB
+        return res
+    monkeypatch.setattr(SPDEngine, "generate", corrupt)
+    with pytest.raises(SPDError, match="differs from autoregressive"):
+        run_grid(t, _spec(ckpt, methods=["spd"], temperatures=[0.0]), tmp_path, progress=False)
+
+
+def test_spec_rejects_bad_input(trained):
+    ckpt = trained[1]
+    with pytest.raises(SPDError, match="unknown method"):
+        _spec(ckpt, methods=["spd", "medusa"])
+    with pytest.raises(SPDError, match="stage counts"):
+        _spec(ckpt, stages=[1])
+    with pytest.raises(SPDError, match="temperature"):
+        _spec(ckpt, temperatures=[-1.0])
+    with pytest.raises(SPDError, match="nothing to evaluate"):
+        _spec(ckpt, datasets={})
+
+
+def test_cost_model_formulas():
+    c = Costs(device="cpu", context=8, reps=1, forward_s=0.040, head_s=0.004,
+              stage_s={"4": [0.010, 0.010, 0.009, 0.009]}, chunk_s={"6": 0.050})
+    # SPD: the draft (plus verify) hides behind the slowest stage
+    assert adjusted_speedup("spd", c, n=4, s_theory=2.0, draft_s=0.005) == \
+        pytest.approx(2.0 / 4 * 0.040 / 0.010)
+    # ... until it is slower than a stage
+    assert adjusted_speedup("spd", c, n=4, s_theory=2.0, draft_s=0.012) == \
+        pytest.approx(2.0 / 4 * 0.040 / 0.016)
+    # PPSD waits for its draft every cycle
+    assert adjusted_speedup("ppsd", c, n=4, s_theory=2.0, draft_s=0.005) == \
+        pytest.approx(2.0 / 4 * 0.040 / 0.015)
+    assert adjusted_speedup("eagle3", c, s_theory=3.0, draft_s=0.002, draft_steps=5) == \
+        pytest.approx(3.0 * 0.040 / (5 * 0.002 + 0.050))
+    assert adjusted_speedup("pp", c, n=4) == pytest.approx(0.040 / 0.042)
+    assert adjusted_speedup("ar", c) == 1.0
+    assert [devices_used(m, 4) for m in ("ar", "eagle3", "pp", "ppsd", "spd")] == [1, 1, 4, 4, 5]
+
+
+def test_measure_costs_times_every_piece():
+    t = make_tiny_target(vocab=VOCAB)
+    c = measure_costs(t, [2, 4], chunk_rows=[3], context=8, reps=2)
+    assert len(c.stage_s["2"]) == 2 and len(c.stage_s["4"]) == 4
+    assert c.forward_s > 0 and c.head_s > 0 and c.chunk_s["3"] > 0
+    assert Costs.from_dict(c.as_dict()) == c
+
+
+def test_cli_grid_flags_are_checked(tmp_path, capsys):
+    from spd.cli import main
+    q = tmp_path / "q.jsonl"
+    q.write_text(json.dumps({"question_id": 1, "turns": ["hi"]}) + "\n")
+    assert main(["eval", "--prompts", str(q), "--stages", "2,4"]) == 2
+    assert "need --methods" in capsys.readouterr().err
+    assert main(["eval", "--prompts", str(q), "--temperature", "0,x", "--methods", "ar"]) == 2
+    assert "comma-separated numbers" in capsys.readouterr().err
