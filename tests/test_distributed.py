@@ -132,6 +132,7 @@ def test_same_tokens_n_and_k_as_single_process(n, features, tmp_path):
         assert g.token_ids == e.token_ids
         assert (g.stats.N, g.stats.K, g.stats.drafts_judged, g.stats.drafts_accepted) == \
             (e.stats.N, e.stats.K, e.stats.drafts_judged, e.stats.drafts_accepted)
+        assert g.stats.by_position == e.stats.by_position  # same drafts judged at the same fills
     assert got[1].stats.K == got[1].stats.N + n - 1                 # oracle: only the first fill
     assert 0 < got[2].stats.drafts_accepted < got[2].stats.drafts_judged
     assert got[3].token_ids != got[0].token_ids                      # sampling really sampled

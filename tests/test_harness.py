@@ -44,11 +44,13 @@ def trained(tmp_path_factory):
     train(t, feats, TrainConfig(anchors=[0, 2], pdm_layers=1, features="post-step",
                                 method="ppsd", **common),
           root / "ckpt" / "ppsd-n2", progress=False)
+    from spd.eagle import EagleHead
+    EagleHead.untrained(t, draft_steps=3).save(root / "ckpt" / "eagle3")
     return t, root / "ckpt"
 
 
 def _spec(ckpt, **kw):
-    base = dict(methods=["ar", "pp", "ppsd", "spd"], stages=[2], pdm_layers=[1, 2],
+    base = dict(methods=["ar", "pp", "eagle3", "ppsd", "spd"], stages=[2], pdm_layers=[1, 2],
                 datasets={"a": [{"id": 1, "turns": ["hello there"]},
                                 {"id": 2, "turns": ["the motif repeats"]}],
                           "b": [{"id": "x", "turns": ["abcabcabc"]}]},
@@ -64,7 +66,7 @@ def test_plan_puts_ar_first_and_covers_the_grid(trained):
     assert cells[0].method == "ar"  # the reference is always run, and first
     keys = {c.key for c in cells}
     assert len(keys) == len(cells)
-    # ar: 2 datasets x 2 T; pp: 2 n x 2 x 2; spd: 2 n x 2 L_s x 2 x 2
+    # ar: 2 datasets x 2 T; pp: 2 n x 2 x 2; spd: 2 n x 2 L_s x 2 x 2 (eagle3 not asked for)
     assert len(cells) == 4 + 8 + 16
 
 
@@ -88,6 +90,12 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
         assert tot["judged"] == sum(j for j, _ in tot["by_position"].values())
         assert d["adjusted_speedup"] > 0 and d["draft_ms"] > 0
     assert cells["spd n=2 L_s=1 | a | T=0"]["checked_against_ar"] is True
+    eagle = cells["eagle3 | a | T=0"]
+    assert eagle["draft_steps"] == 3 and eagle["derived"]["devices"] == 1
+    assert eagle["derived"]["theoretical_speedup"] == pytest.approx(
+        eagle["totals"]["N"] / eagle["totals"]["K"])   # tokens per verification round
+    assert eagle["derived"]["measured_ratio"] > 0    # one device: its wall clock is real
+    assert set(eagle["totals"]["by_position"]) <= {"1", "2", "3"}
     # No trained L_s=2 drafter: skipped, with the command that trains one
     assert "--pdm-layers 2" in cells["spd n=2 L_s=2 | a | T=0"]["skipped"]
     assert len(cells) == len(plan_cells(spec))
@@ -107,7 +115,7 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
 
     written = write_report(state, tmp_path)
     md = (tmp_path / "report.md").read_text()
-    assert "| spd n=2 L_s=1 | 3 |" in md and "| ppsd n=2 | 2 |" in md
+    assert "| spd n=2 L_s=1 | 3 |" in md and "| ppsd n=2 | 2 |" in md and "| eagle3 | 1 |" in md
     assert "Skipped:" in md and "## T = 1" in md and "Cost model" in md
     assert md == markdown(state)
     pytest.importorskip("matplotlib", reason="plots need matplotlib (the test extra has it)")

@@ -80,6 +80,28 @@ def test_training_resumes(tiny_features, tmp_path):
         train(t, fs, _cfg(n_stages=3, steps=70), tmp_path / "r", progress=False)
 
 
+def test_interrupted_run_resumes_exactly(tiny_features, tmp_path, monkeypatch):
+    """Stopped right after its step-25 checkpoint (mid-epoch: 20 training sequences, 2 a step)
+    and restarted, a run ends with the same weights as one that never stopped."""
+    t, fs, _ = tiny_features
+    cfg = dict(save_every=25)
+    train(t, fs, _cfg(**cfg), tmp_path / "whole", progress=False, storage="fp32")
+    import spd.trainer as trainer
+    real_save = torch.save
+
+    def save_then_stop(obj, path, *a, **k):
+        real_save(obj, path, *a, **k)
+        raise KeyboardInterrupt
+    monkeypatch.setattr(trainer.torch, "save", save_then_stop)
+    with pytest.raises(KeyboardInterrupt):
+        train(t, fs, _cfg(**cfg), tmp_path / "split", progress=False, storage="fp32")
+    monkeypatch.setattr(trainer.torch, "save", real_save)
+    train(t, fs, _cfg(**cfg), tmp_path / "split", progress=False, storage="fp32")
+    a = PipelineDraftModule.load(tmp_path / "whole", t).state_dict()
+    b = PipelineDraftModule.load(tmp_path / "split", t).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_checkpoint_round_trip_and_refusals(tiny_features, tmp_path):
     t, fs, _ = tiny_features
     train(t, fs, _cfg(steps=4), tmp_path / "c", progress=False, storage="fp32")

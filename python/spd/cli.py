@@ -148,7 +148,13 @@ def _add_train(sub) -> None:
                         "shape match (e.g. a trained n=4 PDM to start an n=6 one)")
     p.add_argument("--pdm-layers", type=int, default=None,
                    help="PDM decoder layers L_s (default 2; 1 for ppsd)")
-    p.add_argument("--intermediate-size", type=int, default=768, help="PDM MLP width")
+    p.add_argument("--intermediate-size", type=int, default=None,
+                   help="drafter MLP width (default 768 for a PDM; the target's for eagle3)")
+    p.add_argument("--ttt-steps", type=int, default=3,
+                   help="eagle3: chain steps unrolled in training (training-time test)")
+    p.add_argument("--draft-steps", type=int, default=None,
+                   help="eagle3: tokens drafted per round at inference (default 5), stored in "
+                        "the checkpoint")
     p.add_argument("--draft-vocab-size", type=int, default=8192)
     p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
     p.add_argument("--self-distill", type=int, default=128,
@@ -190,6 +196,9 @@ def cmd_train(args) -> int:
     layout = DepthLayout.build(target.num_layers, args.stages, split, anchors)
     feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
+    if args.method == "eagle3":
+        from spd.eagle import default_feature_layers
+        feat_anchors = sorted(set(feat_anchors) | set(default_feature_layers(target.num_layers)))
     meta = Path(feat_dir) / "meta.json"
     if not meta.exists() or _unfinished(meta):
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
@@ -197,17 +206,39 @@ def cmd_train(args) -> int:
             max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(feat_dir, target)
+    if args.method == "eagle3":
+        return _train_eagle(args, target, features)
     if args.feature_timing is None:
         args.feature_timing = "post-step" if args.method == "ppsd" else "pre-step"
     cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
                       pdm_layers=args.pdm_layers or (1 if args.method == "ppsd" else 2),
                       method=args.method, init_from=args.init_from,
-                      intermediate_size=args.intermediate_size,
+                      intermediate_size=args.intermediate_size or 768,
                       draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
                       save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
                       features=args.feature_timing, crop_len=args.crop_len)
     final = train(target, features, cfg, args.out, storage=args.storage)
+    print(json.dumps({"out": args.out, "final": final}))
+    return 0
+
+
+def _train_eagle(args, target, features) -> int:
+    """`spd train --method eagle3`: the EAGLE-3-style head on the same data and vocabulary."""
+    from spd.eagle import DEFAULT_DRAFT_STEPS
+    from spd.eagle_train import EagleTrainConfig, train_eagle
+    if args.init_from or args.pdm_layers or args.feature_timing:
+        raise SPDError("--init-from, --pdm-layers and --feature-timing are PDM options; the "
+                       "eagle3 head has one layer and drafts in a chain")
+    if args.ttt_steps < 1:
+        raise SPDError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
+    cfg = EagleTrainConfig(steps=args.steps, batch_sequences=args.batch, lr=args.lr,
+                           crop_len=args.crop_len, eval_every=args.eval_every,
+                           save_every=args.eval_every, seed=args.seed,
+                           draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
+                           intermediate_size=args.intermediate_size,
+                           draft_steps=args.draft_steps or DEFAULT_DRAFT_STEPS)
+    final = train_eagle(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0
 

@@ -638,6 +638,7 @@ class DistributedSPDEngine:
         anchors = torch.zeros(len(layout.anchors), capacity, t.hidden_size, device=t.device,
                               dtype=t.dtype)
         draft_q: dict[int, torch.Tensor] = {}
+        draft_fill: dict[int, int] = {}   # position -> tokens in flight when drafted
         type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)], device=t.device)
         stats = DistributedDecodeStats(mode="spd", n=n)
         timer = _Timer(stats.phase_s)
@@ -664,6 +665,8 @@ class DistributedSPDEngine:
                 u = torch.rand((), generator=gen)
                 draft = drafter.draft(anchors[:, rows.start:rows.stop], type_of_depth[depths],
                                       rows.start, sched.newest + 1, sampling, u)
+                draft_fill[sched.newest + 1] = sched.count
+                stats.draft_calls += 1
                 sched.after_draft()
             draft_s.append(time.perf_counter() - td)
             return draft
@@ -730,14 +733,13 @@ class DistributedSPDEngine:
                 judged = sched.judged
                 accepted, token = eng._verify(last[2][-1], tokens[judged:judged + 1],
                                               draft_q.pop(judged, None), sampling, gen)
-            stats.drafts_judged += 1
+            stats.count_draft(draft_fill.pop(judged, n), accepted)
             stats.N += 1
             out.append(token)
             if on_token:
                 on_token(token)
             done = token in t.eos_token_ids or len(out) >= max_new
             if accepted:
-                stats.drafts_accepted += 1
                 sched.accept()
                 if not done:
                     enter(sched.newest, draft.token, draft.q)
@@ -746,6 +748,7 @@ class DistributedSPDEngine:
                     sched.reject()
                     trunc = judged  # every stage truncates at the start of the next cycle
                     draft_q.clear()
+                    draft_fill.clear()
                     if not done:
                         enter(judged, token)
             cycle_s.append(time.perf_counter() - tc)

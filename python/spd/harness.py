@@ -230,9 +230,9 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     decoders = _Decoders(target, spec)
     if "costs" not in state:
         eagle_rows = []
-        if "eagle3" in spec.methods:
-            from spd.eagle import DEFAULT_DRAFT_STEPS
-            eagle_rows = [DEFAULT_DRAFT_STEPS + 1]
+        if "eagle3" in spec.methods:  # its verification pass: a chunk of k+1 tokens
+            eagle = decoders.get(Cell("eagle3", 1, None, "", 0.0))[0]
+            eagle_rows = [eagle.draft_steps + 1] if eagle is not None else []
         state["costs"] = measure_costs(target, spec.stages, eagle_rows, spec.cost_context,
                                        spec.cost_reps).as_dict()
         _save(out_dir, state)

@@ -259,6 +259,9 @@ def read_pdm_config(folder) -> PDMConfig:
         raise SPDError(f"PDM checkpoint {folder} not found (expected {CONFIG_NAME} and "
                        f"{WEIGHTS_NAME} in that folder)")
     raw = json.loads((folder / CONFIG_NAME).read_text())
+    if raw.get("method") not in (None, "spd", "ppsd"):
+        raise SPDError(f"{folder} holds a {raw['method']} draft head, not a PDM: use it with "
+                       f"its own method (e.g. spd eval --methods {raw['method']})")
     try:
         return PDMConfig(**raw)
     except TypeError as exc:

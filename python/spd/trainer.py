@@ -215,6 +215,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
     params = [p for p in pdm.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
+    order: list[int] = []  # shuffled sequence indices left in this epoch
     rng = random.Random(cfg.seed)
     state_path = out / STATE
     if state_path.exists():  # resume
@@ -225,6 +226,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
         opt.load_state_dict(st["opt"])
         step = st["step"]
         rng.setstate(st["rng"])
+        order = list(st.get("order", []))  # the rest of the epoch, so a resume is exact
         torch.set_rng_state(st["torch_rng"])
         cfg.history = st["history"]
     elif cfg.init_from:
@@ -235,7 +237,6 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
     pdm.train()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"training PDM (n={layout.n})", unit="step",
                disable=not progress)
-    order: list[int] = []
     while step < cfg.steps:
         for g in opt.param_groups:
             g["lr"] = _lr_at(step, cfg)
@@ -268,6 +269,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
         if step % cfg.save_every == 0 or step == cfg.steps:
             torch.save({"step": step, "pdm": pdm.state_dict(), "opt": opt.state_dict(),
                         "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                        "order": list(order),
                         "history": cfg.history, "config": asdict(cfg)}, state_path)
     bar.close()
     pdm.eval()
