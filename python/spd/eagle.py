@@ -20,7 +20,7 @@ feature layers, sizes) and `model.safetensors`, stored like a PDM's (spd.pdm).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -29,7 +29,8 @@ from torch import nn
 from spd.errors import SPDError
 from spd.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
 from spd.partition import default_anchors
-from spd.pdm import _SCALE, CONFIG_NAME, SHIPPED_DIR, WEIGHTS_NAME, _Layer, dequantise
+from spd.checkpoint import CONFIG_NAME, load_weights, read_config, save_drafter
+from spd.pdm import SHIPPED_DIR, _Layer
 
 METHOD = "eagle3"
 DEFAULT_DRAFT_STEPS = 5
@@ -150,36 +151,12 @@ class EagleHead(nn.Module):
         return bool(self.config.extra.get("head_from_target"))
 
     def save(self, folder, storage: str = "fp32") -> None:
-        """storage: fp32, fp16 or int8 (the PDM's formats, spd.pdm.PipelineDraftModule.save)."""
-        from safetensors.torch import save_file
-        if storage not in ("fp32", "fp16", "int8"):
-            raise SPDError(f"storage must be fp32, fp16 or int8, got {storage}")
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
-        state = {}
-        for k, v in self.state_dict().items():
-            if k == "lm_head.weight" and self.head_from_target:
-                continue
-            v = v.detach().float().contiguous().cpu() if v.is_floating_point() else v.cpu()
-            if storage == "int8" and v.is_floating_point() and v.dim() == 2:
-                scale = (v.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-                state[k] = torch.round(v / scale).to(torch.int8).contiguous()
-                state[k + _SCALE] = scale.half().contiguous()
-            elif storage != "fp32" and v.is_floating_point():
-                state[k] = v.half()
-            else:
-                state[k] = v
-        save_file(state, str(folder / WEIGHTS_NAME))
+        """storage: fp32, fp16 or int8 (spd.checkpoint)."""
+        save_drafter(self, folder, storage)
 
     @classmethod
     def load(cls, folder, target=None):
-        from safetensors.torch import load_file
-        folder = Path(folder)
-        if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
-            raise SPDError(f"EAGLE-3 head checkpoint {folder} not found (expected {CONFIG_NAME} "
-                           f"and {WEIGHTS_NAME} in that folder)")
-        raw = json.loads((folder / CONFIG_NAME).read_text())
+        raw = read_config(folder, "EAGLE-3 head")
         if raw.get("method") != METHOD:
             kind = "a PDM checkpoint" if "n_stages" in raw else "not an EAGLE-3 head"
             raise SPDError(f"{folder} is {kind} (its config has no \"method\": \"{METHOD}\"); "
@@ -187,26 +164,11 @@ class EagleHead(nn.Module):
         try:
             config = EagleConfig(**raw)
         except TypeError as exc:
-            raise SPDError(f"{folder / CONFIG_NAME} is not a valid EAGLE-3 config: {exc}") from exc
+            raise SPDError(f"{Path(folder) / CONFIG_NAME} is not a valid EAGLE-3 config: "
+                           f"{exc}") from exc
         if target is not None:
             check_compatible(config, target, source=str(folder))
-        head = cls(config)
-        missing, unexpected = head.load_state_dict(
-            dequantise(load_file(str(folder / WEIGHTS_NAME))), strict=False)
-        if head.head_from_target and missing == ["lm_head.weight"]:
-            if target is None:
-                raise SPDError(f"{folder}: the draft LM head is rebuilt from the target's rows; "
-                               "pass the target to load it")
-            with torch.no_grad():
-                head.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[
-                    head.draft_to_target.cpu()])
-            missing = []
-        if missing or unexpected:
-            raise SPDError(f"{folder}: weights do not match its config (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
-        if target is not None:
-            head = head.to(device=target.device, dtype=target.dtype)
-        return head.eval()
+        return load_weights(cls(config), folder, target)
 
     # --- shared pieces --------------------------------------------------------------------
     def fuse(self, low_mid_high: torch.Tensor) -> torch.Tensor:

@@ -11,20 +11,18 @@ the anchors, L_s, the draft vocabulary size) and `model.safetensors`.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from spd.checkpoint import CONFIG_NAME, load_weights, read_config, save_drafter
 from spd.errors import SPDError
 from spd.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.partition import DepthLayout
 from spd_kernels import anchor_projection
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-_SCALE = ".int8_scale"
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 
 
@@ -150,53 +148,15 @@ class PipelineDraftModule(nn.Module):
         return bool(self.config.extra.get("head_from_target"))
 
     def save(self, folder, storage: str = "fp32") -> None:
-        """storage: fp32, fp16, or int8 (2-D weights as int8 with one fp16 scale per row, the
-        rest fp16: a quarter of the fp32 size, for checkpoints shipped in the repo)."""
-        from safetensors.torch import save_file
-        if storage not in ("fp32", "fp16", "int8"):
-            raise SPDError(f"storage must be fp32, fp16 or int8, got {storage}")
-        folder = Path(folder)
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
-        state = {}
-        for k, v in self.state_dict().items():
-            if k == "lm_head.weight" and self.head_from_target:
-                continue
-            v = v.detach().float().contiguous().cpu() if v.is_floating_point() else v.cpu()
-            if storage == "int8" and v.is_floating_point() and v.dim() == 2:
-                scale = (v.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
-                state[k] = torch.round(v / scale).to(torch.int8).contiguous()
-                state[k + _SCALE] = scale.half().contiguous()
-            elif storage != "fp32" and v.is_floating_point():
-                state[k] = v.half()
-            else:
-                state[k] = v
-        save_file(state, str(folder / WEIGHTS_NAME))
+        """storage: fp32, fp16 or int8 (spd.checkpoint)."""
+        save_drafter(self, folder, storage)
 
     @classmethod
     def load(cls, folder, target=None, layout: DepthLayout | None = None):
-        from safetensors.torch import load_file
-        folder = Path(folder)
         config = read_pdm_config(folder)
         if target is not None:
             check_compatible(config, target, layout, source=str(folder))
-        pdm = cls(config)
-        state = dequantise(load_file(str(folder / WEIGHTS_NAME)))
-        missing, unexpected = pdm.load_state_dict(state, strict=False)
-        if pdm.head_from_target and missing == ["lm_head.weight"]:
-            if target is None:
-                raise SPDError(f"{folder}: the draft LM head is rebuilt from the target's rows; "
-                               "pass the target to load it")
-            with torch.no_grad():
-                pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[
-                    pdm.draft_to_target.cpu()])
-            missing = []
-        if missing or unexpected:
-            raise SPDError(f"{folder}: weights do not match its config (missing {missing[:3]}, "
-                           f"unexpected {unexpected[:3]})")
-        if target is not None:
-            pdm = pdm.to(device=target.device, dtype=target.dtype)
-        return pdm.eval()
+        return load_weights(cls(config), folder, target)
 
     # --- inference ------------------------------------------------------------------------
     def new_cache(self, capacity: int, poison: bool = False):
@@ -254,30 +214,14 @@ class PipelineDraftModule(nn.Module):
 
 
 def read_pdm_config(folder) -> PDMConfig:
-    folder = Path(folder)
-    if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
-        raise SPDError(f"PDM checkpoint {folder} not found (expected {CONFIG_NAME} and "
-                       f"{WEIGHTS_NAME} in that folder)")
-    raw = json.loads((folder / CONFIG_NAME).read_text())
+    raw = read_config(folder, "PDM")
     if raw.get("method") not in (None, "spd", "ppsd"):
         raise SPDError(f"{folder} holds a {raw['method']} draft head, not a PDM: use it with "
                        f"its own method (e.g. spd eval --methods {raw['method']})")
     try:
         return PDMConfig(**raw)
     except TypeError as exc:
-        raise SPDError(f"{folder / CONFIG_NAME} is not a PDM config: {exc}") from exc
-
-
-def dequantise(raw: dict) -> dict:
-    """A stored state dict (int8 rows with scales, fp16 or fp32) as fp32 tensors."""
-    state = {}
-    for k, v in raw.items():
-        if k.endswith(_SCALE):
-            continue
-        if k + _SCALE in raw:  # int8 storage
-            v = v.float() * raw[k + _SCALE].float()
-        state[k] = v.float() if v.is_floating_point() else v
-    return state
+        raise SPDError(f"{Path(folder) / CONFIG_NAME} is not a PDM config: {exc}") from exc
 
 
 def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, source: str = "PDM"):

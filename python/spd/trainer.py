@@ -103,12 +103,10 @@ def warm_start(pdm, folder) -> list[str]:
     """Copy every weight of the PDM checkpoint `folder` whose name and shape match `pdm`'s
     (decoder layers, norms, the projections of types both layouts share). Lets a PDM for
     another n start from a trained one. Returns the names copied."""
-    from safetensors.torch import load_file
-    from spd.pdm import WEIGHTS_NAME, dequantise
-    path = Path(folder) / WEIGHTS_NAME
-    if not path.exists():
+    from spd.checkpoint import WEIGHTS_NAME, read_weights
+    if not (Path(folder) / WEIGHTS_NAME).exists():
         raise SPDError(f"--init-from {folder}: no {WEIGHTS_NAME} there")
-    source = dequantise(load_file(str(path)))
+    source = read_weights(folder)
     own = pdm.state_dict()
     copied = []
     with torch.no_grad():

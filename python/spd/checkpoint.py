@@ -1,0 +1,100 @@
+"""Drafter checkpoint files, shared by the PDM and the EAGLE-3 head.
+
+A checkpoint is a folder with `config.json` (the drafter's config dataclass) and
+`model.safetensors`. Storage fp32, fp16, or int8 (2-D weights as int8 with one fp16 scale per
+row, the rest fp16: a quarter of the fp32 size, for checkpoints shipped in the repo). A drafter
+whose config says `extra.head_from_target` does not store its LM head: it is the target's rows
+of the draft vocabulary (`draft_to_target`), rebuilt at load.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from spd.errors import SPDError
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+_SCALE = ".int8_scale"
+STORAGES = ("fp32", "fp16", "int8")
+
+
+def _head_from_target(module) -> bool:
+    return bool(module.config.extra.get("head_from_target"))
+
+
+def save_drafter(module, folder, storage: str = "fp32") -> None:
+    """Write `module.config` and its weights (see the module docstring for `storage`)."""
+    from safetensors.torch import save_file
+    if storage not in STORAGES:
+        raise SPDError(f"storage must be fp32, fp16 or int8, got {storage}")
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / CONFIG_NAME).write_text(json.dumps(asdict(module.config), indent=2))
+    state = {}
+    for k, v in module.state_dict().items():
+        if k == "lm_head.weight" and _head_from_target(module):
+            continue
+        v = v.detach().float().contiguous().cpu() if v.is_floating_point() else v.cpu()
+        if storage == "int8" and v.is_floating_point() and v.dim() == 2:
+            scale = (v.abs().amax(dim=1, keepdim=True) / 127.0).clamp_min(1e-12)
+            state[k] = torch.round(v / scale).to(torch.int8).contiguous()
+            state[k + _SCALE] = scale.half().contiguous()
+        elif storage != "fp32" and v.is_floating_point():
+            state[k] = v.half()
+        else:
+            state[k] = v
+    save_file(state, str(folder / WEIGHTS_NAME))
+
+
+def dequantise(raw: dict) -> dict:
+    """A stored state dict (int8 rows with scales, fp16 or fp32) as fp32 tensors."""
+    state = {}
+    for k, v in raw.items():
+        if k.endswith(_SCALE):
+            continue
+        if k + _SCALE in raw:  # int8 storage
+            v = v.float() * raw[k + _SCALE].float()
+        state[k] = v.float() if v.is_floating_point() else v
+    return state
+
+
+def read_weights(folder) -> dict:
+    from safetensors.torch import load_file
+    return dequantise(load_file(str(Path(folder) / WEIGHTS_NAME)))
+
+
+def load_weights(module, folder, target=None):
+    """Fill `module` from `folder`'s weights (rebuilding a target-derived LM head) and move it
+    to the target's device and dtype; returns it in eval mode."""
+    missing, unexpected = module.load_state_dict(read_weights(folder), strict=False)
+    if _head_from_target(module) and missing == ["lm_head.weight"]:
+        if target is None:
+            raise SPDError(f"{folder}: the draft LM head is rebuilt from the target's rows; "
+                           "pass the target to load it")
+        with torch.no_grad():
+            module.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[
+                module.draft_to_target.cpu()])
+        missing = []
+    if missing or unexpected:
+        raise SPDError(f"{folder}: weights do not match its config (missing {missing[:3]}, "
+                       f"unexpected {unexpected[:3]})")
+    if target is not None:
+        module = module.to(device=target.device, dtype=target.dtype)
+    return module.eval()
+
+
+def read_config(folder, what: str) -> dict:
+    """config.json of a checkpoint folder as a dict; a clear error when the folder is not one."""
+    folder = Path(folder)
+    if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
+        raise SPDError(f"{what} checkpoint {folder} not found (expected {CONFIG_NAME} and "
+                       f"{WEIGHTS_NAME} in that folder)")
+    return json.loads((folder / CONFIG_NAME).read_text())
+
+
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
+           "read_weights", "save_drafter"]
