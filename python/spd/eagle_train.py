@@ -10,18 +10,17 @@ lies outside the draft vocabulary and rows whose chain would start before the se
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from spd.eagle import (DEFAULT_DRAFT_STEPS, EagleHead, check_feature_layers,
                        default_feature_layers)
 from spd.errors import SPDError
-from spd.trainer import STATE, _lr_at, build_draft_vocab, crop
+from spd.train_loop import crop, run_loop
+from spd.trainer import build_draft_vocab
 
 # A resumed run must agree with the saved one on these.
 _RESUME_KEYS = ("feature_layers", "ttt_steps", "draft_vocab_size", "intermediate_size")
@@ -136,61 +135,19 @@ def train_eagle(target, features, cfg: EagleTrainConfig, out_dir, progress: bool
     head = EagleHead.initial(target, vocab, cfg.feature_layers, cfg.intermediate_size,
                              cfg.draft_steps, seed=cfg.seed)
     distiller = EagleDistiller(target, head, features.anchors, cfg.ttt_steps, cfg.ttt_decay)
-    params = [p for p in head.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step = 0
-    rng = random.Random(cfg.seed)
-    order: list[int] = []   # what is left of this epoch's shuffled sequence order
-    state_path = out / STATE
-    if state_path.exists():  # resume
-        st = torch.load(state_path, weights_only=False)
-        if st["config"].get("method") != "eagle3" or \
-                any(st["config"].get(k) != getattr(cfg, k) for k in _RESUME_KEYS):
-            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
-        head.load_state_dict(st["head"])
-        opt.load_state_dict(st["opt"])
-        step = st["step"]
-        rng.setstate(st["rng"])
-        torch.set_rng_state(st["torch_rng"])
-        order = list(st["order"])
-        cfg.history = st["history"]
-    head.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc="training EAGLE-3 head", unit="step",
-               disable=not progress)
-    while step < cfg.steps:
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        total, agree1 = 0.0, 0.0
-        for _ in range(cfg.batch_sequences):
-            if not order:
-                order = list(range(len(train_items)))
-                rng.shuffle(order)
-            item = crop(train_items[order.pop()], cfg.crop_len, rng)
-            loss, _, agrees = distiller.loss(item)
-            (loss / cfg.batch_sequences).backward()
-            total += loss.item() / cfg.batch_sequences
-            agree1 += agrees[0] / cfg.batch_sequences
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{total:.3f}", top1=f"{agree1:.2f}")
-        record = {"step": step, "loss": total, "top1": agree1}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            head.eval()
-            record.update(evaluate(distiller, held_out))
-            head.train()
-            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                                  for k, v in record.items()}))
-        cfg.history.append(record)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            torch.save({"step": step, "head": head.state_dict(), "opt": opt.state_dict(),
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
-                        "order": list(order), "history": cfg.history,
-                        "config": dict(asdict(cfg), method="eagle3")}, state_path)
-    bar.close()
-    head.eval()
+
+    def item_loss(item, rng):
+        loss, _, agrees = distiller.loss(item)
+        return loss, agrees[0]
+
+    def same_run(saved: dict) -> bool:
+        return saved.get("method") == "eagle3" and \
+            all(saved.get(k) == getattr(cfg, k) for k in _RESUME_KEYS)
+
+    run_loop(head, cfg, out, train_items, held_out, item_loss=item_loss,
+             evaluate=lambda items: evaluate(distiller, items),
+             config=dict(asdict(cfg), method="eagle3"), same_run=same_run,
+             desc="training EAGLE-3 head", progress=progress)
     head.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
                              final_eval=dict(cfg.history[-1]) if cfg.history else {},
                              train_tokens=features.token_count() - sum(

@@ -10,20 +10,18 @@ Checkpoints every `save_every` steps; a run started again on the same output fol
 from __future__ import annotations
 
 import json
-import random
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from spd.errors import SPDError
 from spd.partition import DepthLayout
 from spd.pdm import PipelineDraftModule, pdm_config_for
 from spd.train_layout import training_layout
+from spd.train_loop import STATE, crop, run_loop
 
-STATE = "train_state.pt"
 
 
 @dataclass
@@ -167,21 +165,6 @@ class Distiller:
         return loss, nvalid, float(agree)
 
 
-def crop(item: dict, length: int, rng: random.Random | None) -> dict:
-    """A window of `length` tokens (random if rng is given, else the first ones)."""
-    total = len(item["tokens"])
-    if total <= length:
-        return item
-    a = rng.randint(0, total - length) if rng is not None else 0
-    return {k: (v[:, a:a + length] if k == "anchors" else v[a:a + length]) for k, v in item.items()}
-
-
-def _lr_at(step: int, cfg: TrainConfig) -> float:
-    if step < cfg.warmup:
-        return cfg.lr * (step + 1) / cfg.warmup
-    return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
-
-
 @torch.no_grad()
 def evaluate(distiller: Distiller, items) -> dict:
     n = distiller.layout.n
@@ -210,67 +193,24 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
     train_items = features.items[:-cfg.eval_sequences]
     vocab = build_draft_vocab(features.argmax_counts(target.vocab_size), cfg.draft_vocab_size)
     pdm = init_pdm(target, layout, cfg, vocab)
-    params = [p for p in pdm.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    step = 0
-    order: list[int] = []  # shuffled sequence indices left in this epoch
-    rng = random.Random(cfg.seed)
-    state_path = out / STATE
-    if state_path.exists():  # resume
-        st = torch.load(state_path, weights_only=False)
-        if any(st["config"].get(k) != getattr(cfg, k) for k in ("n_stages", "anchors", "features")):
-            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
-        pdm.load_state_dict(st["pdm"])
-        opt.load_state_dict(st["opt"])
-        step = st["step"]
-        rng.setstate(st["rng"])
-        order = list(st.get("order", []))  # the rest of the epoch, so a resume is exact
-        torch.set_rng_state(st["torch_rng"])
-        cfg.history = st["history"]
-    elif cfg.init_from:
+    if cfg.init_from and not (out / STATE).exists():
         copied = warm_start(pdm, cfg.init_from)
         if progress:
             print(f"[spd] warm start from {cfg.init_from}: {len(copied)} tensors copied")
     distiller = Distiller(target, pdm, features.anchors)
-    pdm.train()
-    bar = tqdm(total=cfg.steps, initial=step, desc=f"training PDM (n={layout.n})", unit="step",
-               disable=not progress)
-    while step < cfg.steps:
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        total, agree_sum = 0.0, 0.0
-        for _ in range(cfg.batch_sequences):
-            if not order:
-                order = list(range(len(train_items)))
-                rng.shuffle(order)
-            item = crop(train_items[order.pop()], cfg.crop_len, rng)
-            fill = layout.n if rng.random() < cfg.full_fill_prob else rng.randint(1, layout.n - 1) \
-                if layout.n > 1 else 1
-            loss, _, agree = distiller.loss(item, fill)
-            (loss / cfg.batch_sequences).backward()
-            total += loss.item() / cfg.batch_sequences
-            agree_sum += agree / cfg.batch_sequences
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{total:.3f}", top1=f"{agree_sum:.2f}")
-        record = {"step": step, "loss": total, "top1": agree_sum}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            pdm.eval()
-            record.update(evaluate(distiller, held_out))
-            pdm.train()
-            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v
-                                  for k, v in record.items()}))
-        cfg.history.append(record)
-        if step % cfg.save_every == 0 or step == cfg.steps:
-            torch.save({"step": step, "pdm": pdm.state_dict(), "opt": opt.state_dict(),
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
-                        "order": list(order),
-                        "history": cfg.history, "config": asdict(cfg)}, state_path)
-    bar.close()
-    pdm.eval()
+
+    def item_loss(item, rng):
+        n = layout.n  # fill level: full with probability full_fill_prob, else uniform below n
+        fill = n if rng.random() < cfg.full_fill_prob else rng.randint(1, n - 1) if n > 1 else 1
+        loss, _, agree = distiller.loss(item, fill)
+        return loss, agree
+
+    def same_run(saved: dict) -> bool:
+        return all(saved.get(k) == getattr(cfg, k) for k in ("n_stages", "anchors", "features"))
+
+    run_loop(pdm, cfg, out, train_items, held_out, item_loss=item_loss,
+             evaluate=lambda items: evaluate(distiller, items), config=asdict(cfg),
+             same_run=same_run, desc=f"training PDM (n={layout.n})", progress=progress)
     pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
                             final_eval={k: v for k, v in cfg.history[-1].items()},
                             train_tokens=features.token_count() - sum(

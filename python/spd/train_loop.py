@@ -1,0 +1,105 @@
+"""The optimisation loop shared by every drafter trainer (PDM, PPSD, EAGLE-3 head).
+
+AdamW on the trainable parameters, linear warm-up then linear decay to zero, gradients clipped
+to norm 1, sequences drawn in shuffled epochs and cropped to random windows, held-out evaluation
+and a checkpoint every so many steps. A run started again on the same folder resumes exactly
+where the last checkpoint left it (weights, optimiser, both RNGs and the rest of the epoch).
+"""
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from spd.errors import SPDError
+
+STATE = "train_state.pt"
+
+
+def crop(item: dict, length: int, rng: random.Random | None) -> dict:
+    """A window of `length` tokens (random if rng is given, else the first ones)."""
+    total = len(item["tokens"])
+    if total <= length:
+        return item
+    a = rng.randint(0, total - length) if rng is not None else 0
+    return {k: (v[:, a:a + length] if k == "anchors" else v[a:a + length]) for k, v in item.items()}
+
+
+def lr_at(step: int, cfg) -> float:
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
+
+
+def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
+             item_loss: Callable, evaluate: Callable, config: dict, same_run: Callable,
+             desc: str, progress: bool = True) -> list[dict]:
+    """Train `model` for cfg.steps steps; returns the history (also kept in cfg.history).
+
+    item_loss(item, rng) -> (loss tensor, top-1 agreement) for one cropped sequence (it may draw
+    more randomness from rng, e.g. a fill level); evaluate(held_out) -> dict of metrics;
+    config: what the checkpoint records; same_run(saved config) -> whether a saved run may be
+    resumed with this one.
+    """
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step = 0
+    rng = random.Random(cfg.seed)
+    order: list[int] = []  # shuffled sequence indices left in this epoch
+    state_path = out / STATE
+    if state_path.exists():  # resume
+        st = torch.load(state_path, weights_only=False)
+        if not same_run(st["config"]):
+            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
+        model.load_state_dict(st["model"] if "model" in st else st.get("pdm", st.get("head")))
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        rng.setstate(st["rng"])
+        torch.set_rng_state(st["torch_rng"])
+        order = list(st.get("order", []))
+        cfg.history = st["history"]
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, unit="step", disable=not progress)
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        total, agree_sum = 0.0, 0.0
+        for _ in range(cfg.batch_sequences):
+            if not order:
+                order = list(range(len(train_items)))
+                rng.shuffle(order)
+            item = crop(train_items[order.pop()], cfg.crop_len, rng)
+            loss, agree = item_loss(item, rng)
+            (loss / cfg.batch_sequences).backward()
+            total += loss.item() / cfg.batch_sequences
+            agree_sum += agree / cfg.batch_sequences
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{total:.3f}", top1=f"{agree_sum:.2f}")
+        record = {"step": step, "loss": total, "top1": agree_sum}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            model.eval()
+            with torch.no_grad():
+                record.update(evaluate(held_out))
+            model.train()
+            bar.write(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                  for k, v in record.items()}))
+        cfg.history.append(record)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                        "order": list(order), "history": cfg.history, "config": config},
+                       state_path)
+    bar.close()
+    model.eval()
+    return cfg.history
+
+
+__all__ = ["STATE", "crop", "lr_at", "run_loop"]

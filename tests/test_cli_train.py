@@ -1,0 +1,58 @@
+"""`python -m spd train` for each method, on a tiny random model folder and cached features."""
+import json
+
+import pytest
+import torch
+
+from spd.cli import main
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tmp_path_factory):
+    from spd.distill import extract_features
+    from spd.loading import load_target, save_tiny_random_llama
+    root = tmp_path_factory.mktemp("cli-train")
+    model_dir = save_tiny_random_llama(root / "model")
+    t = load_target(str(model_dir))
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(0, 500, (20 + i % 5,), generator=g).tolist() for i in range(20)]
+    extract_features(t, seqs, [0, 1, 2, 3, 4], root / "feat", shard_tokens=200)
+    return model_dir, root / "feat"
+
+
+def _train(tiny_setup, out, *extra):
+    model_dir, feat = tiny_setup
+    return main(["train", "--model", str(model_dir), "--features", str(feat), "--out", str(out),
+                 "--steps", "2", "--batch", "1", "--eval-every", "2", "--crop-len", "16",
+                 "--draft-vocab-size", "64", *extra])
+
+
+def test_train_each_method(tiny_setup, tmp_path, capsys):
+    assert _train(tiny_setup, tmp_path / "spd", "--stages", "2") == 0
+    c = json.loads((tmp_path / "spd" / "config.json").read_text())
+    assert (c["n_stages"], c["num_layers"], c["features"], c["extra"]["method"]) == \
+        (2, 2, "pre-step", "spd")
+
+    # PPSD: the first stage's output only, drafting after each step, one layer
+    assert _train(tiny_setup, tmp_path / "ppsd", "--stages", "2", "--method", "ppsd") == 0
+    c = json.loads((tmp_path / "ppsd" / "config.json").read_text())
+    assert (c["anchors"], c["features"], c["num_layers"], c["extra"]["method"]) == \
+        ([0, 2], "post-step", 1, "ppsd")
+
+    assert _train(tiny_setup, tmp_path / "eagle", "--method", "eagle3", "--draft-steps", "4",
+                  "--ttt-steps", "2") == 0
+    c = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert (c["method"], c["draft_steps"], c["extra"]["train"]["ttt_steps"]) == ("eagle3", 4, 2)
+
+    # Warm start: a PDM for n=4 from the n=2 one copies the layers both share
+    assert _train(tiny_setup, tmp_path / "warm", "--stages", "4",
+                  "--init-from", str(tmp_path / "spd")) == 0
+    assert "warm start from" in capsys.readouterr().out
+
+
+def test_train_refuses_bad_combinations(tiny_setup, tmp_path, capsys):
+    assert _train(tiny_setup, tmp_path / "e", "--method", "eagle3", "--pdm-layers", "2") == 2
+    assert "PDM options" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "w", "--init-from", str(tmp_path / "nothing")) == 2
+    assert "no model.safetensors" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "s", "--steps", "0") == 2
