@@ -26,6 +26,19 @@ def _head_from_target(module) -> bool:
     return bool(module.config.extra.get("head_from_target"))
 
 
+class SavedDrafter:
+    """Mixin for drafter modules with a `config` dataclass: checkpoint saving."""
+
+    @property
+    def head_from_target(self) -> bool:
+        """The LM head is the target's rows of the draft vocabulary: rebuilt at load, not stored."""
+        return _head_from_target(self)
+
+    def save(self, folder, storage: str = "fp32") -> None:
+        """storage: fp32, fp16 or int8 (see spd.checkpoint)."""
+        save_drafter(self, folder, storage)
+
+
 def save_drafter(module, folder, storage: str = "fp32") -> None:
     """Write `module.config` and its weights (see the module docstring for `storage`)."""
     from safetensors.torch import save_file
@@ -96,5 +109,5 @@ def read_config(folder, what: str) -> dict:
     return json.loads((folder / CONFIG_NAME).read_text())
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
+__all__ = ["CONFIG_NAME", "SavedDrafter", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
            "read_weights", "save_drafter"]

@@ -29,7 +29,7 @@ from torch import nn
 from spd.errors import SPDError
 from spd.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
 from spd.partition import default_anchors
-from spd.checkpoint import CONFIG_NAME, load_weights, read_config, save_drafter
+from spd.checkpoint import CONFIG_NAME, SavedDrafter, load_weights, read_config
 from spd.pdm import SHIPPED_DIR, _Layer
 
 METHOD = "eagle3"
@@ -94,7 +94,7 @@ def eagle_config_for(target, feature_layers=None, draft_vocab_size: int = 8192,
         draft_steps=int(draft_steps), target_name=Path(target.name).name)
 
 
-class EagleHead(nn.Module):
+class EagleHead(nn.Module, SavedDrafter):
     def __init__(self, config: EagleConfig):
         super().__init__()
         self.config = config
@@ -144,15 +144,6 @@ class EagleHead(nn.Module):
         """The training start, on the target's device and dtype: drafts poorly, output exact."""
         head = cls.initial(target, draft_vocab, draft_steps=draft_steps, seed=seed)
         return head.to(device=target.device, dtype=target.dtype).eval()
-
-    @property
-    def head_from_target(self) -> bool:
-        """The LM head is the target's rows of the draft vocabulary: rebuilt at load, not stored."""
-        return bool(self.config.extra.get("head_from_target"))
-
-    def save(self, folder, storage: str = "fp32") -> None:
-        """storage: fp32, fp16 or int8 (spd.checkpoint)."""
-        save_drafter(self, folder, storage)
 
     @classmethod
     def load(cls, folder, target=None):

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spd.checkpoint import CONFIG_NAME, load_weights, read_config, save_drafter
+from spd.checkpoint import CONFIG_NAME, SavedDrafter, load_weights, read_config
 from spd.errors import SPDError
 from spd.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.partition import DepthLayout
@@ -107,7 +107,7 @@ class _Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_eps)
 
 
-class PipelineDraftModule(nn.Module):
+class PipelineDraftModule(nn.Module, SavedDrafter):
     def __init__(self, config: PDMConfig):
         super().__init__()
         self.config = config
@@ -141,15 +141,6 @@ class PipelineDraftModule(nn.Module):
             pdm.draft_to_target.copy_(ids)
             pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[ids])
         return pdm.to(device=target.device, dtype=target.dtype).eval()
-
-    @property
-    def head_from_target(self) -> bool:
-        """The LM head is the target's rows of the draft vocabulary: rebuilt at load, not stored."""
-        return bool(self.config.extra.get("head_from_target"))
-
-    def save(self, folder, storage: str = "fp32") -> None:
-        """storage: fp32, fp16 or int8 (spd.checkpoint)."""
-        save_drafter(self, folder, storage)
 
     @classmethod
     def load(cls, folder, target=None, layout: DepthLayout | None = None):
