@@ -102,14 +102,24 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
     on_disk = json.loads((tmp_path / "grid.json").read_text())
     assert on_disk["cells"].keys() == cells.keys()
 
-    # Resume: every cell is finished, so nothing decodes again.
+    # Resume: every cell is finished, so nothing decodes again; a skipped cell is tried again
+    # (its drafter may exist now).
     from spd.engine import SPDEngine
+    import spd.harness as harness
+    tried = []
+    real_get = harness._Decoders.get
+
+    def spy(self, cell):
+        tried.append(cell.key)
+        return real_get(self, cell)
+    monkeypatch.setattr(harness._Decoders, "get", spy)
 
     def boom(*a, **k):
         raise AssertionError("a finished cell was decoded again")
     monkeypatch.setattr(SPDEngine, "generate", boom)
     monkeypatch.setattr(SPDEngine, "generate_ar", boom)
     run_grid(t, spec, tmp_path, progress=False)
+    assert sorted(tried) == sorted(k for k, c in cells.items() if "skipped" in c)
     with pytest.raises(SPDError, match="other settings"):
         run_grid(t, _spec(ckpt, max_new_tokens=5), tmp_path, progress=False)
 

@@ -237,7 +237,8 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
                                        spec.cost_reps).as_dict()
         _save(out_dir, state)
     costs = Costs.from_dict(state["costs"])
-    todo = [c for c in cells if c.key not in state["cells"]]
+    # Finished cells are kept; skipped ones (no drafter then) are tried again.
+    todo = [c for c in cells if "skipped" in state["cells"].get(c.key, {"skipped": ""})]
     units = sum(len(spec.datasets[c.dataset]) for c in todo if c.method != "pp")
     bar = tqdm(total=units, desc="eval grid", unit="prompt", disable=not progress)
     for cell in todo:
