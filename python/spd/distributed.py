@@ -13,8 +13,9 @@ model) would lengthen the slowest stage every cycle instead of running while the
 otherwise idle waiting for the pipeline. The last stage therefore sends its final hidden state
 (one row) with its anchor states, and rank 0 applies norm + LM head.
 
-One cycle, as `SPDEngine.generate` runs it (same `PipelineSchedule`, same draw order of the
-generator, so greedy tokens, N and K and seeded samples are identical):
+One cycle, as `SPDEngine.generate` runs it (both drive the same `spd.cycle.SequenceDecode`:
+same schedule, same draw order of the generator, so greedy tokens, N and K and seeded samples are
+identical):
   rank 0: send control (window start/count, truncation, token entering stage 0) to every stage;
           post receives for this cycle's anchor snaps; wait for last cycle's snaps (pre-step
           features) and draft while the stages compute; if the window is full wait for the last
@@ -52,11 +53,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from spd.drafters import Draft, ReferenceDrafter
-from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine, _Timer
+from spd.cycle import PhaseTimer, SequenceDecode, check_prompt
+from spd.drafters import ReferenceDrafter
+from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
 from spd.errors import SPDError
 from spd.partition import DepthLayout
-from spd.schedule import PipelineSchedule
 from spd.target import Stage
 
 DRAFT_RANK = 0
@@ -462,7 +463,7 @@ class StageWorker:
     def run(self, gen: int, req: dict) -> None:
         rt, t = self.rt, self.target
         phases: dict[str, float] = {}
-        timer = _Timer(phases)
+        timer = PhaseTimer(phases)
         cap = int(req["capacity"])
         if self.stage is None or self.stage.cache.capacity < cap:
             self.stage = Stage(t, self.s, self.layout.stages[self.s], cap)
@@ -623,53 +624,16 @@ class DistributedSPDEngine:
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(), drafter=None,
                  on_token: Callable[[int], None] | None = None) -> GenerationResult:
-        eng, rt = self.engine, self.rt
-        ids, max_new = eng._check_prompt(prompt_ids, max_new_tokens)
-        t, n, layout = self.target, self.n, self.layout
-        drafter = drafter or eng.drafter
-        prompt_len = ids.numel()
-        capacity = prompt_len + max_new + n + 2
-        drafter.begin(capacity, t.vocab_size)
+        rt, t, n = self.rt, self.target, self.n
+        ids, max_new = check_prompt(t, prompt_ids, max_new_tokens)
+        drafter = drafter or self.engine.drafter
+        dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
+                             DistributedDecodeStats(mode="spd", n=n), on_token)
+        prompt_len = dec.prompt_len
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
-                                "prompt_len": prompt_len, "capacity": capacity})
-
-        tokens = torch.zeros(capacity, dtype=torch.int64, device=t.device)
-        tokens[:prompt_len] = ids
-        anchors = torch.zeros(len(layout.anchors), capacity, t.hidden_size, device=t.device,
-                              dtype=t.dtype)
-        draft_q: dict[int, torch.Tensor] = {}
-        draft_fill: dict[int, int] = {}   # position -> tokens in flight when drafted
-        type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)], device=t.device)
-        stats = DistributedDecodeStats(mode="spd", n=n)
-        timer = _Timer(stats.phase_s)
-        gen = torch.Generator().manual_seed(sampling.seed)
+                                "prompt_len": prompt_len, "capacity": dec.capacity})
+        stats, timer, anchors = dec.stats, dec.timer, dec.anchors
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
-
-        def enter(position: int, token: int, q: torch.Tensor | None = None) -> None:
-            """Token enters stage 0 next cycle: rank 0 keeps its embedding (anchor 0) and the
-            draft distribution that proposed it (sampling) until it is judged."""
-            tokens[position] = token
-            anchors[0, position] = t.embed_tokens(tokens[position:position + 1])[0]
-            if q is not None:
-                draft_q[position] = q
-
-        post_step = getattr(drafter, "post_step", False)
-        draft_s: list[float] = []
-
-        def draft_newest(extra_depth: int) -> Draft:
-            td = time.perf_counter()
-            with timer("draft"):
-                rows = sched.draft_rows()
-                depths = torch.tensor([min(n, sched.depth(p) + extra_depth) for p in rows],
-                                      device=t.device)
-                u = torch.rand((), generator=gen)
-                draft = drafter.draft(anchors[:, rows.start:rows.stop], type_of_depth[depths],
-                                      rows.start, sched.newest + 1, sampling, u)
-                draft_fill[sched.newest + 1] = sched.count
-                stats.draft_calls += 1
-                sched.after_draft()
-            draft_s.append(time.perf_counter() - td)
-            return draft
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
         t0 = time.perf_counter()
@@ -677,30 +641,19 @@ class DistributedSPDEngine:
         anchors[0, :prompt_len] = t.embed_tokens(ids)
         for item in snaps:
             self._take_snap(item, anchors)
-        last_rows = snaps[-1][2][-1]
-        first = eng._pick(t.logits(last_rows[-1:])[0], sampling, gen)
-        drafter.prefill(anchors[:, :prompt_len], type_of_depth[n].repeat(prompt_len))
-        stats.prefill_s = time.perf_counter() - t0
-        out = [first]
-        if on_token:
-            on_token(first)
-
-        sched = PipelineSchedule(n)
-        sched.seed(prompt_len, drafter_valid=prompt_len)
-        enter(prompt_len, first)
-        done = first in t.eos_token_ids or len(out) >= max_new
+        dec.start(snaps[-1][2][-1][-1:], t0)
         pending: list = []   # last cycle's snaps still to receive (pre-step features)
-        trunc = -1
+        trunc = -1           # the committed length every stage truncates to next cycle
         cycle_s: list[float] = []
-        t0 = time.perf_counter()
-        while not done:
+        while not dec.done:
             tc = time.perf_counter()
             stats.K += 1
             if fault and stats.K == fault["cycle"]:
                 inject_fault(fault)
+            sched = dec.sched
             with timer("control_send"):
                 self._send_ctrl([OP_CYCLE, stats.K, sched.start, sched.count, trunc,
-                                 int(tokens[sched.newest])])
+                                 int(dec.tokens[sched.newest])])
                 trunc = -1
                 current = self._post_snaps(sorted(sched.stage_work()), stats.K)
             with timer("wait_snaps"):
@@ -709,51 +662,31 @@ class DistributedSPDEngine:
             # 1. Draft the successor of the newest token from pre-step features, overlapping
             #    the stages' forwards of this cycle. (Post-step drafting, an ablation, waits for
             #    this cycle's snaps and sees every in-flight token one stage deeper.)
-            if post_step:
+            if dec.post_step:
                 with timer("wait_stage"):
                     for item in current:
                         self._take_snap(item, anchors)
                 current = [item[:3] + (None,) for item in current]  # received already
-                draft = draft_newest(1)
+                draft = dec.draft(1)
             else:
-                draft = draft_newest(0)
+                draft = dec.draft(0)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle
-                sched.refill()
-                enter(sched.newest, draft.token, draft.q)
+                dec.fill(draft)
                 pending = current
-                cycle_s.append(time.perf_counter() - tc)
-                continue
-            # 3. The oldest token leaves the last stage; its row judges the next token.
-            last = current[-1]
-            assert last[0] == n - 1
-            with timer("wait_stage"):
-                self._take_snap(last, anchors)
-            pending = current[:-1]
-            with timer("verify"):
-                judged = sched.judged
-                accepted, token = eng._verify(last[2][-1], tokens[judged:judged + 1],
-                                              draft_q.pop(judged, None), sampling, gen)
-            stats.count_draft(draft_fill.pop(judged, n), accepted)
-            stats.N += 1
-            out.append(token)
-            if on_token:
-                on_token(token)
-            done = token in t.eos_token_ids or len(out) >= max_new
-            if accepted:
-                sched.accept()
-                if not done:
-                    enter(sched.newest, draft.token, draft.q)
             else:
-                with timer("rollback"):
-                    sched.reject()
-                    trunc = judged  # every stage truncates at the start of the next cycle
-                    draft_q.clear()
-                    draft_fill.clear()
-                    if not done:
-                        enter(judged, token)
+                # 3. The oldest token leaves the last stage; its row judges the next token.
+                last = current[-1]
+                assert last[0] == n - 1
+                with timer("wait_stage"):
+                    self._take_snap(last, anchors)
+                pending = current[:-1]
+                accepted, token = dec.judge(last[2][-1])
+                # 4. On rejection every stage truncates at the start of the next cycle.
+                rollback_to = dec.commit(accepted, token, draft)
+                if rollback_to is not None:
+                    trunc = rollback_to
             cycle_s.append(time.perf_counter() - tc)
-        stats.decode_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
+        dec.finish()
         # Stop: every stage leaves its loop; drain what is still in flight.
         self._send_ctrl([OP_STOP, stats.K + 1, 0, 0, -1, 0])
         for item in pending:
@@ -763,8 +696,8 @@ class DistributedSPDEngine:
                        for r in range(1, rt.world)]
         for r in range(1, rt.world):
             rt.store.delete_key(f"stats/{gen_id}/{r}")
-        stats.distributed = breakdown(rt, stats, cycle_s, draft_s, stage_stats)
-        return GenerationResult(out, stats)
+        stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats)
+        return GenerationResult(dec.out, stats)
 
 
 def _summary(xs: list[float]) -> dict:

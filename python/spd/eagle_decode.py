@@ -20,7 +20,8 @@ from typing import Callable
 import torch
 
 from spd.eagle import EagleHead, check_compatible, find_shipped_eagle
-from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine, _Timer
+from spd.cycle import PhaseTimer, check_prompt, pick
+from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
 from spd.errors import SPDError
 from spd.target import Stage, TargetModel
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
@@ -58,8 +59,8 @@ class EagleDecoder:
             raise SPDError(f"draft_steps must be a positive integer, got {steps}")
         self.draft_steps = int(steps)
         self.debug_poison = debug_poison
-        # Prompt checks, the target's own pick and the autoregressive reference come from the
-        # one-stage engine, so both paths share conventions exactly.
+        # Prompt checks and the target's own pick come from spd.cycle and the autoregressive
+        # reference from the one-stage engine, so both paths share conventions exactly.
         self._ar = SPDEngine(target, n_stages=1, debug_poison=debug_poison)
         self._stage: Stage | None = None
         self._cache = None
@@ -123,7 +124,7 @@ class EagleDecoder:
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(),
                  on_token: Callable[[int], None] | None = None) -> GenerationResult:
-        ids, max_new = self._ar._check_prompt(prompt_ids, max_new_tokens)
+        ids, max_new = check_prompt(self.target, prompt_ids, max_new_tokens)
         t, head = self.target, self.head
         layers = list(head.config.feature_layers)
         prompt_len = ids.numel()
@@ -133,7 +134,7 @@ class EagleDecoder:
         tokens[:prompt_len] = ids
         feats = torch.zeros(3, capacity, t.hidden_size, device=t.device, dtype=t.dtype)
         stats = DecodeStats(mode="eagle3", n=1)
-        timer = _Timer(stats.phase_s)
+        timer = PhaseTimer(stats.phase_s)
         gen = torch.Generator().manual_seed(sampling.seed)
 
         def run_target(start: int, rows: int) -> torch.Tensor:
@@ -155,7 +156,7 @@ class EagleDecoder:
 
         t0 = time.perf_counter()
         h = run_target(0, prompt_len)
-        first = self._ar._pick(t.logits(h[-1:])[0], sampling, gen)
+        first = pick(t.logits(h[-1:])[0], sampling, gen)
         tokens[prompt_len] = first
         last = prompt_len                       # position of the last committed token
         head_out, head_logits = head_rows(0, last)

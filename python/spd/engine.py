@@ -14,13 +14,11 @@ from typing import Callable
 
 import torch
 
-from spd.drafters import Draft, PDMDrafter
-from spd.errors import SPDError
+from spd.cycle import PhaseTimer, SequenceDecode, check_prompt, pick
+from spd.drafters import PDMDrafter
 from spd.partition import DepthLayout
 from spd.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
-from spd.schedule import PipelineSchedule
 from spd.target import Stage, TargetModel
-from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 from spd_kernels.sampling import check_sampling_params
 
 
@@ -102,24 +100,6 @@ class GenerationResult:
     stats: DecodeStats
 
 
-class _Timer:
-    """Accumulates wall time per phase: `with timer("verify"): ...`."""
-
-    def __init__(self, sink: dict):
-        self.sink = sink
-
-    def __call__(self, phase: str):
-        timer = self
-
-        class _Ctx:
-            def __enter__(self):
-                self.t0 = time.perf_counter()
-
-            def __exit__(self, *exc):
-                timer.sink[phase] = timer.sink.get(phase, 0.0) + time.perf_counter() - self.t0
-        return _Ctx()
-
-
 class SPDEngine:
     """Speculative pipeline decoding of one sequence on a target cut into n stages.
 
@@ -163,25 +143,6 @@ class SPDEngine:
             self.drafter = PDMDrafter(pdm)
 
     # --- set-up -------------------------------------------------------------------------------
-    def _check_prompt(self, prompt_ids, max_new_tokens: int) -> tuple[torch.Tensor, int]:
-        t = self.target
-        ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
-        if ids.numel() == 0:
-            raise SPDError("the prompt is empty: give at least one token")
-        if int(ids.min()) < 0 or int(ids.max()) >= t.vocab_size:
-            raise SPDError(f"prompt token ids must lie in [0, {t.vocab_size}) for this target")
-        if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
-            raise SPDError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
-        if ids.numel() >= t.max_context:
-            raise SPDError(f"the prompt has {ids.numel()} tokens but the model's context is "
-                           f"{t.max_context}: shorten the prompt")
-        room = t.max_context - ids.numel()
-        if max_new_tokens > room:
-            warnings.warn(f"max_new_tokens={max_new_tokens} exceeds the context left after the "
-                          f"prompt; generating at most {room}", stacklevel=3)
-            max_new_tokens = room
-        return ids.to(t.device), int(max_new_tokens)
-
     def _prepare_stages(self, capacity: int, n: int) -> list[Stage]:
         layout = self.layout if n == self.n else DepthLayout.build(
             self.target.num_layers, n, None, self.layout.anchors)
@@ -193,13 +154,6 @@ class SPDEngine:
         for s in self._stages:
             s.cache.truncate(0)
         return self._stages
-
-    def _pick(self, logits: torch.Tensor, sampling: SamplingParams, gen) -> int:
-        """The target's own choice from logits [V] (greedy or sampled)."""
-        if sampling.greedy:
-            return int(logits.argmax())
-        probs = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        return int(sample_from_probs(probs, torch.rand((), generator=gen).to(probs.device)))
 
     def _prefill(self, stages, ids, record=None) -> torch.Tensor:
         h = self.target.embed_tokens(ids)
@@ -215,15 +169,15 @@ class SPDEngine:
                     sampling: SamplingParams = SamplingParams(),
                     on_token: Callable[[int], None] | None = None) -> GenerationResult:
         """Plain decoding through the same stages: one full forward per token."""
-        ids, max_new = self._check_prompt(prompt_ids, max_new_tokens)
+        ids, max_new = check_prompt(self.target, prompt_ids, max_new_tokens)
         t = self.target
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
         stats = DecodeStats(mode="ar", n=1)
-        timer = _Timer(stats.phase_s)
+        timer = PhaseTimer(stats.phase_s)
         gen = torch.Generator().manual_seed(sampling.seed)
         t0 = time.perf_counter()
         h = self._prefill(stages, ids)
-        token = self._pick(t.logits(h[-1:])[0], sampling, gen)
+        token = pick(t.logits(h[-1:])[0], sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
         out = [token]
         if on_token:
@@ -236,7 +190,7 @@ class SPDEngine:
                 for st in stages:
                     h = st.forward(h, pos, None)
             with timer("verify"):
-                token = self._pick(t.logits(h)[0], sampling, gen)
+                token = pick(t.logits(h)[0], sampling, gen)
             pos += 1
             out.append(token)
             stats.K += 1
@@ -254,134 +208,53 @@ class SPDEngine:
                  on_token: Callable[[int], None] | None = None) -> GenerationResult:
         if self.n < 2:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token)
-        ids, max_new = self._check_prompt(prompt_ids, max_new_tokens)
+        ids, max_new = check_prompt(self.target, prompt_ids, max_new_tokens)
         t, n, layout = self.target, self.n, self.layout
         drafter = drafter or self.drafter
-        prompt_len = ids.numel()
-        capacity = prompt_len + max_new + n + 2
-        stages = self._prepare_stages(capacity, n)
-        drafter.begin(capacity, t.vocab_size)
-
-        # Per-position state: token, anchor hidden states, the hidden an in-flight token carries
-        # between stages, and (sampling) the draft distribution that proposed it.
-        tokens = torch.zeros(capacity, dtype=torch.int64, device=t.device)
-        tokens[:prompt_len] = ids
-        anchors = torch.zeros(len(layout.anchors), capacity, t.hidden_size, device=t.device,
-                              dtype=t.dtype)
-        carry = torch.zeros(capacity, t.hidden_size, device=t.device, dtype=t.dtype)
-        draft_q: dict[int, torch.Tensor] = {}
-        draft_fill: dict[int, int] = {}   # position -> tokens in flight when it was drafted
+        dec = SequenceDecode(t, layout, drafter, ids, max_new, sampling,
+                             DecodeStats(mode="spd", n=n), on_token)
+        stages = self._prepare_stages(dec.capacity, n)
+        # The hidden state an in-flight token carries from one stage to the next.
+        carry = torch.zeros(dec.capacity, t.hidden_size, device=t.device, dtype=t.dtype)
         slot = {b: j for j, b in enumerate(layout.anchors)}
-        type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
-                                     device=t.device)
-
-        stats = DecodeStats(mode="spd", n=n)
-        timer = _Timer(stats.phase_s)
-        gen = torch.Generator().manual_seed(sampling.seed)
 
         def record_at(position):
             def record(hidden_index, h):
                 j = slot.get(hidden_index)
                 if j is not None:
-                    anchors[j, position:position + h.shape[0]] = h
+                    dec.anchors[j, position:position + h.shape[0]] = h
             return record
-
-        def enter(position: int, token: int, q: torch.Tensor | None = None) -> None:
-            """Token enters the pipeline at depth 0: only its embedding exists. q is the draft
-            distribution that proposed it (sampling), kept until the token is judged."""
-            tokens[position] = token
-            e = t.embed_tokens(tokens[position:position + 1])
-            anchors[0, position] = e[0]
-            carry[position] = e[0]
-            if q is not None:
-                draft_q[position] = q
-
-        post_step = getattr(drafter, "post_step", False)
-
-        def draft_newest(extra_depth: int) -> Draft:
-            with timer("draft"):
-                rows = sched.draft_rows()
-                depths = torch.tensor([min(n, sched.depth(p) + extra_depth) for p in rows],
-                                      device=t.device)
-                u = torch.rand((), generator=gen)
-                draft = drafter.draft(anchors[:, rows.start:rows.stop], type_of_depth[depths],
-                                      rows.start, sched.newest + 1, sampling, u)
-                draft_fill[sched.newest + 1] = sched.count
-                stats.draft_calls += 1
-                sched.after_draft()
-            return draft
 
         # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
         t0 = time.perf_counter()
         h = self._prefill(stages, ids, record_at(0))
-        first = self._pick(t.logits(h[-1:])[0], sampling, gen)
-        drafter.prefill(anchors[:, :prompt_len],
-                        type_of_depth[n].repeat(prompt_len))
-        stats.prefill_s = time.perf_counter() - t0
-        out = [first]
-        if on_token:
-            on_token(first)
-
-        sched = PipelineSchedule(n)
-        sched.seed(prompt_len, drafter_valid=prompt_len)
-        enter(prompt_len, first)
-        done = first in t.eos_token_ids or len(out) >= max_new
-        t0 = time.perf_counter()
-        while not done:
-            stats.K += 1
+        dec.start(h[-1:], t0)
+        while not dec.done:
+            dec.stats.K += 1
             # 1. Draft the successor of the newest token from pre-step features, concurrently
-            #    with 2. every in-flight token running its next stage. (Post-step drafting, an
-            #    ablation, waits for the stages and sees every in-flight token one stage deeper.)
-            if not post_step:
-                draft = draft_newest(0)
-            for s, p in sched.stage_work():
-                with timer(f"stage_{s}"):
-                    carry[p] = stages[s].forward(carry[p:p + 1], p, record_at(p))[0]
-            if post_step:
-                draft = draft_newest(1)
-            if not sched.full:  # filling: nothing leaves the pipeline this cycle
-                sched.refill()
-                enter(sched.newest, draft.token, draft.q)
+            #    with 2. every in-flight token running its next stage (stage 0 takes the
+            #    embedding, anchor 0). Post-step drafting waits for the stages.
+            if not dec.post_step:
+                draft = dec.draft(0)
+            for s, p in dec.sched.stage_work():
+                with dec.timer(f"stage_{s}"):
+                    x = dec.anchors[0, p:p + 1] if s == 0 else carry[p:p + 1]
+                    carry[p] = stages[s].forward(x, p, record_at(p))[0]
+            if dec.post_step:
+                draft = dec.draft(1)
+            if not dec.sched.full:  # filling: nothing leaves the pipeline this cycle
+                dec.fill(draft)
                 continue
-            # 3. The oldest token leaves the last stage; its logits judge the next one.
-            with timer("verify"):
-                judged = sched.judged
-                accepted, token = self._verify(carry[sched.start:sched.start + 1],
-                                               tokens[judged:judged + 1],
-                                               draft_q.pop(judged, None), sampling, gen)
-            stats.count_draft(draft_fill.pop(judged, n), accepted)
-            stats.N += 1
-            out.append(token)
-            if on_token:
-                on_token(token)
-            done = token in t.eos_token_ids or len(out) >= max_new
-            if accepted:
-                sched.accept()
-                if not done:
-                    enter(sched.newest, draft.token, draft.q)
-            else:
-                with timer("rollback"):
-                    sched.reject()
+            # 3. The oldest token leaves the last stage; its state judges the next one.
+            oldest = dec.sched.start
+            accepted, token = dec.judge(carry[oldest:oldest + 1])
+            # 4. Accept: the draft enters. Reject: truncate every cache to the committed length.
+            rollback_to = dec.commit(accepted, token, draft)
+            if rollback_to is not None:
+                with dec.timer("rollback"):
                     for st in stages:
-                        st.cache.truncate(judged)
-                    draft_q.clear()
-                    draft_fill.clear()
-                    if not done:
-                        enter(judged, token)
+                        st.cache.truncate(rollback_to)
                 for hook in self.rollback_hooks:
-                    hook(stages, drafter, tokens, judged)
-        stats.decode_s = time.perf_counter() - t0
-        stats.new_tokens = len(out)
-        return GenerationResult(out, stats)
-
-    def _verify(self, hidden, draft_token, q, sampling: SamplingParams, gen):
-        """(accepted, committed token) for the draft judged by `hidden` (the predecessor's state)."""
-        t = self.target
-        if sampling.greedy:
-            target, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight,
-                                       draft_token)
-            return bool(ok[0]), int(target[0])
-        p = filtered_probs(t.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
-        u = torch.rand(1, 2, generator=gen).to(p.device)
-        token, ok = rejection_sample(p, q[None].to(p.device), draft_token, u)
-        return bool(ok[0]), int(token[0])
+                    hook(stages, drafter, dec.tokens, rollback_to)
+        dec.finish()
+        return GenerationResult(dec.out, dec.stats)

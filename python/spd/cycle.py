@@ -1,0 +1,232 @@
+"""One sequence's speculative pipeline decode, independent of where the stages run.
+
+`SequenceDecode` holds what the single-process engine (`spd.engine`) and rank 0 of the
+distributed runtime (`spd.distributed`) share for one sequence: the token and anchor buffers,
+the `PipelineSchedule`, the draft distributions and fill levels awaiting judgement, the
+generator, the stats and the output. The engines own only the transport: how stage forwards run
+and how anchor states arrive in `anchors`, and how target caches are truncated after a rollback.
+
+A cycle, as both engines drive it (DESIGN section 1, "One cycle"):
+
+    draft = dec.draft(0)                      # pre-step features, while the stages run
+    ... every (stage, position) in dec.sched.stage_work() runs its next stage ...
+    if not dec.sched.full:
+        dec.fill(draft)                       # filling: the draft enters at depth 0
+    else:
+        accepted, token = dec.judge(hidden)   # hidden: the oldest token's final state
+        rollback_to = dec.commit(accepted, token, draft)
+        ... on rollback, truncate every target cache to rollback_to ...
+
+The generator's draws happen in this order (prefill pick, then per cycle the draft's uniform and,
+when full, the verifier's), so seeded sampling gives the same tokens whichever engine runs.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from spd.drafters import Draft
+from spd.errors import SPDError
+from spd.schedule import PipelineSchedule
+from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
+
+if TYPE_CHECKING:  # engine.py imports this module
+    from spd.engine import DecodeStats, SamplingParams
+    from spd.partition import DepthLayout
+    from spd.target import TargetModel
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase: `with timer("verify"): ...`."""
+
+    def __init__(self, sink: dict):
+        self.sink = sink
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.sink[phase] = timer.sink.get(phase, 0.0) + time.perf_counter() - self.t0
+        return _Ctx()
+
+
+# --- the target's side: prompt checks, its own pick, judging a draft ------------------------------
+def check_prompt(target: TargetModel, prompt_ids, max_new_tokens: int) -> tuple[torch.Tensor, int]:
+    """(prompt ids on the target's device, max_new_tokens capped to the context left)."""
+    t = target
+    ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
+    if ids.numel() == 0:
+        raise SPDError("the prompt is empty: give at least one token")
+    if int(ids.min()) < 0 or int(ids.max()) >= t.vocab_size:
+        raise SPDError(f"prompt token ids must lie in [0, {t.vocab_size}) for this target")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise SPDError(f"max_new_tokens must be a positive integer, got {max_new_tokens}")
+    if ids.numel() >= t.max_context:
+        raise SPDError(f"the prompt has {ids.numel()} tokens but the model's context is "
+                       f"{t.max_context}: shorten the prompt")
+    room = t.max_context - ids.numel()
+    if max_new_tokens > room:
+        # stacklevel 3: past this function and the generate() that called it
+        warnings.warn(f"max_new_tokens={max_new_tokens} exceeds the context left after the "
+                      f"prompt; generating at most {room}", stacklevel=3)
+        max_new_tokens = room
+    return ids.to(t.device), int(max_new_tokens)
+
+
+def pick(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -> int:
+    """The target's own choice from logits [V] (greedy, or one draw from `gen`)."""
+    if sampling.greedy:
+        return int(logits.argmax())
+    probs = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    return int(sample_from_probs(probs, torch.rand((), generator=gen).to(probs.device)))
+
+
+def verify(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
+           q: torch.Tensor | None, sampling: SamplingParams,
+           gen: torch.Generator) -> tuple[bool, int]:
+    """(accepted, committed token) for the draft judged by `hidden` [1, d] (the predecessor's
+    final state). Greedy: accept iff the draft is the argmax. Sampling: rejection sampling
+    against the draft distribution q."""
+    t = target
+    if sampling.greedy:
+        best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token)
+        return bool(ok[0]), int(best[0])
+    p = filtered_probs(t.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
+    u = torch.rand(1, 2, generator=gen).to(p.device)
+    token, ok = rejection_sample(p, q[None].to(p.device), draft_token, u)
+    return bool(ok[0]), int(token[0])
+
+
+# --- one sequence's decode state -------------------------------------------------------------------
+class SequenceDecode:
+    """Everything about one sequence's SPD decode that does not depend on the transport.
+
+    Construct it after `check_prompt`; run the prompt through the stages (filling
+    `anchors[:, :prompt_len]`), call `start`, then drive cycles until `done`, and `finish`.
+    """
+
+    def __init__(self, target: TargetModel, layout: DepthLayout, drafter, ids: torch.Tensor,
+                 max_new: int, sampling: SamplingParams, stats: DecodeStats,
+                 on_token: Callable[[int], None] | None = None):
+        t, n = target, layout.n
+        self.target, self.layout, self.n = target, layout, n
+        self.drafter, self.sampling, self.stats, self.on_token = drafter, sampling, stats, on_token
+        self.max_new = max_new
+        self.prompt_len = ids.numel()
+        self.capacity = self.prompt_len + max_new + n + 2
+        drafter.begin(self.capacity, t.vocab_size)
+        # Per position: the token and its anchor hidden states (slot 0: the embedding).
+        self.tokens = torch.zeros(self.capacity, dtype=torch.int64, device=t.device)
+        self.tokens[:self.prompt_len] = ids
+        self.anchors = torch.zeros(len(layout.anchors), self.capacity, t.hidden_size,
+                                   device=t.device, dtype=t.dtype)
+        # Until a position is judged: the draft distribution that proposed it (sampling) and
+        # the tokens in flight when it was drafted (its draft position in the stats).
+        self.draft_q: dict[int, torch.Tensor] = {}
+        self.draft_fill: dict[int, int] = {}
+        self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
+                                          device=t.device)
+        self.sched = PipelineSchedule(n)
+        # Post-step drafting (an ablation) waits for the stages: features one stage deeper.
+        self.post_step = getattr(drafter, "post_step", False)
+        self.timer = PhaseTimer(stats.phase_s)
+        self.gen = torch.Generator().manual_seed(sampling.seed)
+        self.draft_s: list[float] = []   # wall time of each draft call (per-cycle breakdowns)
+        self.out: list[int] = []
+        self.done = False
+        self._decode_t0 = 0.0
+
+    # --- set-up ---------------------------------------------------------------------------------
+    def start(self, last_hidden: torch.Tensor, prefill_t0: float) -> None:
+        """After the prompt's prefill: `last_hidden` [1, d] is the last prompt row's final state.
+        The target picks the first token, the drafter caches the prompt's depth-n features, and
+        the first token starts the pipeline alone. The decode clock starts here."""
+        t, n, P = self.target, self.n, self.prompt_len
+        first = pick(t.logits(last_hidden)[0], self.sampling, self.gen)
+        self.drafter.prefill(self.anchors[:, :P], self.type_of_depth[n].repeat(P))
+        self.stats.prefill_s = time.perf_counter() - prefill_t0
+        self._emit(first)
+        self.sched.seed(P, drafter_valid=P)
+        self.enter(P, first)
+        self._decode_t0 = time.perf_counter()
+
+    def finish(self) -> None:
+        """Stop the decode clock."""
+        self.stats.decode_s = time.perf_counter() - self._decode_t0
+        self.stats.new_tokens = len(self.out)
+
+    # --- the cycle ------------------------------------------------------------------------------
+    def enter(self, position: int, token: int, q: torch.Tensor | None = None) -> None:
+        """`token` enters stage 0 at depth 0: only its embedding (anchor 0) exists. q is the
+        draft distribution that proposed it (sampling), kept until the token is judged."""
+        self.tokens[position] = token
+        self.anchors[0, position] = self.target.embed_tokens(
+            self.tokens[position:position + 1])[0]
+        if q is not None:
+            self.draft_q[position] = q
+
+    def draft(self, extra_depth: int) -> Draft:
+        """The drafter's guess for the successor of the newest in-flight token, from features
+        `extra_depth` stages deeper than the schedule's depths (0: pre-step, 1: post-step)."""
+        n, sched = self.n, self.sched
+        t0 = time.perf_counter()
+        with self.timer("draft"):
+            rows = sched.draft_rows()
+            depths = torch.tensor([min(n, sched.depth(p) + extra_depth) for p in rows],
+                                  device=self.target.device)
+            u = torch.rand((), generator=self.gen)
+            draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop],
+                                       self.type_of_depth[depths], rows.start, sched.newest + 1,
+                                       self.sampling, u)
+            self.draft_fill[sched.newest + 1] = sched.count
+            self.stats.draft_calls += 1
+            sched.after_draft()
+        self.draft_s.append(time.perf_counter() - t0)
+        return draft
+
+    def fill(self, draft: Draft) -> None:
+        """Filling cycle: nothing left the pipeline, the draft enters at depth 0."""
+        self.sched.refill()
+        self.enter(self.sched.newest, draft.token, draft.q)
+
+    def judge(self, hidden: torch.Tensor) -> tuple[bool, int]:
+        """The oldest token left the last stage with final state `hidden` [1, d]: judge the
+        next in-flight token. Returns (accepted, the token to commit)."""
+        with self.timer("verify"):
+            judged = self.sched.judged
+            return verify(self.target, hidden, self.tokens[judged:judged + 1],
+                          self.draft_q.pop(judged, None), self.sampling, self.gen)
+
+    def commit(self, accepted: bool, token: int, draft: Draft) -> int | None:
+        """Commit the judged token. Accept: this cycle's draft enters stage 0 next. Reject: the
+        in-flight tokens and the draft are dropped and the correction enters alone; returns the
+        committed length every target cache must be truncated to (None when accepted)."""
+        judged = self.sched.judged
+        self.stats.count_draft(self.draft_fill.pop(judged, self.n), accepted)
+        self.stats.N += 1
+        self._emit(token)
+        if accepted:
+            self.sched.accept()
+            if not self.done:
+                self.enter(self.sched.newest, draft.token, draft.q)
+            return None
+        with self.timer("rollback"):
+            self.sched.reject()
+            self.draft_q.clear()
+            self.draft_fill.clear()
+            if not self.done:
+                self.enter(judged, token)
+        return judged
+
+    def _emit(self, token: int) -> None:
+        self.out.append(token)
+        if self.on_token:
+            self.on_token(token)
+        self.done = token in self.target.eos_token_ids or len(self.out) >= self.max_new
