@@ -100,6 +100,22 @@ def load_weights(module, folder, target=None):
     return module.eval()
 
 
+def check_target(config, target, source: str) -> None:
+    """Refuse a drafter built for another target (shape first, then the weights' fingerprint)."""
+    if config.target_num_layers != target.num_layers or \
+            config.target_hidden_size != target.hidden_size or \
+            config.target_vocab_size != target.vocab_size:
+        raise SPDError(
+            f"{source} was built for a target with {config.target_num_layers} layers, hidden "
+            f"{config.target_hidden_size}, vocab {config.target_vocab_size}; this target "
+            f"({target.name}) has {target.num_layers} layers, hidden {target.hidden_size}, vocab "
+            f"{target.vocab_size}")
+    if config.target_fingerprint != target.fingerprint():
+        raise SPDError(f"{source} was trained on another target ({config.target_name or 'unknown'}, "
+                       f"fingerprint {config.target_fingerprint}); this target's fingerprint is "
+                       f"{target.fingerprint()}")
+
+
 def read_config(folder, what: str) -> dict:
     """config.json of a checkpoint folder as a dict; a clear error when the folder is not one."""
     folder = Path(folder)
@@ -109,5 +125,5 @@ def read_config(folder, what: str) -> dict:
     return json.loads((folder / CONFIG_NAME).read_text())
 
 
-__all__ = ["CONFIG_NAME", "SavedDrafter", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
+__all__ = ["CONFIG_NAME", "SavedDrafter", "check_target", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
            "read_weights", "save_drafter"]

@@ -29,7 +29,7 @@ from torch import nn
 from spd.errors import SPDError
 from spd.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
 from spd.partition import default_anchors
-from spd.checkpoint import CONFIG_NAME, SavedDrafter, load_weights, read_config
+from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, load_weights, read_config
 from spd.pdm import SHIPPED_DIR, _Layer
 
 METHOD = "eagle3"
@@ -245,19 +245,7 @@ class EagleHead(nn.Module, SavedDrafter):
 
 def check_compatible(config: EagleConfig, target, source: str = "EAGLE-3 head") -> None:
     """Refuse a head built for another target."""
-    if config.target_num_layers != target.num_layers or \
-            config.target_hidden_size != target.hidden_size or \
-            config.target_vocab_size != target.vocab_size:
-        raise SPDError(
-            f"{source} was built for a target with {config.target_num_layers} layers, hidden "
-            f"{config.target_hidden_size}, vocab {config.target_vocab_size}; this target "
-            f"({target.name}) has {target.num_layers} layers, hidden {target.hidden_size}, vocab "
-            f"{target.vocab_size}")
-    if config.target_fingerprint != target.fingerprint():
-        raise SPDError(f"{source} was trained on another target "
-                       f"({config.target_name or 'unknown'}, fingerprint "
-                       f"{config.target_fingerprint}); this target's fingerprint is "
-                       f"{target.fingerprint()}")
+    check_target(config, target, source)
 
 
 def find_eagle(target, search=(SHIPPED_DIR,)):

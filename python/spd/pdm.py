@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spd.checkpoint import CONFIG_NAME, SavedDrafter, load_weights, read_config
+from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, load_weights, read_config
 from spd.errors import SPDError
 from spd.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.partition import DepthLayout
@@ -217,18 +217,7 @@ def read_pdm_config(folder) -> PDMConfig:
 
 def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, source: str = "PDM"):
     """Refuse a checkpoint built for another target, stage count, split or anchor set."""
-    if config.target_num_layers != target.num_layers or \
-            config.target_hidden_size != target.hidden_size or \
-            config.target_vocab_size != target.vocab_size:
-        raise SPDError(
-            f"{source} was built for a target with {config.target_num_layers} layers, hidden "
-            f"{config.target_hidden_size}, vocab {config.target_vocab_size}; this target "
-            f"({target.name}) has {target.num_layers} layers, hidden {target.hidden_size}, vocab "
-            f"{target.vocab_size}")
-    if config.target_fingerprint != target.fingerprint():
-        raise SPDError(f"{source} was trained on another target ({config.target_name or 'unknown'}, "
-                       f"fingerprint {config.target_fingerprint}); this target's fingerprint is "
-                       f"{target.fingerprint()}")
+    check_target(config, target, source)
     if layout is not None:
         if config.n_stages != layout.n:
             raise SPDError(f"{source} was built for n={config.n_stages} stages but "
