@@ -130,14 +130,25 @@ def test_cli_eval_two_prompts_writes_json(tmp_path, capsys):
     assert "overall" in capsys.readouterr().out
 
 
-def test_shipped_pdm_is_picked_and_lossless(default_target, references):
-    """The n=4 PDM shipped in python/spd/checkpoints loads by default and drafts better than
-    an untrained one, with the output still exactly Hugging Face's."""
-    from spd.pdm import find_shipped_pdm
-    eng = SPDEngine(default_target, n_stages=4)
-    assert find_shipped_pdm(default_target, eng.layout) is not None
-    assert eng.pdm_source.endswith("smollm2-135m-instruct-n4")
-    untrained = SPDEngine(default_target, n_stages=4, pdm="untrained", warn_untrained=False)
+def _shipped(method: str) -> list:
+    """(folder name, config) of every drafter shipped in python/spd/checkpoints for `method`."""
+    from spd.pdm import SHIPPED_DIR
+    out = []
+    for path in sorted(SHIPPED_DIR.glob("*/config.json")):
+        c = json.loads(path.read_text())
+        if (c.get("method") or (c.get("extra") or {}).get("method", "spd")) == method:
+            out.append(pytest.param(path.parent.name, c, id=path.parent.name))
+    return out
+
+
+@pytest.mark.parametrize("name,cfg", _shipped("spd"))
+def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cfg):
+    """Each PDM shipped in python/spd/checkpoints loads by default for its n and drafts better
+    than an untrained one, with the output still exactly Hugging Face's."""
+    n = cfg["n_stages"]
+    eng = SPDEngine(default_target, n_stages=n)
+    assert eng.pdm_source.endswith(name)
+    untrained = SPDEngine(default_target, n_stages=n, pdm="untrained", warn_untrained=False)
     accepted = {"shipped": 0, "untrained": 0}
     for ids, ref in references:
         res = eng.generate(ids, NEW)
@@ -145,3 +156,31 @@ def test_shipped_pdm_is_picked_and_lossless(default_target, references):
         accepted["shipped"] += res.stats.drafts_accepted
         accepted["untrained"] += untrained.generate(ids, NEW).stats.drafts_accepted
     assert accepted["shipped"] > accepted["untrained"] + 5
+
+
+@pytest.mark.parametrize("name,cfg", _shipped("ppsd"))
+def test_shipped_ppsd_drafter_is_lossless(default_target, references, name, cfg):
+    """The PPSD baseline's drafters (first-stage features, post-step) decode exactly."""
+    from spd.pdm import SHIPPED_DIR
+    eng = SPDEngine(default_target, n_stages=cfg["n_stages"], pdm=SHIPPED_DIR / name)
+    assert list(eng.layout.anchors) == cfg["anchors"] and eng.drafter.post_step
+    accepted = 0
+    for ids, ref in references:
+        res = eng.generate(ids, NEW)
+        assert res.token_ids == ref
+        accepted += res.stats.drafts_accepted
+    assert accepted > 5
+
+
+@pytest.mark.parametrize("name,cfg", _shipped("eagle3"))
+def test_shipped_eagle3_head_is_picked_and_lossless(default_target, references, name, cfg):
+    from spd.eagle_decode import EagleDecoder
+    dec = EagleDecoder(default_target)
+    assert dec.head_source.endswith(name)
+    tokens = rounds = 0
+    for ids, ref in references:
+        res = dec.generate(ids, NEW)
+        assert res.token_ids == ref
+        tokens += res.stats.N
+        rounds += res.stats.K
+    assert tokens / rounds > 1.1  # more than one token per target forward
