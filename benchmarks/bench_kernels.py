@@ -1,11 +1,12 @@
 """Kernel microbenchmarks: every spd_kernels op against its eager reference and torch.compile of
 the reference, at the shapes of SmolLM2-135M, Qwen3-4B and Qwen3-8B.
 
-For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda,
-and for the PDM step a CUDA-graph replay of the eager step) it prints the median time per call,
-the bytes the op must move at least (weights it reads once, inputs, outputs), the achieved GB/s,
-that as a percentage of this device's measured copy bandwidth, and the time over the bytes-moved
-floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
+For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda;
+for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
+cuda_graph, and of the Triton path, triton_cg, position read on the device) it prints the median
+time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
+achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
+the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
 benchmarks/results/<date>-kernels-<device>.json).
 
 On a GPU it also checks the issue's targets (Qwen3-4B shapes): verify within 1.2x of reading the
@@ -42,7 +43,8 @@ import spd_kernels
 from spd_kernels import dispatch
 from spd_kernels.features import anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
-from spd_kernels.pdm import LayerWeights, PDMWeights, pdm_step, qkv_rope_append_reference
+from spd_kernels.pdm import (LayerWeights, PDMWeights, cache_attention_reference, pdm_step,
+                             qkv_rope_append_reference)
 from spd_kernels.verify import rejection_sample_logits_reference, verify_greedy_reference
 
 
@@ -65,7 +67,7 @@ MODELS = {
     "qwen3-8b": Shape("qwen3-8b", 4096, 151936, 36, 32, 8, 128, 12288, True),
 }
 OPS = ["verify_greedy", "rejection_sample_logits", "anchor_projection", "truncate_kv",
-       "qkv_rope_append", "pdm_step"]
+       "qkv_rope_append", "cache_attention", "pdm_step"]
 N_STAGES = 8          # pipeline depth the shapes assume (9 in-flight rows, staircase types)
 N_ANCHORS = 5
 DRAFT_VOCAB = 32768
@@ -242,6 +244,21 @@ def build_cases(op: str, s: Shape, dtype, device):
         fns["triton"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="triton"), args)
         floor = (lw.wq.numel() + lw.wk.numel() + lw.wv.numel()) * el + rows * d * el * 2
         yield f"rows={rows}", fns, floor, {}
+    elif op == "cache_attention":
+        rows = N_STAGES + 1
+        q = rand(s.heads, rows, s.head_dim, dtype=dtype, device=device)
+        kc = rand(s.kv_heads, CACHE_CAPACITY, s.head_dim, dtype=dtype, device=device)
+        vc = rand(s.kv_heads, CACHE_CAPACITY, s.head_dim, dtype=dtype, device=device)
+        start = torch.tensor([CONTEXT], device=device)
+        floor = 2 * s.kv_heads * (CONTEXT + rows) * s.head_dim * el + 2 * q.numel() * el
+        fns = {"reference": (cache_attention_reference, (q, kc, vc, start, None)),
+               "triton": (lambda *a: spd_kernels.cache_attention(*a, backend="triton"),
+                          (q, kc, vc, start, None))}
+        # start on the device: no host read, the reference masks the whole cache
+        yield f"rows={rows},start on device", fns, floor, {"graph": True}
+        # start on the host: the reference slices the cache (the eager runtime's path)
+        yield (f"rows={rows},start on host",
+               {"reference": (cache_attention_reference, (q, kc, vc, CONTEXT, None))}, floor, {})
     elif op == "pdm_step":
         rows = N_STAGES + 1
         vd = min(DRAFT_VOCAB, V)
@@ -258,7 +275,9 @@ def build_cases(op: str, s: Shape, dtype, device):
             x = rand(n_rows, d, dtype=dtype, device=device)
             args = (x, w, kc, vc, CONTEXT, cos, sin)
             fns = {"reference": (lambda *a: pdm_step(*a, backend="reference"), args)}
-            fns["triton"] = (lambda *a: pdm_step(*a, backend="triton"), args)
+            start = torch.tensor([CONTEXT], device=device)  # read on the device by the kernels
+            fns["triton"] = (lambda *a: pdm_step(*a, backend="triton"),
+                             (x, w, kc, vc, start, cos, sin))
             floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
             floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
             yield case, fns, floor, {"graph": True}
@@ -267,10 +286,11 @@ def build_cases(op: str, s: Shape, dtype, device):
 # --- running ----------------------------------------------------------------------------------------
 
 def backend_ready(op: str, backend: str, device) -> str | None:
-    real_op = {"pdm_step": "qkv_rope_append"}.get(op, op)
+    real_ops = {"pdm_step": ("qkv_rope_append", "cache_attention")}.get(op, (op,))
     if backend in ("reference", "compile", "cuda_graph"):
         return None
-    if backend not in dispatch.available(real_op, device):
+    backend = {"triton_cg": "triton"}.get(backend, backend)
+    if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
         return "not available here"
     if backend == "triton" and device.type == "cpu":
         return "Triton interpreter is not a speed path"
@@ -303,6 +323,8 @@ def run(args) -> dict:
                     entries["compile"] = (torch.compile(ref_fn, dynamic=False), ref_args)
                 if extra.get("graph") and device.type == "cuda":
                     entries["cuda_graph"] = graph_of(*fns["reference"])
+                    if "triton" in fns and backend_ready(op, "triton", device) is None:
+                        entries["triton_cg"] = graph_of(*fns["triton"])
                 for backend, entry in entries.items():
                     row = dict(model=m, op=op, case=case, backend=backend, bytes=floor_bytes)
                     why = backend_ready(op, backend, device)
@@ -351,7 +373,8 @@ def targets(rows, device) -> list[dict]:
     if device.type != "cuda":
         return [dict(target="GPU targets", status="not evaluated on CPU")]
 
-    def best(op, model="qwen3-4b", case=None, backends=("triton", "cuda", "cuda_graph")):
+    def best(op, model="qwen3-4b", case=None,
+             backends=("triton", "cuda", "cuda_graph", "triton_cg")):
         cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
                  and r["backend"] in backends and (case is None or r["case"].startswith(case))]
         return min(cands, key=lambda r: r["us"]) if cands else None

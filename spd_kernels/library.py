@@ -19,6 +19,8 @@ graphs use torch.ops.spd.*.
         (biases: one slot per type, None where there is none)
     torch.ops.spd.qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin,
         start, k_cache, v_cache, num_heads, num_kv_heads) -> q [H, T, hd]; mutates the caches
+    torch.ops.spd.cache_attention(q, k_cache, v_cache, start, scale) -> [R, H * hd]
+        (start: int64 tensor of one element, read on the device; scale None: 1/sqrt(hd))
 """
 from __future__ import annotations
 
@@ -115,3 +117,14 @@ def qkv_rope_append_op(x: Tensor, norm_weight: Tensor, eps: float, wq: Tensor, w
 def _(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
       num_heads, num_kv_heads):
     return x.new_empty(num_heads, x.shape[0], k_cache.shape[2])
+
+
+@torch.library.custom_op(f"{LIB}::cache_attention", mutates_args=())
+def cache_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor,
+                       scale: Optional[float]) -> Tensor:
+    return pdm.cache_attention(q, k_cache, v_cache, start, scale)
+
+
+@cache_attention_op.register_fake
+def _(q, k_cache, v_cache, start, scale):
+    return q.new_empty(q.shape[1], q.shape[0] * q.shape[2], dtype=k_cache.dtype)

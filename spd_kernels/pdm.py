@@ -1,4 +1,4 @@
-"""The PDM decoder step as plain tensors, and its first fused piece.
+"""The PDM decoder step as plain tensors, and its fused pieces.
 
 `pdm_step` is the draft module's forward for a chunk of rows against its KV cache (what
 `spd.pdm.PipelineDraftModule.step` computes), written over plain weight tensors so kernels can
@@ -13,9 +13,15 @@ Op `qkv_rope_append` (dispatched, see spd_kernels.dispatch):
              q, k or v (the two RoPE halves as two accumulators), applies the per-head RMSNorm and
              RoPE in registers, and writes q out or k/v straight into the cache at position
              start + row (read on the device; rows past the cache capacity are dropped).
-The attention, output projection, MLP and LM head stay in torch for now; a fused attention with
-the cache length read on the device (so the whole step can be captured once as a CUDA graph whatever
-the position) is the next piece (spd_kernels/README.md lists what is left).
+Op `cache_attention` (dispatched):
+  reference  torch. With an int `start`: SDPA over cache rows [0, start + R) with the causal
+             chunk mask, exactly spd.layers' attention. With a tensor `start`: the mask over the
+             whole cache is built on the device (no host read), fp32 math.
+  triton     program (row, kv head): the row's g = H / KVH query heads together, online softmax
+             over key blocks up to start + row (read on the device), fp32 accumulation, one
+             rounding to the cache dtype. Output [R, H * head_dim], ready for o_proj.
+The output projection, MLP and LM head stay in torch for now (spd_kernels/README.md lists what
+is left before the whole step is one CUDA graph).
 """
 from __future__ import annotations
 
@@ -90,6 +96,23 @@ def _rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _check_start(start, rows: int, capacity: int, device) -> int | None:
+    """Check a chunk's first position (int, or int64 tensor of one element on `device`) against
+    a cache of `capacity` positions; returns it when its value could be read without a host
+    synchronisation (see check_values_enabled), else None."""
+    if isinstance(start, torch.Tensor):
+        check_tensor("start", start, dtype=torch.int64, device=device)
+        if start.numel() != 1:
+            raise SPDInputError(f"start must hold one position, got shape {tuple(start.shape)}")
+        first = int(start.reshape(-1)[0]) if check_values_enabled(start) else None
+    else:
+        first = int(start)
+    if first is not None and (first < 0 or first + rows > capacity):
+        raise SPDInputError(f"rows {first}..{first + rows - 1} do not fit a cache of "
+                            f"{capacity} positions")
+    return first
+
+
 def _positions(start, rows: int, device) -> torch.Tensor:
     if isinstance(start, torch.Tensor):
         return start.reshape(-1)[:1].to(torch.int64) + torch.arange(rows, device=device)
@@ -133,17 +156,8 @@ def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_ca
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != hd:
         raise SPDInputError(f"cos and sin must be RoPE tables [positions, {hd}], got "
                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
-    if isinstance(start, torch.Tensor):
-        check_tensor("start", start, dtype=torch.int64, device=dev)
-        if start.numel() != 1:
-            raise SPDInputError(f"start must hold one position, got shape {tuple(start.shape)}")
-        first = int(start.reshape(-1)[0]) if check_values_enabled(start) else None
-    else:
-        first = int(start)
+    first = _check_start(start, T, k_cache.shape[1], dev)
     if first is not None:
-        if first < 0 or first + T > k_cache.shape[1]:
-            raise SPDInputError(f"rows {first}..{first + T - 1} do not fit a cache of "
-                                f"{k_cache.shape[1]} positions")
         if first + T > cos.shape[0]:
             raise SPDInputError(f"the RoPE tables cover {cos.shape[0]} positions, rows reach "
                                 f"{first + T - 1}")
@@ -309,6 +323,182 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
 
 
 # ------------------------------------------------------------------------------------------------
+# cache_attention
+# ------------------------------------------------------------------------------------------------
+
+def _check_attention(q, k_cache, v_cache, start, scale):
+    check_tensor("q", q, dim=3, floating=True)
+    dev = q.device
+    check_tensor("k_cache", k_cache, dim=3, floating=True, device=dev)
+    check_tensor("v_cache", v_cache, dim=3, floating=True, device=dev)
+    H, R, hd = q.shape
+    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
+        raise SPDInputError(f"k_cache and v_cache must have one shape and dtype, got "
+                            f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
+                            f"{v_cache.dtype}")
+    kvh, S, chd = k_cache.shape
+    if chd != hd:
+        raise SPDInputError(f"q has head_dim {hd} but the caches [num_kv_heads, S, head_dim] "
+                            f"have head_dim {chd}")
+    if kvh <= 0 or H <= 0 or H % kvh:
+        raise SPDInputError(f"q's heads ({H}) must be a positive multiple of the caches' kv "
+                            f"heads ({kvh}) (grouped-query attention)")
+    if scale is not None and not (isinstance(scale, (int, float)) and float(scale) > 0):
+        raise SPDInputError(f"scale must be a positive float or None, got {scale!r}")
+    _check_start(start, R, S, dev)
+
+
+def cache_attention(q, k_cache, v_cache, start, scale=None, *, backend=None) -> torch.Tensor:
+    """Attention of a chunk of rows against a KV cache that already holds them.
+
+    q [H, R, head_dim]: the rows' queries (RoPE applied), row r at position start + r.
+    k_cache, v_cache [KVH, S, head_dim]: keys/values, rows start..start+R-1 already written (e.g.
+    by qkv_rope_append); H must be a multiple of KVH (query head h reads kv head h // (H/KVH)).
+    start: an int, or an int64 tensor with one element (shape [] or [1]) on q's device, read on
+    the device by the kernel: no host synchronisation, so a CUDA graph can replay the call at
+    any position. Row r attends to cache positions 0..start+r (causal inside the chunk).
+    scale: softmax scale, default 1/sqrt(head_dim).
+
+    Returns [R, H * head_dim] in the caches' dtype (heads concatenated, ready for o_proj).
+    """
+    _check_attention(q, k_cache, v_cache, start, scale)
+    if not isinstance(start, torch.Tensor):
+        start = int(start)
+    scale = None if scale is None else float(scale)
+    return dispatch.call("cache_attention", q.device, q, k_cache, v_cache, start, scale,
+                         backend=backend)
+
+
+@dispatch.register("cache_attention", "reference")
+def cache_attention_reference(q, k_cache, v_cache, start, scale):
+    """Two paths with the same result (up to rounding):
+    - start an int: exactly spd.layers.attention_step's attention (SDPA over cache rows
+      [0, start + R) with the causal chunk mask), so the runtime's PDM step is unchanged bit for
+      bit on the reference backend;
+    - start a tensor: the mask over all S cache positions is built on the device (no .item()),
+      math in fp32; rows at or past start + R are zeroed first, so whatever an unwritten cache
+      holds (NaN poison) cannot leak through a zero softmax weight."""
+    H, R, hd = q.shape
+    kvh, S, _ = k_cache.shape
+    if R == 0:
+        return q.new_empty(0, H * hd, dtype=k_cache.dtype)
+    if not isinstance(start, torch.Tensor):
+        end = start + R
+        mask = None
+        if R > 1:
+            mask = (torch.arange(end, device=q.device)[None, :]
+                    <= torch.arange(start, end, device=q.device)[:, None])
+        out = F.scaled_dot_product_attention(q[None].to(k_cache.dtype), k_cache[None, :, :end],
+                                             v_cache[None, :, :end], attn_mask=mask,
+                                             enable_gqa=H != kvh, scale=scale)
+        return out[0].transpose(0, 1).reshape(R, H * hd)
+    g = H // kvh
+    qpos = _positions(start, R, q.device)                      # [R]
+    kpos = torch.arange(S, device=q.device)                    # [S]
+    allowed = kpos[None, :] <= qpos[:, None]                   # [R, S]
+    written = (kpos <= qpos[-1])[:, None]                      # [S, 1]
+    k = torch.where(written, k_cache.float(), 0.0)             # [KVH, S, hd]
+    v = torch.where(written, v_cache.float(), 0.0)
+    qf = q.float().view(kvh, g, R, hd)
+    scores = torch.matmul(qf, k[:, None].transpose(-1, -2))   # [KVH, g, R, S]
+    scores = scores * (hd ** -0.5 if scale is None else scale)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v[:, None])  # [KVH, g, R, hd]
+    return out.reshape(H, R, hd).transpose(0, 1).reshape(R, H * hd).to(k_cache.dtype)
+
+
+def _attention_supports(q, k_cache, v_cache, start, scale):
+    hd = q.shape[2]
+    if hd != next_pow2(hd):
+        return f"the kernel needs a power-of-two head_dim (tl.arange), got {hd}"
+    why = check_kernel_float("k_cache", k_cache)
+    if why:
+        return why
+    if q.dtype != k_cache.dtype:
+        return f"the kernel needs q in the caches' dtype (q is {q.dtype}, caches {k_cache.dtype})"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        why = last_dim_contiguous(name, t)
+        if why:
+            return why
+    if k_cache.stride() != v_cache.stride():
+        return (f"the kernel needs k_cache and v_cache with the same strides (got "
+                f"{k_cache.stride()} and {v_cache.stride()})")
+    return None
+
+
+def _attention_blocks(group: int, hd: int, S: int) -> tuple[int, int]:
+    """(padded query-head group, key block): the kernel holds [G, BLOCK_N, hd] products."""
+    g_pad = next_pow2(group)
+    if INTERPRET:  # few, large numpy steps
+        return g_pad, min(128, max(16, next_pow2(S)))
+    return g_pad, min(128, max(16, 4096 // (g_pad * hd)))
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _cache_attention_kernel(q_ptr, stride_qh, stride_qr, k_ptr, v_ptr, stride_ch, stride_cs,
+                                start_ptr, out_ptr, stride_or, S, G, scale_log2,
+                                HD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                                OUT: tl.constexpr):
+        """Program (r, j): chunk row r (position start + r) for the G query heads that share kv
+        head j. Online softmax (base 2, the scale folded into q) over key blocks up to the row's
+        own position, fp32 throughout; one rounding to the output dtype (code OUT) at the end."""
+        r = tl.program_id(0)
+        j = tl.program_id(1)
+        pos = tl.load(start_ptr).to(tl.int32) + r
+        end = tl.minimum(pos + 1, S)   # keys 0..pos, never past the cache
+        gi = tl.arange(0, G_PAD)
+        d = tl.arange(0, HD)
+        gmask = gi < G
+        heads = (j * G + gi).to(tl.int64)
+        q = tl.load(q_ptr + heads[:, None] * stride_qh + r.to(tl.int64) * stride_qr + d[None, :],
+                    mask=gmask[:, None], other=0.0).to(tl.float32) * scale_log2
+        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
+        kv_head = k_ptr + j.to(tl.int64) * stride_ch
+        vv_head = v_ptr + j.to(tl.int64) * stride_ch
+        for n0 in range(0, end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < end
+            offs = n[:, None].to(tl.int64) * stride_cs + d[None, :]
+            k = tl.load(kv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+        out = round_to(acc / l_i[:, None], OUT)
+        tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :], out,
+                 mask=gmask[:, None])
+
+
+@dispatch.register("cache_attention", "triton", supports=_attention_supports)
+def cache_attention_triton(q, k_cache, v_cache, start, scale):
+    H, R, hd = q.shape
+    kvh, S, _ = k_cache.shape
+    out = _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
+    if R == 0:
+        return out
+    if not isinstance(start, torch.Tensor):
+        start = torch.tensor([int(start)], dtype=torch.int64, device=q.device)
+    group = H // kvh
+    g_pad, block_n = _attention_blocks(group, hd, S)
+    scale = hd ** -0.5 if scale is None else scale
+    _cache_attention_kernel[(R, kvh)](
+        q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
+        start, out, out.stride(0), S, group, scale * 1.4426950408889634,
+        HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=dtype_code(k_cache.dtype),
+        num_warps=1 if INTERPRET else 4)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
 # The whole step
 # ------------------------------------------------------------------------------------------------
 
@@ -317,26 +507,20 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
              backend: str | None = None) -> torch.Tensor:
     """Rows features [T, hidden] at positions start.. through every layer -> draft logits of the
     last row [Vd] (fp32). k_cache/v_cache [layers, kv_heads, S, head_dim] get the rows' keys and
-    values; cos/sin are the full RoPE tables. `backend` picks the qkv_rope_append backend; the
-    other parts run in torch. Attention covers cache rows [0, start + T) (start must be an int
-    here; a device-side length for graph capture needs the fused attention kernel, not done)."""
-    T = features.shape[0]
-    H, KVH, hd = weights.num_heads, weights.num_kv_heads, weights.head_dim
-    start_i = int(start) if not isinstance(start, torch.Tensor) else int(start.reshape(-1)[0])
-    end = start_i + T
-    mask = None
-    if T > 1:
-        mask = (torch.arange(end, device=features.device)[None, :]
-                <= torch.arange(start_i, end, device=features.device)[:, None])
+    values; cos/sin are the full RoPE tables. `backend` picks the backend of qkv_rope_append and
+    cache_attention (None: the dispatcher's choice); the projections, MLP and LM head run in
+    torch. `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
+    step reads the position on the host (a CUDA graph of it replays at any position)."""
+    H, KVH = weights.num_heads, weights.num_kv_heads
+    if not isinstance(start, torch.Tensor):
+        start = int(start)
     x = features
     for i, lw in enumerate(weights.layers):
         q = qkv_rope_append(x, lw.input_norm, weights.eps, lw.wq, lw.wk, lw.wv, lw.q_norm,
                             lw.k_norm, cos, sin, start, k_cache[i], v_cache[i], H, KVH,
                             backend=backend)
-        keys, values = k_cache[i][:, :end], v_cache[i][:, :end]
-        att = F.scaled_dot_product_attention(q[None].to(keys.dtype), keys[None], values[None],
-                                             attn_mask=mask, enable_gqa=H != KVH)
-        x = x + F.linear(att[0].transpose(0, 1).reshape(T, H * hd), lw.wo)
+        att = cache_attention(q, k_cache[i], v_cache[i], start, backend=backend)
+        x = x + F.linear(att, lw.wo)
         h = rms_norm(x, lw.post_norm, weights.eps)
         x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
     return F.linear(rms_norm(x[-1:], weights.final_norm, weights.eps), weights.lm_head)[0].float()

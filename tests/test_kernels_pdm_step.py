@@ -1,12 +1,13 @@
 """PDM decoder step: the fused RMSNorm + QKV + q/k norm + RoPE + cache-append kernel against its
-reference, and the plain-tensor step against the runtime's PipelineDraftModule.step."""
+reference, the plain-tensor step (with cache_attention, tests/test_kernels_attention.py) against
+spd.layers, and the runtime's PipelineDraftModule.step running it bit for bit."""
 import pytest
 import torch
 
 from conftest import make_tiny_target
 from spd import SPDEngine
-from spd.layers import rope_table
-from spd_kernels import SPDInputError, dispatch, pdm_step, qkv_rope_append
+from spd.layers import decoder_layer_step, rope_table
+from spd_kernels import SPDInputError, dispatch, pdm_step, qkv_rope_append, use_backend
 from spd_kernels.pdm import PDMWeights
 from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
 
@@ -97,14 +98,39 @@ def test_checks_and_library_op():
                            torch.tensor([1]), k, v, 2, 1))
 
 
+def layers_step(pdm, feats, start, cache):
+    """The runtime's PDM step as spd.layers computes it (PipelineDraftModule.step before it ran
+    spd_kernels.pdm_step): the specification pdm_step must keep bit for bit on the reference."""
+    c = pdm.config
+    rows = feats.shape[0]
+    cos, sin = pdm._rope_for(start + rows, feats)
+    cos, sin = cos[start:start + rows], sin[start:start + rows]
+    cache.reserve(start, rows)
+    x = feats
+    for i, layer in enumerate(pdm.layers):
+        x = decoder_layer_step(layer, x, cos, sin, cache.k[i], cache.v[i], start, c.num_heads,
+                               c.num_kv_heads, c.head_dim)
+    return pdm.lm_head(pdm.norm(x[-1:]))[0].float()
+
+
+def tiny_pdm(seed=5):
+    t = make_tiny_target(seed=seed, vocab=40, layers=4, model_type="qwen3")
+    pdm = SPDEngine(t, n_stages=2, anchors=[0, 2, 3]).pdm
+    assert pdm.layers[0].self_attn.q_norm is not None
+    return pdm
+
+
+CHUNKS = ((0, 6), (6, 3), (8, 2), (9, 1))  # prefill, then crop-and-recompute chunks
+
+
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_pdm_step_matches_the_runtime_module(backend):
+@pytest.mark.parametrize("device_start", [False, True])
+def test_pdm_step_matches_the_runtime_layers(backend, device_start):
+    """pdm_step (qkv_rope_append + cache_attention per layer) against spd.layers; bit for bit on
+    the reference backend with a host start, within fp32 rounding otherwise."""
     if backend == "triton" and TRITON_DEVICE != "cpu":
         pytest.skip(TRITON_SKIP_REASON)
-    t = make_tiny_target(seed=5, vocab=40, layers=4, model_type="qwen3")
-    eng = SPDEngine(t, n_stages=2, anchors=[0, 2, 3])
-    pdm = eng.pdm
-    assert pdm.layers[0].self_attn.q_norm is not None
+    pdm = tiny_pdm()
     c = pdm.config
     g = torch.Generator().manual_seed(0)
     cache = pdm.new_cache(32)
@@ -112,14 +138,66 @@ def test_pdm_step_matches_the_runtime_module(backend):
     k = torch.full_like(cache.k, float("nan"))
     v = torch.full_like(cache.v, float("nan"))
     cos, sin = rope_table(c.head_dim, 32, c.rope_theta)
-    for start, rows in ((0, 6), (6, 3), (8, 2)):  # prefill, then crop-and-recompute chunks
+    for start, rows in CHUNKS:
         feats = torch.randn(rows, c.hidden_size, generator=g)
         cache.truncate(start)
-        want = pdm.step(feats, start, cache)
-        got = pdm_step(feats, weights, k, v, start, cos, sin, backend=backend)
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(k[:, :, :start + rows], cache.k[:, :, :start + rows],
-                                   rtol=1e-4, atol=1e-4)
+        k[:, :, start:] = float("nan")  # the rows being recomputed were dropped
+        v[:, :, start:] = float("nan")
+        want = layers_step(pdm, feats, start, cache)
+        pos = torch.tensor([start]) if device_start else start
+        with poisoned_outputs("b"):
+            got = pdm_step(feats, weights, k, v, pos, cos, sin, backend=backend)
+        if backend == "reference" and not device_start:
+            assert torch.equal(got, want)
+            assert torch.equal(k[:, :, :start + rows], cache.k[:, :, :start + rows])
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(k[:, :, :start + rows], cache.k[:, :, :start + rows],
+                                       rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="needs the Triton interpreter")
+def test_pdm_step_with_every_op_forced_to_triton():
+    pdm = tiny_pdm(seed=6)
+    c = pdm.config
+    g = torch.Generator().manual_seed(1)
+    weights = PDMWeights.from_pdm(pdm)
+    cos, sin = rope_table(c.head_dim, 40, c.rope_theta)
+    caches = {b: [torch.full((c.num_layers, c.num_kv_heads, 40, c.head_dim), float("nan"))
+                  for _ in range(2)] for b in ("reference", "triton")}
+    start = torch.tensor(0)
+    for s, rows in ((0, 7), (5, 4), (9, 1)):
+        feats = torch.randn(rows, c.hidden_size, generator=g)
+        start.fill_(s)  # one position tensor, rewritten in place as a CUDA graph would see it
+        want = pdm_step(feats, weights, *caches["reference"], s, cos, sin)
+        with use_backend("triton"), poisoned_outputs("a"):
+            got = pdm_step(feats, weights, *caches["triton"], start, cos, sin)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_runtime_step_routes_through_pdm_step_bit_for_bit():
+    """PipelineDraftModule.step runs spd_kernels.pdm_step and keeps spd.layers' results exactly
+    (CPU, reference backend), also after its parameters are replaced."""
+    pdm = tiny_pdm(seed=7)
+    c = pdm.config
+    g = torch.Generator().manual_seed(2)
+    old, new = pdm.new_cache(16), pdm.new_cache(16)
+    for rnd in range(2):
+        for start, rows in CHUNKS:
+            feats = torch.randn(rows, c.hidden_size, generator=g)
+            old.truncate(start)
+            new.truncate(start)
+            want = layers_step(pdm, feats, start, old)
+            got = pdm.step(feats, start, new)
+            assert torch.equal(got, want)
+            assert new.length == old.length == start + rows
+            assert torch.equal(new.k[:, :, :start + rows], old.k[:, :, :start + rows])
+            assert torch.equal(new.v[:, :, :start + rows], old.v[:, :, :start + rows])
+        state = {k: torch.randn(v.shape, generator=g) * 0.1 if v.is_floating_point() else v
+                 for k, v in pdm.state_dict().items()}
+        pdm.load_state_dict(state)  # the step must follow the new weights
+        pdm.layers[0].self_attn.o_proj.weight = torch.nn.Parameter(
+            torch.randn(pdm.layers[0].self_attn.o_proj.weight.shape, generator=g) * 0.1)
 
 
 @pytest.mark.gpu
@@ -137,3 +215,43 @@ def test_gpu_triton_at_qwen3_4b_pdm_shapes(dtype):
     torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=tol, atol=tol)
     torch.testing.assert_close(out[1][:, 1000:1009].float(), ref[1][:, 1000:1009].float(),
                                rtol=tol, atol=tol)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_pdm_step_captured_once_replays_at_any_position():
+    """With a device `start` nothing in pdm_step reads the position on the host: one CUDA graph of
+    the whole step (Triton QKV/RoPE/append + attention, torch MLP/head) replays at any position."""
+    if any("triton" not in dispatch.available(op, "cuda")
+           for op in ("qkv_rope_append", "cache_attention")):
+        pytest.skip("Triton not available for CUDA tensors here (TRITON_INTERPRET=1?)")
+    from spd_kernels.pdm import LayerWeights
+    dtype, dev = torch.bfloat16, "cuda"
+    d, H, KVH, hd, inter, vd, S, T, L = 512, 8, 2, 64, 1024, 1000, 256, 5, 2
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(device=dev, dtype=dtype)
+    one = lambda n: (torch.rand(n, generator=g) + 0.5).to(device=dev, dtype=dtype)
+    layers = [LayerWeights(one(d), r(H * hd, d, sc=d ** -0.5), r(KVH * hd, d, sc=d ** -0.5),
+                           r(KVH * hd, d, sc=d ** -0.5), one(hd), one(hd),
+                           r(d, H * hd, sc=d ** -0.5), one(d), r(inter, d, sc=d ** -0.5),
+                           r(inter, d, sc=d ** -0.5), r(d, inter, sc=inter ** -0.5))
+              for _ in range(L)]
+    w = PDMWeights(layers, one(d), r(vd, d, sc=d ** -0.5), H, KVH, hd, 1e-6)
+    cos, sin = (t.to(device=dev, dtype=dtype) for t in rope_table(hd, S, 1e6))
+    k, v = r(L, KVH, S, hd), r(L, KVH, S, hd)
+    feats = r(T, d)
+    start = torch.tensor([0], device=dev)
+    with use_backend("triton"):
+        pdm_step(feats, w, k, v, start, cos, sin)  # compile the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = pdm_step(feats, w, k, v, start, cos, sin)
+    for pos in (0, 40, S - T):
+        start.fill_(pos)
+        kr, vr = k.clone(), v.clone()
+        graph.replay()
+        want = pdm_step(feats, w, kr, vr, pos, cos, sin, backend="reference")
+        torch.testing.assert_close(logits, want, rtol=0.05, atol=0.1)
+        torch.testing.assert_close(k[:, :, pos:pos + T].float(), kr[:, :, pos:pos + T].float(),
+                                   rtol=0.02, atol=0.02)

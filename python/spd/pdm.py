@@ -21,7 +21,8 @@ from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, load_weights
 from spd.errors import SPDError
 from spd.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.partition import DepthLayout
-from spd_kernels import anchor_projection
+from spd_kernels import anchor_projection, pdm_step
+from spd_kernels.pdm import PDMWeights
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 
@@ -190,18 +191,19 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:
-        """Run rows at positions start.. through the layers; return draft logits of the last row."""
-        c = self.config
+        """Run rows at positions start.. through the layers; return draft logits of the last row.
+
+        Runs spd_kernels.pdm_step (backends per spd_kernels.dispatch). On the reference backend
+        it computes exactly what spd.layers.decoder_layer_step does, bit for bit."""
         rows = features.shape[0]
-        need = start + rows
-        cos, sin = self._rope_for(need, features)
-        cos, sin = cos[start:need], sin[start:need]
+        cos, sin = self._rope_for(start + rows, features)
         cache.reserve(start, rows)
-        x = features
-        for i, layer in enumerate(self.layers):
-            x = decoder_layer_step(layer, x, cos, sin, cache.k[i], cache.v[i], start,
-                                   c.num_heads, c.num_kv_heads, c.head_dim)
-        return self.lm_head(self.norm(x[-1:]))[0].float()
+        return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin)
+
+    def kernel_weights(self) -> PDMWeights:
+        """The layers as plain tensors for spd_kernels.pdm_step. Built on every call (a few
+        microseconds: references, no copies), so replaced or moved parameters are never stale."""
+        return PDMWeights.from_pdm(self)
 
 
 def read_pdm_config(folder) -> PDMConfig:
