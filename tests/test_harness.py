@@ -134,6 +134,27 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_recost_applies_to_every_cell(trained, tmp_path, monkeypatch):
+    """A re-measured cost model changes every adjusted speedup in the report, never the counts."""
+    t, ckpt = trained
+    import spd.harness as harness
+    from spd.report import _rows_by_config
+    fixed = Costs(device="cpu", context=16, reps=1, forward_s=0.010, head_s=0.001,
+                  stage_s={"2": [0.004, 0.004]}, chunk_s={})
+    monkeypatch.setattr(harness, "measure_costs", lambda *a, **k: Costs(**fixed.as_dict()))
+    spec = _spec(ckpt, methods=["spd"], temperatures=[0.0], pdm_layers=[1])
+    state = run_grid(t, spec, tmp_path, progress=False)
+    before = _rows_by_config(state)[0.0]["spd n=2 L_s=1"]
+    dearer = dict(fixed.as_dict(), forward_s=0.030)  # the AR step three times dearer
+    monkeypatch.setattr(harness, "measure_costs", lambda *a, **k: Costs(**dearer))
+    after_state = run_grid(t, spec, tmp_path, progress=False, recost=True)
+    after = _rows_by_config(after_state)[0.0]["spd n=2 L_s=1"]
+    for ds in ("a", "b", "overall"):
+        assert after[ds]["derived"]["adjusted_speedup"] == pytest.approx(
+            3 * before[ds]["derived"]["adjusted_speedup"])
+        assert after[ds]["totals"] == before[ds]["totals"]
+
+
 def test_grid_refuses_an_output_that_differs_from_ar(trained, tmp_path, monkeypatch):
     t, ckpt = trained
     from spd.engine import SPDEngine

@@ -289,6 +289,9 @@ def _add_eval(sub) -> None:
                         "search besides the shipped ones; repeatable")
     g.add_argument("--cost-reps", type=int, default=10,
                    help="timing repetitions per piece of the cost model")
+    g.add_argument("--recost", action="store_true",
+                   help="measure the cost model again when resuming (every speedup in the "
+                        "report is recomputed from it)")
     p.set_defaults(func=cmd_eval)
 
 
@@ -356,8 +359,10 @@ def _eval_grid(args, sets, stages, temps) -> int:
         if not Path(d).is_dir():
             raise SPDError(f"--checkpoint-dir {d} is not a folder")
     target = load_target(args.model, device=args.device)
-    command = "python -m spd " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["eval"] else ""
-    state = run_grid(target, spec, args.out_dir, command=command)
+    # The command that reproduces the grid (resume-only flags left out)
+    command = ("python -m spd " + " ".join(a for a in sys.argv[1:] if a != "--recost")
+               if sys.argv[1:2] == ["eval"] else "")
+    state = run_grid(target, spec, args.out_dir, command=command, recost=args.recost)
     written = write_report(state, args.out_dir)
     print(markdown(state))
     print("wrote " + ", ".join(str(x) for x in [Path(args.out_dir) / "grid.json", *written]))

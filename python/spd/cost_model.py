@@ -57,15 +57,20 @@ class Costs:
         return max(self.stage_s[str(n)])
 
 
-def _median_time(fn, reps: int) -> float:
-    for _ in range(2):  # warm-up (first calls pay allocation and dispatch set-up)
-        fn()
-    times = []
+def _interleaved_medians(pieces: dict, reps: int) -> dict:
+    """Median seconds of each callable, timed round-robin (one run of each per round) after a
+    warm-up, so a load that comes and goes on a shared machine hits every piece alike and the
+    ratios between them (what the speedups use) stay fair."""
+    for fn in pieces.values():
+        for _ in range(2):  # first calls pay allocation and dispatch set-up
+            fn()
+    times = {k: [] for k in pieces}
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for k, fn in pieces.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 @torch.no_grad()
@@ -76,40 +81,37 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
     capacity = context + max([1, *chunk_rows]) + 1
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).to(target.device)
-    one = prompt[:1]
 
     def prefilled(stages):
         h = target.embed_tokens(prompt)
         for st in stages:
-            st.cache.truncate(0)
             h = st.forward(h, 0)
+        return stages
 
-    full = [Stage(target, 0, range(target.num_layers), capacity)]
-    prefilled(full)
-
-    def forward(rows: int):
+    def step(stage, x):  # one forward at the end of the prefilled context, rolled back after
         def run():
-            full[0].cache.truncate(context)
-            h = full[0].forward(target.embed_tokens(prompt[:rows]), context)
-            target.logits(h[-1:])
+            stage.cache.truncate(context)
+            return stage.forward(x, context)
         return run
 
-    costs.forward_s = _median_time(forward(1), reps)
+    full = prefilled([Stage(target, 0, range(target.num_layers), capacity)])[0]
+    hidden = target.embed_tokens(prompt[:1])
+    pieces = {"forward": lambda: target.logits(step(full, target.embed_tokens(prompt[:1]))()[-1:]),
+              "head": lambda: target.logits(hidden)}
     for rows in chunk_rows:
-        costs.chunk_s[str(rows)] = _median_time(forward(rows), reps)
-    hidden = target.embed_tokens(one)
-    costs.head_s = _median_time(lambda: target.logits(hidden), reps)
+        pieces[f"chunk{rows}"] = (lambda r: lambda: target.logits(
+            step(full, target.embed_tokens(prompt[:r]))()[-1:]))(rows)
     for n in sorted(set(stage_counts)):
         layout = DepthLayout.build(target.num_layers, n)
-        stages = [Stage(target, i, r, capacity) for i, r in enumerate(layout.stages)]
-        prefilled(stages)
-        per_stage = []
-        for st in stages:
-            def run(st=st):
-                st.cache.truncate(context)
-                st.forward(hidden, context)
-            per_stage.append(_median_time(run, reps))
-        costs.stage_s[str(n)] = per_stage
+        stages = prefilled([Stage(target, i, r, capacity) for i, r in enumerate(layout.stages)])
+        for i, st in enumerate(stages):
+            pieces[f"stage{n}_{i}"] = step(st, hidden)
+    med = _interleaved_medians(pieces, reps)
+    costs.forward_s = med["forward"]
+    costs.head_s = med["head"]
+    costs.chunk_s = {str(r): med[f"chunk{r}"] for r in chunk_rows}
+    costs.stage_s = {str(n): [med[f"stage{n}_{i}"] for i in range(n)]
+                     for n in sorted(set(stage_counts))}
     return costs
 
 

@@ -211,7 +211,10 @@ def _save(out_dir: Path, state: dict) -> None:
     tmp.replace(out_dir / GRID_FILE)  # atomic: a killed run never leaves a torn file
 
 
-def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: str = "") -> dict:
+def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: str = "",
+             recost: bool = False) -> dict:
+    """Run every unfinished cell; recost=True measures the cost model again (the report
+    recomputes every speedup from it)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = load_state(out_dir)
@@ -228,7 +231,7 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
         state["command"] = command
     cells = plan_cells(spec)
     decoders = _Decoders(target, spec)
-    if "costs" not in state:
+    if recost or "costs" not in state:
         eagle_rows = []
         if "eagle3" in spec.methods:  # its verification pass: a chunk of k+1 tokens
             eagle = decoders.get(Cell("eagle3", 1, None, "", 0.0))[0]

@@ -22,6 +22,19 @@ def _rows_by_config(state: dict) -> dict:
     out: dict = {}
     for cell in state["cells"].values():
         out.setdefault(cell["temperature"], {}).setdefault(cell["config"], {})[cell["dataset"]] = cell
+    # Speedups are recomputed from the counts and the current cost model, so a re-measured
+    # cost model (--recost) applies to every cell alike.
+    for by_config in out.values():
+        ar = by_config.get("ar", {})
+        for by_ds in by_config.values():
+            for ds, cell in list(by_ds.items()):
+                if "totals" not in cell:
+                    continue
+                ref = ar.get(ds, {}).get("totals")
+                ar_tok_s = ref["N"] / ref["decode_s"] if ref and ref["decode_s"] else None
+                by_ds[ds] = cell = dict(cell, derived=derived(cell, costs, ar_tok_s))
+                if cell["method"] == "ar":
+                    cell["derived"]["measured_ratio"] = 1.0
     for by_config in out.values():
         ar_all = _merge(list(by_config.get("ar", {}).values()))
         ar_tok_s = (ar_all["totals"]["N"] / ar_all["totals"]["decode_s"]
