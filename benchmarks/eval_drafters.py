@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     named = []
     for item in args.pdm:
-        name, sep, folder = item.partition("=")
+        name, sep, folder = item.rpartition("=")  # names may hold "=" (L_s=2)
         if not sep or not Path(folder).is_dir():
             ap.error(f"--pdm takes NAME=FOLDER with an existing folder, got '{item}'")
         named.append((name, folder))
