@@ -158,7 +158,6 @@ def plots(state: dict, out_dir) -> list[Path]:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        from matplotlib.ticker import MaxNLocator
     except ImportError:
         return []
     out_dir = Path(out_dir)
@@ -193,17 +192,9 @@ def plots(state: dict, out_dir) -> list[Path]:
             if label != "ar":
                 ax.axhline(d["adjusted_speedup"], linestyle="--", color=line.get_color(),
                            alpha=0.6, label=f"{label} (draft-cost adjusted)")
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_xlabel("pipeline stages n")
-        ax.set_ylabel("speedup over AR")
-        ax.set_title(f"Speedup vs n (all datasets, T={temp:g})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    path = out_dir / "speedup_vs_n.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    written.append(path)
+        _finish(ax, "pipeline stages n", "speedup over AR",
+                f"Speedup vs n (all datasets, T={temp:g})")
+    written.append(_save(fig, out_dir / "speedup_vs_n.png"))
 
     fig, axes = plt.subplots(1, len(temps), figsize=(6 * len(temps), 4.5), squeeze=False)
     for ax, temp in zip(axes[0], temps):
@@ -213,20 +204,29 @@ def plots(state: dict, out_dir) -> list[Path]:
                 continue
             pts = sorted((int(p), a / j) for p, (j, a) in c["totals"]["by_position"].items() if j)
             ax.plot([p for p, _ in pts], [r for _, r in pts], "o-", label=config)
-        ax.set_xlabel("draft position (EAGLE-3: chain step; SPD/PPSD: tokens in flight "
-                      "when drafted)", fontsize=8)
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("acceptance rate")
         ax.set_ylim(0, 1)
-        ax.set_title(f"Acceptance by draft position (T={temp:g})")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        _finish(ax, "draft position (EAGLE-3: chain step; SPD/PPSD: tokens in flight when "
+                "drafted)", "acceptance rate", f"Acceptance by draft position (T={temp:g})")
+    written.append(_save(fig, out_dir / "acceptance_by_position.png"))
+    return written
+
+
+def _finish(ax, xlabel: str, ylabel: str, title: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # n and positions are whole numbers
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+
+
+def _save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
     fig.tight_layout()
-    path = out_dir / "acceptance_by_position.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    written.append(path)
-    return written
+    return path
 
 
 def write_report(state: dict, out_dir) -> list[Path]:
