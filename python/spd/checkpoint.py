@@ -116,6 +116,21 @@ def check_target(config, target, source: str) -> None:
                        f"{target.fingerprint()}")
 
 
+def find_checkpoint(search, accept):
+    """The first checkpoint folder under the folders `search` (each holding one subfolder per
+    drafter) whose config.json, as a dict, satisfies `accept`; None if there is none.
+    Unreadable configs are passed over."""
+    for root in map(Path, search):
+        for cfg_path in sorted(root.glob(f"*/{CONFIG_NAME}")) if root.is_dir() else []:
+            try:
+                c = json.loads(cfg_path.read_text())
+            except (OSError, json.JSONDecodeError):
+                continue
+            if accept(c):
+                return cfg_path.parent
+    return None
+
+
 def read_config(folder, what: str) -> dict:
     """config.json of a checkpoint folder as a dict; a clear error when the folder is not one."""
     folder = Path(folder)
@@ -125,5 +140,5 @@ def read_config(folder, what: str) -> dict:
     return json.loads((folder / CONFIG_NAME).read_text())
 
 
-__all__ = ["CONFIG_NAME", "SavedDrafter", "check_target", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
+__all__ = ["CONFIG_NAME", "SavedDrafter", "check_target", "find_checkpoint", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
            "read_weights", "save_drafter"]

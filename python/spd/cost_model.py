@@ -95,12 +95,14 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
         return run
 
     full = prefilled([Stage(target, 0, range(target.num_layers), capacity)])[0]
+
+    def forward(rows: int):  # embed, every layer, then the LM head on the last row
+        return lambda: target.logits(step(full, target.embed_tokens(prompt[:rows]))()[-1:])
+
     hidden = target.embed_tokens(prompt[:1])
-    pieces = {"forward": lambda: target.logits(step(full, target.embed_tokens(prompt[:1]))()[-1:]),
-              "head": lambda: target.logits(hidden)}
+    pieces = {"forward": forward(1), "head": lambda: target.logits(hidden)}
     for rows in chunk_rows:
-        pieces[f"chunk{rows}"] = (lambda r: lambda: target.logits(
-            step(full, target.embed_tokens(prompt[:r]))()[-1:]))(rows)
+        pieces[f"chunk{rows}"] = forward(rows)
     for n in sorted(set(stage_counts)):
         layout = DepthLayout.build(target.num_layers, n)
         stages = prefilled([Stage(target, i, r, capacity) for i, r in enumerate(layout.stages)])

@@ -19,7 +19,6 @@ feature layers, sizes) and `model.safetensors`, stored like a PDM's (spd.pdm).
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,7 +28,8 @@ from torch import nn
 from spd.errors import SPDError
 from spd.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
 from spd.partition import default_anchors
-from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, load_weights, read_config
+from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
+    load_weights, read_config
 from spd.pdm import SHIPPED_DIR, _Layer
 
 METHOD = "eagle3"
@@ -251,15 +251,8 @@ def check_compatible(config: EagleConfig, target, source: str = "EAGLE-3 head") 
 def find_eagle(target, search=(SHIPPED_DIR,)):
     """The first EAGLE-3 head for this target in the folders `search` (each holding one
     checkpoint folder per drafter), or None."""
-    for root in map(Path, search):
-        for cfg_path in sorted(root.glob(f"*/{CONFIG_NAME}")) if root.is_dir() else []:
-            try:
-                c = json.loads(cfg_path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            if c.get("method") == METHOD and c.get("target_fingerprint") == target.fingerprint():
-                return cfg_path.parent
-    return None
+    return find_checkpoint(search, lambda c: c.get("method") == METHOD
+                           and c.get("target_fingerprint") == target.fingerprint())
 
 
 def find_shipped_eagle(target):

@@ -17,25 +17,49 @@ from spd.engine import SamplingParams
 from spd.errors import SPDError
 
 
-def _encode(tokenizer, text: str) -> list[int]:
+def encode_question(tokenizer, question: dict) -> list[int]:
+    """A question's first turn in the chat template: what every evaluation decodes."""
     from spd.cli import encode_prompt
-    return encode_prompt(tokenizer, text, chat=True)
+    return encode_prompt(tokenizer, question["turns"][0], chat=True)
+
+
+def result_row(question: dict, res) -> dict:
+    """One decoded prompt's counts, as every evaluation records them."""
+    st = res.stats
+    return {"id": question["id"], "N": st.N, "K": st.K, "judged": st.drafts_judged,
+            "accepted": st.drafts_accepted, "decode_s": st.decode_s,
+            "draft_s": st.phase_s.get("draft", 0.0), "draft_calls": st.draft_calls,
+            "new_tokens": len(res.token_ids),
+            "by_position": {str(k): list(v) for k, v in st.by_position.items()}}
+
+
+_SUMMED = ("N", "K", "judged", "accepted", "decode_s", "draft_s", "draft_calls", "new_tokens")
+
+
+def add_totals(rows: list[dict]) -> dict:
+    """Sums over `result_row`s, or over totals of several sets (their prompt counts added),
+    with the judged/accepted counts by draft position merged."""
+    tot = {k: sum(r[k] for r in rows) for k in _SUMMED}
+    tot["prompts"] = sum(r.get("prompts", 1) for r in rows)
+    by_pos: dict = {}
+    for r in rows:
+        for p, (j, a) in r["by_position"].items():
+            cell = by_pos.setdefault(str(p), [0, 0])
+            cell[0] += j
+            cell[1] += a
+    tot["by_position"] = dict(sorted(by_pos.items(), key=lambda kv: int(kv[0])))
+    return tot
 
 
 def summarise(rows: list[dict], n: int) -> dict:
-    N = sum(r["N"] for r in rows)
-    K = sum(r["K"] for r in rows)
-    judged = sum(r["judged"] for r in rows)
-    accepted = sum(r["accepted"] for r in rows)
-    decode_s = sum(r["decode_s"] for r in rows)
+    t = add_totals(rows)
     in_vocab = sum(r["in_vocab"] for r in rows)
-    total = sum(r["new_tokens"] for r in rows)
-    alpha = N / K if K else 0.0
-    return {"prompts": len(rows), "n": n, "N": N, "K": K, "alpha": alpha,
+    alpha = t["N"] / t["K"] if t["K"] else 0.0
+    return {"prompts": t["prompts"], "n": n, "N": t["N"], "K": t["K"], "alpha": alpha,
             "theoretical_speedup": alpha * n,
-            "acceptance_rate": accepted / judged if judged else 0.0,
-            "decode_tok_s": N / decode_s if decode_s else 0.0,
-            "draft_vocab_coverage": in_vocab / total if total else 0.0}
+            "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
+            "decode_tok_s": t["N"] / t["decode_s"] if t["decode_s"] else 0.0,
+            "draft_vocab_coverage": in_vocab / t["new_tokens"] if t["new_tokens"] else 0.0}
 
 
 def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling: SamplingParams,
@@ -57,18 +81,15 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
     for name, questions in sets.items():
         rows = []
         for q in questions:
-            ids = _encode(tok, q["turns"][0])
+            ids = encode_question(tok, q)
             res = engine.generate(ids, max_new_tokens, sampling)
             if check:
                 ref = engine.generate_ar(ids, max_new_tokens, sampling).token_ids
                 if ref != res.token_ids:
                     raise SPDError(f"{name} prompt {q['id']}: SPD output differs from the "
                                    "autoregressive output (this is a bug; please report it)")
-            st = res.stats
-            rows.append({"id": q["id"], "N": st.N, "K": st.K, "judged": st.drafts_judged,
-                         "accepted": st.drafts_accepted, "decode_s": st.decode_s,
-                         "new_tokens": len(res.token_ids),
-                         "in_vocab": sum(t in vocab for t in res.token_ids)})
+            in_vocab = sum(t in vocab for t in res.token_ids)
+            rows.append(result_row(q, res) | {"in_vocab": in_vocab})
             bar.update(1)
             bar.set_postfix(alpha=f"{summarise(rows, engine.n)['alpha']:.3f}")
         report["datasets"][name] = summarise(rows, engine.n) | {"per_prompt": rows}
@@ -109,4 +130,4 @@ def write_json(report: dict, path) -> None:
     Path(path).write_text(json.dumps(report, indent=1))
 
 
-__all__ = ["collect_sets", "format_table", "run_eval", "summarise", "write_json"]
+__all__ = ["add_totals", "collect_sets", "encode_question", "result_row", "format_table", "run_eval", "summarise", "write_json"]

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from spd.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
 from spd.engine import SamplingParams, SPDEngine
 from spd.errors import SPDError
+from spd.evaluate import add_totals, encode_question, result_row
 from spd.partition import DepthLayout
 from spd.pdm import SHIPPED_DIR, find_shipped_pdm
 
@@ -157,27 +158,13 @@ class _Decoders:
                          pdm=path), str(path)
 
 
-def _encode(target, question) -> list[int]:
-    from spd.cli import encode_prompt
-    return encode_prompt(target.tokenizer, question["turns"][0], chat=True)
+def _tok_s(totals: dict) -> float:
+    return totals["N"] / totals["decode_s"] if totals["decode_s"] else 0.0
 
 
-def _summarise(rows: list[dict]) -> dict:
-    keys = ("N", "K", "judged", "accepted", "decode_s", "draft_s", "draft_calls", "new_tokens")
-    tot = {k: sum(r[k] for r in rows) for k in keys}
-    by_pos: dict = {}
-    for r in rows:
-        for p, (j, a) in r["by_position"].items():
-            cell = by_pos.setdefault(str(p), [0, 0])
-            cell[0] += j
-            cell[1] += a
-    tot["by_position"] = dict(sorted(by_pos.items(), key=lambda kv: int(kv[0])))
-    tot["prompts"] = len(rows)
-    return tot
-
-
-def derived(cell: dict, costs: Costs, ar_tok_s: float | None) -> dict:
-    """Speedups of one cell's totals: theoretical, draft-cost-adjusted, per device, measured."""
+def derived(cell: dict, costs: Costs, ar_totals: dict | None) -> dict:
+    """Speedups of one cell's totals: theoretical, draft-cost-adjusted, per device, and the
+    measured tokens/s over AR's (`ar_totals`: the AR cell's totals on the same prompts)."""
     method, n = cell["method"], cell["n"]
     t = cell["totals"]
     alpha = t["N"] / t["K"] if t["K"] else 0.0
@@ -187,8 +174,12 @@ def derived(cell: dict, costs: Costs, ar_tok_s: float | None) -> dict:
     adj = adjusted_speedup(method, costs, n=n, s_theory=s_theory, draft_s=draft_s,
                            draft_steps=cell.get("draft_steps", 0))
     devices = devices_used(method, n)
-    tok_s = t["N"] / t["decode_s"] if t["decode_s"] else 0.0
-    measured = (tok_s / ar_tok_s if (method in MEASURED_FOR_REAL and ar_tok_s) else None)
+    tok_s = _tok_s(t)
+    measured = None
+    if method == "ar":
+        measured = 1.0
+    elif method in MEASURED_FOR_REAL and ar_totals and _tok_s(ar_totals):
+        measured = tok_s / _tok_s(ar_totals)
     return {"alpha": alpha, "theoretical_speedup": s_theory, "adjusted_speedup": adj,
             "devices": devices, "adjusted_speedup_per_device": adj / devices,
             "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
@@ -273,7 +264,7 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
         rows = []
         for i, q in enumerate(spec.datasets[cell.dataset]):
             sampling = SamplingParams(temperature=cell.temperature, seed=spec.seed + i)
-            ids = _encode(decoders.target, q)
+            ids = encode_question(decoders.target.tokenizer, q)
             if cell.method == "ar":
                 res = decoder.generate_ar(ids, spec.max_new_tokens, sampling)
                 reference[str(q["id"])] = res.token_ids
@@ -283,23 +274,11 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
                 if sampling.greedy and ref is not None and ref != res.token_ids:
                     raise SPDError(f"{cell.key}, prompt {q['id']}: output differs from "
                                    "autoregressive decoding (a bug: please report it)")
-            st = res.stats
-            rows.append({"id": str(q["id"]), "N": st.N, "K": st.K, "judged": st.drafts_judged,
-                         "accepted": st.drafts_accepted, "decode_s": st.decode_s,
-                         "draft_s": st.phase_s.get("draft", 0.0),
-                         "draft_calls": st.draft_calls, "new_tokens": len(res.token_ids),
-                         "by_position": {str(k): list(v) for k, v in st.by_position.items()}})
+            rows.append(result_row(q, res) | {"id": str(q["id"])})  # grid.json keys ids as text
             bar.update(1)
-        record.update(totals=_summarise(rows), per_prompt=rows,
+        record.update(totals=add_totals(rows), per_prompt=rows,
                       checked_against_ar=cell.temperature == 0 and cell.method != "ar")
-    ar_tok_s = None
-    if ar_cell is not None and cell.method != "ar":
-        ar_tok_s = ar_cell["derived"]["decode_tok_s"]
-    elif cell.method == "ar":
-        ar_tok_s = None
-    record["derived"] = derived(record, costs, ar_tok_s)
-    if cell.method == "ar":
-        record["derived"]["measured_ratio"] = 1.0
+    record["derived"] = derived(record, costs, ar_cell["totals"] if ar_cell else None)
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return record
 

@@ -10,14 +10,14 @@ the anchors, L_s, the draft vocabulary size) and `model.safetensors`.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, load_weights, read_config
+from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
+    load_weights, read_config
 from spd.errors import SPDError
 from spd.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.partition import DepthLayout
@@ -237,16 +237,10 @@ def find_shipped_pdm(target, layout: DepthLayout, num_layers: int | None = None,
                      method: str = "spd", search=(SHIPPED_DIR,)):
     """The checkpoint for this target, n, split and anchors (and L_s, method if given) found in
     the folders `search` (default: those shipped with the package), or None."""
-    for root in map(Path, search):
-        for cfg_path in sorted(root.glob(f"*/{CONFIG_NAME}")) if root.is_dir() else []:
-            try:
-                c = json.loads(cfg_path.read_text())
-            except (OSError, json.JSONDecodeError):
-                continue
-            if (c.get("target_fingerprint") == target.fingerprint()
-                    and c.get("n_stages") == layout.n and c.get("stage_split") == layout.split
-                    and c.get("anchors") == list(layout.anchors)
-                    and (c.get("extra") or {}).get("method", "spd") == method
-                    and num_layers in (None, c.get("num_layers"))):
-                return cfg_path.parent
-    return None
+    def accept(c: dict) -> bool:
+        return (c.get("target_fingerprint") == target.fingerprint()
+                and c.get("n_stages") == layout.n and c.get("stage_split") == layout.split
+                and c.get("anchors") == list(layout.anchors)
+                and (c.get("extra") or {}).get("method", "spd") == method
+                and num_layers in (None, c.get("num_layers")))
+    return find_checkpoint(search, accept)

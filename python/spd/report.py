@@ -9,44 +9,35 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spd.harness import METHODS
+from spd.cost_model import Costs
+from spd.evaluate import add_totals
+from spd.harness import METHODS, derived
 
 OVERALL = "overall"
 
 
 def _rows_by_config(state: dict) -> dict:
-    """{temperature: {config: {dataset: cell}}} with an 'overall' entry per config."""
-    from spd.cost_model import Costs
-    from spd.harness import derived
+    """{temperature: {config: {dataset: cell}}} with an 'overall' entry per config.
+
+    Speedups are recomputed from the counts and the current cost model, so a re-measured cost
+    model (--recost) applies to every cell alike."""
     costs = Costs.from_dict(state["costs"])
     out: dict = {}
     for cell in state["cells"].values():
         out.setdefault(cell["temperature"], {}).setdefault(cell["config"], {})[cell["dataset"]] = cell
-    # Speedups are recomputed from the counts and the current cost model, so a re-measured
-    # cost model (--recost) applies to every cell alike.
     for by_config in out.values():
         ar = by_config.get("ar", {})
         for by_ds in by_config.values():
             for ds, cell in list(by_ds.items()):
-                if "totals" not in cell:
-                    continue
-                ref = ar.get(ds, {}).get("totals")
-                ar_tok_s = ref["N"] / ref["decode_s"] if ref and ref["decode_s"] else None
-                by_ds[ds] = cell = dict(cell, derived=derived(cell, costs, ar_tok_s))
-                if cell["method"] == "ar":
-                    cell["derived"]["measured_ratio"] = 1.0
-    for by_config in out.values():
-        ar_all = _merge(list(by_config.get("ar", {}).values()))
-        ar_tok_s = (ar_all["totals"]["N"] / ar_all["totals"]["decode_s"]
-                    if ar_all and ar_all["totals"]["decode_s"] else None)
-        for config, by_ds in by_config.items():
-            merged = _merge([c for c in by_ds.values() if "totals" in c])
-            if merged is None:
-                continue
-            merged["derived"] = derived(merged, costs, ar_tok_s)
-            if merged["method"] == "ar":
-                merged["derived"]["measured_ratio"] = 1.0
-            by_ds[OVERALL] = merged
+                if "totals" in cell:
+                    by_ds[ds] = dict(cell, derived=derived(cell, costs,
+                                                           ar.get(ds, {}).get("totals")))
+        ar_all = _merge(list(ar.values()))
+        for by_ds in by_config.values():
+            merged = _merge(list(by_ds.values()))
+            if merged is not None:
+                merged["derived"] = derived(merged, costs, ar_all and ar_all["totals"])
+                by_ds[OVERALL] = merged
     return out
 
 
@@ -55,20 +46,10 @@ def _merge(cells: list[dict]) -> dict | None:
     cells = [c for c in cells if "totals" in c]
     if not cells:
         return None
-    tot = {}
-    for k in ("N", "K", "judged", "accepted", "decode_s", "draft_s", "draft_calls",
-              "new_tokens", "prompts"):
-        tot[k] = sum(c["totals"][k] for c in cells)
-    by_pos: dict = {}
-    for c in cells:
-        for p, (j, a) in c["totals"]["by_position"].items():
-            cur = by_pos.setdefault(p, [0, 0])
-            cur[0] += j
-            cur[1] += a
-    tot["by_position"] = by_pos
     first = cells[0]
     return {k: first[k] for k in ("method", "n", "pdm_layers", "config")} | {
-        "dataset": OVERALL, "totals": tot, "draft_steps": first.get("draft_steps", 0)}
+        "dataset": OVERALL, "totals": add_totals([c["totals"] for c in cells]),
+        "draft_steps": first.get("draft_steps", 0)}
 
 
 def _config_order(config: str, cell: dict) -> tuple:
