@@ -84,8 +84,13 @@ def cached_sequences(path, build) -> list[list[int]]:
 
 def build_sequences(target, *, conversations: int, self_distill_prompts: int, max_len: int,
                     response_tokens: int, seed: int = 0, exclude_eval: bool = True,
-                    extra_conversations=None) -> list[list[int]]:
-    """ShareGPT conversations (chat template applied, cut to max_len) and self-distilled ones."""
+                    extra_conversations=None, skip: int = 0,
+                    batch_size: int = 16) -> list[list[int]]:
+    """ShareGPT conversations (chat template applied, cut to max_len) and self-distilled ones.
+
+    The conversations are shuffled under `seed`; the first `skip` of them are passed over, so a
+    second data set built with skip = the first one's conversations + self_distill_prompts
+    shares no conversation with it."""
     from spd.datasets import contains_eval_prompt, eval_prompt_keys, iter_sharegpt
 
     tok = target.tokenizer
@@ -94,12 +99,13 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
     convs += list(extra_conversations or [])
     rng = random.Random(seed)
     rng.shuffle(convs)
+    convs = convs[skip:]
     distill_src = convs[:self_distill_prompts]
     human_src = convs[self_distill_prompts:self_distill_prompts + conversations]
     seqs = []
     if distill_src:
         prompts = [c[0]["content"] for c in distill_src]
-        seqs += self_distill(target, prompts, response_tokens)
+        seqs += self_distill(target, prompts, response_tokens, batch_size=batch_size)
     for conv in tqdm(human_src, desc="tokenising conversations", unit="conv"):
         ids = _encode(tok, conv)[:max_len]
         if len(ids) >= 16:

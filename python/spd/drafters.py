@@ -13,6 +13,8 @@ import torch
 from spd_kernels import filtered_probs, sample_from_probs
 from spd_kernels.verify import scatter_draft_probs
 
+from spd.pdm_graphs import PDMStepGraphs, graphs_enabled
+
 
 @dataclass
 class Draft:
@@ -23,14 +25,19 @@ class Draft:
 class PDMDrafter:
     name = "pdm"
 
-    def __init__(self, pdm):
+    def __init__(self, pdm, cuda_graphs: bool = True):
         self.pdm = pdm
         self.cache = None
         self.post_step = pdm.config.features == "post-step"
+        self.cuda_graphs = cuda_graphs
+        self.graphs = None  # spd.pdm_graphs.PDMStepGraphs on a GPU: the draft step as replays
 
     def begin(self, capacity: int, vocab_size: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:
             self.cache = self.pdm.new_cache(capacity)
+            self.graphs = None
+            if self.cuda_graphs and graphs_enabled(self.cache.k.device):
+                self.graphs = PDMStepGraphs(self.pdm, self.cache)
         self.cache.truncate(0)
         self.vocab_size = vocab_size
 
@@ -40,10 +47,16 @@ class PDMDrafter:
         return self.pdm.step(feats, start, self.cache)
 
     def prefill(self, anchors, types) -> None:
-        self._run(anchors, types, 0)
+        self._run(anchors, types, 0)  # eager: the prompt's length differs every time
+
+    def draft_logits(self, anchors, types, start: int) -> torch.Tensor:
+        """Draft logits [Vd] of the last of the rows at positions start.. (graph replay on a GPU)."""
+        if self.graphs is not None:
+            return self.graphs.run(anchors, types, start)
+        return self._run(anchors, types, start)
 
     def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
-        logits = self._run(anchors, types, start)
+        logits = self.draft_logits(anchors, types, start)
         d2t = self.pdm.draft_to_target
         if sampling.greedy:
             return Draft(int(d2t[logits.argmax()]))

@@ -1,0 +1,198 @@
+"""Is drafting hidden? The draft rank's per-cycle work against one stage's forward (issue 4).
+
+SPD hides drafting when the draft rank finishes its cycle no later than the slowest stage. This
+times the runtime's own code paths (not kernel microbenchmarks) on a target of a given shape with
+random weights, at a context of --context tokens already cached:
+
+  stage   spd.target.Stage.forward of one row through the largest stage of the default split
+          (ceil(L / n) layers), what every stage rank does each cycle;
+  draft   spd.drafters.PDMDrafter.draft at fill n: anchor projection of the n+1 staircase rows,
+          the PDM's L_s layers over them, the draft LM head and argmax (draft vocabulary
+          --draft-vocab, MLP width --pdm-intermediate, default the target's); on a GPU both
+          eagerly and as the CUDA-graph replay the runtime uses there (spd.pdm_graphs);
+  verify  spd.cycle.verify, greedy: final norm + the target's LM head + argmax + compare, which
+          the draft rank also runs every cycle (it holds the verifier).
+
+The draft is hidden when draft + verify <= stage (the draft rank's whole cycle behind a stage).
+Only the largest stage's layers and the LM head are built, so Qwen3-8B shapes fit a laptop.
+
+    python benchmarks/bench_draft_hiding.py                                  # GPU: qwen3-4b, bf16
+    python benchmarks/bench_draft_hiding.py --device cpu --dtype fp32 --iters 3 --context 256
+    python benchmarks/bench_draft_hiding.py --model smollm2-135m --stages 2,4,6 --pdm-layers 1,2
+
+Prints a table and writes JSON (default benchmarks/results/<date>-draft-hiding-<device>.json).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_kernels import MODELS, Timer, device_name, device_tag  # noqa: E402
+
+from spd.cycle import verify  # noqa: E402
+from spd.drafters import PDMDrafter  # noqa: E402
+from spd.engine import SamplingParams  # noqa: E402
+from spd.partition import DepthLayout  # noqa: E402
+from spd.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd.target import Stage, TargetModel  # noqa: E402
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def stage_target(shape, layers: int, device, dtype) -> TargetModel:
+    """A random target holding `layers` decoder layers of `shape` (plus embedding, final norm and
+    a tied LM head at the full vocabulary): enough to run its largest stage and the verifier."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    cfg = Qwen3Config(vocab_size=shape.vocab, hidden_size=shape.hidden,
+                      intermediate_size=shape.intermediate, num_hidden_layers=layers,
+                      num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                      head_dim=shape.head_dim, tie_word_embeddings=True,
+                      max_position_embeddings=32768)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(cfg).to(dtype).eval()
+    return TargetModel(model, None, name=f"{shape.name}-shaped random")
+
+
+def random_pdm(shape, layout: DepthLayout, pdm_layers: int, draft_vocab: int,
+               intermediate: int | None, device, dtype):
+    cfg = PDMConfig(target_fingerprint="random", target_num_layers=shape.layers,
+                    target_hidden_size=shape.hidden, target_vocab_size=shape.vocab,
+                    n_stages=layout.n, stage_split=layout.split, anchors=list(layout.anchors),
+                    num_layers=pdm_layers, hidden_size=shape.hidden, num_heads=shape.heads,
+                    num_kv_heads=shape.kv_heads, head_dim=shape.head_dim,
+                    intermediate_size=intermediate or shape.intermediate,
+                    draft_vocab_size=draft_vocab,
+                    rope_theta=1e6)
+    torch.manual_seed(1)
+    with torch.device(device):
+        pdm = PipelineDraftModule(cfg)
+    with torch.no_grad():
+        for p in pdm.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.02)
+    return pdm.to(dtype).eval()
+
+
+def measure(args, shape, n: int, pdm_layers: list[int], device, dtype, timer) -> list[dict]:
+    layout = DepthLayout.build(shape.layers, n)
+    stage_layers = max(layout.split)
+    target = stage_target(shape, stage_layers, device, dtype)
+    C, d = args.context, shape.hidden
+    cap = C + n + 8
+
+    stage = Stage(target, 0, range(stage_layers), cap)
+    stage.cache.reserve(0, C)  # C cached rows (their values do not change the cost)
+    h = torch.randn(1, d, device=device, dtype=dtype)
+
+    def stage_fwd():
+        stage.cache.truncate(C)
+        stage.forward(h, C)
+
+    stage_us, _ = timer(stage_fwd)
+
+    greedy, gen = SamplingParams(), torch.Generator().manual_seed(0)
+    draft_tok = torch.zeros(1, dtype=torch.int64, device=device)
+    verify_us, _ = timer(lambda: verify(target, h, draft_tok, None, greedy, gen))
+
+    types_of_depth = [layout.agg_type(k) for k in range(n + 1)]
+    # Steady state at fill n: rows [C - n, C] hold depths n, n-1, ..., 0.
+    types = torch.tensor([types_of_depth[n - i] for i in range(n + 1)], device=device)
+    anchors = torch.randn(len(layout.anchors), n + 1, d, device=device, dtype=dtype)
+    rows = []
+    modes = [("eager", False)] + ([("graph", True)] if device.type == "cuda" else [])
+    for ls in pdm_layers:
+        pdm = random_pdm(shape, layout, ls, args.draft_vocab, args.pdm_intermediate, device,
+                         dtype)
+        for mode, graphs in modes:
+            drafter = PDMDrafter(pdm, cuda_graphs=graphs)
+            drafter.begin(cap, shape.vocab)
+            drafter.cache.reserve(0, C - n)
+            draft_us, _ = timer(lambda: drafter.draft(anchors, types, C - n, C + 1, greedy, None))
+            if graphs and (drafter.graphs is None or drafter.graphs.failed):
+                mode = "eager (graph capture failed)"
+            rank0 = draft_us + verify_us
+            rows.append(dict(model=shape.name, n=n, pdm_layers=ls, draft_mode=mode,
+                             stage_layers=stage_layers, split=layout.split, context=C,
+                             stage_us=stage_us, draft_us=draft_us, verify_us=verify_us,
+                             draft_rank_us=rank0, draft_over_stage=draft_us / stage_us,
+                             rank0_over_stage=rank0 / stage_us, draft_hidden=draft_us <= stage_us,
+                             rank0_hidden=rank0 <= stage_us))
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--model", default="qwen3-4b", choices=sorted(MODELS))
+    ap.add_argument("--stages", default="4,8", help="comma-separated n")
+    ap.add_argument("--pdm-layers", default="2,3", help="comma-separated L_s")
+    ap.add_argument("--draft-vocab", type=int, default=32768)
+    ap.add_argument("--pdm-intermediate", type=int, default=None,
+                    help="the PDM's MLP width (default: the target's)")
+    ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="default bf16 on a GPU, fp32 on the CPU")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (default 50 GPU, 5 CPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--date", default=str(date.today()))
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    try:
+        stages = [int(x) for x in args.stages.split(",")]
+        pdm_layers = [int(x) for x in args.pdm_layers.split(",")]
+    except ValueError:
+        sys.exit(f"--stages and --pdm-layers take comma-separated integers, got "
+                 f"{args.stages!r} and {args.pdm_layers!r}")
+    shape = MODELS[args.model]
+    bad = [n for n in stages if not 1 <= n <= shape.layers]
+    if bad or min(pdm_layers) < 1:
+        sys.exit(f"--stages must lie in 1..{shape.layers} and --pdm-layers be >= 1")
+    timer = Timer(device, args.iters or (50 if gpu else 5),
+                  args.warmup if args.warmup is not None else (5 if gpu else 1), flush=False)
+    print(f"{shape.name} on {device_name(device)}, {str(dtype)[6:]}, context {args.context}, "
+          f"draft vocabulary {args.draft_vocab}")
+    head = (f"{'n':>3}{'L_s':>5}{'draft':>7}{'stage layers':>14}{'stage us':>11}{'draft us':>11}"
+            f"{'verify us':>11}{'draft/stage':>13}{'(draft+verify)/stage':>22}  hidden")
+    print(head)
+    rows = []
+    with torch.no_grad():
+        for n in stages:
+            for r in measure(args, shape, n, pdm_layers, device, dtype, timer):
+                rows.append(r)
+                print(f"{r['n']:>3}{r['pdm_layers']:>5}{r['draft_mode'][:6]:>7}"
+                      f"{r['stage_layers']:>14}"
+                      f"{r['stage_us']:>11.1f}{r['draft_us']:>11.1f}{r['verify_us']:>11.1f}"
+                      f"{r['draft_over_stage']:>13.2f}{r['rank0_over_stage']:>22.2f}  "
+                      f"{'yes' if r['rank0_hidden'] else 'draft only' if r['draft_hidden'] else 'no'}",
+                      flush=True)
+    out = Path(args.json_out or Path(__file__).parent / "results" /
+               f"{args.date}-draft-hiding-{device_tag(device)}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(dict(
+        date=args.date, device=device_name(device), dtype=str(dtype), model=vars(shape),
+        draft_vocab=args.draft_vocab, context=args.context, iters=timer.iters,
+        command=" ".join(sys.argv), rows=rows), indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
