@@ -97,6 +97,9 @@ def main() -> int:
                     help="local HF folder; default SmolLM2-135M-Instruct; 'tiny' = a random "
                          "4-layer Llama (measures the fixed per-cycle overhead)")
     ap.add_argument("--stages", default="2,3")
+    ap.add_argument("--control", default="auto,on,off",
+                    help="comma-separated speculative-control modes to compare (the next cycle "
+                         "announced before the draft is judged: auto, on, off)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--json-out", default=None)
@@ -121,33 +124,37 @@ def main() -> int:
         ar_s += r.stats.decode_s
     ar_tok_s = ar_tok / ar_s
     rows = []
-    for n in [int(x) for x in args.stages.split(",")]:
+    modes = [c.strip() for c in args.control.split(",") if c.strip()]
+    if not modes or any(c not in ("auto", "on", "off") for c in modes):
+        sys.exit(f"--control takes auto, on and/or off, got {args.control!r}")
+    for n, control in [(int(x), c) for x in args.stages.split(",") for c in modes]:
         warm = [GenerateRequest(ids_list[0], 8)]
         oracle = [GenerateRequest(ids, m, reference=ids + ref) for ids, ref in zip(ids_list, refs)]
         untrained = [GenerateRequest(ids, m) for ids in ids_list]
         config = DistConfig(n_stages=n, model=args.model, fault_timeout=30.0,
-                            threads=args.threads)
+                            threads=args.threads,
+                            speculative_control=control)
         t0 = time.perf_counter()
         res = launch_local(config, partial(run_requests, warm + oracle + untrained), timeout=1800)
         wall = time.perf_counter() - t0
         res = res[1:]
         for name, part in (("oracle", res[:len(ids_list)]), ("untrained-pdm", res[len(ids_list):])):
             assert [r.token_ids for r in part] == refs, f"n={n} {name}: output differs from AR"
-            row = dict(method=name, n=n, **summarise(part))
+            row = dict(method=name, n=n, control=control, **summarise(part))
             rows.append(row)
-        print(f"n={n}: launch + {2 * len(ids_list) + 1} generations took {wall:.1f} s",
-              file=sys.stderr)
+        print(f"n={n} ({control} control): launch + {2 * len(ids_list) + 1} generations took "
+              f"{wall:.1f} s", file=sys.stderr)
 
     print(f"\nDistributed runtime on CPU (gloo, 127.0.0.1), {target.name}, {len(ids_list)} prompts x "
           f"{m} new tokens, {os.cpu_count()} cores, {args.threads} thread(s) per process; "
           f"single-process AR: {ar_tok_s:.1f} tok/s")
-    hdr = (f"{'drafter':<15}{'n':>3}{'N':>5}{'K':>5}{'alpha':>7}{'tok/s':>7}{'cycle':>8}"
+    hdr = (f"{'drafter':<15}{'control':<9}{'n':>3}{'N':>5}{'K':>5}{'alpha':>7}{'tok/s':>7}{'cycle':>8}"
            f"{'stages fwd':>18}{'draft':>7}{'overhead':>10}{'(median)':>9}{'comm+ctl':>9}"
            f"{'verify':>8}")
     print(hdr + "\n" + "-" * len(hdr))
     for r in rows:
         fwd = "/".join(f"{x:.1f}" for x in r["stage_forward_ms"])
-        print(f"{r['method']:<15}{r['n']:>3}{r['N']:>5}{r['K']:>5}{r['alpha']:>7.3f}"
+        print(f"{r['method']:<15}{r['control']:<9}{r['n']:>3}{r['N']:>5}{r['K']:>5}{r['alpha']:>7.3f}"
               f"{r['decode_tok_s']:>7.1f}{r['cycle_ms']:>8.2f}{fwd:>18}{r['draft_ms']:>7.2f}"
               f"{r['overhead_ms']:>10.2f}{r['overhead_ms_median']:>9.2f}"
               f"{r['comm_control_ms']:>9.2f}{r['verify_rollback_ms']:>8.2f}")
@@ -157,7 +164,7 @@ def main() -> int:
     for r in rows:
         for rank, ph in r["rank_phase_ms_per_cycle"].items():
             parts = "  ".join(f"{k}={v:.2f}" for k, v in sorted(ph.items()))
-            print(f"  {r['method']:<14} n={r['n']} {rank}: {parts}")
+            print(f"  {r['method']:<14} {r['control']:<9} n={r['n']} {rank}: {parts}")
     if args.json_out:
         meta = dict(date=str(date.today()), device="cpu", cores=os.cpu_count(),
                     threads=args.threads, load_avg=os.getloadavg(),

@@ -25,8 +25,8 @@ import pytest
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
 from spd.cli import encode_prompt, main
-from spd.distributed import (DistConfig, GenerateRequest, RankFailedError, check_handshake,
-                             parse_fault, run_forever, run_requests)
+from spd.distributed import (DistConfig, GenerateRequest, RankFailedError, SpeculationPolicy,
+                             check_handshake, parse_fault, run_forever, run_requests)
 from spd.drafters import ReferenceDrafter
 from spd.errors import SPDError
 from spd.launch import launch_local
@@ -100,8 +100,11 @@ def _free_port() -> int:
 
 
 # --- exactness against the single-process engine -------------------------------------------------
-@pytest.mark.parametrize("n,features", [(2, "pre-step"), (3, "post-step"), (4, "pre-step")])
-def test_same_tokens_n_and_k_as_single_process(n, features, tmp_path):
+@pytest.mark.parametrize("n,features,speculative", [(2, "pre-step", "on"), (3, "post-step", "on"),
+                                                    (4, "pre-step", "auto"), (3, "pre-step", "off")])
+def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_path):
+    """Rank 0 announces each next cycle before judging the draft (speculative control on, or
+    auto) or after (off): either way exactly the single-process engine's tokens and counts."""
     t = make_tiny_target(seed=10 + n, vocab=48, layers=4)
     pdm = None
     if features == "post-step":  # a PDM checkpoint folder (as --pdm gives it), post-step ablation
@@ -125,7 +128,7 @@ def test_same_tokens_n_and_k_as_single_process(n, features, tmp_path):
     ]
     expected = [eng.generate(PROMPT, 24, **kw) for _, kw in cases]
     config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 10 + n), pdm=pdm,
-                        fault_timeout=5.0, op_timeout=60.0)
+                        fault_timeout=5.0, op_timeout=60.0, speculative_control=speculative)
     got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=150)
     assert len(got) == len(cases)
     for e, g in zip(expected, got):
@@ -145,6 +148,33 @@ def test_same_tokens_n_and_k_as_single_process(n, features, tmp_path):
         assert d["ranks"][n]["cycles_worked"] == g.stats.drafts_judged  # last: full cycles only
         assert d["cycle_ms"]["mean"] > 0 and "wait_stage" in d["ranks"][0]["phase_ms_per_cycle"]
         json.dumps(g.stats.as_dict())
+        spec = d["speculative_control"]
+        assert spec["mode"] == speculative
+        rejected = g.stats.drafts_judged - g.stats.drafts_accepted
+        if speculative == "off":
+            assert spec["announced"] == spec["redone"] == 0
+        elif speculative == "on":  # every judgment but the last announced its successor
+            assert spec["announced"] == g.stats.drafts_judged - 1
+            assert rejected - 1 <= spec["redone"] <= rejected
+        else:
+            assert 0 <= spec["redone"] <= min(rejected, spec["announced"])
+            assert spec["announced"] <= g.stats.drafts_judged - 1
+    oracle = got[1].stats.distributed["speculative_control"]  # every draft accepted
+    assert oracle["redone"] == 0
+    assert oracle["announced"] == (0 if speculative == "off" else got[1].stats.N - 1)
+
+
+def test_speculation_policy():
+    on, off, auto = (SpeculationPolicy(m) for m in ("on", "off", "auto"))
+    for accepted in (False, False, False):
+        for p in (on, off, auto):
+            p.record(accepted)
+    assert on.speculate() and not off.speculate() and not auto.speculate()
+    for _ in range(6):  # a run of accepts brings auto back
+        auto.record(True)
+    assert auto.speculate()
+    with pytest.raises(SPDError, match="speculative control"):
+        DistConfig(n_stages=2, speculative_control="yes").validate()
 
 
 # --- faults -------------------------------------------------------------------------------------

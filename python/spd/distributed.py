@@ -24,6 +24,13 @@ identical):
           (the embedding, or the hidden state the previous stage sent last cycle), run its layers,
           send its anchor states (and, last stage, the output row) to rank 0 and the output to
           stage s + 1 with non-blocking sends.
+Speculative control (SpeculationPolicy): in a full cycle rank 0 may send the next cycle's control
+message right after drafting, as if the draft will be accepted, so the stages compute the next
+cycle while rank 0 waits for the last stage and verifies. If the draft is rejected, rank 0 sends
+that cycle's message again with the rollback (a stage sees the same cycle number twice and treats
+the second as the cycle: truncate, discard the inputs the first attempt produced) and receives
+and drops the first attempt's snaps. Control messages therefore alternate tags by their sequence
+number, not by cycle; point-to-point order per peer and tag keeps the two attempts apart.
 Gloo point-to-point sends complete only once the receiver has posted its receive, so every
 receive is posted ahead of need (control one cycle ahead, hidden states when the sender's work is
 announced) and sends are waited lazily: the protocol never waits in a cycle.
@@ -46,7 +53,7 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +65,7 @@ from spd.drafters import ReferenceDrafter
 from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
 from spd.errors import SPDError
 from spd.partition import DepthLayout
+from spd.schedule import PipelineSchedule
 from spd.target import Stage
 
 DRAFT_RANK = 0
@@ -98,6 +106,9 @@ class DistConfig:
     backend: str | None = None    # None: nccl for CUDA devices, gloo otherwise
     # Test hook: {"rank": r, "cycle": c, "action": "raise" | "kill"} fails rank r at decode cycle c.
     fault: dict | None = None
+    # Announce the next cycle before the current draft is judged: "auto" (while recent drafts
+    # are mostly accepted), "on" or "off" (see SpeculationPolicy).
+    speculative_control: str = "auto"
 
     @property
     def world_size(self) -> int:
@@ -111,6 +122,32 @@ class DistConfig:
             raise SPDError(f"fault timeout must be > 0 seconds, got {self.fault_timeout}")
         if not self.op_timeout > 0:
             raise SPDError(f"communication timeout must be > 0 seconds, got {self.op_timeout}")
+        if self.speculative_control not in SPECULATION_MODES:
+            raise SPDError(f"speculative control must be one of {', '.join(SPECULATION_MODES)}, "
+                           f"got {self.speculative_control!r}")
+
+
+SPECULATION_MODES = ("auto", "on", "off")
+
+
+class SpeculationPolicy:
+    """Whether rank 0 announces the next cycle before this cycle's draft is judged.
+
+    An accepted guess takes verification and the control round trip off the critical path (the
+    stages are already computing the next cycle); a rejected one makes the stages finish a wasted
+    forward before they can start the correction, and costs an extra control message. It pays
+    when acceptance is high, so "auto" speculates while a moving average of recent judgments
+    (weight `decay` on the past) is at least `threshold`. Tokens never depend on it."""
+
+    def __init__(self, mode: str, threshold: float = 0.5, decay: float = 0.8):
+        self.mode, self.threshold, self.decay = mode, threshold, decay
+        self.rate = threshold  # start neutral: speculate until rejections say otherwise
+
+    def speculate(self) -> bool:
+        return self.mode == "on" or (self.mode == "auto" and self.rate >= self.threshold)
+
+    def record(self, accepted: bool) -> None:
+        self.rate = self.decay * self.rate + (1.0 - self.decay) * float(accepted)
 
 
 def parse_fault(text: str | None) -> dict | None:
@@ -470,7 +507,8 @@ class StageWorker:
         self.stage.cache.truncate(0)
         d, dev = t.hidden_size, t.device
         ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)
-        ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + 1)  # cycle 1 (or the stop)
+        seq = 1  # control messages alternate tags by their sequence number (a cycle may be redone)
+        ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + seq % 2)
         # Prefill: the whole prompt through this stage as one chunk.
         t0 = time.perf_counter()
         if self.first:
@@ -482,7 +520,9 @@ class StageWorker:
         self._send(out, snap, 0)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
-        fwd: list[float] = []
+        fwd: list[float] = []  # per cycle (of a redone cycle, the attempt that counted)
+        wasted = 0.0
+        last_cycle = 0
         pending = None  # (work, buffer): the previous stage's output of the last cycle
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
@@ -492,8 +532,11 @@ class StageWorker:
             op, cycle, start, count, trunc, token = ctrl.tolist()
             if op == OP_STOP:
                 break
-            ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)  # next cycle's, posted ahead
-            ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + (cycle + 1) % 2)
+            ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)  # the next one, posted ahead
+            seq += 1
+            ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + seq % 2)
+            redo = cycle == last_cycle  # rank 0 announced this cycle on an optimistic accept
+            last_cycle = cycle          # and the draft was rejected: the same cycle, redone
             if fault and cycle == fault["cycle"]:
                 inject_fault(fault)
             incoming = None  # the previous stage works this cycle: its output is ours next cycle
@@ -516,14 +559,19 @@ class StageWorker:
                     h = pending[1]
                 tf = time.perf_counter()
                 out, snap = self._forward(h, pos)
-                fwd.append(time.perf_counter() - tf)
+                took = time.perf_counter() - tf
                 with timer("send"):
                     self._send(out, snap, cycle)
             else:
-                fwd.append(0.0)
+                took = 0.0
                 if pending is not None:  # dropped by a rollback: receive it and discard it
                     with timer("wait_input"):
                         rt.wait(pending[0], self.prev, "hidden state")
+            if redo:  # the first attempt's forward was wasted work
+                wasted += fwd[-1]
+                fwd[-1] = took
+            else:
+                fwd.append(took)
             pending = incoming
             with timer("send"):
                 rt.flush_sends(before=cycle)
@@ -532,6 +580,7 @@ class StageWorker:
             rt.wait(pending[0], self.prev, "hidden state")
         rt.flush_sends()
         phases["forward"] = sum(fwd)
+        phases["forward_redone"] = wasted
         rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
             {"rank": rt.rank, "role": role_of(rt.rank),
              "layers": [self.stage.layer_ids.start, self.stage.layer_ids.stop],
@@ -586,6 +635,7 @@ class DistributedSPDEngine:
         self.snap_slots = [[j for j, _ in lay.anchors_of_stage(s)] for s in range(self.n)]
         self.snap_rows = [len(sl) + (1 if s == self.n - 1 else 0)
                           for s, sl in enumerate(self.snap_slots)]
+        self._ctrl_seq = 0
 
     def _request(self, payload: dict) -> int:
         self._gen += 1
@@ -598,8 +648,16 @@ class DistributedSPDEngine:
     def _send_ctrl(self, values: list[int]) -> None:
         rt, cycle = self.rt, values[1]
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
+        self._ctrl_seq += 1
         for s in range(self.n):
-            rt.isend(torch.tensor(values, dtype=torch.int64), s + 1, TAG_CTRL + cycle % 2, cycle)
+            rt.isend(torch.tensor(values, dtype=torch.int64), s + 1,
+                     TAG_CTRL + self._ctrl_seq % 2, cycle)
+
+    def _announce(self, cycle: int, sched: PipelineSchedule, trunc: int, token: int) -> list:
+        """Send cycle `cycle`'s control message for window `sched` and post receives for the
+        snaps its work will send."""
+        self._send_ctrl([OP_CYCLE, cycle, sched.start, sched.count, trunc, token])
+        return self._post_snaps(sorted(sched.stage_work()), cycle)
 
     def _post_snaps(self, work: list[tuple[int, int]], cycle: int, rows: int = 1) -> list:
         """Post receives for the snaps of (stage, first position) pairs; rows per position."""
@@ -617,6 +675,8 @@ class DistributedSPDEngine:
         if work is None:  # already received and stored
             return
         self.rt.wait(work, s + 1, "anchor states")
+        if pos < 0:  # work of a cycle announced ahead and then redone: received, discarded
+            return
         for i, j in enumerate(self.snap_slots[s]):
             anchors[j, pos:pos + buf.shape[1]] = buf[i]
 
@@ -644,18 +704,23 @@ class DistributedSPDEngine:
         dec.start(snaps[-1][2][-1][-1:], t0)
         pending: list = []   # last cycle's snaps still to receive (pre-step features)
         trunc = -1           # the committed length every stage truncates to next cycle
+        announced = None     # snaps of the next cycle, announced before its draft was judged
+        policy = SpeculationPolicy(rt.config.speculative_control)
+        spec = {"announced": 0, "redone": 0}
         cycle_s: list[float] = []
+        self._ctrl_seq = 0
         while not dec.done:
             tc = time.perf_counter()
             stats.K += 1
             if fault and stats.K == fault["cycle"]:
                 inject_fault(fault)
             sched = dec.sched
-            with timer("control_send"):
-                self._send_ctrl([OP_CYCLE, stats.K, sched.start, sched.count, trunc,
-                                 int(dec.tokens[sched.newest])])
+            if announced is None:
+                with timer("control_send"):
+                    current = self._announce(stats.K, sched, trunc, int(dec.tokens[sched.newest]))
                 trunc = -1
-                current = self._post_snaps(sorted(sched.stage_work()), stats.K)
+            else:  # announced last cycle on an optimistic accept, which held
+                current, announced = announced, None
             with timer("wait_snaps"):
                 for item in pending:
                     self._take_snap(item, anchors)
@@ -674,6 +739,17 @@ class DistributedSPDEngine:
                 dec.fill(draft)
                 pending = current
             else:
+                # 2. Speculative control: announce the next cycle as if the draft will be
+                #    accepted, so the stages start it while this one is verified; verification
+                #    and the control round trip leave the critical path. On a rejection the
+                #    next cycle is announced again (the stages roll back and redo it).
+                ahead = None
+                if policy.speculate() and len(dec.out) + 1 < dec.max_new:
+                    nxt = replace(sched)
+                    nxt.accept()
+                    with timer("control_send"):
+                        ahead = self._announce(stats.K + 1, nxt, -1, draft.token)
+                    spec["announced"] += 1
                 # 3. The oldest token leaves the last stage; its row judges the next token.
                 last = current[-1]
                 assert last[0] == n - 1
@@ -681,10 +757,17 @@ class DistributedSPDEngine:
                     self._take_snap(last, anchors)
                 pending = current[:-1]
                 accepted, token = dec.judge(last[2][-1])
+                policy.record(accepted)
                 # 4. On rejection every stage truncates at the start of the next cycle.
                 rollback_to = dec.commit(accepted, token, draft)
                 if rollback_to is not None:
                     trunc = rollback_to
+                if ahead is not None:
+                    if accepted and not dec.done:
+                        announced = ahead
+                    else:  # its snaps still arrive: receive and drop them
+                        pending += [(s, -1, buf, work) for s, _, buf, work in ahead]
+                        spec["redone"] += int(not dec.done)
             cycle_s.append(time.perf_counter() - tc)
         dec.finish()
         # Stop: every stage leaves its loop; drain what is still in flight.
@@ -697,6 +780,7 @@ class DistributedSPDEngine:
         for r in range(1, rt.world):
             rt.store.delete_key(f"stats/{gen_id}/{r}")
         stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats)
+        stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
         return GenerationResult(dec.out, stats)
 
 

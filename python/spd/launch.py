@@ -272,6 +272,10 @@ def add_distributed_args(p) -> None:
                    help="seconds after which a silent rank is declared dead (default 10)")
     g.add_argument("--comm-timeout", type=float, default=300.0,
                    help="bound in seconds of any single wait inside a generation (default 300)")
+    g.add_argument("--speculative-control", choices=("auto", "on", "off"), default="auto",
+                   help="announce each cycle before the previous draft is judged, so the stages "
+                        "start it while the draft rank verifies (a rejection makes them redo it): "
+                        "auto (default) while recent drafts are mostly accepted, on, or off")
 
 
 def wants_distributed(args) -> bool:
@@ -288,6 +292,7 @@ def config_from_args(args):
                       anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                       pdm_layers=args.pdm_layers, model=args.model, device=args.device,
                       fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
+                      speculative_control=getattr(args, "speculative_control", "auto"),
                       fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
 
 
