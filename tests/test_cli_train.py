@@ -56,3 +56,23 @@ def test_train_refuses_bad_combinations(tiny_setup, tmp_path, capsys):
     assert _train(tiny_setup, tmp_path / "w", "--init-from", str(tmp_path / "nothing")) == 2
     assert "no model.safetensors" in capsys.readouterr().err
     assert _train(tiny_setup, tmp_path / "s", "--steps", "0") == 2
+    assert _train(tiny_setup, tmp_path / "x", "--extra-features", str(tmp_path / "none")) == 2
+    assert "no meta.json" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "k", "--data-skip", "-1") == 2
+    assert "--data-skip" in capsys.readouterr().err
+
+
+def test_train_on_extra_feature_folders(tiny_setup, tmp_path):
+    from spd.distill import extract_features
+    from spd.loading import load_target
+    model_dir, _ = tiny_setup
+    g = torch.Generator().manual_seed(1)
+    seqs = [torch.randint(0, 500, (24,), generator=g).tolist() for _ in range(6)]
+    extract_features(load_target(str(model_dir)), seqs, [0, 1, 2, 3, 4], tmp_path / "more",
+                     shard_tokens=200)
+    assert _train(tiny_setup, tmp_path / "o", "--stages", "2", "--extra-features",
+                  str(tmp_path / "more")) == 0
+    c = json.loads((tmp_path / "o" / "config.json").read_text())
+    held_out = c["extra"]["train"]["eval_sequences"]  # the last ones of --features, cropped
+    total = sum(20 + i % 5 for i in range(20)) + 6 * 24  # both folders' tokens
+    assert c["extra"]["train_tokens"] == total - held_out * 16

@@ -54,6 +54,20 @@ def test_features_are_resumable_and_complete(tiny_features, tmp_path):
         extract_features(t, seqs[:5], ANCHORS, tmp_path / "feat")
 
 
+def test_feature_folders_concatenate_in_order(tiny_features, tmp_path):
+    t, fs, seqs = tiny_features
+    extract_features(t, seqs[:5], ANCHORS, tmp_path / "more", shard_tokens=200)
+    both = FeatureSet([tmp_path / "more", tmp_path / "feat"], t)
+    assert len(both) == len(fs) + 5
+    assert both.items[0]["tokens"].tolist() == seqs[0]
+    assert both.items[-1]["tokens"].tolist() == seqs[-1]  # held-out rows come from the last
+    extract_features(t, seqs[:5], [0, 1, 3], tmp_path / "other", shard_tokens=200)
+    with pytest.raises(SPDError, match="anchors"):
+        FeatureSet([tmp_path / "other", tmp_path / "feat"], t)
+    with pytest.raises(SPDError, match="no meta.json"):
+        FeatureSet([tmp_path / "missing", tmp_path / "feat"], t)
+
+
 def test_training_lowers_loss_and_is_deterministic(tiny_features, tmp_path):
     t, fs, _ = tiny_features
     first = train(t, fs, _cfg(), tmp_path / "a", progress=False)

@@ -139,6 +139,14 @@ def _add_train(sub) -> None:
     p.add_argument("--features", default=None,
                    help="feature cache folder (default: $SPD_CACHE/features/<target>); extracted "
                         "when missing, reused and resumed otherwise")
+    p.add_argument("--extra-features", nargs="+", default=[], metavar="FOLDER",
+                   help="more features folders (already extracted, same anchors) to train on "
+                        "besides --features; held-out sequences still come from the end of "
+                        "--features")
+    p.add_argument("--data-skip", type=int, default=0,
+                   help="pass over this many shuffled ShareGPT conversations before taking "
+                        "--self-distill and --conversations (builds a data set disjoint from "
+                        "one built with the same seed)")
     p.add_argument("--method", choices=("spd", "ppsd", "eagle3"), default="spd",
                    help="spd (default): a PDM on multi-depth features; ppsd: the PPSD baseline "
                         "(a drafter on the first stage's output only, run after each pipeline "
@@ -188,6 +196,8 @@ def cmd_train(args) -> int:
 
     if args.steps < 1 or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
+    if args.data_skip < 0:
+        raise SPDError(f"--data-skip must be >= 0, got {args.data_skip}")
     target = load_target(args.model, device=args.device)
     anchors = _parse_ints(args.anchors, "--anchors")
     split = _parse_ints(args.split, "--split")
@@ -203,9 +213,10 @@ def cmd_train(args) -> int:
     if not meta.exists() or _unfinished(meta):
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
             target, conversations=args.conversations, self_distill_prompts=args.self_distill,
-            max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed))
+            max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed,
+            skip=args.data_skip))
         extract_features(target, seqs, feat_anchors, feat_dir)
-    features = FeatureSet(feat_dir, target)
+    features = FeatureSet(list(args.extra_features) + [feat_dir], target)
     if args.method == "eagle3":
         return _train_eagle(args, target, features)
     if args.feature_timing is None:

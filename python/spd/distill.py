@@ -191,26 +191,37 @@ def extract_features(target, sequences: list[list[int]], anchors: list[int], out
 
 
 class FeatureSet:
-    """All sequences of a features folder in memory: seq(i) -> dict of tensors."""
+    """All sequences of one or more features folders in memory: items[i] -> dict of tensors.
 
-    def __init__(self, folder, target=None):
+    Several folders (data sets extracted separately, e.g. a second self-distillation round) are
+    concatenated in the order given; they must hold the same anchors of the same target."""
+
+    def __init__(self, folders, target=None):
         from safetensors.torch import load_file
 
-        folder = Path(folder)
-        if not (folder / META).exists():
-            raise SPDError(f"{folder} has no {META}: extract features first (spd train "
-                           "--features FOLDER extracts them when missing)")
-        self.meta = json.loads((folder / META).read_text())
-        if target is not None and self.meta["target_fingerprint"] != target.fingerprint():
-            raise SPDError(f"features in {folder} were extracted from another target")
-        self.anchors = self.meta["anchors"]
+        folders = [Path(f) for f in ([folders] if isinstance(folders, (str, Path)) else folders)]
+        if not folders:
+            raise SPDError("no features folder given")
         self.items = []
-        for name in self.meta["shards"]:
-            sh = load_file(str(folder / name))
-            off = sh["offsets"].tolist()
-            for a, b in zip(off, off[1:]):
-                self.items.append({k: (sh[k][:, a:b] if k == "anchors" else sh[k][a:b])
-                                   for k in ("tokens", "anchors", "final", "argmax")})
+        self.meta = None
+        for folder in folders:
+            if not (folder / META).exists():
+                raise SPDError(f"{folder} has no {META}: extract features first (spd train "
+                               "--features FOLDER extracts them when missing)")
+            meta = json.loads((folder / META).read_text())
+            if target is not None and meta["target_fingerprint"] != target.fingerprint():
+                raise SPDError(f"features in {folder} were extracted from another target")
+            if self.meta is not None and meta["anchors"] != self.meta["anchors"]:
+                raise SPDError(f"features in {folder} hold anchors {meta['anchors']}, those in "
+                               f"{folders[0]} {self.meta['anchors']}: extract them alike")
+            self.meta = self.meta or meta
+            for name in meta["shards"]:
+                sh = load_file(str(folder / name))
+                off = sh["offsets"].tolist()
+                for a, b in zip(off, off[1:]):
+                    self.items.append({k: (sh[k][:, a:b] if k == "anchors" else sh[k][a:b])
+                                       for k in ("tokens", "anchors", "final", "argmax")})
+        self.anchors = self.meta["anchors"]
 
     def __len__(self):
         return len(self.items)
