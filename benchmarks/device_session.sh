@@ -55,7 +55,8 @@ print('cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; } > 
 
 step build 240 "$OUT/build.log" "$PY" setup.py build_ext --inplace
 step gpu-tests 240 "$OUT/gpu-tests.log" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider \
-    --junitxml "$OUT/gpu-tests.xml" tests/test_kernels_*.py tests/test_pdm_graphs.py
+    --junitxml "$OUT/gpu-tests.xml" tests/test_kernels_*.py tests/test_pdm_graphs.py \
+    tests/test_distributed.py
 step bench-kernels 180 "$OUT/bench-kernels.log" "$PY" benchmarks/bench_kernels.py \
     "${KERNEL_ARGS[@]}" --json-out "$OUT/$DATE-kernels-$DEV.json"
 step draft-hiding 120 "$OUT/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \

@@ -21,6 +21,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
@@ -31,6 +32,7 @@ from spd.drafters import ReferenceDrafter
 from spd.errors import SPDError
 from spd.launch import launch_local
 from spd.pdm import PipelineDraftModule
+from spd.target import TargetModel
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 PY = sys.executable
@@ -162,6 +164,37 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
     oracle = got[1].stats.distributed["speculative_control"]  # every draft accepted
     assert oracle["redone"] == 0
     assert oracle["announced"] == (0 if speculative == "off" else got[1].stats.N - 1)
+
+
+def cuda_tiny_factory(seed: int, rank: int):
+    t = make_tiny_target(seed=seed, vocab=48, layers=4)
+    return TargetModel(t.hf.to("cuda"), None, name=t.name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("speculative", ["on", "off"])
+def test_gpu_ranks_sharing_one_gpu_match_single_process(speculative):
+    """Every rank on one GPU (gloo through host memory): the stage forwards, truncation kernels
+    and the CUDA-graph draft step on the device, exactly the single-process engine's output."""
+    n = 3
+    t = cuda_tiny_factory(20, 0)
+    eng = SPDEngine(t, n_stages=n)
+    ref = PROMPT + eng.generate_ar(PROMPT, 24).token_ids
+    sp = SamplingParams(temperature=1.0, top_k=10, seed=3)
+    cases = [(GenerateRequest(PROMPT, 24), {}),
+             (GenerateRequest(PROMPT, 24, reference=ref, reference_accuracy=0.6, reference_seed=2),
+              {"drafter": ReferenceDrafter(ref, 0.6, 2)}),
+             (GenerateRequest(PROMPT, 24, sp), {"sampling": sp})]
+    expected = [eng.generate(PROMPT, 24, **kw) for _, kw in cases]
+    config = DistConfig(n_stages=n, target_factory=partial(cuda_tiny_factory, 20), device="cuda",
+                        backend="gloo", fault_timeout=10.0, op_timeout=60.0,
+                        speculative_control=speculative)
+    got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=180)
+    for e, g in zip(expected, got):
+        assert g.token_ids == e.token_ids
+        assert (g.stats.N, g.stats.K) == (e.stats.N, e.stats.K)
+        assert g.stats.distributed["backend"] == "gloo"
 
 
 def test_speculation_policy():

@@ -326,10 +326,15 @@ class Runtime:
 
     def irecv(self, tensor, src: int, tag: int):
         group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        if tensor.is_cuda and self.backend == "gloo":  # gloo moves host memory only
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            return _StagedRecv(dist.irecv(host, src, group=group, tag=tag), host, tensor)
         return dist.irecv(tensor, src, group=group, tag=tag)
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
         group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        if tensor.is_cuda and self.backend == "gloo":
+            tensor = tensor.cpu()
         self._outgoing.append((dist.isend(tensor, dst, group=group, tag=tag), dst, tensor, epoch))
 
     def flush_sends(self, before: int | None = None) -> None:
@@ -343,6 +348,20 @@ class Runtime:
             else:
                 keep.append(item)
         self._outgoing = keep
+
+
+class _StagedRecv:
+    """A receive of a device tensor through a host buffer (gloo moves host memory only): the
+    copy to the device happens when it is waited for. This is what lets every rank share one
+    GPU with --backend gloo (tests, single-GPU machines); NCCL moves device memory itself."""
+
+    def __init__(self, work, host: torch.Tensor, device_tensor: torch.Tensor):
+        self.work, self.host, self.device_tensor = work, host, device_tensor
+
+    def wait(self, timeout=None) -> bool:
+        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        self.device_tensor.copy_(self.host)
+        return ok
 
 
 class _Watchdog(threading.Thread):

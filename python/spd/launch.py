@@ -117,7 +117,7 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     import multiprocessing as mp
     from multiprocessing.connection import wait as mp_wait
 
-    from spd.distributed import RankFailedError, describe_failure, read_failure, write_failure
+    from spd.distributed import RankFailedError, read_failure, write_failure
 
     config.validate()
     world = config.world_size
@@ -272,6 +272,10 @@ def add_distributed_args(p) -> None:
                    help="seconds after which a silent rank is declared dead (default 10)")
     g.add_argument("--comm-timeout", type=float, default=300.0,
                    help="bound in seconds of any single wait inside a generation (default 300)")
+    g.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="data transport between ranks (default: nccl on CUDA devices, gloo "
+                        "otherwise); gloo with --device cuda stages tensors through host memory, "
+                        "so every rank may share one GPU")
     g.add_argument("--speculative-control", choices=("auto", "on", "off"), default="auto",
                    help="announce each cycle before the previous draft is judged, so the stages "
                         "start it while the draft rank verifies (a rejection makes them redo it): "
@@ -293,6 +297,7 @@ def config_from_args(args):
                       pdm_layers=args.pdm_layers, model=args.model, device=args.device,
                       fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
                       speculative_control=getattr(args, "speculative_control", "auto"),
+                      backend=getattr(args, "backend", None),
                       fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
 
 
