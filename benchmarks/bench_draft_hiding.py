@@ -110,9 +110,8 @@ def measure(args, shape, n: int, pdm_layers: list[int], device, dtype, timer) ->
     anchors = torch.randn(len(layout.anchors), n + 1, d, device=device, dtype=dtype)
     rows = []
     modes = [("eager", False)] + ([("graph", True)] if device.type == "cuda" else [])
-    for ls in pdm_layers:
-        pdm = random_pdm(shape, layout, ls, args.draft_vocab, args.pdm_intermediate, device,
-                         dtype)
+    for ls, width in [(ls, w) for ls in pdm_layers for w in args.widths]:
+        pdm = random_pdm(shape, layout, ls, args.draft_vocab, width, device, dtype)
         for mode, graphs in modes:
             drafter = PDMDrafter(pdm, cuda_graphs=graphs)
             drafter.begin(cap, shape.vocab)
@@ -122,6 +121,7 @@ def measure(args, shape, n: int, pdm_layers: list[int], device, dtype, timer) ->
                 mode = "eager (graph capture failed)"
             rank0 = draft_us + verify_us
             rows.append(dict(model=shape.name, n=n, pdm_layers=ls, draft_mode=mode,
+                             pdm_intermediate=pdm.config.intermediate_size,
                              stage_layers=stage_layers, split=layout.split, context=C,
                              stage_us=stage_us, draft_us=draft_us, verify_us=verify_us,
                              draft_rank_us=rank0, draft_over_stage=draft_us / stage_us,
@@ -137,8 +137,8 @@ def main() -> int:
     ap.add_argument("--stages", default="4,8", help="comma-separated n")
     ap.add_argument("--pdm-layers", default="2,3", help="comma-separated L_s")
     ap.add_argument("--draft-vocab", type=int, default=32768)
-    ap.add_argument("--pdm-intermediate", type=int, default=None,
-                    help="the PDM's MLP width (default: the target's)")
+    ap.add_argument("--pdm-intermediate", default=None,
+                    help="comma-separated MLP widths of the PDM (default: the target's)")
     ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                     help="default bf16 on a GPU, fp32 on the CPU")
@@ -162,6 +162,11 @@ def main() -> int:
         sys.exit(f"--stages and --pdm-layers take comma-separated integers, got "
                  f"{args.stages!r} and {args.pdm_layers!r}")
     shape = MODELS[args.model]
+    try:
+        args.widths = ([int(x) for x in args.pdm_intermediate.split(",")]
+                       if args.pdm_intermediate else [shape.intermediate])
+    except ValueError:
+        sys.exit(f"--pdm-intermediate takes comma-separated integers, got {args.pdm_intermediate!r}")
     bad = [n for n in stages if not 1 <= n <= shape.layers]
     if bad or min(pdm_layers) < 1:
         sys.exit(f"--stages must lie in 1..{shape.layers} and --pdm-layers be >= 1")
@@ -169,7 +174,7 @@ def main() -> int:
                   args.warmup if args.warmup is not None else (5 if gpu else 1), flush=False)
     print(f"{shape.name} on {device_name(device)}, {str(dtype)[6:]}, context {args.context}, "
           f"draft vocabulary {args.draft_vocab}")
-    head = (f"{'n':>3}{'L_s':>5}{'draft':>7}{'stage layers':>14}{'stage us':>11}{'draft us':>11}"
+    head = (f"{'n':>3}{'L_s':>5}{'MLP':>7}{'draft':>7}{'stage layers':>14}{'stage us':>11}{'draft us':>11}"
             f"{'verify us':>11}{'draft/stage':>13}{'(draft+verify)/stage':>22}  hidden")
     print(head)
     rows = []
@@ -177,7 +182,8 @@ def main() -> int:
         for n in stages:
             for r in measure(args, shape, n, pdm_layers, device, dtype, timer):
                 rows.append(r)
-                print(f"{r['n']:>3}{r['pdm_layers']:>5}{r['draft_mode'][:6]:>7}"
+                print(f"{r['n']:>3}{r['pdm_layers']:>5}{r['pdm_intermediate']:>7}"
+                      f"{r['draft_mode'][:6]:>7}"
                       f"{r['stage_layers']:>14}"
                       f"{r['stage_us']:>11.1f}{r['draft_us']:>11.1f}{r['verify_us']:>11.1f}"
                       f"{r['draft_over_stage']:>13.2f}{r['rank0_over_stage']:>22.2f}  "

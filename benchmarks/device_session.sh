@@ -45,7 +45,8 @@ print(next((k for k in ("h200", "h100", "a100", "b200") if k in name), "gpu" if 
 EOF
 )
     KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20)
-    HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --iters 50)
+    HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
+                 --iters 50)
 fi
 
 { nvidia-smi 2>&1 || echo "no nvidia-smi"; "$PY" -c "
