@@ -145,6 +145,7 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
     for g in got:
         d = g.stats.distributed
         assert d["world_size"] == n + 1 and d["cycles"] == g.stats.K
+        assert d["host_staged_receives"] == 0  # CPU tensors over gloo go as they are
         assert [r["rank"] for r in d["ranks"]] == list(range(n + 1))
         assert d["ranks"][1]["cycles_worked"] == g.stats.K            # stage 0 works every cycle
         assert d["ranks"][n]["cycles_worked"] == g.stats.drafts_judged  # last: full cycles only
@@ -164,6 +165,22 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
     oracle = got[1].stats.distributed["speculative_control"]  # every draft accepted
     assert oracle["redone"] == 0
     assert oracle["announced"] == (0 if speculative == "off" else got[1].stats.N - 1)
+
+
+def test_host_staged_transport_is_exact():
+    """The path that carries GPU tensors over gloo (host copies, copy back on wait), forced on
+    CPU: same tokens and counts as the single-process engine."""
+    t = make_tiny_target(seed=12, vocab=48, layers=4)
+    eng = SPDEngine(t, n_stages=2)
+    ref = PROMPT + eng.generate_ar(PROMPT, 20).token_ids
+    want = eng.generate(PROMPT, 20, drafter=ReferenceDrafter(ref, 0.6, 4))
+    config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 12), fault_timeout=5.0,
+                        op_timeout=60.0, stage_through_host=True, speculative_control="on")
+    got = launch_local(config, partial(run_requests, [GenerateRequest(
+        PROMPT, 20, reference=ref, reference_accuracy=0.6, reference_seed=4)]), timeout=120)[0]
+    assert got.token_ids == want.token_ids
+    assert (got.stats.N, got.stats.K) == (want.stats.N, want.stats.K)
+    assert got.stats.distributed["host_staged_receives"] > got.stats.K  # snaps and more
 
 
 def cuda_tiny_factory(seed: int, rank: int):
@@ -195,6 +212,7 @@ def test_gpu_ranks_sharing_one_gpu_match_single_process(speculative):
         assert g.token_ids == e.token_ids
         assert (g.stats.N, g.stats.K) == (e.stats.N, e.stats.K)
         assert g.stats.distributed["backend"] == "gloo"
+        assert g.stats.distributed["host_staged_receives"] > 0
 
 
 def test_speculation_policy():

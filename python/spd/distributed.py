@@ -104,6 +104,9 @@ class DistConfig:
     op_timeout: float = 300.0     # bound of any single wait inside a generation (hangs)
     threads: int | None = None    # torch threads per rank (None: leave torch's default)
     backend: str | None = None    # None: nccl for CUDA devices, gloo otherwise
+    # Send data through host copies: None = when gloo carries GPU tensors; True forces it
+    # (tests run that path on CPU).
+    stage_through_host: bool | None = None
     # Test hook: {"rank": r, "cycle": c, "action": "raise" | "kill"} fails rank r at decode cycle c.
     fault: dict | None = None
     # Announce the next cycle before the current draft is judged: "auto" (while recent drafts
@@ -255,6 +258,7 @@ class Runtime:
         self.ctrl_group = None
         self.backend = None
         self._outgoing: list[tuple] = []
+        self.host_staged = 0  # receives that went through a host buffer
 
     # failure handling ------------------------------------------------------------------------
     def report(self, kind: str, error: str, rank: int | None = None) -> dict:
@@ -324,17 +328,23 @@ class Runtime:
         except Exception as exc:
             raise CommError(peer, what, exc) from exc
 
+    def _through_host(self, tensor) -> bool:
+        """gloo moves host memory only: device tensors go through a host copy."""
+        forced = self.config.stage_through_host
+        return forced if forced is not None else (tensor.is_cuda and self.backend == "gloo")
+
     def irecv(self, tensor, src: int, tag: int):
         group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
-        if tensor.is_cuda and self.backend == "gloo":  # gloo moves host memory only
+        if self._through_host(tensor):
+            self.host_staged += 1
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
             return _StagedRecv(dist.irecv(host, src, group=group, tag=tag), host, tensor)
         return dist.irecv(tensor, src, group=group, tag=tag)
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
         group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
-        if tensor.is_cuda and self.backend == "gloo":
-            tensor = tensor.cpu()
+        if self._through_host(tensor):
+            tensor = tensor.to("cpu", copy=True)
         self._outgoing.append((dist.isend(tensor, dst, group=group, tag=tag), dst, tensor, epoch))
 
     def flush_sends(self, before: int | None = None) -> None:
@@ -840,6 +850,7 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
                       "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
                       "prefill_ms": st["prefill_s"] * ms})
     return {"world_size": rt.world, "backend": rt.backend, "draft_rank": DRAFT_RANK,
+            "host_staged_receives": rt.host_staged,
             "cycles": K, "cycle_ms": _summary([c * ms for c in cycle_s]),
             "draft_ms": _summary([d * ms for d in draft_s]),
             "overhead_ms": _summary(overhead),
