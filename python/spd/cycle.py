@@ -163,9 +163,10 @@ class SequenceDecode:
         self.stats.new_tokens = len(self.out)
 
     # --- the cycle ------------------------------------------------------------------------------
-    def enter(self, position: int, token: int, q: torch.Tensor | None = None) -> None:
-        """`token` enters stage 0 at depth 0: only its embedding (anchor 0) exists. q is the
-        draft distribution that proposed it (sampling), kept until the token is judged."""
+    def enter(self, position: int, token, q: torch.Tensor | None = None) -> None:
+        """`token` (an int, or a 0-d device tensor: no host sync) enters stage 0 at depth 0: only
+        its embedding (anchor 0) exists. q is the draft distribution that proposed it (sampling),
+        kept until the token is judged."""
         self.tokens[position] = token
         self.anchors[0, position] = self.target.embed_tokens(
             self.tokens[position:position + 1])[0]

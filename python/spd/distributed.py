@@ -53,6 +53,7 @@ import sys
 import threading
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -649,6 +650,47 @@ class DistributedDecodeStats(DecodeStats):
         return super().summary() + extra
 
 
+class DraftRankStreams:
+    """Rank 0's CUDA streams: snaps are waited for and scattered into the anchor buffer on
+    `recv`, the PDM drafts on `draft`, verification and bookkeeping stay on the default stream.
+    Cross-stream order goes through wait_stream (recorded events), so the steady state never
+    synchronises the device; the host waits only for the values it needs (the draft id for the
+    control message, the verdict). With NCCL the receives themselves run on NCCL's streams and
+    `work.wait()` orders `recv` after them. On a CPU every method is a no-op."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.main = torch.cuda.current_stream(device)
+            self.recv = torch.cuda.Stream(device)
+            self.draft = torch.cuda.Stream(device)
+
+    def receiving(self):
+        return torch.cuda.stream(self.recv) if self.cuda else nullcontext()
+
+    def drafting(self):
+        if not self.cuda:
+            return nullcontext()
+        self.draft.wait_stream(self.recv)  # the features received so far
+        self.draft.wait_stream(self.main)  # tokens entered, rollbacks
+        return torch.cuda.stream(self.draft)
+
+    def after_receive(self, *tensors) -> None:
+        """The default stream is about to read these received buffers."""
+        if self.cuda:
+            self.main.wait_stream(self.recv)
+            for x in tensors:
+                x.record_stream(self.main)
+
+    def after_draft(self, draft) -> None:
+        """The default stream is about to use the draft (its token enters the pipeline)."""
+        if self.cuda:
+            self.main.wait_stream(self.draft)
+            for x in (draft.token, draft.q):
+                if isinstance(x, torch.Tensor):
+                    x.record_stream(self.main)
+
+
 class DistributedSPDEngine:
     """Rank 0's side of the distributed engine: `generate` has `SPDEngine.generate`'s contract."""
 
@@ -722,6 +764,7 @@ class DistributedSPDEngine:
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
                                 "prompt_len": prompt_len, "capacity": dec.capacity})
         stats, timer, anchors = dec.stats, dec.timer, dec.anchors
+        streams = DraftRankStreams(torch.device(t.device))
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
@@ -745,25 +788,26 @@ class DistributedSPDEngine:
                 inject_fault(fault)
             sched = dec.sched
             if announced is None:
-                with timer("control_send"):
-                    current = self._announce(stats.K, sched, trunc, int(dec.tokens[sched.newest]))
+                token = int(dec.tokens[sched.newest])
+                with timer("control_send"), streams.receiving():
+                    current = self._announce(stats.K, sched, trunc, token)
                 trunc = -1
             else:  # announced last cycle on an optimistic accept, which held
                 current, announced = announced, None
-            with timer("wait_snaps"):
+            with timer("wait_snaps"), streams.receiving():
                 for item in pending:
                     self._take_snap(item, anchors)
             # 1. Draft the successor of the newest token from pre-step features, overlapping
             #    the stages' forwards of this cycle. (Post-step drafting, an ablation, waits for
             #    this cycle's snaps and sees every in-flight token one stage deeper.)
             if dec.post_step:
-                with timer("wait_stage"):
+                with timer("wait_stage"), streams.receiving():
                     for item in current:
                         self._take_snap(item, anchors)
                 current = [item[:3] + (None,) for item in current]  # received already
-                draft = dec.draft(1)
-            else:
-                draft = dec.draft(0)
+            with streams.drafting():
+                draft = dec.draft(1 if dec.post_step else 0)
+            streams.after_draft(draft)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle
                 dec.fill(draft)
                 pending = current
@@ -776,14 +820,16 @@ class DistributedSPDEngine:
                 if policy.speculate() and len(dec.out) + 1 < dec.max_new:
                     nxt = replace(sched)
                     nxt.accept()
-                    with timer("control_send"):
-                        ahead = self._announce(stats.K + 1, nxt, -1, draft.token)
+                    token = int(draft.token)  # on the default stream, which waited for it
+                    with timer("control_send"), streams.receiving():
+                        ahead = self._announce(stats.K + 1, nxt, -1, token)
                     spec["announced"] += 1
                 # 3. The oldest token leaves the last stage; its row judges the next token.
                 last = current[-1]
                 assert last[0] == n - 1
-                with timer("wait_stage"):
+                with timer("wait_stage"), streams.receiving():
                     self._take_snap(last, anchors)
+                streams.after_receive(last[2])
                 pending = current[:-1]
                 accepted, token = dec.judge(last[2][-1])
                 policy.record(accepted)
@@ -801,8 +847,9 @@ class DistributedSPDEngine:
         dec.finish()
         # Stop: every stage leaves its loop; drain what is still in flight.
         self._send_ctrl([OP_STOP, stats.K + 1, 0, 0, -1, 0])
-        for item in pending:
-            self._take_snap(item, anchors)
+        with streams.receiving():
+            for item in pending:
+                self._take_snap(item, anchors)
         rt.flush_sends()
         stage_stats = [json.loads(rt.store.get(f"stats/{gen_id}/{r}"))
                        for r in range(1, rt.world)]

@@ -18,7 +18,10 @@ from spd.pdm_graphs import PDMStepGraphs, graphs_enabled
 
 @dataclass
 class Draft:
-    token: int
+    """A proposed token: an int, or a 0-d int64 tensor on the model's device (the PDM's drafts
+    stay there, so entering the draft into the pipeline needs no host synchronisation; `int()`
+    it where the host needs the id)."""
+    token: int | torch.Tensor
     q: torch.Tensor | None = None  # draft distribution on target ids (sampling only)
 
 
@@ -59,10 +62,10 @@ class PDMDrafter:
         logits = self.draft_logits(anchors, types, start)
         d2t = self.pdm.draft_to_target
         if sampling.greedy:
-            return Draft(int(d2t[logits.argmax()]))
+            return Draft(d2t[logits.argmax()])
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        idx = sample_from_probs(q, uniform)
-        return Draft(int(d2t[idx]), scatter_draft_probs(q[None], d2t, self.vocab_size)[0])
+        idx = sample_from_probs(q, uniform.to(q.device))
+        return Draft(d2t[idx], scatter_draft_probs(q[None], d2t, self.vocab_size)[0])
 
 
 class ReferenceDrafter:
