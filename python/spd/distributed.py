@@ -765,6 +765,7 @@ class DistributedSPDEngine:
                                 "prompt_len": prompt_len, "capacity": dec.capacity})
         stats, timer, anchors = dec.stats, dec.timer, dec.anchors
         streams = DraftRankStreams(torch.device(t.device))
+        staged_before = rt.host_staged
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
@@ -857,6 +858,7 @@ class DistributedSPDEngine:
             rt.store.delete_key(f"stats/{gen_id}/{r}")
         stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats)
         stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
+        stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
         return GenerationResult(dec.out, stats)
 
 
@@ -897,7 +899,6 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
                       "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
                       "prefill_ms": st["prefill_s"] * ms})
     return {"world_size": rt.world, "backend": rt.backend, "draft_rank": DRAFT_RANK,
-            "host_staged_receives": rt.host_staged,
             "cycles": K, "cycle_ms": _summary([c * ms for c in cycle_s]),
             "draft_ms": _summary([d * ms for d in draft_s]),
             "overhead_ms": _summary(overhead),

@@ -41,6 +41,8 @@ class PDMDrafter:
             self.graphs = None
             if self.cuda_graphs and graphs_enabled(self.cache.k.device):
                 self.graphs = PDMStepGraphs(self.pdm, self.cache)
+        if self.graphs is not None:
+            self.graphs.check_weights()
         self.cache.truncate(0)
         self.vocab_size = vocab_size
 

@@ -6,7 +6,8 @@ gaps would dominate on a GPU. With the position held in a device tensor nothing 
 it on the host, so one graph per row count R (1..n+1 in decoding) replays at every position.
 
 What a graph keeps by address, and so must not be reallocated while it lives: the PDM's weights
-(loading new values in place is fine; a replaced Parameter is noticed and the graphs are rebuilt),
+(loading new values in place is fine; a replaced Parameter is noticed when the next generation
+begins, and the graphs are rebuilt),
 the KV cache (a new cache means a new `PDMStepGraphs`), the RoPE table (sized for the cache's
 capacity up front) and the static inputs below. Host bookkeeping (cache length, truncation)
 stays outside the graph, as eager calls before the replay.
@@ -49,9 +50,14 @@ class PDMStepGraphs:
         self.failed: str | None = None
         self.replays = 0
 
-    def _key(self):
-        return tuple(p.data_ptr() for p in self.pdm.parameters()) + (
+    def check_weights(self) -> None:
+        """Drop the graphs if a weight was replaced since they were captured. Called once per
+        generation (PDMDrafter.begin), not per draft: the addresses cost ~30 reads."""
+        key = tuple(p.data_ptr() for p in self.pdm.parameters()) + (
             self.pdm.draft_to_target.data_ptr(),)
+        if key != self.weights_key:
+            self.graphs.clear()
+            self.weights_key = key
 
     def _eager(self, anchors, types, start):
         feats = self.pdm.features(anchors, types)
@@ -78,10 +84,6 @@ class PDMStepGraphs:
         if self.failed is not None or start + rows > self.cache.capacity:
             self.cache.reserve(start, rows)  # eager; reserve raises the overflow clearly
             return self._eager(anchors, types, start)
-        key = self._key()
-        if key != self.weights_key:
-            self.graphs.clear()
-            self.weights_key = key
         self.cache.reserve(start, rows)
         self.start.fill_(start)
         entry = self.graphs.get(rows)
