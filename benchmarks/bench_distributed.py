@@ -30,7 +30,7 @@ import torch
 
 from spd import SPDEngine
 from spd.cli import encode_prompt
-from spd.distributed import DistConfig, GenerateRequest, run_requests
+from spd.distributed import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
 from spd.launch import launch_local
 from spd.loading import load_target
 
@@ -125,7 +125,7 @@ def main() -> int:
     ar_tok_s = ar_tok / ar_s
     rows = []
     modes = [c.strip() for c in args.control.split(",") if c.strip()]
-    if not modes or any(c not in ("auto", "on", "off") for c in modes):
+    if not modes or any(c not in SPECULATION_MODES for c in modes):
         sys.exit(f"--control takes auto, on and/or off, got {args.control!r}")
     for n, control in [(int(x), c) for x in args.stages.split(",") for c in modes]:
         warm = [GenerateRequest(ids_list[0], 8)]
