@@ -3,7 +3,8 @@ the reference, at the shapes of SmolLM2-135M, Qwen3-4B and Qwen3-8B.
 
 For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda;
 for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
-cuda_graph, and of the Triton path, triton_cg, position read on the device) it prints the median
+cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
+triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -43,6 +44,7 @@ import spd_kernels
 from spd_kernels import dispatch
 from spd_kernels.features import anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
+from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
 from spd_kernels.pdm import (LayerWeights, PDMWeights, cache_attention_reference, pdm_step,
                              qkv_rope_append_reference)
 from spd_kernels.verify import rejection_sample_logits_reference, verify_greedy_reference
@@ -67,7 +69,7 @@ MODELS = {
     "qwen3-8b": Shape("qwen3-8b", 4096, 151936, 36, 32, 8, 128, 12288, True),
 }
 OPS = ["verify_greedy", "rejection_sample_logits", "anchor_projection", "truncate_kv",
-       "qkv_rope_append", "cache_attention", "pdm_step"]
+       "qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu", "pdm_step"]
 N_STAGES = 8          # pipeline depth the shapes assume (9 in-flight rows, staircase types)
 N_ANCHORS = 5
 DRAFT_VOCAB = 32768
@@ -259,6 +261,35 @@ def build_cases(op: str, s: Shape, dtype, device):
         # start on the host: the reference slices the cache (the eager runtime's path)
         yield (f"rows={rows},start on host",
                {"reference": (cache_attention_reference, (q, kc, vc, CONTEXT, None))}, floor, {})
+    elif op == "fused_linear":
+        rows = N_STAGES + 1
+        vd = min(DRAFT_VOCAB, V)
+        inner = s.heads * s.head_dim
+        for case, n_rows, K, N, norm, res in (
+                (f"o_proj+residual rows={rows}", rows, inner, d, False, True),
+                (f"down+residual rows={rows}", rows, s.intermediate, d, False, True),
+                (f"norm+head Vd={vd} rows=1", 1, d, vd, True, False)):
+            x = rand(n_rows, K, dtype=dtype, device=device)
+            w = rand(N, K, dtype=dtype, device=device, scale=K ** -0.5)
+            g = rand(K, dtype=dtype, device=device, scale=0.1) + 1 if norm else None
+            r = rand(n_rows, N, dtype=dtype, device=device) if res else None
+            args = (x, w, g, 1e-6, r)
+            fns = {"reference": (fused_linear_reference, args),
+                   "triton": (lambda xx, ww, gg, e, rr: spd_kernels.fused_linear(
+                       xx, ww, norm_weight=gg, eps=e, residual=rr, backend="triton"), args)}
+            floor = (N * K + n_rows * K + n_rows * N * (2 if res else 1)) * el  # + residual read
+            yield case, fns, floor, {"graph": True}
+    elif op == "fused_swiglu":
+        rows = N_STAGES + 1
+        x = rand(rows, d, dtype=dtype, device=device)
+        wg = rand(s.intermediate, d, dtype=dtype, device=device, scale=d ** -0.5)
+        wu = rand(s.intermediate, d, dtype=dtype, device=device, scale=d ** -0.5)
+        g = rand(d, dtype=dtype, device=device, scale=0.1) + 1
+        args = (x, g, 1e-6, wg, wu)
+        fns = {"reference": (fused_swiglu_reference, args),
+               "triton": (lambda *a: spd_kernels.fused_swiglu(*a, backend="triton"), args)}
+        floor = (2 * s.intermediate * d + rows * d + rows * s.intermediate) * el
+        yield f"norm+gate/up rows={rows}", fns, floor, {"graph": True}
     elif op == "pdm_step":
         rows = N_STAGES + 1
         vd = min(DRAFT_VOCAB, V)
@@ -278,18 +309,28 @@ def build_cases(op: str, s: Shape, dtype, device):
             start = torch.tensor([CONTEXT], device=device)  # read on the device by the kernels
             fns["triton"] = (lambda *a: pdm_step(*a, backend="triton"),
                              (x, w, kc, vc, start, cos, sin))
+            fns["triton_attn"] = (triton_attention_only, (x, w, kc, vc, start, cos, sin))
             floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
             floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
             yield case, fns, floor, {"graph": True}
 
 
+def triton_attention_only(*args):
+    """The PDM step with Triton QKV/RoPE/append and attention, torch (cuBLAS) for the dense ops."""
+    with dispatch.use_backend(qkv_rope_append="triton", cache_attention="triton",
+                              fused_linear="reference", fused_swiglu="reference"):
+        return pdm_step(*args)
+
+
 # --- running ----------------------------------------------------------------------------------------
 
 def backend_ready(op: str, backend: str, device) -> str | None:
-    real_ops = {"pdm_step": ("qkv_rope_append", "cache_attention")}.get(op, (op,))
+    real_ops = {"pdm_step": ("qkv_rope_append", "cache_attention", "fused_linear",
+                             "fused_swiglu")}.get(op, (op,))
     if backend in ("reference", "compile", "cuda_graph"):
         return None
-    backend = {"triton_cg": "triton"}.get(backend, backend)
+    backend = {"triton_cg": "triton", "triton_attn": "triton",
+               "triton_attn_cg": "triton"}.get(backend, backend)
     if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
         return "not available here"
     if backend == "triton" and device.type == "cpu":
@@ -325,6 +366,8 @@ def run(args) -> dict:
                     entries["cuda_graph"] = graph_of(*fns["reference"])
                     if "triton" in fns and backend_ready(op, "triton", device) is None:
                         entries["triton_cg"] = graph_of(*fns["triton"])
+                        if "triton_attn" in fns:
+                            entries["triton_attn_cg"] = graph_of(*fns["triton_attn"])
                 for backend, entry in entries.items():
                     row = dict(model=m, op=op, case=case, backend=backend, bytes=floor_bytes)
                     why = backend_ready(op, backend, device)
@@ -374,7 +417,7 @@ def targets(rows, device) -> list[dict]:
         return [dict(target="GPU targets", status="not evaluated on CPU")]
 
     def best(op, model="qwen3-4b", case=None,
-             backends=("triton", "cuda", "cuda_graph", "triton_cg")):
+             backends=("triton", "cuda", "cuda_graph", "triton_cg", "triton_attn_cg")):
         cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
                  and r["backend"] in backends and (case is None or r["case"].startswith(case))]
         return min(cands, key=lambda r: r["us"]) if cands else None

@@ -11,6 +11,7 @@ from spd_kernels.checks import SPDInputError
 from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
 from spd_kernels.kv_cache import truncate_kv_
+from spd_kernels.linear import fused_linear, fused_swiglu
 from spd_kernels.pdm import cache_attention, pdm_step, qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
@@ -22,6 +23,8 @@ __all__ = [
     "anchor_projection",
     "cache_attention",
     "filtered_probs",
+    "fused_linear",
+    "fused_swiglu",
     "pdm_step",
     "qkv_rope_append",
     "rejection_sample",

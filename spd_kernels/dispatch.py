@@ -31,7 +31,7 @@ from spd_kernels._triton import HAS_TRITON, INTERPRET
 
 BACKENDS = ("cuda", "triton", "reference")
 OPS = ("verify_greedy", "rejection_sample", "rejection_sample_logits", "truncate_kv",
-       "anchor_projection", "qkv_rope_append", "cache_attention")
+       "anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
 
 
 class SPDBackendError(RuntimeError):

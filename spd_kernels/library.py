@@ -21,6 +21,9 @@ graphs use torch.ops.spd.*.
         start, k_cache, v_cache, num_heads, num_kv_heads) -> q [H, T, hd]; mutates the caches
     torch.ops.spd.cache_attention(q, k_cache, v_cache, start, scale) -> [R, H * hd]
         (start: int64 tensor of one element, read on the device; scale None: 1/sqrt(hd))
+    torch.ops.spd.fused_linear(x, weight, norm_weight, eps, residual) -> [R, N]
+        (residual + rms_norm(x) @ weight.T; norm_weight / residual may be None)
+    torch.ops.spd.fused_swiglu(x, norm_weight, eps, w_gate, w_up) -> [R, I]
 """
 from __future__ import annotations
 
@@ -29,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from spd_kernels import features, kv_cache, pdm, verify
+from spd_kernels import features, kv_cache, linear, pdm, verify
 
 LIB = "spd"
 
@@ -128,3 +131,25 @@ def cache_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tenso
 @cache_attention_op.register_fake
 def _(q, k_cache, v_cache, start, scale):
     return q.new_empty(q.shape[1], q.shape[0] * q.shape[2], dtype=k_cache.dtype)
+
+
+@torch.library.custom_op(f"{LIB}::fused_linear", mutates_args=())
+def fused_linear_op(x: Tensor, weight: Tensor, norm_weight: Optional[Tensor], eps: float,
+                    residual: Optional[Tensor]) -> Tensor:
+    return linear.fused_linear(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
+
+
+@fused_linear_op.register_fake
+def _(x, weight, norm_weight, eps, residual):
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op(f"{LIB}::fused_swiglu", mutates_args=())
+def fused_swiglu_op(x: Tensor, norm_weight: Tensor, eps: float, w_gate: Tensor,
+                    w_up: Tensor) -> Tensor:
+    return linear.fused_swiglu(x, norm_weight, eps, w_gate, w_up)
+
+
+@fused_swiglu_op.register_fake
+def _(x, norm_weight, eps, w_gate, w_up):
+    return x.new_empty(x.shape[0], w_gate.shape[0])

@@ -20,8 +20,8 @@ Op `cache_attention` (dispatched):
   triton     program (row, kv head): the row's g = H / KVH query heads together, online softmax
              over key blocks up to start + row (read on the device), fp32 accumulation, one
              rounding to the cache dtype. Output [R, H * head_dim], ready for o_proj.
-The output projection, MLP and LM head stay in torch for now (spd_kernels/README.md lists what
-is left before the whole step is one CUDA graph).
+The output projection + residual, RMSNorm + SwiGLU MLP + residual and the final RMSNorm + LM
+head are spd_kernels.linear's fused_linear / fused_swiglu (dispatched the same way).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from spd_kernels import _alloc, dispatch
 from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
+from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
 
 if HAS_TRITON:
     from spd_kernels._triton import round_to
@@ -82,13 +83,6 @@ class PDMWeights:
         c = pdm.config
         return cls([LayerWeights.from_module(layer) for layer in pdm.layers], pdm.norm.weight,
                    pdm.lm_head.weight, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As spd.layers.RMSNorm: fp32 statistics, result in the input dtype times the weight."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 def _rotate_half(x):
@@ -507,9 +501,9 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
              backend: str | None = None) -> torch.Tensor:
     """Rows features [T, hidden] at positions start.. through every layer -> draft logits of the
     last row [Vd] (fp32). k_cache/v_cache [layers, kv_heads, S, head_dim] get the rows' keys and
-    values; cos/sin are the full RoPE tables. `backend` picks the backend of qkv_rope_append and
-    cache_attention (None: the dispatcher's choice); the projections, MLP and LM head run in
-    torch. `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
+    values; cos/sin are the full RoPE tables. `backend` picks the backend of every op of the step
+    (qkv_rope_append, cache_attention, fused_linear, fused_swiglu; None: the dispatcher's
+    choice). `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
     step reads the position on the host (a CUDA graph of it replays at any position)."""
     H, KVH = weights.num_heads, weights.num_kv_heads
     if not isinstance(start, torch.Tensor):
@@ -520,7 +514,8 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
                             lw.k_norm, cos, sin, start, k_cache[i], v_cache[i], H, KVH,
                             backend=backend)
         att = cache_attention(q, k_cache[i], v_cache[i], start, backend=backend)
-        x = x + F.linear(att, lw.wo)
-        h = rms_norm(x, lw.post_norm, weights.eps)
-        x = x + F.linear(F.silu(F.linear(h, lw.w_gate)) * F.linear(h, lw.w_up), lw.w_down)
-    return F.linear(rms_norm(x[-1:], weights.final_norm, weights.eps), weights.lm_head)[0].float()
+        x = fused_linear(att, lw.wo, residual=x, backend=backend)
+        mid = fused_swiglu(x, lw.post_norm, weights.eps, lw.w_gate, lw.w_up, backend=backend)
+        x = fused_linear(mid, lw.w_down, residual=x, backend=backend)
+    return fused_linear(x[-1:], weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
+                        backend=backend)[0].float()

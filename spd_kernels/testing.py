@@ -77,7 +77,7 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 
 def _variants():
     """(name, kernel, signature, constexprs) for the kernel variants the launchers use."""
-    from spd_kernels import features, kv_cache, pdm, verify
+    from spd_kernels import features, kv_cache, linear, pdm, verify
     ptr = lambda t: f"*{t}"
     out = []
     for tag, dt, code, br, bv, bd in (("bf16-R1", "bf16", 1, 1, 32, 256),
@@ -140,6 +140,32 @@ def _variants():
                          HD="constexpr", G_PAD="constexpr", BLOCK_N="constexpr",
                          OUT="constexpr"),
                     dict(HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=code)))
+    lin_sig = lambda dt: dict(
+        x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
+        res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",
+        SET_STRIDE="i32", R="i32", N="i32", K="i32", K_PER="i32", eps="fp32",
+        NORM="constexpr", SWIGLU="constexpr", RESIDUAL="constexpr", PARTIAL="constexpr",
+        DT="constexpr", FP32_DOT="constexpr", R_PAD="constexpr", BLOCK_N="constexpr",
+        BLOCK_K="constexpr")
+    for tag, dt, code, norm, swiglu, res, partial in (
+            ("bf16-residual", "bf16", 1, False, False, True, False),
+            ("bf16-residual-split", "bf16", 1, False, False, True, True),
+            ("bf16-norm-head", "bf16", 1, True, False, False, False),
+            ("bf16-swiglu-split", "bf16", 1, True, True, False, True),
+            ("fp32-swiglu", "fp32", 0, True, True, False, False)):
+        # every autotuning config for the widest variant, the first one for the others
+        for bn, bk, _ in linear.GPU_CONFIGS if swiglu and partial else linear.GPU_CONFIGS[:1]:
+            out.append((f"linear._linear_kernel[{tag}-{bn}x{bk}]", linear._linear_kernel,
+                        lin_sig(dt), dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=res, PARTIAL=partial,
+                                          DT=code, FP32_DOT=code == 0, R_PAD=16, BLOCK_N=bn,
+                                          BLOCK_K=bk)))
+    for tag, swiglu, res in (("residual", False, True), ("swiglu", True, False)):
+        out.append((f"linear._reduce_kernel[bf16-{tag}]", linear._reduce_kernel,
+                    dict(ws_ptr="*fp32", SET_STRIDE="i32", res_ptr="*bf16", stride_res="i32",
+                         out_ptr="*bf16", stride_out="i32", R="i32", N="i32", SPLITS="i32",
+                         SWIGLU="constexpr", RESIDUAL="constexpr", DT="constexpr",
+                         R_PAD="constexpr", BLOCK_N="constexpr"),
+                    dict(SWIGLU=swiglu, RESIDUAL=res, DT=1, R_PAD=16, BLOCK_N=64)))
     return out
 
 

@@ -1,0 +1,149 @@
+"""fused_linear / fused_swiglu (the dense part of the PDM step): the Triton kernel against its
+reference on fresh random inputs, outputs poisoned first, with and without the fused RMSNorm and
+residual, with the K dimension split over programs (partial sums reduced by a second launch)."""
+import pytest
+import torch
+
+from spd_kernels import SPDBackendError, SPDInputError, dispatch, fused_linear, fused_swiglu
+from spd_kernels.linear import (MAX_KERNEL_ROWS, fused_linear_reference, fused_swiglu_reference,
+                                launch, plan)
+from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def make(R, K, N, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(device=device, dtype=dtype)
+    return dict(x=r(R, K, sc=2.0), w=r(N, K, sc=K ** -0.5), w2=r(N, K, sc=K ** -0.5),
+                g=(torch.rand(K, generator=g) + 0.5).to(device=device, dtype=dtype),
+                res=r(R, N))
+
+
+def tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else \
+        dict(rtol=2 * torch.finfo(dtype).eps, atol=2 * torch.finfo(dtype).eps)
+
+
+SHAPES = [(1, 48, 40), (9, 100, 70), (5, 256, 300), (16, 33, 17), (17, 64, 129)]
+
+
+@needs_triton
+@pytest.mark.parametrize("R,K,N", SHAPES)
+@pytest.mark.parametrize("split_k", [1, 3])
+@pytest.mark.parametrize("norm,residual", [(True, False), (False, True), (False, False)])
+def test_linear_fp32_matches_reference(R, K, N, split_k, norm, residual):
+    a = make(R, K, N, torch.float32, TRITON_DEVICE, seed=R * K + N)
+    g = a["g"] if norm else None
+    res = a["res"] if residual else None
+    want = fused_linear_reference(a["x"], a["w"], g, 1e-6, res)
+    with poisoned_outputs("a"):
+        got = launch(a["x"], a["w"], None, g, 1e-6, res, split_k=split_k)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+@needs_triton
+@pytest.mark.parametrize("R,K,N", SHAPES)
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_swiglu_fp32_matches_reference(R, K, N, split_k):
+    a = make(R, K, N, torch.float32, TRITON_DEVICE, seed=R + K * N)
+    want = fused_swiglu_reference(a["x"], a["g"], 1e-6, a["w"], a["w2"])
+    with poisoned_outputs("b"):
+        got = launch(a["x"], a["w"], a["w2"], a["g"], 1e-6, split_k=split_k)
+    torch.testing.assert_close(got, want, **tol(torch.float32))
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_half_precision_rounds_like_the_reference(dtype, split_k):
+    R, K, N = 9, 160, 96
+    a = make(R, K, N, dtype, TRITON_DEVICE, seed=11)
+    with poisoned_outputs("a"):
+        got = launch(a["x"], a["w"], None, a["g"], 1e-6, a["res"], split_k=split_k)
+        got2 = launch(a["x"], a["w"], a["w2"], a["g"], 1e-6, split_k=split_k)
+    torch.testing.assert_close(got.float(), fused_linear_reference(
+        a["x"], a["w"], a["g"], 1e-6, a["res"]).float(), **tol(dtype))
+    torch.testing.assert_close(got2.float(), fused_swiglu_reference(
+        a["x"], a["g"], 1e-6, a["w"], a["w2"]).float(), **tol(dtype))
+
+
+@needs_triton
+def test_split_plan_covers_k_exactly():
+    """Every K column is summed by exactly one split, whatever split count is asked for."""
+    for K in (16, 100, 256, 1000):
+        for want in (1, 2, 3, 7, 100):
+            _, _, block_k, splits, k_per = plan(4, 64, K, torch.device("cpu"), want)
+            assert k_per % block_k == 0 and 1 <= splits <= want
+            assert (splits - 1) * k_per < K <= splits * k_per
+
+
+def test_dispatched_ops_and_checks():
+    a = make(3, 32, 24, torch.float32, "cpu", seed=5)
+    assert dispatch.select("fused_linear", torch.device("cpu"))[0] == "reference"
+    out = fused_linear(a["x"], a["w"], norm_weight=a["g"], residual=a["res"])
+    assert torch.equal(out, fused_linear_reference(a["x"], a["w"], a["g"], 1e-6, a["res"]))
+    with pytest.raises(SPDInputError, match=r"weight must be \[out, 32\]"):
+        fused_linear(a["x"], a["w"].t().contiguous())
+    with pytest.raises(SPDInputError, match="residual must be"):
+        fused_linear(a["x"], a["w"], residual=a["res"][:, :5])
+    with pytest.raises(SPDInputError, match="norm_weight must have shape"):
+        fused_swiglu(a["x"], a["g"][:7], 1e-6, a["w"], a["w2"])
+    with pytest.raises(SPDInputError, match="one shape"):
+        fused_swiglu(a["x"], a["g"], 1e-6, a["w"], a["w2"][:5])
+    with pytest.raises(SPDInputError, match="x must"):
+        fused_linear(a["x"][0], a["w"])
+    torch.library.opcheck(torch.ops.spd.fused_linear.default,
+                          (a["x"], a["w"], a["g"], 1e-6, a["res"]))
+    torch.library.opcheck(torch.ops.spd.fused_swiglu.default,
+                          (a["x"], a["g"], 1e-6, a["w"], a["w2"]))
+
+
+@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="needs the Triton interpreter")
+def test_unsupported_arguments_raise_when_forced_and_fall_back_when_auto():
+    big = make(MAX_KERNEL_ROWS + 1, 16, 16, torch.float32, "cpu", seed=2)
+    with pytest.raises(SPDBackendError, match=f"at most {MAX_KERNEL_ROWS} rows"):
+        fused_linear(big["x"], big["w"], backend="triton")
+    a = make(2, 16, 16, torch.float32, "cpu", seed=3)
+    with pytest.raises(SPDBackendError, match="dtype"):
+        fused_linear(a["x"], a["w"].double(), backend="triton")
+    with pytest.raises(SPDBackendError, match="w_gate must be contiguous"):
+        fused_swiglu(a["x"], a["g"], 1e-6, a["w"].t().contiguous().t(), a["w2"], backend="triton")
+    got = fused_linear(a["x"], a["w"].t().contiguous().t())  # auto: the reference takes it
+    torch.testing.assert_close(got, a["x"] @ a["w"].t())
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("what,K,N", [("o_proj", 4096, 2560), ("gate_up", 2560, 9728),
+                                      ("down", 9728, 2560), ("lm_head", 2560, 32768)])
+def test_gpu_triton_at_qwen3_4b_pdm_shapes(dtype, what, K, N):
+    if "triton" not in dispatch.available("fused_linear", "cuda"):
+        pytest.skip("Triton not available for CUDA tensors here (TRITON_INTERPRET=1?)")
+    R = 9 if what != "lm_head" else 1
+    a = make(R, K, N, dtype, "cuda", seed=N + K)
+    t = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    with poisoned_outputs("a"):
+        if what == "gate_up":
+            got = fused_swiglu(a["x"], a["g"], 1e-6, a["w"], a["w2"], backend="triton")
+            want = fused_swiglu_reference(a["x"], a["g"], 1e-6, a["w"], a["w2"])
+        else:
+            g = a["g"] if what == "lm_head" else None
+            res = None if what == "lm_head" else a["res"]
+            got = fused_linear(a["x"], a["w"], norm_weight=g, residual=res, backend="triton")
+            want = fused_linear_reference(a["x"], a["w"], g, 1e-6, res)
+    torch.testing.assert_close(got.float(), want.float(), **t)
+    # a CUDA graph of the call replays to the same result (the split workspace is graph memory)
+    res = a["res"] if what != "lm_head" else None
+    fused_linear(a["x"], a["w"], residual=res, backend="triton")  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = fused_linear(a["x"], a["w"], residual=res, backend="triton")
+    a["x"].copy_(torch.randn_like(a["x"]))
+    graph.replay()
+    torch.testing.assert_close(replayed.float(),
+                               fused_linear_reference(a["x"], a["w"], None, 1e-6, res).float(), **t)
