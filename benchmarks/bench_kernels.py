@@ -4,7 +4,8 @@ the reference, at the shapes of SmolLM2-135M, Qwen3-4B and Qwen3-8B.
 For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda;
 for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
 cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
-triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch) it prints the median
+triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch; for the attention also
+triton_1split, the keys not split over programs) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -45,8 +46,8 @@ from spd_kernels import dispatch
 from spd_kernels.features import anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
-from spd_kernels.pdm import (LayerWeights, PDMWeights, cache_attention_reference, pdm_step,
-                             qkv_rope_append_reference)
+from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_launch,
+                             cache_attention_reference, pdm_step, qkv_rope_append_reference)
 from spd_kernels.verify import rejection_sample_logits_reference, verify_greedy_reference
 
 
@@ -255,9 +256,16 @@ def build_cases(op: str, s: Shape, dtype, device):
         floor = 2 * s.kv_heads * (CONTEXT + rows) * s.head_dim * el + 2 * q.numel() * el
         fns = {"reference": (cache_attention_reference, (q, kc, vc, start, None)),
                "triton": (lambda *a: spd_kernels.cache_attention(*a, backend="triton"),
-                          (q, kc, vc, start, None))}
+                          (q, kc, vc, start, None)),
+               "triton_1split": (lambda *a: attention_launch(*a, splits=1),
+                                 (q, kc, vc, start, None))}
         # start on the device: no host read, the reference masks the whole cache
         yield f"rows={rows},start on device", fns, floor, {"graph": True}
+        long_start = torch.tensor([CACHE_CAPACITY - rows], device=device)
+        long_floor = 2 * s.kv_heads * CACHE_CAPACITY * s.head_dim * el + 2 * q.numel() * el
+        yield (f"rows={rows},context {CACHE_CAPACITY}",
+               {k: (f, (q, kc, vc, long_start, None)) for k, (f, _) in fns.items()}, long_floor,
+               {"graph": True})
         # start on the host: the reference slices the cache (the eager runtime's path)
         yield (f"rows={rows},start on host",
                {"reference": (cache_attention_reference, (q, kc, vc, CONTEXT, None))}, floor, {})
@@ -329,8 +337,8 @@ def backend_ready(op: str, backend: str, device) -> str | None:
                              "fused_swiglu")}.get(op, (op,))
     if backend in ("reference", "compile", "cuda_graph"):
         return None
-    backend = {"triton_cg": "triton", "triton_attn": "triton",
-               "triton_attn_cg": "triton"}.get(backend, backend)
+    backend = {"triton_cg": "triton", "triton_attn": "triton", "triton_attn_cg": "triton",
+               "triton_1split": "triton"}.get(backend, backend)
     if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
         return "not available here"
     if backend == "triton" and device.type == "cpu":

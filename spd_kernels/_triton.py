@@ -6,6 +6,7 @@ active is fixed when the kernels are decorated, i.e. when `spd_kernels` is first
 """
 from __future__ import annotations
 
+import functools
 import os
 
 try:  # pragma: no cover - exercised implicitly by every import
@@ -34,6 +35,15 @@ def dtype_code(dtype) -> int:
 
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA device (1 for anything else): grid sizing."""
+    import torch
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 1
 
 
 if HAS_TRITON:

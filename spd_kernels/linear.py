@@ -24,13 +24,12 @@ Op `fused_swiglu(x, norm_weight, eps, w_gate, w_up)`:
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count, triton,
+                                 tl)
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, last_dim_contiguous
 
 if HAS_TRITON:
@@ -143,13 +142,6 @@ def _swiglu_supports(x, norm_weight, eps, w_gate, w_up):
                          ("w_up", w_up)])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
-
 # GPU tiles are autotuned on the first call per shape (no GPU has tuned them by hand yet); K per
 # split is a multiple of the largest BLOCK_K so every config covers a split exactly.
 GPU_CONFIGS = ((64, 64, 8), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 4))  # BN, BK, warps
@@ -169,7 +161,7 @@ def plan(rows: int, N: int, K: int, device, split_k: int | None = None):
         grain, n_blocks = K_GRAIN, triton.cdiv(N, GPU_BLOCK_N)
     k_blocks = triton.cdiv(K, grain)
     if split_k is None:  # about two programs per SM, never a split smaller than one K grain
-        split_k = 1 if device.type != "cuda" else triton.cdiv(2 * _sm_count(device), n_blocks)
+        split_k = 1 if device.type != "cuda" else triton.cdiv(2 * sm_count(device), n_blocks)
     split_k = max(1, min(int(split_k), k_blocks))
     k_per = triton.cdiv(k_blocks, split_k) * grain
     return r_pad, block_n, block_k, triton.cdiv(K, k_per), k_per

@@ -17,9 +17,13 @@ Op `cache_attention` (dispatched):
   reference  torch. With an int `start`: SDPA over cache rows [0, start + R) with the causal
              chunk mask, exactly spd.layers' attention. With a tensor `start`: the mask over the
              whole cache is built on the device (no host read), fp32 math.
-  triton     program (row, kv head): the row's g = H / KVH query heads together, online softmax
-             over key blocks up to start + row (read on the device), fp32 accumulation, one
-             rounding to the cache dtype. Output [R, H * head_dim], ready for o_proj.
+  triton     program (row, kv head, key split): the row's g = H / KVH query heads together,
+             online softmax over key blocks up to start + row (read on the device), fp32
+             accumulation. On a GPU the keys are split (flash-decoding) so R x KVH x splits
+             programs fill the SMs at long contexts; the split is fixed by the cache capacity,
+             not the position, so graphs replay anywhere, and a second launch merges the
+             partial softmaxes in a fixed order. One rounding to the cache dtype. Output
+             [R, H * head_dim], ready for o_proj.
 The output projection + residual, RMSNorm + SwiGLU MLP + residual and the final RMSNorm + LM
 head are spd_kernels.linear's fused_linear / fused_swiglu (dispatched the same way).
 """
@@ -31,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count, triton,
+                                 tl)
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
@@ -432,16 +437,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _cache_attention_kernel(q_ptr, stride_qh, stride_qr, k_ptr, v_ptr, stride_ch, stride_cs,
-                                start_ptr, out_ptr, stride_or, S, G, scale_log2,
-                                HD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                                OUT: tl.constexpr):
-        """Program (r, j): chunk row r (position start + r) for the G query heads that share kv
-        head j. Online softmax (base 2, the scale folded into q) over key blocks up to the row's
-        own position, fp32 throughout; one rounding to the output dtype (code OUT) at the end."""
+                                start_ptr, out_ptr, stride_or, ws_ptr, S, G, KVH, SPLITS, CHUNK,
+                                scale_log2, HD: tl.constexpr, G_PAD: tl.constexpr,
+                                BLOCK_N: tl.constexpr, OUT: tl.constexpr,
+                                PARTIAL: tl.constexpr):
+        """Program (r, j, s): chunk row r (position start + r) for the G query heads that share kv
+        head j, over keys s*CHUNK .. up to the row's own position. Online softmax (base 2, the
+        scale folded into q), fp32 throughout. One split: one rounding to the output dtype (code
+        OUT) at the end. PARTIAL: the split's running max, sum and unnormalised output go to the
+        workspace (slot ((r*KVH + j)*SPLITS + s): acc [G_PAD, HD], m [G_PAD], l [G_PAD]) for
+        _attention_combine_kernel; a split past the row's position stores m = -inf, l = 0."""
         r = tl.program_id(0)
         j = tl.program_id(1)
+        sp = tl.program_id(2)
         pos = tl.load(start_ptr).to(tl.int32) + r
         end = tl.minimum(pos + 1, S)   # keys 0..pos, never past the cache
+        lo = sp * CHUNK
+        hi = tl.minimum(end, lo + CHUNK)
         gi = tl.arange(0, G_PAD)
         d = tl.arange(0, HD)
         gmask = gi < G
@@ -453,9 +465,9 @@ if HAS_TRITON:
         acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
         kv_head = k_ptr + j.to(tl.int64) * stride_ch
         vv_head = v_ptr + j.to(tl.int64) * stride_ch
-        for n0 in range(0, end, BLOCK_N):
+        for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < end
+            nmask = n < hi
             offs = n[:, None].to(tl.int64) * stride_cs + d[None, :]
             k = tl.load(kv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
             s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
@@ -467,13 +479,60 @@ if HAS_TRITON:
             v = tl.load(vv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
             m_i = m_new
-        out = round_to(acc / l_i[:, None], OUT)
+        if PARTIAL:
+            slot = ws_ptr + ((r * KVH + j) * SPLITS + sp).to(tl.int64) * (G_PAD * (HD + 2))
+            tl.store(slot + gi[:, None] * HD + d[None, :], acc)
+            tl.store(slot + G_PAD * HD + gi, m_i)
+            tl.store(slot + G_PAD * (HD + 1) + gi, l_i)
+        else:
+            out = round_to(acc / l_i[:, None], OUT)
+            tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :], out,
+                     mask=gmask[:, None])
+
+    @triton.jit
+    def _attention_combine_kernel(ws_ptr, out_ptr, stride_or, G, KVH, SPLITS,
+                                  HD: tl.constexpr, G_PAD: tl.constexpr, OUT: tl.constexpr):
+        """Program (r, j): merges the splits' partial softmaxes in split order (deterministic):
+        rescale each by 2^(m_s - M), sum, divide by the summed l, round once."""
+        r = tl.program_id(0)
+        j = tl.program_id(1)
+        gi = tl.arange(0, G_PAD)
+        d = tl.arange(0, HD)
+        slot_size = G_PAD * (HD + 2)
+        base = ws_ptr + ((r * KVH + j) * SPLITS).to(tl.int64) * slot_size
+        m_all = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+        for sp in range(0, SPLITS):
+            m_all = tl.maximum(m_all, tl.load(base + sp * slot_size + G_PAD * HD + gi))
+        l_all = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
+        for sp in range(0, SPLITS):
+            slot = base + sp * slot_size
+            m_s = tl.load(slot + G_PAD * HD + gi)
+            w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_all), 0.0)  # empty split: 0
+            l_all += tl.load(slot + G_PAD * (HD + 1) + gi) * w
+            acc += tl.load(slot + gi[:, None] * HD + d[None, :]) * w[:, None]
+        out = round_to(acc / tl.where(l_all > 0, l_all, 1.0)[:, None], OUT)
+        heads = (j * G + gi).to(tl.int64)
         tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :], out,
-                 mask=gmask[:, None])
+                 mask=(gi < G)[:, None])
 
 
-@dispatch.register("cache_attention", "triton", supports=_attention_supports)
-def cache_attention_triton(q, k_cache, v_cache, start, scale):
+def attention_splits(rows: int, kv_heads: int, S: int, block_n: int, device,
+                     splits: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split) over the cache capacity S. The split is fixed by S, not by the
+    position (which may live on the device), so one CUDA graph serves every position; splits
+    past a row's position exit at once. Default: one split on CPU, else about four programs per
+    SM."""
+    if splits is None:
+        splits = 1 if device.type != "cuda" else triton.cdiv(4 * sm_count(device),
+                                                             rows * kv_heads)
+    splits = max(1, min(int(splits), triton.cdiv(S, block_n)))
+    chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
+    return triton.cdiv(S, chunk), chunk
+
+
+def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = None):
+    """The Triton cache attention (see cache_attention); `splits` forces the key split."""
     H, R, hd = q.shape
     kvh, S, _ = k_cache.shape
     out = _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
@@ -483,13 +542,27 @@ def cache_attention_triton(q, k_cache, v_cache, start, scale):
         start = torch.tensor([int(start)], dtype=torch.int64, device=q.device)
     group = H // kvh
     g_pad, block_n = _attention_blocks(group, hd, S)
+    n_splits, chunk = attention_splits(R, kvh, S, block_n, q.device, splits)
+    partial = n_splits > 1
+    ws = (torch.empty(R * kvh * n_splits * g_pad * (hd + 2), dtype=torch.float32,
+                      device=q.device) if partial else out)
     scale = hd ** -0.5 if scale is None else scale
-    _cache_attention_kernel[(R, kvh)](
+    warps = 1 if INTERPRET else 4
+    _cache_attention_kernel[(R, kvh, n_splits)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        start, out, out.stride(0), S, group, scale * 1.4426950408889634,
-        HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=dtype_code(k_cache.dtype),
-        num_warps=1 if INTERPRET else 4)
+        start, out, out.stride(0), ws, S, group, kvh, n_splits, chunk, scale * 1.4426950408889634,
+        HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=dtype_code(k_cache.dtype), PARTIAL=partial,
+        num_warps=warps)
+    if partial:
+        _attention_combine_kernel[(R, kvh)](ws, out, out.stride(0), group, kvh, n_splits, HD=hd,
+                                            G_PAD=g_pad, OUT=dtype_code(k_cache.dtype),
+                                            num_warps=warps)
     return out
+
+
+@dispatch.register("cache_attention", "triton", supports=_attention_supports)
+def cache_attention_triton(q, k_cache, v_cache, start, scale):
+    return attention_launch(q, k_cache, v_cache, start, scale)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -130,16 +130,23 @@ def _variants():
                          H="i32", KVH="i32", S="i32", eps="fp32", HD="constexpr",
                          QK_NORM="constexpr", R="constexpr", BLOCK_D="constexpr"),
                     dict(HD=hd, QK_NORM=qkn, R=code, BLOCK_D=32)))
-    for code, dt, hd, g_pad, block_n in ((1, "bf16", 128, 4, 16), (1, "bf16", 64, 4, 16),
-                                         (0, "fp32", 64, 1, 64)):
-        out.append((f"pdm._cache_attention_kernel[{dt}-{hd}-g{g_pad}]",
+    for code, dt, hd, g_pad, block_n, partial in ((1, "bf16", 128, 4, 16, True),
+                                                  (1, "bf16", 64, 4, 16, False),
+                                                  (0, "fp32", 64, 1, 64, True)):
+        out.append((f"pdm._cache_attention_kernel[{dt}-{hd}-g{g_pad}{'-split' * partial}]",
                     pdm._cache_attention_kernel,
                     dict(q_ptr=ptr(dt), stride_qh="i32", stride_qr="i32", k_ptr=ptr(dt),
                          v_ptr=ptr(dt), stride_ch="i32", stride_cs="i32", start_ptr="*i64",
-                         out_ptr=ptr(dt), stride_or="i32", S="i32", G="i32", scale_log2="fp32",
-                         HD="constexpr", G_PAD="constexpr", BLOCK_N="constexpr",
-                         OUT="constexpr"),
-                    dict(HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=code)))
+                         out_ptr=ptr(dt), stride_or="i32",
+                         ws_ptr="*fp32", S="i32", G="i32", KVH="i32", SPLITS="i32", CHUNK="i32",
+                         scale_log2="fp32", HD="constexpr", G_PAD="constexpr",
+                         BLOCK_N="constexpr", OUT="constexpr", PARTIAL="constexpr"),
+                    dict(HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=code, PARTIAL=partial)))
+        out.append((f"pdm._attention_combine_kernel[{dt}-{hd}-g{g_pad}]",
+                    pdm._attention_combine_kernel,
+                    dict(ws_ptr="*fp32", out_ptr=ptr(dt), stride_or="i32", G="i32", KVH="i32",
+                         SPLITS="i32", HD="constexpr", G_PAD="constexpr", OUT="constexpr"),
+                    dict(HD=hd, G_PAD=g_pad, OUT=code)))
     lin_sig = lambda dt: dict(
         x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
         res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",

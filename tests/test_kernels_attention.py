@@ -91,6 +91,26 @@ def test_triton_online_softmax_over_many_key_blocks(block_n, monkeypatch):
 
 
 @needs_triton
+@pytest.mark.parametrize("splits", [2, 3, 7])
+@pytest.mark.parametrize("start", [0, 37, 90])
+def test_triton_split_keys_merge_exactly(splits, start, monkeypatch):
+    """Keys split over programs (flash-decoding) and merged by the combine launch: same result
+    as the reference, including splits that lie wholly past a row's position (empty)."""
+    monkeypatch.setattr(pdm, "_attention_blocks", lambda g, hd, S: (pdm.next_pow2(g), 16))
+    R, S, H, KVH, hd = 5, 100, 6, 2, 16
+    q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE,
+                        seed=splits * 100 + start)
+    q[:, 2] *= 8  # a peaky row: the maxima differ between splits
+    n_splits, chunk = pdm.attention_splits(R, KVH, S, 16, torch.device(TRITON_DEVICE), splits)
+    assert n_splits == splits and (n_splits - 1) * chunk < S <= n_splits * chunk
+    with poisoned_outputs("a"):
+        out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
+                                   splits=splits)
+    torch.testing.assert_close(out, run(q, k, v, start, "reference"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_triton_half_precision(dtype):
     R, start, S, H, KVH, hd = 5, 20, 32, 8, 2, 16
