@@ -34,7 +34,7 @@ step() {  # step NAME LIMIT_S LOG CMD...
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
     export TRITON_INTERPRET=1 SPD_SKIP_CUDA_BUILD=1
     DEV=cpu
-    KERNEL_ARGS=(--models smollm2-135m --ops verify_greedy,truncate_kv --iters 1 --warmup 0
+    KERNEL_ARGS=(--models smollm2-135m --ops verify_greedy,truncate_kv,fused_linear --iters 1 --warmup 0
                  --compile off)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
 else
