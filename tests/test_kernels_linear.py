@@ -101,6 +101,22 @@ def test_dispatched_ops_and_checks():
                           (a["x"], a["g"], 1e-6, a["w"], a["w2"]))
 
 
+def test_library_ops_trace_under_torch_compile():
+    """An MLP block written with torch.ops.spd.* compiles with fullgraph (the fake
+    implementations give the shapes) and computes what the references do."""
+    a = make(4, 32, 48, torch.float32, "cpu", seed=9)
+    w_down = torch.randn(32, 48) / 48 ** 0.5
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def block(x, g, wg, wu, wd):
+        mid = torch.ops.spd.fused_swiglu(x, g, 1e-6, wg, wu)
+        return torch.ops.spd.fused_linear(mid, wd, None, 1e-6, x) * 2
+
+    got = block(a["x"], a["g"], a["w"], a["w2"], w_down)
+    mid = fused_swiglu_reference(a["x"], a["g"], 1e-6, a["w"], a["w2"])
+    torch.testing.assert_close(got, fused_linear_reference(mid, w_down, None, 1e-6, a["x"]) * 2)
+
+
 @pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="needs the Triton interpreter")
 def test_unsupported_arguments_raise_when_forced_and_fall_back_when_auto():
     big = make(MAX_KERNEL_ROWS + 1, 16, 16, torch.float32, "cpu", seed=2)
