@@ -5,7 +5,8 @@ For each (model, op, case) and each backend that can run here (reference, compil
 for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
 cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
 triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch; for the attention also
-triton_1split, the keys not split over programs) it prints the median
+triton_1split, the keys not split over programs; for sampling without top-k/top-p triton_1prog,
+one program a row) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -48,7 +49,8 @@ from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
 from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_launch,
                              cache_attention_reference, pdm_step, qkv_rope_append_reference)
-from spd_kernels.verify import rejection_sample_logits_reference, verify_greedy_reference
+from spd_kernels.verify import (_launch_rejection, rejection_sample_logits_reference,
+                                target_to_draft_map, verify_greedy_reference)
 
 
 @dataclass(frozen=True)
@@ -202,6 +204,11 @@ def build_cases(op: str, s: Shape, dtype, device):
             fns = {"reference": (rejection_sample_logits_reference, args)}
             fns["triton"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: spd_kernels.rejection_sample_logits(
                 lg, qq, m, tk, uu, temperature=t_, top_k=k_, top_p=p_, backend="triton"), args)
+            if k == 0 and p == 1.0:  # the split-row plan's baseline: one program per row
+                t2d = target_to_draft_map(d2t, V)
+                fns["triton_1prog"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: _launch_rejection(
+                    lg, qq, t2d, tk, uu, None, None, t_, k_, p_, from_logits=True, q_mapped=True,
+                    chunk=0), args)
             yield case, fns, V * 4 + vd * 4 + V * 4, {}
     elif op == "anchor_projection":
         types = staircase_types(device)
@@ -338,7 +345,7 @@ def backend_ready(op: str, backend: str, device) -> str | None:
     if backend in ("reference", "compile", "cuda_graph"):
         return None
     backend = {"triton_cg": "triton", "triton_attn": "triton", "triton_attn_cg": "triton",
-               "triton_1split": "triton"}.get(backend, backend)
+               "triton_1split": "triton", "triton_1prog": "triton"}.get(backend, backend)
     if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
         return "not available here"
     if backend == "triton" and device.type == "cpu":

@@ -106,6 +106,34 @@ def _variants():
         names = ("FROM_LOGITS", "GREEDY", "TOP_K", "TOP_P", "Q_MAPPED", "PHILOX")
         out.append((f"verify._rejection_kernel[{tag}]", verify._rejection_kernel, rej_sig,
                     dict(zip(names, flags), BLOCK=2048)))
+    for greedy in (False, True):
+        out.append((f"verify._split_stats_kernel[greedy={greedy}]", verify._split_stats_kernel,
+                    dict(x_ptr="*fp32", stride_x="i32", pmax_ptr="*fp32", psum_ptr="*fp32",
+                         parg_ptr="*i32", V="i32", CHUNK="i32", NB="i32", temperature="fp32",
+                         GREEDY="constexpr", BLOCK="constexpr"), dict(GREEDY=greedy, BLOCK=1024)))
+    split_common = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32",
+                        t2d_ptr="*i32", pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32")
+    for tag, logits, mapped in (("logits", True, True), ("probs", False, False)):
+        out.append((f"verify._split_residual_kernel[{tag}]", verify._split_residual_kernel,
+                    dict(split_common, mass_ptr="*fp32", last_ptr="*i32", V="i32", CHUNK="i32",
+                         NB="i32", temperature="fp32", FROM_LOGITS="constexpr",
+                         GREEDY="constexpr", Q_MAPPED="constexpr", NB_PAD="constexpr",
+                         BLOCK="constexpr"),
+                    dict(FROM_LOGITS=logits, GREEDY=False, Q_MAPPED=mapped, NB_PAD=128,
+                         BLOCK=1024)))
+    for tag, logits, greedy, philox in (("logits-philox", True, False, True),
+                                        ("logits-greedy-uniforms", True, True, False),
+                                        ("probs-uniforms", False, False, False)):
+        sig = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32", t2d_ptr="*i32",
+                   tok_ptr="*i64", u_ptr="*fp32", stride_u="i32", seed_ptr="*i64",
+                   offset_ptr="*i64", pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32",
+                   mass_ptr="*fp32", last_ptr="*i32", out_tok_ptr="*i64", out_acc_ptr="*i8",
+                   V="i32", CHUNK="i32", NB="i32", temperature="fp32", FROM_LOGITS="constexpr",
+                   GREEDY="constexpr", Q_MAPPED="constexpr", PHILOX="constexpr",
+                   NB_PAD="constexpr", BLOCK="constexpr")
+        out.append((f"verify._split_finish_kernel[{tag}]", verify._split_finish_kernel, sig,
+                    dict(FROM_LOGITS=logits, GREEDY=greedy, Q_MAPPED=logits, PHILOX=philox,
+                         NB_PAD=128, BLOCK=1024)))
     out.append(("kv_cache._lengths_kernel", kv_cache._lengths_kernel,
                 dict(len_ptr="*i64", new_ptr="*i64", new_stride="i32", C="i32",
                      BLOCK_C="constexpr"), dict(BLOCK_C=64)))

@@ -15,6 +15,11 @@ Backends (see spd_kernels.dispatch):
                            from the target logits; q on the draft vocabulary, mapped to target ids;
                            uniforms given, or Philox with seed and offset in device tensors)
 
+Two Triton plans for the rejection samplers: one program per row (any top-k / top-p: exact
+thresholds by bisection over the row), and on a GPU from 16k entries a row without top-k / top-p
+a split-row plan: chunks of the row in parallel programs (stats, then residual masses), then one
+program per row for the accept test and the draw inside the chunk that holds it.
+
 The kernels reproduce the reference's roundings (normed hidden state and logits rounded to the
 model dtype, argmax ties to the lowest id), so greedy verification agrees with the reference
 except where two logits differ by less than the fp32 accumulation error.
@@ -428,6 +433,20 @@ if HAS_TRITON:
         return p
 
     @triton.jit
+    def _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX: tl.constexpr):
+        """Row r's two uniforms (accept test, residual draw): given, or Philox(seed, offset + r)."""
+        if PHILOX:
+            seed = tl.load(seed_ptr)
+            offset = tl.load(offset_ptr) + r
+            c0, c1, _, _ = tl.randint4x(seed, offset + tl.arange(0, 1))
+            u0 = tl.sum(uint_to_uniform_float(c0), axis=0)
+            u1 = tl.sum(uint_to_uniform_float(c1), axis=0)
+        else:
+            u0 = tl.load(u_ptr + r * stride_u).to(tl.float32)
+            u1 = tl.load(u_ptr + r * stride_u + 1).to(tl.float32)
+        return u0, u1
+
+    @triton.jit
     def _masked_exp_sum(x_row, V, temperature, mx, tk, lo_key, GREEDY: tl.constexpr,
                         TOP_K: tl.constexpr, BLOCK: tl.constexpr):
         """sum of exp(x - mx) over kept tokens whose key exceeds lo_key (int64)."""
@@ -537,15 +556,7 @@ if HAS_TRITON:
         px = tl.where(valid, px, 0.0)
         qx = tl.sum(_q_chunk(q_row, t2d_ptr, tokc + tl.arange(0, 1), tl.arange(0, 1) < 1,
                              Q_MAPPED), axis=0)
-        if PHILOX:
-            seed = tl.load(seed_ptr)
-            offset = tl.load(offset_ptr) + r
-            c0, c1, _, _ = tl.randint4x(seed, offset + tl.arange(0, 1))
-            u0 = tl.sum(uint_to_uniform_float(c0), axis=0)
-            u1 = tl.sum(uint_to_uniform_float(c1), axis=0)
-        else:
-            u0 = tl.load(u_ptr + r * stride_u).to(tl.float32)
-            u1 = tl.load(u_ptr + r * stride_u + 1).to(tl.float32)
+        u0, u1 = _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX)
         accepted = u0 * qx < px
         out = tok
         if not accepted:
@@ -593,6 +604,167 @@ if HAS_TRITON:
         tl.store(out_acc_ptr + r, accepted.to(tl.int8))
 
 
+if HAS_TRITON:
+    # Split-row plan (no top-k / top-p): the row is cut into NB chunks, one program each, so a
+    # 152k-entry row is read by ~75 SMs at once instead of walked by one.
+
+    @triton.jit
+    def _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY: tl.constexpr,
+                   NB_PAD: tl.constexpr):
+        """Merge the chunks' (max, sum exp(x - max), first argmax) into the row's (mx, amax, z)."""
+        b = tl.arange(0, NB_PAD)
+        bm = b < NB
+        cmax = tl.load(pmax_ptr + r * NB + b, mask=bm, other=float("-inf"))
+        mx = tl.max(cmax, axis=0)
+        carg = tl.load(parg_ptr + r * NB + b, mask=bm, other=2147483647)
+        amax = tl.min(tl.where(bm & (cmax == mx), carg, 2147483647), axis=0)
+        z = tl.zeros([], dtype=tl.float32) + 1.0
+        if not GREEDY:
+            csum = tl.load(psum_ptr + r * NB + b, mask=bm, other=0.0)
+            z = tl.sum(tl.where(bm, csum * tl.exp(cmax - mx), 0.0), axis=0)
+        return mx, amax, z
+
+    @triton.jit
+    def _split_stats_kernel(x_ptr, stride_x, pmax_ptr, psum_ptr, parg_ptr, V, CHUNK, NB,
+                            temperature, GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (r, b): max, first argmax and sum exp(x - max) of x = logits / T over chunk b."""
+        r = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        x_row = x_ptr + r * stride_x
+        lo = b * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        mx = tl.zeros([], dtype=tl.float32) + float("-inf")
+        amax = tl.zeros([], dtype=tl.int32) + 2147483647
+        z = tl.zeros([], dtype=tl.float32)
+        for v0 in range(lo, hi, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < hi
+            x = _x_chunk(x_row, offs, mask, temperature, GREEDY)
+            cm = tl.max(x, axis=0)
+            ci = tl.min(tl.where(x == cm, offs, 2147483647), axis=0)
+            amax = tl.where(cm > mx, ci, amax)
+            new_mx = tl.maximum(mx, cm)
+            if not GREEDY:
+                z = z * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), axis=0)
+            mx = new_mx
+        tl.store(pmax_ptr + r * NB + b, mx)
+        tl.store(psum_ptr + r * NB + b, z)
+        tl.store(parg_ptr + r * NB + b, amax)
+
+    @triton.jit
+    def _split_residual_kernel(x_ptr, stride_x, q_ptr, stride_q, t2d_ptr, pmax_ptr, psum_ptr,
+                               parg_ptr, mass_ptr, last_ptr, V, CHUNK, NB, temperature,
+                               FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
+                               Q_MAPPED: tl.constexpr, NB_PAD: tl.constexpr,
+                               BLOCK: tl.constexpr):
+        """Program (r, b): over chunk b, the residual mass sum max(p - q, 0), p's mass, and the
+        last index where each is positive (mass [R, 2, NB], last [R, 2, NB])."""
+        r = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        x_row = x_ptr + r * stride_x
+        q_row = q_ptr + r * stride_q
+        mx = tl.zeros([], dtype=tl.float32)
+        amax = tl.zeros([], dtype=tl.int32)
+        z = tl.zeros([], dtype=tl.float32) + 1.0
+        if FROM_LOGITS:
+            mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY, NB_PAD)
+        tk = tl.zeros([], dtype=tl.int32)
+        lo = b * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        s_res = tl.zeros([], dtype=tl.float32)
+        s_p = tl.zeros([], dtype=tl.float32)
+        l_res = tl.zeros([], dtype=tl.int32) - 1
+        l_p = tl.zeros([], dtype=tl.int32) - 1
+        for v0 in range(lo, hi, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < hi
+            p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
+                         GREEDY, False, False)
+            q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
+            w = tl.maximum(p - q, 0.0)
+            s_res += tl.sum(w, axis=0)
+            s_p += tl.sum(p, axis=0)
+            l_res = tl.maximum(l_res, tl.max(tl.where(w > 0.0, offs, -1), axis=0))
+            l_p = tl.maximum(l_p, tl.max(tl.where(p > 0.0, offs, -1), axis=0))
+        base = r * 2 * NB + b
+        tl.store(mass_ptr + base, s_res)
+        tl.store(mass_ptr + base + NB, s_p)
+        tl.store(last_ptr + base, l_res)
+        tl.store(last_ptr + base + NB, l_p)
+
+    @triton.jit
+    def _split_finish_kernel(x_ptr, stride_x, q_ptr, stride_q, t2d_ptr, tok_ptr, u_ptr, stride_u,
+                             seed_ptr, offset_ptr, pmax_ptr, psum_ptr, parg_ptr, mass_ptr,
+                             last_ptr, out_tok_ptr, out_acc_ptr, V, CHUNK, NB, temperature,
+                             FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
+                             Q_MAPPED: tl.constexpr, PHILOX: tl.constexpr,
+                             NB_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        """Program r: the accept test; on rejection the inverse-CDF draw from max(p - q, 0) (p
+        itself if that is empty): the chunk holding u * total is found from the chunks' masses
+        in order, then walked; the draw is clamped to that chunk's last index with mass."""
+        r = tl.program_id(0).to(tl.int64)
+        x_row = x_ptr + r * stride_x
+        q_row = q_ptr + r * stride_q
+        mx = tl.zeros([], dtype=tl.float32)
+        amax = tl.zeros([], dtype=tl.int32)
+        z = tl.zeros([], dtype=tl.float32) + 1.0
+        if FROM_LOGITS:
+            mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY, NB_PAD)
+        tk = tl.zeros([], dtype=tl.int32)
+        tok = tl.load(tok_ptr + r).to(tl.int64)
+        valid = (tok >= 0) & (tok < V)
+        tokc = tl.minimum(tl.maximum(tok, 0), V - 1)
+        one = tl.arange(0, 1)
+        px = tl.sum(_p_chunk(x_row, tokc + one, one < 1, temperature, mx, amax, tk, tk, z,
+                             FROM_LOGITS, GREEDY, False, False), axis=0)
+        px = tl.where(valid, px, 0.0)
+        qx = tl.sum(_q_chunk(q_row, t2d_ptr, tokc + one, one < 1, Q_MAPPED), axis=0)
+        u0, u1 = _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX)
+        accepted = u0 * qx < px
+        out = tok
+        if not accepted:
+            bi = tl.arange(0, NB_PAD)
+            bm = bi < NB
+            m_res = tl.load(mass_ptr + r * 2 * NB + bi, mask=bm, other=0.0)
+            m_p = tl.load(mass_ptr + r * 2 * NB + NB + bi, mask=bm, other=0.0)
+            use_p = tl.sum(m_res, axis=0) <= 0.0
+            m = tl.where(use_p, m_p, m_res)
+            goal = u1 * tl.sum(m, axis=0)
+            cum = tl.cumsum(m, axis=0)
+            last_b = tl.max(tl.where(bm & (m > 0.0), bi, 0), axis=0)
+            pick = tl.minimum(tl.min(tl.where(bm & (cum > goal), bi, NB_PAD), axis=0), last_b)
+            carry = tl.sum(tl.where(bi < pick, m, 0.0), axis=0)
+            lasts = tl.where(use_p, tl.load(last_ptr + r * 2 * NB + NB + pick),
+                             tl.load(last_ptr + r * 2 * NB + pick))
+            lo = pick * CHUNK
+            hi = tl.minimum(lo + CHUNK, V)
+            found = tl.zeros([], dtype=tl.int64) + V
+            for v0 in range(lo, hi, BLOCK):
+                offs = v0 + tl.arange(0, BLOCK)
+                mask = offs < hi
+                p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
+                             GREEDY, False, False)
+                q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
+                w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
+                cdf = carry + tl.cumsum(w, axis=0)
+                hit = mask & (cdf > goal)
+                found = tl.minimum(found, tl.min(tl.where(hit, offs, V), axis=0).to(tl.int64))
+                carry += tl.sum(w, axis=0)
+            out = tl.minimum(found, lasts.to(tl.int64))
+        tl.store(out_tok_ptr + r, out)
+        tl.store(out_acc_ptr + r, accepted.to(tl.int8))
+
+
+SPLIT_MIN_VOCAB = 16384   # below this one program per row is quick enough on a GPU
+
+
+def _split_chunk(V: int, device) -> int:
+    """Chunk length of the split-row plan on this device, 0 for the one-program plan."""
+    if device.type != "cuda" or V < SPLIT_MIN_VOCAB:
+        return 0
+    return max(2048, next_pow2(triton.cdiv(V, 1024)))  # at most 1024 chunks a row
+
+
 def _rejection_block(V: int) -> tuple[int, int]:
     if INTERPRET:
         return min(next_pow2(V), 4096), 1
@@ -607,8 +779,38 @@ def _float_ok(*named):
     return None
 
 
+def _launch_split(x, q, t2d, tok, u, stride_u, seed, offset, out, acc, temperature,
+                  from_logits, greedy, q_mapped, philox, chunk):
+    """The split-row plan: stats (from logits), per-chunk residual masses, then the finish."""
+    R, V = x.shape
+    nb = triton.cdiv(V, chunk)
+    nb_pad = next_pow2(nb)
+    block = min(chunk, 4096 if INTERPRET else 1024)
+    warps = 1 if INTERPRET else 4
+    dev = x.device
+    pmax = torch.empty(R, nb, dtype=torch.float32, device=dev)
+    psum = torch.empty(R, nb, dtype=torch.float32, device=dev)
+    parg = torch.empty(R, nb, dtype=torch.int32, device=dev)
+    mass = torch.empty(R, 2, nb, dtype=torch.float32, device=dev)
+    last = torch.empty(R, 2, nb, dtype=torch.int32, device=dev)
+    if from_logits:
+        _split_stats_kernel[(R, nb)](x, x.stride(0), pmax, psum, parg, V, chunk, nb, temperature,
+                                     GREEDY=greedy, BLOCK=block, num_warps=warps)
+    _split_residual_kernel[(R, nb)](x, x.stride(0), q, q.stride(0), t2d, pmax, psum, parg, mass,
+                                    last, V, chunk, nb, temperature, FROM_LOGITS=from_logits,
+                                    GREEDY=greedy, Q_MAPPED=q_mapped, NB_PAD=nb_pad, BLOCK=block,
+                                    num_warps=warps)
+    _split_finish_kernel[(R,)](x, x.stride(0), q, q.stride(0), t2d, tok, u, stride_u, seed,
+                               offset, pmax, psum, parg, mass, last, out, acc.view(torch.int8), V,
+                               chunk, nb, temperature, FROM_LOGITS=from_logits, GREEDY=greedy,
+                               Q_MAPPED=q_mapped, PHILOX=philox, NB_PAD=nb_pad, BLOCK=block,
+                               num_warps=warps)
+
+
 def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature, top_k,
-                      top_p, from_logits, q_mapped):
+                      top_p, from_logits, q_mapped, chunk=None):
+    """chunk: None picks the plan (`_split_chunk`), 0 forces one program per row, > 0 forces
+    the split-row plan with that chunk length (where top-k / top-p are off)."""
     R, V = x.shape
     out = _alloc.empty(R, dtype=torch.int64, device=x.device)
     acc = _alloc.empty(R, dtype=torch.bool, device=x.device)
@@ -620,6 +822,17 @@ def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temp
     use_top_p = from_logits and not greedy and top_p < 1.0
     philox = uniforms is None
     dummy = tok  # placeholder pointer for arguments a variant does not read
+    if chunk is None:
+        chunk = _split_chunk(V, x.device)
+    if chunk and not (use_top_k or use_top_p):
+        _launch_split(x, q, t2d if q_mapped else dummy, tok, dummy if philox else uniforms,
+                      0 if philox else uniforms.stride(0), philox_seed if philox else dummy,
+                      philox_offset if philox else dummy, out, acc,
+                      temperature if temperature > 0 else 1.0, from_logits, greedy, q_mapped,
+                      philox, chunk)
+        if philox:
+            philox_offset.add_(R)
+        return out, acc
     block, warps = _rejection_block(V)
     _rejection_kernel[(R,)](
         x, x.stride(0), q, q.stride(0), t2d if q_mapped else dummy, tok,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from spd_kernels import SPDInputError, rejection_sample, rejection_sample_logits
-from spd_kernels import dispatch
+from spd_kernels import dispatch, verify
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.testing import (TRITON_DEVICE, TRITON_SKIP_REASON, chi2_pvalue,
                                  poisoned_outputs)
@@ -132,6 +132,67 @@ def test_philox_kernel_follows_target_distribution(case):
     expect = torch.minimum(p, q_full).sum().item()
     rate = acc.float().mean().item()
     assert abs(rate - expect) < 4 * math.sqrt(expect * (1 - expect) / n) + 1e-9
+
+
+# --- the split-row plan (no top-k / top-p; the GPU's default from 16k entries a row) ------------
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [16, 64, 4096])
+@pytest.mark.parametrize("R,V", [(5, 37), (8, 300), (4, 4099)])
+def test_split_probs_plan_matches_reference_bit_for_bit(R, V, chunk):
+    p, q, tok, u = probs_case(R, V, seed=V + chunk, device=TRITON_DEVICE)
+    ref = rejection_sample_reference(p, q, tok, u)
+    with poisoned_outputs("a"):
+        out = verify._launch_rejection(p, q, None, tok, u, None, None, 1.0, 0, 1.0,
+                                       from_logits=False, q_mapped=False, chunk=chunk)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert not out[1].all()  # the residual draw ran
+
+
+@needs_triton
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 2.0, 0.0])
+@pytest.mark.parametrize("R,V,Vd,chunk", [(4, 50, 20, 16), (3, 301, 150, 32), (6, 1000, 999, 128)])
+def test_split_logits_plan_matches_reference_bit_for_bit(R, V, Vd, chunk, temperature):
+    logits, q, d2t, tok, u = logits_case(R, V, Vd, seed=V + chunk, device=TRITON_DEVICE)
+    logits[0, 3] = logits[0].max() + 1   # the argmax in the first chunk ...
+    logits[0, V - 2] = logits[0, 3]      # ... tied in the last: the lower id wins
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, 0, 1.0)
+    t2d = target_to_draft_map(d2t, V)
+    with poisoned_outputs("b"):
+        out = verify._launch_rejection(logits, q, t2d, tok, u, None, None, temperature, 0, 1.0,
+                                       from_logits=True, q_mapped=True, chunk=chunk)
+    assert torch.equal(out[0], ref[0]), (out, ref)
+    assert torch.equal(out[1], ref[1])
+    if temperature == 0.0:
+        assert int(out[0][0]) == 3
+
+
+@needs_triton
+def test_split_plan_philox_follows_target_distribution():
+    """The split-row plan with its own Philox draws: distributed as p (chi-square, 1e-3), and
+    the same numbers as the one-program plan (both read Philox(seed, offset + row))."""
+    g = torch.Generator().manual_seed(8)
+    V, Vd, n = 20, 14, 500  # two chunks of 16: every interpreted program costs
+    logits = torch.randn(V, generator=g) * 1.5
+    p = filtered_probs(logits, 0.8, 0, 1.0)
+    d2t = torch.randperm(V, generator=g)[:Vd]
+    q = torch.rand(Vd, generator=g)
+    q = q / q.sum()
+    tok = d2t[sample_from_probs(q.expand(n, -1), torch.rand(n, generator=g))]
+    dev = TRITON_DEVICE
+    args = [logits.expand(n, -1).contiguous().to(dev), q.expand(n, -1).contiguous().to(dev),
+            target_to_draft_map(d2t.to(dev), V), tok.to(dev)]
+    outs = []
+    for chunk in (16, 0):
+        offset = torch.tensor([0], device=dev)
+        outs.append(verify._launch_rejection(*args, None, torch.tensor([5], device=dev), offset,
+                                             0.8, 0, 1.0, from_logits=True, q_mapped=True,
+                                             chunk=chunk))
+        assert int(offset) == n
+    (out, acc), (one, one_acc) = outs
+    assert torch.equal(acc, one_acc)
+    assert (out == one).float().mean() > 0.99  # chunked sums may flip a draw at a boundary
+    assert chi2_pvalue(torch.bincount(out.cpu(), minlength=V), p) > 1e-3
 
 
 @needs_triton
