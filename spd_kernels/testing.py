@@ -115,7 +115,7 @@ def _variants():
                         t2d_ptr="*i32", pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32")
     for tag, logits, mapped in (("logits", True, True), ("probs", False, False)):
         out.append((f"verify._split_residual_kernel[{tag}]", verify._split_residual_kernel,
-                    dict(split_common, mass_ptr="*fp32", last_ptr="*i32", V="i32", CHUNK="i32",
+                    dict(split_common, mass_ptr="*fp32", V="i32", CHUNK="i32",
                          NB="i32", temperature="fp32", FROM_LOGITS="constexpr",
                          GREEDY="constexpr", Q_MAPPED="constexpr", NB_PAD="constexpr",
                          BLOCK="constexpr"),
@@ -127,7 +127,7 @@ def _variants():
         sig = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32", t2d_ptr="*i32",
                    tok_ptr="*i64", u_ptr="*fp32", stride_u="i32", seed_ptr="*i64",
                    offset_ptr="*i64", pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32",
-                   mass_ptr="*fp32", last_ptr="*i32", out_tok_ptr="*i64", out_acc_ptr="*i8",
+                   mass_ptr="*fp32", out_tok_ptr="*i64", out_acc_ptr="*i8",
                    V="i32", CHUNK="i32", NB="i32", temperature="fp32", FROM_LOGITS="constexpr",
                    GREEDY="constexpr", Q_MAPPED="constexpr", PHILOX="constexpr",
                    NB_PAD="constexpr", BLOCK="constexpr")

@@ -433,6 +433,57 @@ if HAS_TRITON:
         return p
 
     @triton.jit
+    def _online_max(x, offs, mx, amax, z, GREEDY: tl.constexpr):
+        """One chunk into the running (max, first argmax, sum exp(x - max))."""
+        cm = tl.max(x, axis=0)
+        ci = tl.min(tl.where(x == cm, offs, 2147483647), axis=0)
+        amax = tl.where(cm > mx, ci, amax)
+        new_mx = tl.maximum(mx, cm)
+        if not GREEDY:
+            z = z * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), axis=0)
+        return new_mx, amax, z
+
+    @triton.jit
+    def _judge(x_row, q_row, t2d_ptr, tok_ptr, r, V, temperature, mx, amax, tk, tp, z, u_ptr,
+               stride_u, seed_ptr, offset_ptr, FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
+               TOP_K: tl.constexpr, TOP_P: tl.constexpr, Q_MAPPED: tl.constexpr,
+               PHILOX: tl.constexpr):
+        """Row r's drafted token, whether it is accepted (u0 * q(x) < p(x)), and u1."""
+        tok = tl.load(tok_ptr + r).to(tl.int64)
+        valid = (tok >= 0) & (tok < V)
+        tokc = tl.minimum(tl.maximum(tok, 0), V - 1)
+        one = tl.arange(0, 1)
+        px = tl.sum(_p_chunk(x_row, tokc + one, one < 1, temperature, mx, amax, tk, tp, z,
+                             FROM_LOGITS, GREEDY, TOP_K, TOP_P), axis=0)
+        px = tl.where(valid, px, 0.0)
+        qx = tl.sum(_q_chunk(q_row, t2d_ptr, tokc + one, one < 1, Q_MAPPED), axis=0)
+        u0, u1 = _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX)
+        return tok, u0 * qx < px, u1
+
+    @triton.jit
+    def _walk(x_row, q_row, t2d_ptr, lo, hi, goal, carry, use_p, temperature, mx, amax, tk, tp,
+              z, FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr, TOP_K: tl.constexpr,
+              TOP_P: tl.constexpr, Q_MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+        """Inverse CDF over [lo, hi) of w = p (use_p) or max(p - q, 0), starting at mass carry:
+        the first index whose running mass exceeds goal and that has mass, and the last index
+        with mass (the clamp against rounding at the top end); hi when none."""
+        found = tl.zeros([], dtype=tl.int64) + hi
+        last = tl.zeros([], dtype=tl.int64)
+        for v0 in range(lo, hi, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < hi
+            p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tp, z, FROM_LOGITS, GREEDY,
+                         TOP_K, TOP_P)
+            q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
+            w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
+            cdf = carry + tl.cumsum(w, axis=0)
+            hit = mask & (cdf > goal) & (w > 0.0)
+            found = tl.minimum(found, tl.min(tl.where(hit, offs, hi), axis=0).to(tl.int64))
+            last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, 0), axis=0).to(tl.int64))
+            carry += tl.sum(w, axis=0)
+        return found, last
+
+    @triton.jit
     def _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX: tl.constexpr):
         """Row r's two uniforms (accept test, residual draw): given, or Philox(seed, offset + r)."""
         if PHILOX:
@@ -490,13 +541,7 @@ if HAS_TRITON:
                 offs = v0 + ar
                 mask = offs < V
                 x = _x_chunk(x_row, offs, mask, temperature, GREEDY)
-                cm = tl.max(x, axis=0)
-                ci = tl.min(tl.where(x == cm, offs, 2147483647), axis=0)
-                amax = tl.where(cm > mx, ci, amax)
-                new_mx = tl.maximum(mx, cm)
-                if not GREEDY:
-                    z = z * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), axis=0)
-                mx = new_mx
+                mx, amax, z = _online_max(x, offs, mx, amax, z, GREEDY)
                 if TOP_K or TOP_P:
                     key = float_key(x)
                     kmin = tl.minimum(kmin, tl.min(tl.where(mask, key, 2147483647), axis=0))
@@ -547,17 +592,9 @@ if HAS_TRITON:
                     z = _masked_exp_sum(x_row, V, temperature, mx, tk2, tk2.to(tl.int64) - 1,
                                         GREEDY, TOP_K, BLOCK)
 
-        # The drafted token: p(x), q(x).
-        tok = tl.load(tok_ptr + r).to(tl.int64)
-        valid = (tok >= 0) & (tok < V)
-        tokc = tl.minimum(tl.maximum(tok, 0), V - 1)
-        px = tl.sum(_p_chunk(x_row, tokc + tl.arange(0, 1), tl.arange(0, 1) < 1, temperature,
-                             mx, amax, tk, tp, z, FROM_LOGITS, GREEDY, TOP_K, TOP_P), axis=0)
-        px = tl.where(valid, px, 0.0)
-        qx = tl.sum(_q_chunk(q_row, t2d_ptr, tokc + tl.arange(0, 1), tl.arange(0, 1) < 1,
-                             Q_MAPPED), axis=0)
-        u0, u1 = _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX)
-        accepted = u0 * qx < px
+        tok, accepted, u1 = _judge(x_row, q_row, t2d_ptr, tok_ptr, r, V, temperature, mx, amax,
+                                   tk, tp, z, u_ptr, stride_u, seed_ptr, offset_ptr, FROM_LOGITS,
+                                   GREEDY, TOP_K, TOP_P, Q_MAPPED, PHILOX)
         out = tok
         if not accepted:
             # Residual mass and p's own mass (the fallback when p <= q everywhere).
@@ -572,33 +609,13 @@ if HAS_TRITON:
                 s_res += tl.sum(tl.maximum(p - q, 0.0), axis=0)
                 s_p += tl.sum(p, axis=0)
             use_p = s_res <= 0.0
+            total = tl.where(use_p, s_p, s_res)
             # Inverse CDF: first index whose running mass exceeds u * total, clamped to the last
             # index with mass (guards the top end against rounding), as sample_from_probs does.
             carry = tl.zeros([], dtype=tl.float32)
-            total = tl.zeros([], dtype=tl.float32)
-            for v0 in range(0, V, BLOCK):
-                offs = v0 + ar
-                mask = offs < V
-                p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tp, z,
-                             FROM_LOGITS, GREEDY, TOP_K, TOP_P)
-                q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
-                w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
-                total += tl.sum(w, axis=0)
-            goal = u1 * total
-            found = tl.zeros([], dtype=tl.int64) + V
-            last = tl.zeros([], dtype=tl.int64)
-            for v0 in range(0, V, BLOCK):
-                offs = v0 + ar
-                mask = offs < V
-                p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tp, z,
-                             FROM_LOGITS, GREEDY, TOP_K, TOP_P)
-                q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
-                w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
-                cdf = carry + tl.cumsum(w, axis=0)
-                hit = mask & (cdf > goal)
-                found = tl.minimum(found, tl.min(tl.where(hit, offs, V), axis=0).to(tl.int64))
-                last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, 0), axis=0).to(tl.int64))
-                carry += tl.sum(w, axis=0)
+            found, last = _walk(x_row, q_row, t2d_ptr, 0, V, u1 * total, carry, use_p,
+                                temperature, mx, amax, tk, tp, z, FROM_LOGITS, GREEDY, TOP_K,
+                                TOP_P, Q_MAPPED, BLOCK)
             out = tl.minimum(found, last)
         tl.store(out_tok_ptr + r, out)
         tl.store(out_acc_ptr + r, accepted.to(tl.int8))
@@ -638,27 +655,20 @@ if HAS_TRITON:
         z = tl.zeros([], dtype=tl.float32)
         for v0 in range(lo, hi, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
-            mask = offs < hi
-            x = _x_chunk(x_row, offs, mask, temperature, GREEDY)
-            cm = tl.max(x, axis=0)
-            ci = tl.min(tl.where(x == cm, offs, 2147483647), axis=0)
-            amax = tl.where(cm > mx, ci, amax)
-            new_mx = tl.maximum(mx, cm)
-            if not GREEDY:
-                z = z * tl.exp(mx - new_mx) + tl.sum(tl.exp(x - new_mx), axis=0)
-            mx = new_mx
+            x = _x_chunk(x_row, offs, offs < hi, temperature, GREEDY)
+            mx, amax, z = _online_max(x, offs, mx, amax, z, GREEDY)
         tl.store(pmax_ptr + r * NB + b, mx)
         tl.store(psum_ptr + r * NB + b, z)
         tl.store(parg_ptr + r * NB + b, amax)
 
     @triton.jit
     def _split_residual_kernel(x_ptr, stride_x, q_ptr, stride_q, t2d_ptr, pmax_ptr, psum_ptr,
-                               parg_ptr, mass_ptr, last_ptr, V, CHUNK, NB, temperature,
+                               parg_ptr, mass_ptr, V, CHUNK, NB, temperature,
                                FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
                                Q_MAPPED: tl.constexpr, NB_PAD: tl.constexpr,
                                BLOCK: tl.constexpr):
-        """Program (r, b): over chunk b, the residual mass sum max(p - q, 0), p's mass, and the
-        last index where each is positive (mass [R, 2, NB], last [R, 2, NB])."""
+        """Program (r, b): over chunk b, the residual mass sum max(p - q, 0) and p's own mass
+        (mass [R, 2, NB])."""
         r = tl.program_id(0).to(tl.int64)
         b = tl.program_id(1)
         x_row = x_ptr + r * stride_x
@@ -673,35 +683,28 @@ if HAS_TRITON:
         hi = tl.minimum(lo + CHUNK, V)
         s_res = tl.zeros([], dtype=tl.float32)
         s_p = tl.zeros([], dtype=tl.float32)
-        l_res = tl.zeros([], dtype=tl.int32) - 1
-        l_p = tl.zeros([], dtype=tl.int32) - 1
         for v0 in range(lo, hi, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             mask = offs < hi
             p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
                          GREEDY, False, False)
-            q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
-            w = tl.maximum(p - q, 0.0)
-            s_res += tl.sum(w, axis=0)
+            s_res += tl.sum(tl.maximum(p - _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED), 0.0),
+                            axis=0)
             s_p += tl.sum(p, axis=0)
-            l_res = tl.maximum(l_res, tl.max(tl.where(w > 0.0, offs, -1), axis=0))
-            l_p = tl.maximum(l_p, tl.max(tl.where(p > 0.0, offs, -1), axis=0))
-        base = r * 2 * NB + b
-        tl.store(mass_ptr + base, s_res)
-        tl.store(mass_ptr + base + NB, s_p)
-        tl.store(last_ptr + base, l_res)
-        tl.store(last_ptr + base + NB, l_p)
+        tl.store(mass_ptr + r * 2 * NB + b, s_res)
+        tl.store(mass_ptr + r * 2 * NB + NB + b, s_p)
 
     @triton.jit
     def _split_finish_kernel(x_ptr, stride_x, q_ptr, stride_q, t2d_ptr, tok_ptr, u_ptr, stride_u,
                              seed_ptr, offset_ptr, pmax_ptr, psum_ptr, parg_ptr, mass_ptr,
-                             last_ptr, out_tok_ptr, out_acc_ptr, V, CHUNK, NB, temperature,
+                             out_tok_ptr, out_acc_ptr, V, CHUNK, NB, temperature,
                              FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
                              Q_MAPPED: tl.constexpr, PHILOX: tl.constexpr,
                              NB_PAD: tl.constexpr, BLOCK: tl.constexpr):
         """Program r: the accept test; on rejection the inverse-CDF draw from max(p - q, 0) (p
         itself if that is empty): the chunk holding u * total is found from the chunks' masses
-        in order, then walked; the draw is clamped to that chunk's last index with mass."""
+        in order, then walked; the draw is clamped to that chunk's last index with mass (the
+        chunk sums and the walk add in different orders, so the walk may end without a hit)."""
         r = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + r * stride_x
         q_row = q_ptr + r * stride_q
@@ -711,16 +714,9 @@ if HAS_TRITON:
         if FROM_LOGITS:
             mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY, NB_PAD)
         tk = tl.zeros([], dtype=tl.int32)
-        tok = tl.load(tok_ptr + r).to(tl.int64)
-        valid = (tok >= 0) & (tok < V)
-        tokc = tl.minimum(tl.maximum(tok, 0), V - 1)
-        one = tl.arange(0, 1)
-        px = tl.sum(_p_chunk(x_row, tokc + one, one < 1, temperature, mx, amax, tk, tk, z,
-                             FROM_LOGITS, GREEDY, False, False), axis=0)
-        px = tl.where(valid, px, 0.0)
-        qx = tl.sum(_q_chunk(q_row, t2d_ptr, tokc + one, one < 1, Q_MAPPED), axis=0)
-        u0, u1 = _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX)
-        accepted = u0 * qx < px
+        tok, accepted, u1 = _judge(x_row, q_row, t2d_ptr, tok_ptr, r, V, temperature, mx, amax,
+                                   tk, tk, z, u_ptr, stride_u, seed_ptr, offset_ptr, FROM_LOGITS,
+                                   GREEDY, False, False, Q_MAPPED, PHILOX)
         out = tok
         if not accepted:
             bi = tl.arange(0, NB_PAD)
@@ -734,23 +730,11 @@ if HAS_TRITON:
             last_b = tl.max(tl.where(bm & (m > 0.0), bi, 0), axis=0)
             pick = tl.minimum(tl.min(tl.where(bm & (cum > goal), bi, NB_PAD), axis=0), last_b)
             carry = tl.sum(tl.where(bi < pick, m, 0.0), axis=0)
-            lasts = tl.where(use_p, tl.load(last_ptr + r * 2 * NB + NB + pick),
-                             tl.load(last_ptr + r * 2 * NB + pick))
             lo = pick * CHUNK
-            hi = tl.minimum(lo + CHUNK, V)
-            found = tl.zeros([], dtype=tl.int64) + V
-            for v0 in range(lo, hi, BLOCK):
-                offs = v0 + tl.arange(0, BLOCK)
-                mask = offs < hi
-                p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
-                             GREEDY, False, False)
-                q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
-                w = tl.where(use_p, p, tl.maximum(p - q, 0.0))
-                cdf = carry + tl.cumsum(w, axis=0)
-                hit = mask & (cdf > goal)
-                found = tl.minimum(found, tl.min(tl.where(hit, offs, V), axis=0).to(tl.int64))
-                carry += tl.sum(w, axis=0)
-            out = tl.minimum(found, lasts.to(tl.int64))
+            found, last = _walk(x_row, q_row, t2d_ptr, lo, tl.minimum(lo + CHUNK, V), goal,
+                                carry, use_p, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
+                                GREEDY, False, False, Q_MAPPED, BLOCK)
+            out = tl.minimum(found, last)
         tl.store(out_tok_ptr + r, out)
         tl.store(out_acc_ptr + r, accepted.to(tl.int8))
 
@@ -792,16 +776,15 @@ def _launch_split(x, q, t2d, tok, u, stride_u, seed, offset, out, acc, temperatu
     psum = torch.empty(R, nb, dtype=torch.float32, device=dev)
     parg = torch.empty(R, nb, dtype=torch.int32, device=dev)
     mass = torch.empty(R, 2, nb, dtype=torch.float32, device=dev)
-    last = torch.empty(R, 2, nb, dtype=torch.int32, device=dev)
     if from_logits:
         _split_stats_kernel[(R, nb)](x, x.stride(0), pmax, psum, parg, V, chunk, nb, temperature,
                                      GREEDY=greedy, BLOCK=block, num_warps=warps)
     _split_residual_kernel[(R, nb)](x, x.stride(0), q, q.stride(0), t2d, pmax, psum, parg, mass,
-                                    last, V, chunk, nb, temperature, FROM_LOGITS=from_logits,
+                                    V, chunk, nb, temperature, FROM_LOGITS=from_logits,
                                     GREEDY=greedy, Q_MAPPED=q_mapped, NB_PAD=nb_pad, BLOCK=block,
                                     num_warps=warps)
     _split_finish_kernel[(R,)](x, x.stride(0), q, q.stride(0), t2d, tok, u, stride_u, seed,
-                               offset, pmax, psum, parg, mass, last, out, acc.view(torch.int8), V,
+                               offset, pmax, psum, parg, mass, out, acc.view(torch.int8), V,
                                chunk, nb, temperature, FROM_LOGITS=from_logits, GREEDY=greedy,
                                Q_MAPPED=q_mapped, PHILOX=philox, NB_PAD=nb_pad, BLOCK=block,
                                num_warps=warps)
