@@ -626,19 +626,23 @@ if HAS_TRITON:
     # 152k-entry row is read by ~75 SMs at once instead of walked by one.
 
     @triton.jit
-    def _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY: tl.constexpr,
-                   NB_PAD: tl.constexpr):
-        """Merge the chunks' (max, sum exp(x - max), first argmax) into the row's (mx, amax, z)."""
-        b = tl.arange(0, NB_PAD)
-        bm = b < NB
-        cmax = tl.load(pmax_ptr + r * NB + b, mask=bm, other=float("-inf"))
-        mx = tl.max(cmax, axis=0)
-        carg = tl.load(parg_ptr + r * NB + b, mask=bm, other=2147483647)
-        amax = tl.min(tl.where(bm & (cmax == mx), carg, 2147483647), axis=0)
+    def _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, FROM_LOGITS: tl.constexpr,
+                   GREEDY: tl.constexpr, NB_PAD: tl.constexpr):
+        """Merge the chunks' (max, sum exp(x - max), first argmax) into the row's (mx, amax, z)
+        (placeholders when p is given as probabilities)."""
+        mx = tl.zeros([], dtype=tl.float32)
+        amax = tl.zeros([], dtype=tl.int32)
         z = tl.zeros([], dtype=tl.float32) + 1.0
-        if not GREEDY:
-            csum = tl.load(psum_ptr + r * NB + b, mask=bm, other=0.0)
-            z = tl.sum(tl.where(bm, csum * tl.exp(cmax - mx), 0.0), axis=0)
+        if FROM_LOGITS:
+            b = tl.arange(0, NB_PAD)
+            bm = b < NB
+            cmax = tl.load(pmax_ptr + r * NB + b, mask=bm, other=float("-inf"))
+            mx = tl.max(cmax, axis=0)
+            carg = tl.load(parg_ptr + r * NB + b, mask=bm, other=2147483647)
+            amax = tl.min(tl.where(bm & (cmax == mx), carg, 2147483647), axis=0)
+            if not GREEDY:
+                csum = tl.load(psum_ptr + r * NB + b, mask=bm, other=0.0)
+                z = tl.sum(tl.where(bm, csum * tl.exp(cmax - mx), 0.0), axis=0)
         return mx, amax, z
 
     @triton.jit
@@ -673,11 +677,7 @@ if HAS_TRITON:
         b = tl.program_id(1)
         x_row = x_ptr + r * stride_x
         q_row = q_ptr + r * stride_q
-        mx = tl.zeros([], dtype=tl.float32)
-        amax = tl.zeros([], dtype=tl.int32)
-        z = tl.zeros([], dtype=tl.float32) + 1.0
-        if FROM_LOGITS:
-            mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY, NB_PAD)
+        mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, FROM_LOGITS, GREEDY, NB_PAD)
         tk = tl.zeros([], dtype=tl.int32)
         lo = b * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
@@ -708,11 +708,7 @@ if HAS_TRITON:
         r = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + r * stride_x
         q_row = q_ptr + r * stride_q
-        mx = tl.zeros([], dtype=tl.float32)
-        amax = tl.zeros([], dtype=tl.int32)
-        z = tl.zeros([], dtype=tl.float32) + 1.0
-        if FROM_LOGITS:
-            mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, GREEDY, NB_PAD)
+        mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, FROM_LOGITS, GREEDY, NB_PAD)
         tk = tl.zeros([], dtype=tl.int32)
         tok, accepted, u1 = _judge(x_row, q_row, t2d_ptr, tok_ptr, r, V, temperature, mx, amax,
                                    tk, tk, z, u_ptr, stride_u, seed_ptr, offset_ptr, FROM_LOGITS,
