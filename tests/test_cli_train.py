@@ -60,6 +60,41 @@ def test_train_refuses_bad_combinations(tiny_setup, tmp_path, capsys):
     assert "no meta.json" in capsys.readouterr().err
     assert _train(tiny_setup, tmp_path / "k", "--data-skip", "-1") == 2
     assert "--data-skip" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "f", "--stages", "2", "--fill-weights", "1,2,3") == 2
+    assert "2 non-negative numbers" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "f", "--stages", "2", "--fill-weights", "a,b") == 2
+    assert "comma-separated numbers" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "f", "--method", "eagle3", "--fill-weights", "1,1") == 2
+    assert "PDM option" in capsys.readouterr().err
+
+
+def test_train_with_fill_weights(tiny_setup, tmp_path):
+    assert _train(tiny_setup, tmp_path / "fw", "--stages", "2", "--fill-weights", "3,1") == 0
+    c = json.loads((tmp_path / "fw" / "config.json").read_text())
+    assert c["extra"]["train"]["fill_weights"] == [3.0, 1.0]
+
+
+def test_fill_level_sampling_follows_the_weights():
+    import random
+    from spd.errors import SPDError
+    from spd.trainer import TrainConfig, sample_fill
+    rng = random.Random(0)
+    cfg = TrainConfig(fill_weights=[4, 2, 1, 1])
+    counts = [0] * 5
+    for _ in range(8000):
+        counts[sample_fill(rng, 4, cfg)] += 1
+    assert counts[0] == 0
+    for k, share in zip(range(1, 5), (0.5, 0.25, 0.125, 0.125)):
+        assert abs(counts[k] / 8000 - share) < 0.02, counts
+    default = TrainConfig()  # the paper's rule: full half the time, else uniform below n
+    counts = [0] * 5
+    for _ in range(8000):
+        counts[sample_fill(rng, 4, default)] += 1
+    assert abs(counts[4] / 8000 - 0.5) < 0.02 and all(abs(c / 8000 - 1 / 6) < 0.02
+                                                      for c in counts[1:4])
+    assert sample_fill(rng, 1, default) == 1
+    with pytest.raises(SPDError, match="not all zero"):
+        sample_fill(rng, 2, TrainConfig(fill_weights=[0, 0]))
 
 
 def test_train_on_extra_feature_folders(tiny_setup, tmp_path):

@@ -178,6 +178,10 @@ def _add_train(sub) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fill-weights", default=None, metavar="W1,...,Wn",
+                   help="relative weights of the training fill levels 1..n (default: full with "
+                        "probability 1/2, else uniform); e.g. 4,2,1,1 at n=4 follows inference, "
+                        "where a rejection restarts drafting at fill 1")
     p.add_argument("--feature-timing", choices=("pre-step", "post-step"), default=None,
                    help="pre-step (default): draft from features that exist when the cycle "
                         "starts, hidden behind the stages; post-step: after the stage step "
@@ -192,7 +196,7 @@ def cmd_train(args) -> int:
     from spd.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.loading import load_target
     from spd.partition import DepthLayout, default_anchors
-    from spd.trainer import TrainConfig, train
+    from spd.trainer import TrainConfig, check_fill_weights, train
 
     if args.steps < 1 or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
@@ -204,6 +208,16 @@ def cmd_train(args) -> int:
     if args.method == "ppsd" and anchors is None:  # PPSD sees the first stage's output only
         anchors = [0, DepthLayout.build(target.num_layers, args.stages, split).split[0]]
     layout = DepthLayout.build(target.num_layers, args.stages, split, anchors)
+    fill_weights = None  # checked before any data is built
+    if args.fill_weights is not None:
+        if args.method == "eagle3":
+            raise SPDError("--fill-weights is a PDM option; the eagle3 head has no fill levels")
+        try:
+            fill_weights = [float(x) for x in args.fill_weights.split(",")]
+        except ValueError:
+            raise SPDError(f"--fill-weights takes comma-separated numbers, got "
+                           f"{args.fill_weights!r}") from None
+        check_fill_weights(fill_weights, layout.n)
     feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
     if args.method == "eagle3":
@@ -228,7 +242,8 @@ def cmd_train(args) -> int:
                       draft_vocab_size=args.draft_vocab_size, steps=args.steps,
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
                       save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
-                      features=args.feature_timing, crop_len=args.crop_len)
+                      features=args.feature_timing, crop_len=args.crop_len,
+                      fill_weights=fill_weights)
     final = train(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0

@@ -1,7 +1,8 @@
 """PDM training by distillation from the frozen target (DESIGN section 1, "Training").
 
 Every step takes sequences of cached target features, samples a fill level per sequence (full
-with probability `full_fill_prob`, else uniform in 1..n-1), lays the sequence out with
+with probability `full_fill_prob`, else uniform in 1..n-1; or from `fill_weights`, one weight per
+fill level 1..n, to match how often each occurs at inference), lays the sequence out with
 `train_layout.training_layout` so each draft row sees exactly what it would see at inference,
 and minimises KL(target || draft) on the draft vocabulary. Positions whose target argmax lies
 outside the draft vocabulary are left out of the loss (the draft can never propose it).
@@ -38,6 +39,11 @@ class TrainConfig:
     warmup: int = 50
     weight_decay: float = 0.0
     full_fill_prob: float = 0.5
+    # Relative weights of fill levels 1..n (None: the rule above). At inference with acceptance
+    # a, the draft after a rejection is at fill 1 and each acceptance moves one level up, so
+    # fill k is judged about a^(k-1) as often as fill 1: with a weak drafter most judgments
+    # (and so most of the speedup) are at low fill.
+    fill_weights: list | None = None
     max_len: int = 512
     crop_len: int = 256          # train on random windows of this many tokens (cost ~ len^2)
     eval_every: int = 100
@@ -48,6 +54,24 @@ class TrainConfig:
     method: str = "spd"          # or "ppsd" (first-stage features, post-step); metadata only
     init_from: str | None = None  # warm start: copy every matching weight of this checkpoint
     history: list = field(default_factory=list)
+
+
+def check_fill_weights(weights, n: int) -> list[float]:
+    """Validated fill weights: n non-negative numbers, not all zero."""
+    w = [float(x) for x in weights]
+    if len(w) != n or any(x < 0 or x != x for x in w) or sum(w) <= 0:
+        raise SPDError(f"fill weights must be {n} non-negative numbers (fill levels 1..{n}), "
+                       f"not all zero; got {list(weights)}")
+    return w
+
+
+def sample_fill(rng, n: int, cfg: TrainConfig) -> int:
+    """A fill level in 1..n for one training sequence."""
+    if cfg.fill_weights is not None:
+        return rng.choices(range(1, n + 1), weights=check_fill_weights(cfg.fill_weights, n))[0]
+    if n == 1 or rng.random() < cfg.full_fill_prob:
+        return n
+    return rng.randint(1, n - 1)
 
 
 def build_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
@@ -200,9 +224,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
     distiller = Distiller(target, pdm, features.anchors)
 
     def item_loss(item, rng):
-        n = layout.n  # fill level: full with probability full_fill_prob, else uniform below n
-        fill = n if rng.random() < cfg.full_fill_prob else rng.randint(1, n - 1) if n > 1 else 1
-        loss, _, agree = distiller.loss(item, fill)
+        loss, _, agree = distiller.loss(item, sample_fill(rng, layout.n, cfg))
         return loss, agree
 
     def same_run(saved: dict) -> bool:
