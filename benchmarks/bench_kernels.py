@@ -344,8 +344,8 @@ def backend_ready(op: str, backend: str, device) -> str | None:
                              "fused_swiglu")}.get(op, (op,))
     if backend in ("reference", "compile", "cuda_graph"):
         return None
-    backend = {"triton_cg": "triton", "triton_attn": "triton", "triton_attn_cg": "triton",
-               "triton_1split": "triton", "triton_1prog": "triton"}.get(backend, backend)
+    if backend.startswith("triton"):  # triton_cg, triton_attn, triton_1split, ...: Triton kernels
+        backend = "triton"
     if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
         return "not available here"
     if backend == "triton" and device.type == "cpu":

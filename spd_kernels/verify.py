@@ -759,7 +759,7 @@ def _float_ok(*named):
     return None
 
 
-def _launch_split(x, q, t2d, tok, u, stride_u, seed, offset, out, acc, temperature,
+def _launch_split(x, q, t2d, u, stride_u, seed, offset, tok, out, acc, temperature,
                   from_logits, greedy, q_mapped, philox, chunk):
     """The split-row plan: stats (from logits), per-chunk residual masses, then the finish."""
     R, V = x.shape
@@ -801,25 +801,24 @@ def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temp
     use_top_p = from_logits and not greedy and top_p < 1.0
     philox = uniforms is None
     dummy = tok  # placeholder pointer for arguments a variant does not read
+    # (t2d, uniforms, their row stride, seed, offset): what every kernel variant takes
+    rand = (t2d if q_mapped else dummy, dummy if philox else uniforms,
+            0 if philox else uniforms.stride(0), philox_seed if philox else dummy,
+            philox_offset if philox else dummy)
+    temperature = temperature if temperature > 0 else 1.0
     if chunk is None:
         chunk = _split_chunk(V, x.device)
     if chunk and not (use_top_k or use_top_p):
-        _launch_split(x, q, t2d if q_mapped else dummy, tok, dummy if philox else uniforms,
-                      0 if philox else uniforms.stride(0), philox_seed if philox else dummy,
-                      philox_offset if philox else dummy, out, acc,
-                      temperature if temperature > 0 else 1.0, from_logits, greedy, q_mapped,
+        _launch_split(x, q, *rand, tok, out, acc, temperature, from_logits, greedy, q_mapped,
                       philox, chunk)
-        if philox:
-            philox_offset.add_(R)
-        return out, acc
-    block, warps = _rejection_block(V)
-    _rejection_kernel[(R,)](
-        x, x.stride(0), q, q.stride(0), t2d if q_mapped else dummy, tok,
-        dummy if philox else uniforms, 0 if philox else uniforms.stride(0),
-        philox_seed if philox else dummy, philox_offset if philox else dummy,
-        out, acc.view(torch.int8), V, temperature if temperature > 0 else 1.0, int(top_k),
-        float(top_p), FROM_LOGITS=from_logits, GREEDY=greedy, TOP_K=use_top_k, TOP_P=use_top_p,
-        Q_MAPPED=q_mapped, PHILOX=philox, BLOCK=block, num_warps=warps)
+    else:
+        block, warps = _rejection_block(V)
+        t2d_arg, u_arg, stride_u, seed_arg, offset_arg = rand
+        _rejection_kernel[(R,)](
+            x, x.stride(0), q, q.stride(0), t2d_arg, tok, u_arg, stride_u, seed_arg, offset_arg,
+            out, acc.view(torch.int8), V, temperature, int(top_k), float(top_p),
+            FROM_LOGITS=from_logits, GREEDY=greedy, TOP_K=use_top_k, TOP_P=use_top_p,
+            Q_MAPPED=q_mapped, PHILOX=philox, BLOCK=block, num_warps=warps)
     if philox:
         philox_offset.add_(R)  # a separate tiny launch: every program above read the old value
     return out, acc
