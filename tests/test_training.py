@@ -203,3 +203,46 @@ def test_crop_takes_one_consistent_window(tiny_features):
     assert torch.equal(w["argmax"], item["argmax"][start:start + 7])
     assert crop(item, 1000, random.Random(1)) is item
     assert torch.equal(crop(item, 5, None)["tokens"], item["tokens"][:5])
+
+
+@pytest.fixture(scope="module")
+def tiny_hf_target(tmp_path_factory):
+    from spd.loading import load_target, save_tiny_random_llama
+    return load_target(str(save_tiny_random_llama(tmp_path_factory.mktemp("distill") / "m")))
+
+
+def _greedy(hf, ids, new):
+    ids = list(ids)
+    for _ in range(new):
+        ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_self_distill_is_the_targets_greedy_response(tiny_hf_target, dtype):
+    """Each sequence is the prompt plus the greedy continuation of the target (in `dtype` when
+    given), whatever the left padding of its batch; the target itself is never cast."""
+    import copy
+
+    from spd.distill import _prompt_ids, self_distill
+    t = tiny_hf_target
+    before = {k: v.clone() for k, v in t.hf.state_dict().items()}
+    prompts = ["Hi", "Name three rivers in Europe, please.", "What is 2+2?"]
+    # bf16 rounding differs with the padding of a batch: compare those one prompt at a time
+    seqs = self_distill(t, prompts, max_new_tokens=12, batch_size=1 if dtype else 3,
+                        dtype=dtype)
+    ref = copy.deepcopy(t.hf).to(dtype) if dtype else t.hf
+    eos = set(t.eos_token_ids)
+    differs = False  # the bf16 case only tells something if bf16 and fp32 greedy text differ
+    with torch.no_grad():
+        for p, s in zip(prompts, seqs):
+            ids = _prompt_ids(t.tokenizer, p)
+            want = _greedy(ref, ids, 12)
+            cut = next((len(ids) + k + 1 for k, x in enumerate(want[len(ids):]) if x in eos),
+                       len(want))
+            assert s == want[:cut]
+            differs |= dtype is not None and want != _greedy(t.hf, ids, 12)
+    assert differs or dtype is None
+    after = t.hf.state_dict()
+    assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v)
+               for k, v in before.items())

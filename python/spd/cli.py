@@ -169,6 +169,11 @@ def _add_train(sub) -> None:
                    help="prompts answered by the target itself (self-distillation)")
     p.add_argument("--response-tokens", type=int, default=192,
                    help="max tokens of each self-distilled response")
+    p.add_argument("--distill-dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="generate the self-distilled responses with a copy of the target in "
+                        "this dtype (default: the target's own); bfloat16 is ~1.8x faster on "
+                        "a CPU with avx512_bf16. Features are still extracted at the target's "
+                        "dtype")
     p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
     p.add_argument("--crop-len", type=int, default=256,
                    help="train on random windows of this many tokens (attention cost grows "
@@ -192,6 +197,8 @@ def _add_train(sub) -> None:
 
 
 def cmd_train(args) -> int:
+    import torch
+
     from spd.assets import cache_dir
     from spd.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.loading import load_target
@@ -228,7 +235,8 @@ def cmd_train(args) -> int:
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
             target, conversations=args.conversations, self_distill_prompts=args.self_distill,
             max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed,
-            skip=args.data_skip))
+            skip=args.data_skip,
+            distill_dtype=getattr(torch, args.distill_dtype) if args.distill_dtype else None))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(list(args.extra_features) + [feat_dir], target)
     if args.method == "eagle3":
