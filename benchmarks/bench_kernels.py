@@ -5,8 +5,8 @@ For each (model, op, case) and each backend that can run here (reference, compil
 for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
 cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
 triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch; for the attention also
-triton_1split, the keys not split over programs; for sampling without top-k/top-p triton_1prog,
-one program a row) it prints the median
+triton_1split, the keys not split over programs; for sampling triton_1prog, one program a row
+instead of the split-row plan) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -204,11 +204,12 @@ def build_cases(op: str, s: Shape, dtype, device):
             fns = {"reference": (rejection_sample_logits_reference, args)}
             fns["triton"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: spd_kernels.rejection_sample_logits(
                 lg, qq, m, tk, uu, temperature=t_, top_k=k_, top_p=p_, backend="triton"), args)
-            if k == 0 and p == 1.0:  # the split-row plan's baseline: one program per row
-                t2d = target_to_draft_map(d2t, V)
-                fns["triton_1prog"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: _launch_rejection(
-                    lg, qq, t2d, tk, uu, None, None, t_, k_, p_, from_logits=True, q_mapped=True,
-                    chunk=0), args)
+            # the split-row plan's baseline (radix select with top-k / top-p): one program
+            # per row (bisection)
+            t2d = target_to_draft_map(d2t, V)
+            fns["triton_1prog"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: _launch_rejection(
+                lg, qq, t2d, tk, uu, None, None, t_, k_, p_, from_logits=True, q_mapped=True,
+                chunk=0), args)
             yield case, fns, V * 4 + vd * 4 + V * 4, {}
     elif op == "anchor_projection":
         types = staircase_types(device)

@@ -113,27 +113,50 @@ def _variants():
                          GREEDY="constexpr", BLOCK="constexpr"), dict(GREEDY=greedy, BLOCK=1024)))
     split_common = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32",
                         t2d_ptr="*i32", pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32")
-    for tag, logits, mapped in (("logits", True, True), ("probs", False, False)):
+    for tag, logits, mapped, top in (("logits", True, True, False),
+                                     ("logits-topk-topp", True, True, True),
+                                     ("probs", False, False, False)):
         out.append((f"verify._split_residual_kernel[{tag}]", verify._split_residual_kernel,
-                    dict(split_common, mass_ptr="*fp32", V="i32", CHUNK="i32",
-                         NB="i32", temperature="fp32", FROM_LOGITS="constexpr",
-                         GREEDY="constexpr", Q_MAPPED="constexpr", NB_PAD="constexpr",
+                    dict(split_common, thr_ptr="*i32", zsel_ptr="*fp32", mass_ptr="*fp32",
+                         V="i32", CHUNK="i32", NB="i32", temperature="fp32",
+                         FROM_LOGITS="constexpr", GREEDY="constexpr", TOP_K="constexpr",
+                         TOP_P="constexpr", Q_MAPPED="constexpr", NB_PAD="constexpr",
                          BLOCK="constexpr"),
-                    dict(FROM_LOGITS=logits, GREEDY=False, Q_MAPPED=mapped, NB_PAD=128,
-                         BLOCK=1024)))
-    for tag, logits, greedy, philox in (("logits-philox", True, False, True),
-                                        ("logits-greedy-uniforms", True, True, False),
-                                        ("probs-uniforms", False, False, False)):
+                    dict(FROM_LOGITS=logits, GREEDY=False, TOP_K=top, TOP_P=top,
+                         Q_MAPPED=mapped, NB_PAD=128, BLOCK=1024)))
+    for tag, logits, greedy, philox, top in (
+            ("logits-philox", True, False, True, False),
+            ("logits-topk-topp-philox", True, False, True, True),
+            ("logits-greedy-uniforms", True, True, False, False),
+            ("probs-uniforms", False, False, False, False)):
         sig = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32", t2d_ptr="*i32",
                    tok_ptr="*i64", u_ptr="*fp32", stride_u="i32", seed_ptr="*i64",
                    offset_ptr="*i64", pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32",
-                   mass_ptr="*fp32", out_tok_ptr="*i64", out_acc_ptr="*i8",
-                   V="i32", CHUNK="i32", NB="i32", temperature="fp32", FROM_LOGITS="constexpr",
-                   GREEDY="constexpr", Q_MAPPED="constexpr", PHILOX="constexpr",
+                   thr_ptr="*i32", zsel_ptr="*fp32", mass_ptr="*fp32", out_tok_ptr="*i64",
+                   out_acc_ptr="*i8", V="i32", CHUNK="i32", NB="i32", temperature="fp32",
+                   FROM_LOGITS="constexpr", GREEDY="constexpr", TOP_K="constexpr",
+                   TOP_P="constexpr", Q_MAPPED="constexpr", PHILOX="constexpr",
                    NB_PAD="constexpr", BLOCK="constexpr")
         out.append((f"verify._split_finish_kernel[{tag}]", verify._split_finish_kernel, sig,
-                    dict(FROM_LOGITS=logits, GREEDY=greedy, Q_MAPPED=logits, PHILOX=philox,
-                         NB_PAD=128, BLOCK=1024)))
+                    dict(FROM_LOGITS=logits, GREEDY=greedy, TOP_K=top, TOP_P=top,
+                         Q_MAPPED=logits, PHILOX=philox, NB_PAD=128, BLOCK=1024)))
+    radix_flags = dict(SHIFT="constexpr", PHASE_P="constexpr", TOP_K="constexpr",
+                       NEED_MASS="constexpr", NB_PAD="constexpr")
+    for shift, phase_p, need_mass in ((24, False, False), (0, False, True), (24, True, True),
+                                      (8, True, True)):
+        flags = dict(SHIFT=shift, PHASE_P=phase_p, TOP_K=True, NEED_MASS=need_mass, NB_PAD=128)
+        tag = f"{'top-p' if phase_p else 'top-k'}-shift{shift}"
+        out.append((f"verify._radix_hist_kernel[{tag}]", verify._radix_hist_kernel,
+                    dict(x_ptr="*fp32", stride_x="i32", pmax_ptr="*fp32", psum_ptr="*fp32",
+                         parg_ptr="*i32", prefix_ptr="*i64", thr_ptr="*i32", cnt_ptr="*i32",
+                         mass_ptr="*fp32", V="i32", CHUNK="i32", NB="i32", temperature="fp32",
+                         BLOCK="constexpr", **radix_flags),
+                    dict(flags, BLOCK=verify.RADIX_BLOCK)))
+        out.append((f"verify._radix_select_kernel[{tag}]", verify._radix_select_kernel,
+                    dict(pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32", cnt_ptr="*i32",
+                         mass_ptr="*fp32", prefix_ptr="*i64", above_ptr="*i32",
+                         above_mass_ptr="*fp32", thr_ptr="*i32", zsel_ptr="*fp32", NB="i32",
+                         top_k="i32", top_p="fp32", **radix_flags), flags))
     out.append(("kv_cache._lengths_kernel", kv_cache._lengths_kernel,
                 dict(len_ptr="*i64", new_ptr="*i64", new_stride="i32", C="i32",
                      BLOCK_C="constexpr"), dict(BLOCK_C=64)))

@@ -15,10 +15,10 @@ Backends (see spd_kernels.dispatch):
                            from the target logits; q on the draft vocabulary, mapped to target ids;
                            uniforms given, or Philox with seed and offset in device tensors)
 
-Two Triton plans for the rejection samplers: one program per row (any top-k / top-p: exact
-thresholds by bisection over the row), and on a GPU from 16k entries a row without top-k / top-p
-a split-row plan: chunks of the row in parallel programs (stats, then residual masses), then one
-program per row for the accept test and the draw inside the chunk that holds it.
+Two Triton plans for the rejection samplers: one program per row (thresholds by bisection over
+the row), and on a GPU from 16k entries a row a split-row plan: chunks of the row in parallel
+programs (stats; top-k / top-p thresholds by radix select; residual masses), then one program per
+row for the accept test and the draw inside the chunk that holds it.
 
 The kernels reproduce the reference's roundings (normed hidden state and logits rounded to the
 model dtype, argmax ties to the lowest id), so greedy verification agrees with the reference
@@ -667,8 +667,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_residual_kernel(x_ptr, stride_x, q_ptr, stride_q, t2d_ptr, pmax_ptr, psum_ptr,
-                               parg_ptr, mass_ptr, V, CHUNK, NB, temperature,
+                               parg_ptr, thr_ptr, zsel_ptr, mass_ptr, V, CHUNK, NB, temperature,
                                FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
+                               TOP_K: tl.constexpr, TOP_P: tl.constexpr,
                                Q_MAPPED: tl.constexpr, NB_PAD: tl.constexpr,
                                BLOCK: tl.constexpr):
         """Program (r, b): over chunk b, the residual mass sum max(p - q, 0) and p's own mass
@@ -678,7 +679,7 @@ if HAS_TRITON:
         x_row = x_ptr + r * stride_x
         q_row = q_ptr + r * stride_q
         mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, FROM_LOGITS, GREEDY, NB_PAD)
-        tk = tl.zeros([], dtype=tl.int32)
+        tk, tp, z = _selected(thr_ptr, zsel_ptr, r, z, TOP_K, TOP_P)
         lo = b * CHUNK
         hi = tl.minimum(lo + CHUNK, V)
         s_res = tl.zeros([], dtype=tl.float32)
@@ -686,8 +687,8 @@ if HAS_TRITON:
         for v0 in range(lo, hi, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             mask = offs < hi
-            p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
-                         GREEDY, False, False)
+            p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tp, z, FROM_LOGITS,
+                         GREEDY, TOP_K, TOP_P)
             s_res += tl.sum(tl.maximum(p - _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED), 0.0),
                             axis=0)
             s_p += tl.sum(p, axis=0)
@@ -696,11 +697,11 @@ if HAS_TRITON:
 
     @triton.jit
     def _split_finish_kernel(x_ptr, stride_x, q_ptr, stride_q, t2d_ptr, tok_ptr, u_ptr, stride_u,
-                             seed_ptr, offset_ptr, pmax_ptr, psum_ptr, parg_ptr, mass_ptr,
-                             out_tok_ptr, out_acc_ptr, V, CHUNK, NB, temperature,
-                             FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
-                             Q_MAPPED: tl.constexpr, PHILOX: tl.constexpr,
-                             NB_PAD: tl.constexpr, BLOCK: tl.constexpr):
+                             seed_ptr, offset_ptr, pmax_ptr, psum_ptr, parg_ptr, thr_ptr,
+                             zsel_ptr, mass_ptr, out_tok_ptr, out_acc_ptr, V, CHUNK, NB,
+                             temperature, FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr,
+                             TOP_K: tl.constexpr, TOP_P: tl.constexpr, Q_MAPPED: tl.constexpr,
+                             PHILOX: tl.constexpr, NB_PAD: tl.constexpr, BLOCK: tl.constexpr):
         """Program r: the accept test; on rejection the inverse-CDF draw from max(p - q, 0) (p
         itself if that is empty): the chunk holding u * total is found from the chunks' masses
         in order, then walked; the draw is clamped to that chunk's last index with mass (the
@@ -709,10 +710,10 @@ if HAS_TRITON:
         x_row = x_ptr + r * stride_x
         q_row = q_ptr + r * stride_q
         mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, FROM_LOGITS, GREEDY, NB_PAD)
-        tk = tl.zeros([], dtype=tl.int32)
+        tk, tp, z = _selected(thr_ptr, zsel_ptr, r, z, TOP_K, TOP_P)
         tok, accepted, u1 = _judge(x_row, q_row, t2d_ptr, tok_ptr, r, V, temperature, mx, amax,
-                                   tk, tk, z, u_ptr, stride_u, seed_ptr, offset_ptr, FROM_LOGITS,
-                                   GREEDY, False, False, Q_MAPPED, PHILOX)
+                                   tk, tp, z, u_ptr, stride_u, seed_ptr, offset_ptr, FROM_LOGITS,
+                                   GREEDY, TOP_K, TOP_P, Q_MAPPED, PHILOX)
         out = tok
         if not accepted:
             bi = tl.arange(0, NB_PAD)
@@ -728,11 +729,133 @@ if HAS_TRITON:
             carry = tl.sum(tl.where(bi < pick, m, 0.0), axis=0)
             lo = pick * CHUNK
             found, last = _walk(x_row, q_row, t2d_ptr, lo, tl.minimum(lo + CHUNK, V), goal,
-                                carry, use_p, temperature, mx, amax, tk, tk, z, FROM_LOGITS,
-                                GREEDY, False, False, Q_MAPPED, BLOCK)
+                                carry, use_p, temperature, mx, amax, tk, tp, z, FROM_LOGITS,
+                                GREEDY, TOP_K, TOP_P, Q_MAPPED, BLOCK)
             out = tl.minimum(found, last)
         tl.store(out_tok_ptr + r, out)
         tl.store(out_acc_ptr + r, accepted.to(tl.int8))
+
+    @triton.jit
+    def _selected(thr_ptr, zsel_ptr, r, z, TOP_K: tl.constexpr, TOP_P: tl.constexpr):
+        """The row's top-k / top-p key thresholds and the kept mass the radix select stored
+        (z unchanged without top-k / top-p)."""
+        tk = tl.zeros([], dtype=tl.int32)
+        tp = tl.zeros([], dtype=tl.int32)
+        if TOP_K or TOP_P:
+            z = tl.load(zsel_ptr + r)
+            if TOP_K:
+                tk = tl.load(thr_ptr + 2 * r)
+            if TOP_P:
+                tp = tl.load(thr_ptr + 2 * r + 1)
+        return tk, tp, z
+
+    # Radix select of the top-k / top-p thresholds over split rows. A logit's key (float_key,
+    # shifted to [0, 2^32)) is chosen 8 bits at a time from the top, in four rounds a phase:
+    # chunk programs histogram the keys that match the digits chosen so far (count and mass
+    # exp(x - max) per next digit), then one program per row sums the chunks' histograms and
+    # picks the next digit. Top-k picks the digit holding the k-th largest key; top-p (over the
+    # top-k set) the digit where the mass from the top first reaches top_p * z. Four passes
+    # over the row a phase instead of ~33 for bisection, each spread over the row's chunks.
+
+    @triton.jit
+    def _radix_hist_kernel(x_ptr, stride_x, pmax_ptr, psum_ptr, parg_ptr, prefix_ptr, thr_ptr,
+                           cnt_ptr, mass_ptr, V, CHUNK, NB, temperature, SHIFT: tl.constexpr,
+                           PHASE_P: tl.constexpr, TOP_K: tl.constexpr, NEED_MASS: tl.constexpr,
+                           NB_PAD: tl.constexpr, BLOCK: tl.constexpr):
+        """Program (r, b): over chunk b, per value of the key's bits [SHIFT, SHIFT + 8), the
+        count (and mass, when NEED_MASS) of the tokens whose higher bits match the row's prefix
+        (and, for top-p after top-k, whose key is in the top-k set). cnt/mass [R, NB, 256]."""
+        r = tl.program_id(0).to(tl.int64)
+        b = tl.program_id(1)
+        x_row = x_ptr + r * stride_x
+        mx, amax, z = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, True, False, NB_PAD)
+        prefix = tl.zeros([], dtype=tl.int64)
+        if SHIFT < 24:
+            prefix = tl.load(prefix_ptr + r)
+        tk = tl.zeros([], dtype=tl.int32)
+        if PHASE_P and TOP_K:
+            tk = tl.load(thr_ptr + 2 * r)
+        bins = tl.arange(0, 256)
+        cnt = tl.zeros([256], dtype=tl.int32)
+        mass = tl.zeros([256], dtype=tl.float32)
+        lo = b * CHUNK
+        hi = tl.minimum(lo + CHUNK, V)
+        for v0 in range(lo, hi, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < hi
+            x = _x_chunk(x_row, offs, mask, temperature, False)
+            key = float_key(x)
+            ukey = key.to(tl.int64) + 2147483648
+            match = mask & ((ukey >> (SHIFT + 8)) == prefix)
+            if PHASE_P and TOP_K:
+                match = match & (key >= tk)
+            digit = ((ukey >> SHIFT) & 255).to(tl.int32)
+            hit = match[:, None] & (digit[:, None] == bins[None, :])
+            cnt += tl.sum(hit.to(tl.int32), axis=0)
+            if NEED_MASS:
+                mass += tl.sum(tl.where(hit, tl.exp(x - mx)[:, None], 0.0), axis=0)
+        base = (r * NB + b) * 256
+        tl.store(cnt_ptr + base + bins, cnt)
+        if NEED_MASS:
+            tl.store(mass_ptr + base + bins, mass)
+
+    @triton.jit
+    def _radix_select_kernel(pmax_ptr, psum_ptr, parg_ptr, cnt_ptr, mass_ptr, prefix_ptr,
+                             above_ptr, above_mass_ptr, thr_ptr, zsel_ptr, NB, top_k, top_p,
+                             SHIFT: tl.constexpr, PHASE_P: tl.constexpr, TOP_K: tl.constexpr,
+                             NEED_MASS: tl.constexpr, NB_PAD: tl.constexpr):
+        """Program r: the next digit of the threshold from the chunks' histograms. After the
+        last round it stores the threshold key (thr [R, 2]: top-k, top-p) and the mass of the
+        kept set (zsel [R]); before, the prefix and the count / mass above it."""
+        r = tl.program_id(0).to(tl.int64)
+        prefix = tl.zeros([], dtype=tl.int64)
+        above = tl.zeros([], dtype=tl.int32)
+        above_m = tl.zeros([], dtype=tl.float32)
+        if SHIFT < 24:
+            prefix = tl.load(prefix_ptr + r)
+            above = tl.load(above_ptr + r)
+            above_m = tl.load(above_mass_ptr + r)
+        i = tl.arange(0, 256)  # i-th digit from the top: digit 255 - i
+        c = tl.zeros([256], dtype=tl.int32)
+        m = tl.zeros([256], dtype=tl.float32)
+        for b0 in range(0, NB, 8):  # 8 chunks' histograms at a time (no register spills)
+            nb = b0 + tl.arange(0, 8)
+            at = r * NB * 256 + nb[:, None] * 256 + (255 - i)[None, :]
+            chunks = (nb < NB)[:, None]
+            c += tl.sum(tl.load(cnt_ptr + at, mask=chunks, other=0), axis=0)
+            if NEED_MASS:
+                m += tl.sum(tl.load(mass_ptr + at, mask=chunks, other=0.0), axis=0)
+        if PHASE_P:
+            if TOP_K:  # z of the top-k set: everything this phase's first round counts
+                if SHIFT == 24:
+                    zk = tl.sum(m, axis=0)
+                    tl.store(zsel_ptr + r, zk)
+                else:
+                    zk = tl.load(zsel_ptr + r)
+            else:
+                mx, amax, zk = _row_stats(pmax_ptr, psum_ptr, parg_ptr, r, NB, True, False,
+                                          NB_PAD)
+            # the digit where the mass from the top first reaches top_p * z; if rounding keeps
+            # it from being reached, the lowest digit present (keep everything), as bisection
+            reach = tl.min(tl.where(above_m + tl.cumsum(m, axis=0) >= top_p * zk, i, 256),
+                           axis=0)
+            lowest = tl.max(tl.where(c > 0, i, 0), axis=0)
+            sel = tl.where(reach < 256, reach, lowest)
+        else:
+            sel = tl.min(tl.where(above + tl.cumsum(c, axis=0) >= top_k, i, 255), axis=0)
+        prefix = prefix * 256 + (255 - sel)
+        above += tl.sum(tl.where(i < sel, c, 0), axis=0)
+        above_m += tl.sum(tl.where(i < sel, m, 0.0), axis=0)
+        if SHIFT > 0:
+            tl.store(prefix_ptr + r, prefix)
+            tl.store(above_ptr + r, above)
+            tl.store(above_mass_ptr + r, above_m)
+        else:
+            if PHASE_P:
+                tl.store(thr_ptr + 2 * r + 1, (prefix - 2147483648).to(tl.int32))
+            else:
+                tl.store(thr_ptr + 2 * r, (prefix - 2147483648).to(tl.int32))
+            tl.store(zsel_ptr + r, above_m + tl.sum(tl.where(i == sel, m, 0.0), axis=0))
 
 
 SPLIT_MIN_VOCAB = 16384   # below this one program per row is quick enough on a GPU
@@ -759,37 +882,96 @@ def _float_ok(*named):
     return None
 
 
-def _launch_split(x, q, t2d, u, stride_u, seed, offset, tok, out, acc, temperature,
-                  from_logits, greedy, q_mapped, philox, chunk):
-    """The split-row plan: stats (from logits), per-chunk residual masses, then the finish."""
+def _split_row_stats(x, temperature, from_logits, greedy, chunk, top_k=0, top_p=1.0,
+                     use_top_k=False, use_top_p=False):
+    """The split-row plan's first launches: per-chunk (max, sum exp, argmax) of x / T (from
+    logits), and the radix select of the top-k / top-p thresholds. Returns the chunking, the
+    partials and thr [R, 2] (top-k, top-p key), zsel [R] (mass exp(x - max) of the kept set)."""
     R, V = x.shape
+    if use_top_k or use_top_p:  # each select program sums NB x 256 histogram entries
+        chunk = max(chunk, next_pow2(triton.cdiv(V, RADIX_MAX_CHUNKS)))
     nb = triton.cdiv(V, chunk)
     nb_pad = next_pow2(nb)
-    block = min(chunk, 4096 if INTERPRET else 1024)
     warps = 1 if INTERPRET else 4
     dev = x.device
     pmax = torch.empty(R, nb, dtype=torch.float32, device=dev)
     psum = torch.empty(R, nb, dtype=torch.float32, device=dev)
     parg = torch.empty(R, nb, dtype=torch.int32, device=dev)
-    mass = torch.empty(R, 2, nb, dtype=torch.float32, device=dev)
+    thr = torch.empty(R, 2, dtype=torch.int32, device=dev)
+    zsel = torch.empty(R, dtype=torch.float32, device=dev)
     if from_logits:
         _split_stats_kernel[(R, nb)](x, x.stride(0), pmax, psum, parg, V, chunk, nb, temperature,
-                                     GREEDY=greedy, BLOCK=block, num_warps=warps)
-    _split_residual_kernel[(R, nb)](x, x.stride(0), q, q.stride(0), t2d, pmax, psum, parg, mass,
-                                    V, chunk, nb, temperature, FROM_LOGITS=from_logits,
-                                    GREEDY=greedy, Q_MAPPED=q_mapped, NB_PAD=nb_pad, BLOCK=block,
-                                    num_warps=warps)
+                                     GREEDY=greedy, BLOCK=_split_block(chunk), num_warps=warps)
+    if use_top_k or use_top_p:
+        _radix_select(x, pmax, psum, parg, thr, zsel, temperature, top_k, top_p, use_top_k,
+                      use_top_p, chunk, nb, nb_pad, warps)
+    return chunk, nb, nb_pad, pmax, psum, parg, thr, zsel
+
+
+def _split_block(chunk):
+    return min(chunk, 4096 if INTERPRET else 1024)
+
+
+def _launch_split(x, q, t2d, u, stride_u, seed, offset, tok, out, acc, temperature,
+                  from_logits, greedy, q_mapped, philox, chunk, top_k=0, top_p=1.0,
+                  use_top_k=False, use_top_p=False):
+    """The split-row plan: stats (from logits) and thresholds, per-chunk residual masses, then
+    the finish."""
+    R, V = x.shape
+    chunk, nb, nb_pad, pmax, psum, parg, thr, zsel = _split_row_stats(
+        x, temperature, from_logits, greedy, chunk, top_k, top_p, use_top_k, use_top_p)
+    block = _split_block(chunk)
+    warps = 1 if INTERPRET else 4
+    mass = torch.empty(R, 2, nb, dtype=torch.float32, device=x.device)
+    _split_residual_kernel[(R, nb)](x, x.stride(0), q, q.stride(0), t2d, pmax, psum, parg, thr,
+                                    zsel, mass, V, chunk, nb, temperature,
+                                    FROM_LOGITS=from_logits, GREEDY=greedy, TOP_K=use_top_k,
+                                    TOP_P=use_top_p, Q_MAPPED=q_mapped, NB_PAD=nb_pad,
+                                    BLOCK=block, num_warps=warps)
     _split_finish_kernel[(R,)](x, x.stride(0), q, q.stride(0), t2d, tok, u, stride_u, seed,
-                               offset, pmax, psum, parg, mass, out, acc.view(torch.int8), V,
-                               chunk, nb, temperature, FROM_LOGITS=from_logits, GREEDY=greedy,
-                               Q_MAPPED=q_mapped, PHILOX=philox, NB_PAD=nb_pad, BLOCK=block,
-                               num_warps=warps)
+                               offset, pmax, psum, parg, thr, zsel, mass, out,
+                               acc.view(torch.int8), V, chunk, nb, temperature,
+                               FROM_LOGITS=from_logits, GREEDY=greedy, TOP_K=use_top_k,
+                               TOP_P=use_top_p, Q_MAPPED=q_mapped, PHILOX=philox, NB_PAD=nb_pad,
+                               BLOCK=block, num_warps=warps)
+
+
+RADIX_MAX_CHUNKS = 128
+RADIX_BLOCK = 32  # keys a step of a histogram program: a [BLOCK, 256] one-hot in registers
+
+
+def _radix_select(x, pmax, psum, parg, thr, zsel, temperature, top_k, top_p, use_top_k,
+                  use_top_p, chunk, nb, nb_pad, warps):
+    """Four histogram + select rounds for top-k, then four for top-p; fills thr and zsel."""
+    R, V = x.shape
+    dev = x.device
+    prefix = torch.empty(R, dtype=torch.int64, device=dev)
+    above = torch.empty(R, dtype=torch.int32, device=dev)
+    above_mass = torch.empty(R, dtype=torch.float32, device=dev)
+    cnt = torch.empty(R, nb, 256, dtype=torch.int32, device=dev)
+    hmass = torch.empty(R, nb, 256, dtype=torch.float32, device=dev)
+    block = min(chunk, 256 if INTERPRET else RADIX_BLOCK)
+    phases = ([False] if use_top_k else []) + ([True] if use_top_p else [])
+    for phase_p in phases:
+        for shift in (24, 16, 8, 0):
+            # top-k needs masses only for the kept mass z; without top-p it takes them from
+            # every round (the mass above the prefix), with top-p that phase measures z itself
+            need_mass = phase_p or not use_top_p
+            _radix_hist_kernel[(R, nb)](x, x.stride(0), pmax, psum, parg, prefix, thr, cnt,
+                                        hmass, V, chunk, nb, temperature, SHIFT=shift,
+                                        PHASE_P=phase_p, TOP_K=use_top_k, NEED_MASS=need_mass,
+                                        NB_PAD=nb_pad, BLOCK=block, num_warps=warps)
+            _radix_select_kernel[(R,)](pmax, psum, parg, cnt, hmass, prefix, above, above_mass,
+                                       thr, zsel, nb, int(top_k), float(top_p), SHIFT=shift,
+                                       PHASE_P=phase_p, TOP_K=use_top_k, NEED_MASS=need_mass,
+                                       NB_PAD=nb_pad, num_warps=warps)
 
 
 def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature, top_k,
                       top_p, from_logits, q_mapped, chunk=None):
     """chunk: None picks the plan (`_split_chunk`), 0 forces one program per row, > 0 forces
-    the split-row plan with that chunk length (where top-k / top-p are off)."""
+    the split-row plan with that chunk length (at least V / RADIX_MAX_CHUNKS with top-k or
+    top-p)."""
     R, V = x.shape
     out = _alloc.empty(R, dtype=torch.int64, device=x.device)
     acc = _alloc.empty(R, dtype=torch.bool, device=x.device)
@@ -808,9 +990,9 @@ def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temp
     temperature = temperature if temperature > 0 else 1.0
     if chunk is None:
         chunk = _split_chunk(V, x.device)
-    if chunk and not (use_top_k or use_top_p):
+    if chunk:
         _launch_split(x, q, *rand, tok, out, acc, temperature, from_logits, greedy, q_mapped,
-                      philox, chunk)
+                      philox, chunk, top_k, top_p, use_top_k, use_top_p)
     else:
         block, warps = _rejection_block(V)
         t2d_arg, u_arg, stride_u, seed_arg, offset_arg = rand

@@ -17,6 +17,8 @@ from spd_kernels.testing import (TRITON_DEVICE, TRITON_SKIP_REASON, chi2_pvalue,
 from spd_kernels.verify import (rejection_sample_logits_reference, rejection_sample_reference,
                                 scatter_draft_probs, target_to_draft_map)
 
+triton_cdiv = lambda a, b: -(-a // b)
+
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -195,6 +197,77 @@ def test_split_plan_philox_follows_target_distribution():
     assert chi2_pvalue(torch.bincount(out.cpu(), minlength=V), p) > 1e-3
 
 
+# --- the split-row plan with top-k / top-p: thresholds by radix select ---------------------------
+
+def _sorted_thresholds(logits, temperature, top_k, top_p):
+    """Per row, by sorting in float64: the top-k key (the k-th largest), the top-p key (the key
+    at which the descending mass of the top-k set first reaches top_p * its total) and the mass
+    sum exp(x - max) of the kept set; keys as the kernels order floats."""
+    x = logits.float() / temperature
+    bits = x.view(torch.int32)
+    key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+    e = torch.exp(x - x.max(-1, keepdim=True).values).double()
+    out = []
+    for kr, er in zip(key, e):
+        tk = kr.topk(top_k).values[-1] if 0 < top_k < kr.numel() else kr.min()
+        tp = tk
+        if top_p < 1.0:
+            ks, order = kr[kr >= tk].sort(descending=True)
+            cum = er[kr >= tk][order].cumsum(0)
+            tp = ks[int((cum < top_p * cum[-1]).sum())]
+        out.append((int(tk), int(tp), er[kr >= max(tk, tp)].sum().item()))
+    return out
+
+
+RADIX_CASES = [(3, 50, 16, 0.7, 5, 1.0), (4, 301, 32, 1.3, 0, 0.8), (2, 1000, 128, 0.9, 20, 0.5),
+               (3, 777, 64, 2.0, 7, 0.9), (2, 300, 32, 1.0, 1, 1.0), (3, 200, 16, 0.5, 0, 0.05),
+               (2, 4099, 16, 0.1, 3, 0.7)]  # last: most masses underflow; chunks capped at 128
+
+
+@needs_triton
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("R,V,chunk,temperature,top_k,top_p", RADIX_CASES)
+def test_radix_select_finds_the_sorted_thresholds(R, V, chunk, temperature, top_k, top_p, ties):
+    logits = logits_case(R, V, 8, seed=V + top_k, device=TRITON_DEVICE, ties=ties)[0]
+    use_k, use_p = 0 < top_k < V, top_p < 1.0
+    chunk, *_, thr, zsel = verify._split_row_stats(logits, temperature, True, False, chunk,
+                                                   top_k, top_p, use_k, use_p)
+    assert triton_cdiv(V, chunk) <= verify.RADIX_MAX_CHUNKS
+    for r, (tk, tp, z) in enumerate(_sorted_thresholds(logits.cpu(), temperature, top_k, top_p)):
+        if use_k:
+            assert int(thr[r, 0]) == tk
+        if use_p:
+            assert int(thr[r, 1]) == tp
+        assert float(zsel[r]) == pytest.approx(z, rel=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("temperature,top_k,top_p", [s for s in SAMPLING if s[1] or s[2] < 1])
+@pytest.mark.parametrize("R,V,Vd,chunk", [(4, 50, 20, 16), (3, 301, 150, 32), (8, 1000, 999, 128)])
+def test_split_plan_with_top_k_top_p_matches_reference_bit_for_bit(R, V, Vd, chunk, temperature,
+                                                                   top_k, top_p):
+    logits, q, d2t, tok, u = logits_case(R, V, Vd, seed=V + top_k, device=TRITON_DEVICE)
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
+    with poisoned_outputs("b"):
+        out = verify._launch_rejection(logits, q, target_to_draft_map(d2t, V), tok, u, None,
+                                       None, temperature, top_k, top_p, from_logits=True,
+                                       q_mapped=True, chunk=chunk)
+    assert torch.equal(out[0], ref[0]), (out, ref)
+    assert torch.equal(out[1], ref[1])
+
+
+@needs_triton
+@pytest.mark.parametrize("top_k", [1, 3, 10])
+def test_split_plan_with_tied_logits(top_k):
+    logits, q, d2t, tok, u = logits_case(6, 120, 60, seed=11 + top_k, device=TRITON_DEVICE,
+                                         ties=True)
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, 1.0, top_k, 1.0)
+    out = verify._launch_rejection(logits, q, target_to_draft_map(d2t, 120), tok, u, None, None,
+                                   1.0, top_k, 1.0, from_logits=True, q_mapped=True, chunk=32)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+
 @needs_triton
 def test_philox_reproducible_and_advancing():
     logits, q, d2t, tok, _ = logits_case(6, 64, 32, seed=2, device=TRITON_DEVICE)
@@ -302,3 +375,31 @@ def test_gpu_philox_in_cuda_graph():
         graph.replay()
     torch.cuda.synchronize()
     assert int(offset) == start + 3 * 2
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_split_plan_with_top_k_top_p_follows_target_distribution():
+    """At 20k entries a row the GPU takes the split-row plan with the radix select: its own
+    Philox draws must be distributed as p after temperature, top-k and top-p (chi-square)."""
+    g = torch.Generator().manual_seed(9)
+    V, Vd, n = 20000, 4096, 20000
+    logits = torch.randn(V, generator=g) * 3
+    temperature, top_k, top_p = 0.8, 12, 0.9
+    p = filtered_probs(logits, temperature, top_k, top_p)
+    assert verify._split_chunk(V, torch.device("cuda")) > 0
+    kept = logits.topk(top_k).indices  # the draft vocabulary holds the kept tokens
+    rest = torch.randperm(V, generator=g)
+    d2t = torch.cat([kept, rest[~torch.isin(rest, kept)][:Vd - top_k]])
+    q = torch.rand(Vd, generator=g)
+    q = q / q.sum()
+    tok = d2t[sample_from_probs(q.expand(n, -1), torch.rand(n, generator=g))]
+    out, _ = rejection_sample_logits(
+        logits.expand(n, -1).contiguous().cuda(), q.expand(n, -1).contiguous().cuda(),
+        d2t.cuda(), tok.cuda(), temperature=temperature, top_k=top_k, top_p=top_p,
+        philox_seed=torch.tensor([3], device="cuda"), philox_offset=torch.tensor([0], device="cuda"),
+        backend="triton")
+    support = p > 0
+    counts = torch.bincount(out.cpu(), minlength=V)
+    assert counts[~support].sum() == 0
+    assert chi2_pvalue(counts[support], p[support]) > 1e-3
