@@ -892,7 +892,6 @@ def _split_row_stats(x, temperature, from_logits, greedy, chunk, top_k=0, top_p=
         chunk = max(chunk, next_pow2(triton.cdiv(V, RADIX_MAX_CHUNKS)))
     nb = triton.cdiv(V, chunk)
     nb_pad = next_pow2(nb)
-    warps = 1 if INTERPRET else 4
     dev = x.device
     pmax = torch.empty(R, nb, dtype=torch.float32, device=dev)
     psum = torch.empty(R, nb, dtype=torch.float32, device=dev)
@@ -901,15 +900,19 @@ def _split_row_stats(x, temperature, from_logits, greedy, chunk, top_k=0, top_p=
     zsel = torch.empty(R, dtype=torch.float32, device=dev)
     if from_logits:
         _split_stats_kernel[(R, nb)](x, x.stride(0), pmax, psum, parg, V, chunk, nb, temperature,
-                                     GREEDY=greedy, BLOCK=_split_block(chunk), num_warps=warps)
+                                     GREEDY=greedy, BLOCK=_split_block(chunk),
+                                     num_warps=SPLIT_WARPS)
     if use_top_k or use_top_p:
         _radix_select(x, pmax, psum, parg, thr, zsel, temperature, top_k, top_p, use_top_k,
-                      use_top_p, chunk, nb, nb_pad, warps)
+                      use_top_p, chunk, nb, nb_pad)
     return chunk, nb, nb_pad, pmax, psum, parg, thr, zsel
 
 
 def _split_block(chunk):
     return min(chunk, 4096 if INTERPRET else 1024)
+
+
+SPLIT_WARPS = 1 if INTERPRET else 4  # every launch of the split-row plan
 
 
 def _launch_split(x, q, t2d, u, stride_u, seed, offset, tok, out, acc, temperature,
@@ -921,19 +924,18 @@ def _launch_split(x, q, t2d, u, stride_u, seed, offset, tok, out, acc, temperatu
     chunk, nb, nb_pad, pmax, psum, parg, thr, zsel = _split_row_stats(
         x, temperature, from_logits, greedy, chunk, top_k, top_p, use_top_k, use_top_p)
     block = _split_block(chunk)
-    warps = 1 if INTERPRET else 4
     mass = torch.empty(R, 2, nb, dtype=torch.float32, device=x.device)
     _split_residual_kernel[(R, nb)](x, x.stride(0), q, q.stride(0), t2d, pmax, psum, parg, thr,
                                     zsel, mass, V, chunk, nb, temperature,
                                     FROM_LOGITS=from_logits, GREEDY=greedy, TOP_K=use_top_k,
                                     TOP_P=use_top_p, Q_MAPPED=q_mapped, NB_PAD=nb_pad,
-                                    BLOCK=block, num_warps=warps)
+                                    BLOCK=block, num_warps=SPLIT_WARPS)
     _split_finish_kernel[(R,)](x, x.stride(0), q, q.stride(0), t2d, tok, u, stride_u, seed,
                                offset, pmax, psum, parg, thr, zsel, mass, out,
                                acc.view(torch.int8), V, chunk, nb, temperature,
                                FROM_LOGITS=from_logits, GREEDY=greedy, TOP_K=use_top_k,
                                TOP_P=use_top_p, Q_MAPPED=q_mapped, PHILOX=philox, NB_PAD=nb_pad,
-                               BLOCK=block, num_warps=warps)
+                               BLOCK=block, num_warps=SPLIT_WARPS)
 
 
 RADIX_MAX_CHUNKS = 128
@@ -941,7 +943,7 @@ RADIX_BLOCK = 32  # keys a step of a histogram program: a [BLOCK, 256] one-hot i
 
 
 def _radix_select(x, pmax, psum, parg, thr, zsel, temperature, top_k, top_p, use_top_k,
-                  use_top_p, chunk, nb, nb_pad, warps):
+                  use_top_p, chunk, nb, nb_pad):
     """Four histogram + select rounds for top-k, then four for top-p; fills thr and zsel."""
     R, V = x.shape
     dev = x.device
@@ -960,11 +962,11 @@ def _radix_select(x, pmax, psum, parg, thr, zsel, temperature, top_k, top_p, use
             _radix_hist_kernel[(R, nb)](x, x.stride(0), pmax, psum, parg, prefix, thr, cnt,
                                         hmass, V, chunk, nb, temperature, SHIFT=shift,
                                         PHASE_P=phase_p, TOP_K=use_top_k, NEED_MASS=need_mass,
-                                        NB_PAD=nb_pad, BLOCK=block, num_warps=warps)
+                                        NB_PAD=nb_pad, BLOCK=block, num_warps=SPLIT_WARPS)
             _radix_select_kernel[(R,)](pmax, psum, parg, cnt, hmass, prefix, above, above_mass,
                                        thr, zsel, nb, int(top_k), float(top_p), SHIFT=shift,
                                        PHASE_P=phase_p, TOP_K=use_top_k, NEED_MASS=need_mass,
-                                       NB_PAD=nb_pad, num_warps=warps)
+                                       NB_PAD=nb_pad, num_warps=SPLIT_WARPS)
 
 
 def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature, top_k,

@@ -49,7 +49,7 @@ def self_distill(target, prompts: list[str], max_new_tokens: int, max_prompt: in
     precision; the features and logits trained on are still extracted at the target's own."""
     tok = target.tokenizer
     hf = target.hf
-    if dtype is not None and dtype != next(hf.parameters()).dtype:
+    if dtype is not None and dtype != target.dtype:
         hf = copy.deepcopy(hf).to(dtype)  # never cast the target itself: fp32 -> bf16 is lossy
     pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
     eos = set(target.eos_token_ids)
