@@ -60,6 +60,8 @@ def test_train_refuses_bad_combinations(tiny_setup, tmp_path, capsys):
     assert "no meta.json" in capsys.readouterr().err
     assert _train(tiny_setup, tmp_path / "k", "--data-skip", "-1") == 2
     assert "--data-skip" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "k", "--code-prompts", "-3") == 2
+    assert "--code-prompts must be >= 0, got -3" in capsys.readouterr().err
     assert _train(tiny_setup, tmp_path / "f", "--stages", "2", "--fill-weights", "1,2,3") == 2
     assert "2 non-negative numbers" in capsys.readouterr().err
     assert _train(tiny_setup, tmp_path / "f", "--stages", "2", "--fill-weights", "a,b") == 2

@@ -246,3 +246,136 @@ def test_self_distill_is_the_targets_greedy_response(tiny_hf_target, dtype):
     after = t.hf.state_dict()
     assert all(after[k].dtype == torch.float32 and torch.equal(after[k], v)
                for k, v in before.items())
+
+
+CODE_MODULE = '''"""A module."""
+import os
+
+
+def documented(path, mode="r"):
+    """Open the file at path and return its first line, stripped of spaces."""
+    with open(path, mode) as f:
+        return f.readline().strip()
+
+
+def _private(x):
+    """A private helper that the prompts must leave out, however well documented."""
+    return x
+    pass
+
+
+@staticmethod
+def decorated(x):
+    """A decorated function: its source would not read as a plain function head."""
+    return x
+    pass
+
+
+def undocumented(x):
+    y = x + 1
+    return y
+
+
+def terse(x):
+    """Too short."""
+    return x
+    pass
+
+
+def has_close_elements(numbers, threshold):
+    """A HumanEval name: excluded when the caller passes HumanEval's names."""
+    x = 1
+    return x
+
+
+class Holder:
+    def method(self):
+        """Methods need their class around them to make sense: left out."""
+        return 1
+        pass
+
+
+def second(a: int,
+           b: int) -> int:
+    """Add two numbers and return the sum; a signature over two lines."""
+    s = a + b
+    return s
+'''
+
+
+def test_python_function_prompts(tmp_path):
+    from spd.datasets import CODE_INSTRUCTIONS, humaneval_function_names, python_function_prompts
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(CODE_MODULE)
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_mod.py").write_text(CODE_MODULE)  # test folders are passed over
+    (tmp_path / "broken.py").write_text("def f(:\n")  # unparsable files are passed over
+    prompts = python_function_prompts(tmp_path)
+    heads = [p.split("```python\n", 1)[1] for p in prompts]
+    assert heads == [
+        'def documented(path, mode="r"):\n'
+        '    """Open the file at path and return its first line, stripped of spaces."""\n```',
+        'def has_close_elements(numbers, threshold):\n'
+        '    """A HumanEval name: excluded when the caller passes HumanEval\'s names."""\n```',
+        'def second(a: int,\n           b: int) -> int:\n'
+        '    """Add two numbers and return the sum; a signature over two lines."""\n```']
+    assert [p.split("\n\n", 1)[0] for p in prompts] == list(CODE_INSTRUCTIONS)
+    assert python_function_prompts(tmp_path) == prompts  # a fixed order
+    names = humaneval_function_names()
+    assert {"has_close_elements", "below_zero", "sort_array"} <= names and len(names) > 150
+    kept = python_function_prompts(tmp_path, exclude_names=names)
+    assert len(kept) == 2 and not any("has_close_elements" in p for p in kept)
+    with pytest.raises(SPDError, match="no Python source folder"):
+        python_function_prompts(tmp_path / "missing")
+
+
+def test_code_prompts_join_the_self_distilled_data(tiny_hf_target, monkeypatch):
+    """build_sequences answers `code_prompts` of the shuffled code pool after `skip`, next to the
+    ShareGPT prompts, and refuses to take more than the pool holds."""
+    import random
+
+    import spd.datasets as ds
+    from spd.distill import _prompt_ids, build_sequences
+    pool = [f"Implement f{i}.\n\n```python\ndef f{i}(x):\n    \"\"\"Doc {i}.\"\"\"\n```"
+            for i in range(6)]
+    monkeypatch.setattr(ds, "python_function_prompts", lambda exclude_names=(): list(pool))
+    monkeypatch.setattr(ds, "humaneval_function_names", lambda: set())
+    monkeypatch.setattr(ds, "iter_sharegpt", lambda: iter(
+        [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]))
+    t = tiny_hf_target
+    seqs = build_sequences(t, conversations=0, self_distill_prompts=1, max_len=200,
+                           response_tokens=3, skip=1, code_prompts=2, exclude_eval=False)
+    shuffled = list(pool)
+    random.Random(0).shuffle(shuffled)
+    convs = [f"Question {i}?" for i in range(4)]
+    random.Random(0).shuffle(convs)
+    want = [convs[1]] + shuffled[1:3]
+    assert len(seqs) == 3
+    for s, p in zip(seqs, want):
+        ids = _prompt_ids(t.tokenizer, p)
+        assert s[:len(ids)] == ids and len(ids) < len(s) <= len(ids) + 3
+    with pytest.raises(SPDError, match="asked for 6 code prompts after skipping 1.*gives 6"):
+        build_sequences(t, conversations=0, self_distill_prompts=0, max_len=200,
+                        response_tokens=3, skip=1, code_prompts=6, exclude_eval=False)
+
+
+def test_warm_start_into_a_deeper_pdm_computes_the_same(tiny_features, tmp_path):
+    """A PDM with more layers than its --init-from source starts as the identity in the new
+    layers: its drafts equal the source's until training moves them."""
+    from spd.trainer import init_pdm, warm_start
+    t, fs, _ = tiny_features
+    train(t, fs, _cfg(steps=4), tmp_path / "one", progress=False, storage="fp32")
+    lay = DepthLayout.build(4, 2, None, ANCHORS)
+    src = PipelineDraftModule.load(tmp_path / "one", t, lay)
+    deeper = init_pdm(t, lay, _cfg(pdm_layers=2), src.draft_to_target)
+    copied = warm_start(deeper, tmp_path / "one")
+    assert not any(k.startswith("layers.1.") for k in copied)
+    new = deeper.layers[1]
+    assert new.self_attn.q_proj.weight.abs().sum() > 0  # only the output projections are zeroed
+    feats = torch.randn(7, src.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    want = src.step(feats, 0, src.new_cache(16))
+    got = deeper.step(feats, 0, deeper.new_cache(16))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # the check can fail: a new layer that writes changes the drafts
+        new.mlp.down_proj.weight.normal_(std=0.5)
+    assert not torch.allclose(deeper.step(feats, 0, deeper.new_cache(16)), want, atol=1e-3)

@@ -167,6 +167,11 @@ def _add_train(sub) -> None:
     p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
     p.add_argument("--self-distill", type=int, default=128,
                    help="prompts answered by the target itself (self-distillation)")
+    p.add_argument("--code-prompts", type=int, default=0,
+                   help="also self-distill this many code-completion prompts made from the "
+                        "documented functions of Python's standard library (signature and "
+                        "docstring; HumanEval's function names excluded); --data-skip passes "
+                        "over the same number of them")
     p.add_argument("--response-tokens", type=int, default=192,
                    help="max tokens of each self-distilled response")
     p.add_argument("--distill-dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -207,8 +212,9 @@ def cmd_train(args) -> int:
 
     if args.steps < 1 or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
-    if args.data_skip < 0:
-        raise SPDError(f"--data-skip must be >= 0, got {args.data_skip}")
+    for flag in ("data_skip", "code_prompts", "self_distill", "conversations"):
+        if getattr(args, flag) < 0:
+            raise SPDError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     target = load_target(args.model, device=args.device)
     anchors = _parse_ints(args.anchors, "--anchors")
     split = _parse_ints(args.split, "--split")
@@ -235,7 +241,7 @@ def cmd_train(args) -> int:
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
             target, conversations=args.conversations, self_distill_prompts=args.self_distill,
             max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed,
-            skip=args.data_skip,
+            skip=args.data_skip, code_prompts=args.code_prompts,
             distill_dtype=getattr(torch, args.distill_dtype) if args.distill_dtype else None))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(list(args.extra_features) + [feat_dir], target)

