@@ -57,20 +57,26 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _group_alive(pgid: int) -> bool:
-    """Is any process of the group still running? (Zombies do not count: this container's init
-    does not reap re-parented children, so their entries linger after they have died.)"""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+def _group_members(pgid: int) -> list[str]:
+    """'pid state cmdline' of every process in the group (zombies included): for messages."""
+    out = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{entry}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")[:120]
         except OSError:
             continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+        if int(fields[2]) == pgid:
+            out.append(f"{entry} {fields[0]} {cmd}")
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    """Is any process of the group still running? (Zombies do not count: this container's init
+    does not reap re-parented children, so their entries linger after they have died.)"""
+    return any(m.split()[1] != "Z" for m in _group_members(pgid))
 
 
 def _group_gone(pgid: int, within: float = 10.0) -> bool:
@@ -431,7 +437,13 @@ def test_ctrl_c_stops_the_self_launched_ranks(tiny_model_dir):
         assert first, "no output within 120 s"
         t0 = time.monotonic()
         os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does
-        proc.wait(30)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:  # say which processes hung and what they printed
+            alive = _group_members(proc.pid)
+            _kill_group(proc)
+            pytest.fail(f"still running 30 s after Ctrl-C: {alive}\nstderr:\n"
+                        f"{proc.stderr.read().decode()[-3000:]}")
         elapsed = time.monotonic() - t0
         err = proc.stderr.read().decode()
     finally:
