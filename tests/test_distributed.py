@@ -429,8 +429,11 @@ def test_ctrl_c_stops_the_self_launched_ranks(tiny_model_dir):
     cmd = [PY, "-m", "spd", "generate", "--distributed", "--stages", "2", "--model",
            tiny_model_dir, "--prompt", "Tell me a long story.", "--max-new-tokens", "3500",
            "--no-chat"]
+    # A shell without job control starts background jobs with SIGINT ignored, and Python then
+    # never raises KeyboardInterrupt: give the launcher the default, as a terminal's job has.
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         ready, _, _ = select.select([proc.stdout], [], [], 120)  # bounded wait for output
         first = proc.stdout.read(1) if ready else b""  # streaming has begun: ranks are decoding
