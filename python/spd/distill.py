@@ -105,9 +105,11 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
                               iter_sharegpt, python_function_prompts)
 
     tok = target.tokenizer
-    keys = eval_prompt_keys() if exclude_eval else set()
-    convs = [c for c in iter_sharegpt() if not contains_eval_prompt(c, keys)]
-    convs += list(extra_conversations or [])
+    convs = []
+    if self_distill_prompts or conversations:  # code prompts alone need no ShareGPT (~27 MB)
+        keys = eval_prompt_keys() if exclude_eval else set()
+        convs = [c for c in iter_sharegpt() if not contains_eval_prompt(c, keys)]
+        convs += list(extra_conversations or [])
     rng = random.Random(seed)
     rng.shuffle(convs)
     convs = convs[skip:]
