@@ -379,11 +379,19 @@ def run(args) -> dict:
                     ref_fn, ref_args = fns["reference"]
                     entries["compile"] = (torch.compile(ref_fn, dynamic=False), ref_args)
                 if extra.get("graph") and device.type == "cuda":
-                    entries["cuda_graph"] = graph_of(*fns["reference"])
+                    graphed = [("cuda_graph", "reference")]
                     if "triton" in fns and backend_ready(op, "triton", device) is None:
-                        entries["triton_cg"] = graph_of(*fns["triton"])
-                        if "triton_attn" in fns:
-                            entries["triton_attn_cg"] = graph_of(*fns["triton_attn"])
+                        graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn")]
+                    for name, src in graphed:
+                        if src not in fns:
+                            continue
+                        try:
+                            entries[name] = graph_of(*fns[src])
+                        except Exception as exc:  # a capture failure is a row, not the end
+                            rows.append(dict(model=m, op=op, case=case, backend=name,
+                                             bytes=floor_bytes,
+                                             error=f"capture: {type(exc).__name__}: {exc}"[:300]))
+                            print(f"  {m} {op} {case} {name}: ERROR {rows[-1]['error']}")
                 for backend, entry in entries.items():
                     row = dict(model=m, op=op, case=case, backend=backend, bytes=floor_bytes)
                     why = backend_ready(op, backend, device)

@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should run, in one call, within a short device budget (~8 minutes):
-#   1. the environment (nvidia-smi, torch, triton)            -> $OUT/env.txt
-#   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> $OUT/build.log
-#   3. the gpu-marked tests with compiled Triton kernels        -> $OUT/gpu-tests.{log,xml}
+# Everything a lent GPU should run, in one call, inside a short device budget:
+#   1. the environment (nvidia-smi, torch, triton)            -> env.txt
+#   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> build.log
+#   3. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
+#      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is)
 #   4. kernel microbenchmarks at Qwen3-4B shapes                -> $OUT/<date>-kernels-<dev>.json
 #   5. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
-#   6. the rest of the kernel tests compiled, if time is left   -> $OUT/kernel-tests.log
-# Each step has its own time limit, so one that hangs cannot eat the others; a summary table is
-# printed last. No install is needed: the code runs from the working tree (PYTHONPATH).
+#   6. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
+# The whole run keeps inside SPD_DEVICE_BUDGET seconds (default 520): each step has its own cap
+# and is also cut to the time left, so one that hangs cannot eat the others. The device tool
+# brings back at most 8 files, so the logs travel as one $OUT/logs.tar.gz beside the two JSONs
+# and summary.txt; a summary table is printed last. No install is needed: the code runs from
+# the working tree (PYTHONPATH).
 #
 #   OUT=/some/dir bash benchmarks/device_session.sh     # on the device machine
 #   SPD_DEVICE_SMOKE=1 OUT=/tmp/x bash benchmarks/device_session.sh   # CPU: checks the script
@@ -22,13 +26,22 @@ export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-step() {  # step NAME LIMIT_S LOG CMD...
-    local name=$1 limit=$2 log=$3; shift 3
-    local t0=$SECONDS
-    timeout "$limit" "$@" > "$log" 2>&1
-    local rc=$?
-    printf '%-22s rc=%-4s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$(basename "$log")" \
-        | tee -a "$SUMMARY"
+BUDGET="${SPD_DEVICE_BUDGET:-520}"
+LOGS="$OUT/logs"
+mkdir -p "$LOGS"
+step() {  # step NAME CAP_S LOG CMD...: run CMD for at most min(CAP_S, time left - 25 s)
+    local name=$1 cap=$2 log=$3; shift 3
+    local left=$((BUDGET - SECONDS - 25)) t0=$SECONDS rc
+    local limit=$(( cap < left ? cap : left ))
+    if (( limit < 10 )); then
+        printf '%-22s skipped: %ss of the budget left\n' "$name" "$((BUDGET - SECONDS))" \
+            | tee -a "$SUMMARY"
+        return
+    fi
+    timeout -k 5 "$limit" "$@" > "$log" 2>&1
+    rc=$?
+    printf '%-22s rc=%-4s %4ss of %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" \
+        "$(basename "$log")" | tee -a "$SUMMARY"
 }
 
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
@@ -37,6 +50,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     KERNEL_ARGS=(--models smollm2-135m --ops verify_greedy,truncate_kv,fused_linear --iters 1 --warmup 0
                  --compile off)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
+    KERNEL_TESTS=(tests/test_kernels_kv_truncate.py)
 else
     DEV=$("$PY" - <<'EOF'
 import torch
@@ -47,26 +61,37 @@ EOF
     KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
+    KERNEL_TESTS=(tests/test_kernels_*.py)
 fi
 
-{ nvidia-smi 2>&1 || echo "no nvidia-smi"; "$PY" -c "
+{ nvidia-smi 2>&1 || echo "no nvidia-smi"; nproc; "$PY" -c "
 import torch, triton, transformers
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)
-print('cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; } > "$OUT/env.txt" 2>&1
+print('cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; } > "$LOGS/env.txt" 2>&1
 
-step build 240 "$OUT/build.log" "$PY" setup.py build_ext --inplace
-step gpu-tests 240 "$OUT/gpu-tests.log" "$PY" -m pytest -q -m gpu -rs -p no:cacheprovider \
-    --junitxml "$OUT/gpu-tests.xml" tests/test_kernels_*.py tests/test_pdm_graphs.py \
-    tests/test_distributed.py
-step bench-kernels 180 "$OUT/bench-kernels.log" "$PY" benchmarks/bench_kernels.py \
+# Parallel test workers and a per-test timeout where the plugins are there (the device image has
+# both); the GPU tests mostly wait on Triton's compiler, which is CPU work.
+PYTEST_EXTRA=()
+"$PY" -c "import xdist" 2>/dev/null && PYTEST_EXTRA+=(-n "${SPD_TEST_WORKERS:-8}")
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout 150)
+
+step build 150 "$LOGS/build.log" "$PY" setup.py build_ext --inplace
+step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
+    "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/test_kernels_*.py \
+    tests/test_pdm_graphs.py tests/test_distributed.py
+step bench-kernels 150 "$LOGS/bench-kernels.log" "$PY" benchmarks/bench_kernels.py \
     "${KERNEL_ARGS[@]}" --json-out "$OUT/$DATE-kernels-$DEV.json"
-step draft-hiding 120 "$OUT/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
+step draft-hiding 100 "$LOGS/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
     "${HIDING_ARGS[@]}" --json-out "$OUT/$DATE-draft-hiding-$DEV.json"
-step kernel-tests 150 "$OUT/kernel-tests.log" "$PY" -m pytest -q -x -m "not gpu" \
-    -p no:cacheprovider tests/test_kernels_*.py
+step kernel-tests 150 "$LOGS/kernel-tests.log" "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider \
+    "${PYTEST_EXTRA[@]}" "${KERNEL_TESTS[@]}"
 
-echo "---- gpu tests";      tail -n 15 "$OUT/gpu-tests.log"
-echo "---- kernel targets"; grep -E "^target:" "$OUT/bench-kernels.log" || tail -n 5 "$OUT/bench-kernels.log"
-echo "---- draft hiding";   tail -n 12 "$OUT/draft-hiding.log"
-echo "---- kernel tests";   tail -n 3 "$OUT/kernel-tests.log"
+cp "$SUMMARY" "$LOGS/"
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
+show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
+echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
+show gpu-tests.log | tail -n 2
+echo "---- kernel targets"; show bench-kernels.log | grep -E "^target:|ERROR" | cut -c1-240
+echo "---- draft hiding";   show draft-hiding.log | tail -n 12
+echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"
