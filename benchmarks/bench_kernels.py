@@ -47,7 +47,7 @@ from spd_kernels import dispatch
 from spd_kernels.features import anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
-from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_launch,
+from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_launch, pack_qkv,
                              cache_attention_reference, pdm_step, qkv_rope_append_reference)
 from spd_kernels.verify import (_launch_rejection, rejection_sample_logits_reference,
                                 target_to_draft_map, verify_greedy_reference)
@@ -153,9 +153,10 @@ def rand(*shape, dtype, device, scale=1.0):
 
 
 def layer_weights(s: Shape, dtype, device) -> LayerWeights:
+    """Random weights of one layer, q/k/v packed back to back as the runtime holds them."""
     d, hd = s.hidden, s.head_dim
     sc = d ** -0.5
-    return LayerWeights(
+    lw = LayerWeights(
         rand(d, dtype=dtype, device=device, scale=0.1) + 1,
         rand(s.heads * hd, d, dtype=dtype, device=device, scale=sc),
         rand(s.kv_heads * hd, d, dtype=dtype, device=device, scale=sc),
@@ -167,6 +168,8 @@ def layer_weights(s: Shape, dtype, device) -> LayerWeights:
         rand(s.intermediate, d, dtype=dtype, device=device, scale=sc),
         rand(s.intermediate, d, dtype=dtype, device=device, scale=sc),
         rand(d, s.intermediate, dtype=dtype, device=device, scale=s.intermediate ** -0.5))
+    lw.wq, lw.wk, lw.wv = pack_qkv(lw.wq, lw.wk, lw.wv)
+    return lw
 
 
 def layer_bytes(lw: LayerWeights) -> int:

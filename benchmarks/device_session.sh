@@ -4,10 +4,12 @@
 #   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> build.log
 #   3. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
 #      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is)
-#   4. kernel microbenchmarks at Qwen3-4B shapes                -> $OUT/<date>-kernels-<dev>.json
+#   4. kernel microbenchmarks at Qwen3-4B shapes (but verify)   -> $OUT/<date>-kernels-<dev>.json
 #   5. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
-#   6. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
+#   6. verify_greedy, once per CUDA kernel variant (SPD_VERIFY_VARIANT=0, 1, 2) -> verify-variant-*.json
+#   7. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
+#   8. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
 # The whole run keeps inside SPD_DEVICE_BUDGET seconds (default 520): each step has its own cap
 # and is also cut to the time left, so one that hangs cannot eat the others. The device tool
 # brings back at most 8 files, so the logs travel as one $OUT/logs.tar.gz beside the two JSONs
@@ -51,6 +53,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
                  --compile off)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
     KERNEL_TESTS=(tests/test_kernels_kv_truncate.py)
+    COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
 else
     DEV=$("$PY" - <<'EOF'
 import torch
@@ -58,10 +61,14 @@ name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else "c
 print(next((k for k in ("h200", "h100", "a100", "b200") if k in name), "gpu" if name != "cpu" else "cpu"))
 EOF
 )
-    KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20)
+    # verify_greedy runs on its own below, once per CUDA kernel variant (a crash there cannot
+    # take the other rows with it)
+    KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20 --ops rejection_sample_logits,anchor_projection,truncate_kv,qkv_rope_append,cache_attention,fused_linear,fused_swiglu,pdm_step)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
     KERNEL_TESTS=(tests/test_kernels_*.py)
+    COMPILE_ARGS=(--models qwen3-4b --ops verify_greedy,anchor_projection,truncate_kv,fused_swiglu
+                  --compile on --iters 20)
 fi
 
 { nvidia-smi 2>&1 || echo "no nvidia-smi"; nproc; "$PY" -c "
@@ -83,8 +90,19 @@ step bench-kernels 150 "$LOGS/bench-kernels.log" "$PY" benchmarks/bench_kernels.
     "${KERNEL_ARGS[@]}" --json-out "$OUT/$DATE-kernels-$DEV.json"
 step draft-hiding 100 "$LOGS/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
     "${HIDING_ARGS[@]}" --json-out "$OUT/$DATE-draft-hiding-$DEV.json"
+if [[ -z "${SPD_DEVICE_SMOKE:-}" ]]; then  # the greedy-verify CUDA kernel's other shapes
+    for vv in 0 1 2; do  # (SPD_VERIFY_VARIANT is read once per process)
+        step "verify-variant-$vv" 40 "$LOGS/verify-variant-$vv.log" env SPD_VERIFY_VARIANT=$vv \
+            "$PY" benchmarks/bench_kernels.py --models qwen3-4b --ops verify_greedy \
+            --compile off --iters 20 --json-out "$LOGS/verify-variant-$vv.json"
+    done
+fi
 step kernel-tests 150 "$LOGS/kernel-tests.log" "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" "${KERNEL_TESTS[@]}"
+
+# torch.compile of the references, last: it only fills the comparison column
+step bench-compile 120 "$LOGS/bench-compile.log" "$PY" benchmarks/bench_kernels.py \
+    "${COMPILE_ARGS[@]}" --json-out "$LOGS/$DATE-kernels-compile-$DEV.json"
 
 cp "$SUMMARY" "$LOGS/"
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
@@ -92,6 +110,7 @@ show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
 echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
 show gpu-tests.log | tail -n 2
 echo "---- kernel targets"; show bench-kernels.log | grep -E "^target:|ERROR" | cut -c1-240
+echo "---- verify variants"; for vv in 0 1 2; do show verify-variant-$vv.log | grep -E "verify_greedy|ERROR|Error" | cut -c1-120 | sed "s/^/v$vv /"; done
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"

@@ -7,10 +7,12 @@ one call (the depth staircase of the in-flight window).
 
 Backends (see spd_kernels.dispatch):
   reference  one GEMM per (type present, anchor) on the rows of that type.
-  triton     one launch for all rows whatever their types: program (n-block, row) reads the row's
-             type on the device, finds W_e through a table of weight pointers and accumulates
-             sum_j W_{e,j} h_{b_j}[r] in fp32, reading the anchors in place through their strides
-             (the concat is never built) and rounding once at the end.
+  triton     one launch for all rows whatever their types: program (n-block, type e) finds the
+             rows of type e on the device (types never go to the host), finds W_e through a table
+             of weight pointers and streams its tile of W_e once for all of those rows (up to 16 at
+             a time), accumulating sum_j W_{e,j} h_{b_j}[r] in fp32, reading the anchors in place
+             through their strides (the concat is never built) and rounding once at the end. One
+             more program class writes the NaN rows (below).
   cuda       the same plan in C++ (csrc/features.cu).
 On device tensors the kernels write NaN for a row whose type is out of range or has no weight
 (value checks there need a host sync; SPD_CHECK_VALUES=1 turns them on).
@@ -144,20 +146,34 @@ def _tables(weights, biases, device):
 if HAS_TRITON:
 
     @triton.jit
+    def _anchor_dot(acc, a, w, FP32_DOT: tl.constexpr):
+        """acc [R, N] += a [R, K] @ w [N, K]^T in fp32. FP32_DOT: fp32 or mixed operands, or the
+        interpreter (its bf16 dot is wrong); ieee so that fp32 is not rounded to tf32."""
+        if FP32_DOT:
+            return acc + tl.dot(a.to(tl.float32), tl.trans(w.to(tl.float32)),
+                                input_precision="ieee")
+        else:
+            return acc + tl.dot(a.to(w.dtype), tl.trans(w))
+
+    @triton.jit
     def _anchor_kernel(a_ptr, stride_am, stride_ar, types_ptr, table_ptr, out_ptr, stride_or,
-                       M, D, N, W_CODE: tl.constexpr, OUT_CODE: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       M, R, D, N, W_CODE: tl.constexpr, OUT_CODE: tl.constexpr,
+                       FP32_DOT: tl.constexpr, W_ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
+                       R_SCAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """Program (n-block, class): class M-1-pid1 is a type (heaviest first, as programs start in
+        grid order), class -1 the rows with no usable projection (NaN). The rows of the class are
+        gathered BLOCK_R at a time, so each W_e tile is loaded once per BLOCK_R of them (once in
+        all when R <= R_SCAN and at most BLOCK_R rows share the type) and multiplied with all of
+        them by tl.dot (fp32 accumulation)."""
         pid_n = tl.program_id(0)
-        r = tl.program_id(1).to(tl.int64)
-        e = tl.load(types_ptr + r).to(tl.int32)
-        ec = tl.minimum(tl.maximum(e, 0), M - 1)
+        cls = M - 1 - tl.program_id(1)
+        ec = tl.maximum(cls, 0)
         w_addr = tl.load(table_ptr + ec)
         b_addr = tl.load(table_ptr + M + ec)
-        ok = (e >= 0) & (e < M) & (w_addr != 0)
         n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = n < N
-        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        if ok:
+        if (cls < 0) | (w_addr != 0):  # a type without weight has no rows: they are class -1
             if W_CODE == 1:
                 w_base = w_addr.to(tl.pointer_type(tl.bfloat16))
                 b_base = b_addr.to(tl.pointer_type(tl.bfloat16))
@@ -167,22 +183,54 @@ if HAS_TRITON:
             else:
                 w_base = w_addr.to(tl.pointer_type(tl.float32))
                 b_base = b_addr.to(tl.pointer_type(tl.float32))
+            if W_ALIGNED:  # a pointer made from an int has no known alignment: without this hint
+                w_base = tl.multiple_of(w_base, 16)  # W is not vectorized nor pipelined
             k_row = (ec + 1).to(tl.int64) * D  # row length of W_e
             w_rows = w_base + n.to(tl.int64)[:, None] * k_row
-            for j in range(0, ec + 1):
-                a_row = a_ptr + j * stride_am + r * stride_ar
-                for k0 in range(0, D, BLOCK_K):
-                    k = k0 + tl.arange(0, BLOCK_K)
-                    kmask = k < D
-                    a = tl.load(a_row + k, mask=kmask, other=0.0).to(tl.float32)
-                    w = tl.load(w_rows + j * D + k[None, :], mask=nmask[:, None] & kmask[None, :],
-                                other=0.0).to(tl.float32)
-                    acc += tl.sum(w * a[None, :], axis=1)
-            if b_addr != 0:
-                acc += tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)
-        else:
-            acc += float("nan")
-        tl.store(out_ptr + r * stride_or + n, round_to(acc, OUT_CODE), mask=nmask)
+            for s0 in range(0, R, R_SCAN):
+                # The rows of this class among rows s0 .. s0+R_SCAN-1, compacted: rank = position.
+                rs = s0 + tl.arange(0, R_SCAN)
+                smask = rs < R
+                t = tl.load(types_ptr + rs, mask=smask, other=-1).to(tl.int32)
+                tw = tl.load(table_ptr + tl.minimum(tl.maximum(t, 0), M - 1), mask=smask, other=0)
+                match = smask & (tl.where((t >= 0) & (t < M) & (tw != 0), t, -1) == cls)
+                rank = tl.cumsum(match.to(tl.int32), axis=0) - 1
+                count = tl.sum(match.to(tl.int32), axis=0)
+                for g in range(0, count, BLOCK_R):
+                    slot = g + tl.arange(0, BLOCK_R)
+                    pick = match[None, :] & (rank[None, :] == slot[:, None])  # [BLOCK_R, R_SCAN]
+                    rr = tl.sum(tl.where(pick, rs[None, :], 0), axis=1).to(tl.int64)
+                    rvalid = slot < count
+                    o_ptrs = out_ptr + rr[:, None] * stride_or + n[None, :]
+                    omask = rvalid[:, None] & nmask[None, :]
+                    if cls < 0:  # nothing read through the table
+                        tl.store(o_ptrs, tl.full([BLOCK_R, BLOCK_N], float("nan"), tl.float32),
+                                 mask=omask)
+                    else:
+                        acc = tl.zeros([BLOCK_R, BLOCK_N], dtype=tl.float32)
+                        a_rows = a_ptr + rr[:, None] * stride_ar
+                        kr = tl.arange(0, BLOCK_K)
+                        if EVEN_K:  # no tile straddles two anchors: one loop over the W_e row
+                            for kk in range(0, (cls + 1) * D, BLOCK_K):
+                                j = kk // D
+                                a = tl.load(a_rows + j * stride_am + (kk - j * D) + kr[None, :],
+                                            mask=rvalid[:, None], other=0.0)
+                                w = tl.load(w_rows + kk + kr[None, :], mask=nmask[:, None],
+                                            other=0.0)
+                                acc = _anchor_dot(acc, a, w, FP32_DOT)
+                        else:
+                            for j in range(0, cls + 1):
+                                for k0 in range(0, D, BLOCK_K):
+                                    k = k0 + kr
+                                    kmask = k < D
+                                    a = tl.load(a_rows + j * stride_am + k[None, :],
+                                                mask=rvalid[:, None] & kmask[None, :], other=0.0)
+                                    w = tl.load(w_rows + j * D + k[None, :],
+                                                mask=nmask[:, None] & kmask[None, :], other=0.0)
+                                    acc = _anchor_dot(acc, a, w, FP32_DOT)
+                        if b_addr != 0:
+                            acc += tl.load(b_base + n, mask=nmask, other=0.0).to(tl.float32)[None, :]
+                        tl.store(o_ptrs, round_to(acc, OUT_CODE), mask=omask)
 
 
 @dispatch.register("anchor_projection", "triton", supports=_kernel_supports)
@@ -194,15 +242,20 @@ def anchor_projection_triton(anchors, types, weights, biases=None):
         return out
     types = types.contiguous()
     w_dtype = next(w for w in weights if w is not None).dtype
+    # tl.dot needs every block dimension >= 16; 16 rows of one type share each weight tile.
+    block_k = max(16, min(next_pow2(d), 256))
     if INTERPRET:
-        block_n, block_k, warps = min(next_pow2(n_out), 64), min(next_pow2(d), 256), 1
-    else:
-        block_k = min(next_pow2(d), 256)
-        block_n, warps = max(16, min(64, 8192 // block_k)), 4
-    _anchor_kernel[(triton.cdiv(n_out, block_n), rows)](
+        block_n, warps, stages = max(16, min(next_pow2(n_out), 64)), 1, 1
+    else:  # small n-blocks: 5 * 160 programs for N = 2560, enough to balance the 5 row lengths
+        block_n, warps, stages = 16, 4, 3
+    fp32_dot = INTERPRET or w_dtype == torch.float32 or w_dtype != anchors.dtype
+    w_aligned = all(w.data_ptr() % 16 == 0 for w in weights if w is not None)
+    _anchor_kernel[(triton.cdiv(n_out, block_n), m + 1)](
         anchors, anchors.stride(0), anchors.stride(1), types, _tables(weights, biases, anchors.device),
-        out, out.stride(0), m, d, n_out, W_CODE=dtype_code(w_dtype),
-        OUT_CODE=dtype_code(anchors.dtype), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps)
+        out, out.stride(0), m, rows, d, n_out, W_CODE=dtype_code(w_dtype),
+        OUT_CODE=dtype_code(anchors.dtype), FP32_DOT=fp32_dot, W_ALIGNED=w_aligned,
+        EVEN_K=d % block_k == 0, R_SCAN=max(16, min(next_pow2(rows), 256)), BLOCK_R=16, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
     return out
 
 

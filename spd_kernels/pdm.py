@@ -9,21 +9,22 @@ The position `start` may be a device tensor, so nothing in the step needs the ho
 
 Op `qkv_rope_append` (dispatched, see spd_kernels.dispatch):
   reference  torch, mirroring spd.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
-  triton     one launch per layer: program (row, head) normalises the row, computes the head's
-             q, k or v (the two RoPE halves as two accumulators), applies the per-head RMSNorm and
-             RoPE in registers, and writes q out or k/v straight into the cache at position
-             start + row (read on the device; rows past the cache capacity are dropped).
+  triton     the q, k and v projections through fused_linear's kernel (RMSNorm fused, each
+             weight tile read once for all rows), then one launch, program (row, head), applies
+             the per-head RMSNorm and RoPE in registers and writes q out or k/v straight into the
+             cache at position start + row (read on the device; rows past the capacity dropped).
 Op `cache_attention` (dispatched):
   reference  torch. With an int `start`: SDPA over cache rows [0, start + R) with the causal
              chunk mask, exactly spd.layers' attention. With a tensor `start`: the mask over the
              whole cache is built on the device (no host read), fp32 math.
-  triton     program (row, kv head, key split): the row's g = H / KVH query heads together,
-             online softmax over key blocks up to start + row (read on the device), fp32
-             accumulation. On a GPU the keys are split (flash-decoding) so R x KVH x splits
-             programs fill the SMs at long contexts; the split is fixed by the cache capacity,
-             not the position, so graphs replay anywhere, and a second launch merges the
-             partial softmaxes in a fixed order. One rounding to the cache dtype. Output
-             [R, H * head_dim], ready for o_proj.
+  triton     program (kv head, key split, block of (row, query head) pairs): every key block is
+             read once for all rows and the G = H / KVH heads sharing it, both products on the
+             tensor cores (tl.dot), online softmax over keys up to start + row (read on the
+             device), fp32 statistics and accumulation. On a GPU the keys are split
+             (flash-decoding); the split is fixed by the cache capacity, not the position, so
+             graphs replay anywhere, and a second launch merges the splits that hold keys in a
+             fixed order. One rounding to the cache dtype. Output [R, H * head_dim], ready for
+             o_proj.
 The output projection + residual, RMSNorm + SwiGLU MLP + residual and the final RMSNorm + LM
 head are spd_kernels.linear's fused_linear / fused_swiglu (dispatched the same way).
 """
@@ -40,6 +41,7 @@ from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, s
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
+from spd_kernels.linear import launch as linear_launch
 
 if HAS_TRITON:
     from spd_kernels._triton import round_to
@@ -88,6 +90,30 @@ class PDMWeights:
         c = pdm.config
         return cls([LayerWeights.from_module(layer) for layer in pdm.layers], pdm.norm.weight,
                    pdm.lm_head.weight, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_eps)
+
+
+def pack_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor):
+    """Copies of wq, wk, wv as consecutive views of one buffer: the Triton qkv_rope_append then
+    streams the three as one [Nq + Nk + Nv, D] product (one launch, a wider N to split)."""
+    buf = torch.cat([wq, wk, wv]).contiguous()
+    nq, nk = wq.shape[0], wk.shape[0]
+    return buf[:nq], buf[nq:nq + nk], buf[nq + nk:]
+
+
+def packed_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor | None:
+    """The [Nq + Nk + Nv, D] view over wq, wk, wv when they lie back to back in one storage (as
+    pack_qkv leaves them), else None."""
+    if not (wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):
+        return None
+    if wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() or \
+            wk.untyped_storage().data_ptr() != wv.untyped_storage().data_ptr():
+        return None
+    el = wq.element_size()
+    if wk.data_ptr() != wq.data_ptr() + wq.numel() * el or \
+            wv.data_ptr() != wk.data_ptr() + wk.numel() * el:
+        return None
+    n = wq.shape[0] + wk.shape[0] + wv.shape[0]
+    return wq.as_strided((n, wq.shape[1]), (wq.shape[1], 1))
 
 
 def _rotate_half(x):
@@ -226,47 +252,28 @@ def _qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, sta
 if HAS_TRITON:
 
     @triton.jit
-    def _qkv_rope_kernel(x_ptr, stride_x, g_ptr, wq_ptr, wk_ptr, wv_ptr, qn_ptr, kn_ptr,
-                         cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr, kc_ptr, vc_ptr,
-                         T, D, H, KVH, S, eps,
-                         HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr,
-                         BLOCK_D: tl.constexpr):
-        """Program (t, j): j < H: query head j; then H..H+KVH-1 key heads; then value heads.
-        Every intermediate is rounded to the model dtype (code R) where the reference rounds."""
+    def _qk_rope_append_kernel(qp_ptr, stride_qp, kp_ptr, stride_kp, vp_ptr, stride_vp, qn_ptr,
+                               kn_ptr, cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr, kc_ptr,
+                               vc_ptr, T, H, KVH, S, eps,
+                               HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr):
+        """Program (t, j) on the projections q [T, H*HD], k, v [T, KVH*HD] (row strides given;
+        already rounded to the model dtype, code R): j < H: query head j; then H..H+KVH-1 key heads; then value heads.
+        Per-head RMSNorm and RoPE in registers, rounded op by op where the reference rounds; q
+        goes out, k and v straight into the caches at position start + t (read on the device;
+        rows past the cache capacity are dropped)."""
         HALF: tl.constexpr = HD // 2
         t = tl.program_id(0)
         j = tl.program_id(1)
         pos = tl.load(start_ptr).to(tl.int64) + t
-        x_row = x_ptr + t.to(tl.int64) * stride_x
-        ss = tl.zeros([BLOCK_D], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_D):
-            cols = k0 + tl.arange(0, BLOCK_D)
-            xv = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-            ss += xv * xv
-        rstd = 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
-        if j < H:
-            w_base = wq_ptr + (j * HD).to(tl.int64) * D
-        elif j < H + KVH:
-            w_base = wk_ptr + ((j - H) * HD).to(tl.int64) * D
-        else:
-            w_base = wv_ptr + ((j - H - KVH) * HD).to(tl.int64) * D
         half = tl.arange(0, HALF)
-        acc_lo = tl.zeros([HALF], dtype=tl.float32)
-        acc_hi = tl.zeros([HALF], dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_D):
-            cols = k0 + tl.arange(0, BLOCK_D)
-            cm = cols < D
-            xv = tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
-            g = tl.load(g_ptr + cols, mask=cm, other=0.0).to(tl.float32)
-            hn = round_to(g * round_to(xv * rstd, R), R)
-            w_lo = tl.load(w_base + half[:, None] * D + cols[None, :], mask=cm[None, :],
-                           other=0.0).to(tl.float32)
-            w_hi = tl.load(w_base + (half + HALF)[:, None] * D + cols[None, :], mask=cm[None, :],
-                           other=0.0).to(tl.float32)
-            acc_lo += tl.sum(w_lo * hn[None, :], axis=1)
-            acc_hi += tl.sum(w_hi * hn[None, :], axis=1)
-        lo = round_to(acc_lo, R)
-        hi = round_to(acc_hi, R)
+        if j < H:
+            src = qp_ptr + t.to(tl.int64) * stride_qp + j * HD
+        elif j < H + KVH:
+            src = kp_ptr + t.to(tl.int64) * stride_kp + (j - H) * HD
+        else:
+            src = vp_ptr + t.to(tl.int64) * stride_vp + (j - H - KVH) * HD
+        lo = tl.load(src + half).to(tl.float32)
+        hi = tl.load(src + HALF + half).to(tl.float32)
         ok = pos < S
         if j < H + KVH:
             if QK_NORM:
@@ -297,13 +304,17 @@ if HAS_TRITON:
                 tl.store(k_row + HALF + half, out_hi, mask=ok & (half >= 0))
         else:
             v_row = vc_ptr + ((j - H - KVH).to(tl.int64) * S + pos) * HD
-            tl.store(v_row + half, lo, mask=ok & (half >= 0))
-            tl.store(v_row + HALF + half, hi, mask=ok & (half >= 0))
+            tl.store(v_row + half, lo.to(vc_ptr.dtype.element_ty), mask=ok & (half >= 0))
+            tl.store(v_row + HALF + half, hi.to(vc_ptr.dtype.element_ty), mask=ok & (half >= 0))
 
 
 @dispatch.register("qkv_rope_append", "triton", supports=_qkv_supports)
 def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
                            k_cache, v_cache, num_heads, num_kv_heads):
+    # The projections are the fused RMSNorm + linear kernel (each weight tile read once for all
+    # rows, split over K to fill the GPU); a program per (row, head) then does the per-head norm,
+    # RoPE and cache append. A program per (row, head) that also did the product read every
+    # weight once per row: 9 rows cost 33x the weight-read floor on an H200.
     T, D = x.shape
     kvh, S, hd = k_cache.shape
     q = _alloc.empty(num_heads, T, hd, dtype=x.dtype, device=x.device)
@@ -311,13 +322,18 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
         return q
     if not isinstance(start, torch.Tensor):
         start = torch.tensor([int(start)], dtype=torch.int64, device=x.device)
-    block_d = min(next_pow2(D), 256 if INTERPRET else max(32, 4096 // hd))
-    _qkv_rope_kernel[(T, num_heads + 2 * num_kv_heads)](
-        x, x.stride(0), norm_weight, wq, wk, wv,
-        q_norm if q_norm is not None else norm_weight, k_norm if k_norm is not None else norm_weight,
-        cos, sin, cos.stride(0), start, q, k_cache, v_cache, T, D, num_heads, num_kv_heads, S,
-        eps, HD=hd, QK_NORM=q_norm is not None, R=dtype_code(x.dtype), BLOCK_D=block_d,
-        num_warps=1 if INTERPRET else 4)
+    qkv = packed_qkv(wq, wk, wv)
+    if qkv is not None:  # one product over the packed weights, then views of its columns
+        y = linear_launch(x, qkv, None, norm_weight, eps)
+        nq, nk = wq.shape[0], wk.shape[0]
+        qp, kp, vp = y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+    else:
+        qp, kp, vp = (linear_launch(x, w, None, norm_weight, eps) for w in (wq, wk, wv))
+    _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
+        qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0), q_norm if q_norm is not None else norm_weight,
+        k_norm if k_norm is not None else norm_weight, cos, sin, cos.stride(0), start, q,
+        k_cache, v_cache, T, num_heads, num_kv_heads, S, eps, HD=hd,
+        QK_NORM=q_norm is not None, R=dtype_code(x.dtype), num_warps=1 if INTERPRET else 2)
     return q
 
 
@@ -425,107 +441,140 @@ def _attention_supports(q, k_cache, v_cache, start, scale):
     return None
 
 
-def _attention_blocks(group: int, hd: int, S: int) -> tuple[int, int]:
-    """(padded query-head group, key block): the kernel holds [G, BLOCK_N, hd] products."""
-    g_pad = next_pow2(group)
+def _attention_blocks(hd: int, S: int) -> int:
+    """Keys per block of the loop (BLOCK_N)."""
     if INTERPRET:  # few, large numpy steps
-        return g_pad, min(128, max(16, next_pow2(S)))
-    return g_pad, min(128, max(16, 4096 // (g_pad * hd)))
+        return min(128, max(16, next_pow2(S)))
+    return 64 if hd <= 128 else 32
+
+
+def _attention_block_m(rows_x_group: int) -> int:
+    """(row, query head) pairs per program: tl.dot needs at least 16; 64 bounds the registers."""
+    return min(64, max(16, next_pow2(rows_x_group)))
 
 
 if HAS_TRITON:
 
     @triton.jit
+    def _attention_rows_end(start, mb, R, G, S, BLOCK_M: tl.constexpr):
+        """One past the last key any pair of m-block mb may see: start + its last row + 1."""
+        last_row = (tl.minimum((mb + 1) * BLOCK_M, R * G) - 1) // G
+        return tl.minimum(start + last_row + 1, S)
+
+    @triton.jit
     def _cache_attention_kernel(q_ptr, stride_qh, stride_qr, k_ptr, v_ptr, stride_ch, stride_cs,
-                                start_ptr, out_ptr, stride_or, ws_ptr, S, G, KVH, SPLITS, CHUNK,
-                                scale_log2, HD: tl.constexpr, G_PAD: tl.constexpr,
+                                start_ptr, out_ptr, stride_or, ws_ptr, R, S, G, SPLITS, CHUNK,
+                                scale_log2, HD: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, OUT: tl.constexpr,
-                                PARTIAL: tl.constexpr):
-        """Program (r, j, s): chunk row r (position start + r) for the G query heads that share kv
-        head j, over keys s*CHUNK .. up to the row's own position. Online softmax (base 2, the
-        scale folded into q), fp32 throughout. One split: one rounding to the output dtype (code
-        OUT) at the end. PARTIAL: the split's running max, sum and unnormalised output go to the
-        workspace (slot ((r*KVH + j)*SPLITS + s): acc [G_PAD, HD], m [G_PAD], l [G_PAD]) for
-        _attention_combine_kernel; a split past the row's position stores m = -inf, l = 0."""
-        r = tl.program_id(0)
-        j = tl.program_id(1)
-        sp = tl.program_id(2)
-        pos = tl.load(start_ptr).to(tl.int32) + r
-        end = tl.minimum(pos + 1, S)   # keys 0..pos, never past the cache
+                                PARTIAL: tl.constexpr, IEEE: tl.constexpr,
+                                UPCAST: tl.constexpr):
+        """Program (j, s, mb): kv head j, keys s*CHUNK.., and BLOCK_M (row, query head) pairs
+        m = row * G + g of the G query heads sharing j, so every key block is read once for all
+        rows and heads and both products run on the tensor cores (tl.dot; fp32 caches in IEEE
+        fp32). Row r sees keys 0..start + r (start read on the device). Online softmax in base 2,
+        fp32 statistics and accumulator; p meets v in tf32 (bf16/fp16 caches: v exact, p to 10
+        bits). One split: one rounding to the output dtype (code OUT). PARTIAL: the split's
+        unnormalised output, running max and sum go to the workspace slot
+        ((j * SPLITS + s) * M_TOTAL + m) * (HD + 2) for _attention_combine_kernel; splits past
+        the block's last position write nothing (the combine never reads them)."""
+        j = tl.program_id(0)
+        sp = tl.program_id(1)
+        mb = tl.program_id(2)
+        start = tl.load(start_ptr).to(tl.int32)
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < R * G
+        r = m // G
+        heads = (j * G + m % G).to(tl.int64)
+        pos = start + r
+        end = _attention_rows_end(start, mb, R, G, S, BLOCK_M)
         lo = sp * CHUNK
         hi = tl.minimum(end, lo + CHUNK)
-        gi = tl.arange(0, G_PAD)
         d = tl.arange(0, HD)
-        gmask = gi < G
-        heads = (j * G + gi).to(tl.int64)
-        q = tl.load(q_ptr + heads[:, None] * stride_qh + r.to(tl.int64) * stride_qr + d[None, :],
-                    mask=gmask[:, None], other=0.0).to(tl.float32) * scale_log2
-        m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
+        q = tl.load(q_ptr + heads[:, None] * stride_qh + r[:, None].to(tl.int64) * stride_qr
+                    + d[None, :], mask=mmask[:, None], other=0.0)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
         kv_head = k_ptr + j.to(tl.int64) * stride_ch
         vv_head = v_ptr + j.to(tl.int64) * stride_ch
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
             offs = n[:, None].to(tl.int64) * stride_cs + d[None, :]
-            k = tl.load(kv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2)            # [G_PAD, BLOCK_N]
-            s = tl.where(nmask[None, :], s, float("-inf"))
+            k = tl.load(kv_head + offs, mask=nmask[:, None], other=0.0)
+            if IEEE:
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            elif UPCAST:  # the interpreter's dot mishandles bf16; tf32 holds bf16/fp16 exactly
+                s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="tf32")
+            else:
+                s = tl.dot(q, tl.trans(k))  # bf16/fp16 products are exact in fp32
+            s = s * scale_log2
+            seen = (n[None, :] <= pos[:, None]) & nmask[None, :] & mmask[:, None]
+            s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: no NaN
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(vv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            if IEEE:
+                pv = tl.dot(p, v, input_precision="ieee")
+            else:
+                pv = tl.dot(p, v, input_precision="tf32")
+            acc = acc * alpha[:, None] + pv
             m_i = m_new
         if PARTIAL:
-            slot = ws_ptr + ((r * KVH + j) * SPLITS + sp).to(tl.int64) * (G_PAD * (HD + 2))
-            tl.store(slot + gi[:, None] * HD + d[None, :], acc)
-            tl.store(slot + G_PAD * HD + gi, m_i)
-            tl.store(slot + G_PAD * (HD + 1) + gi, l_i)
+            keep = mmask & (lo < end)
+            slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
+            tl.store(slot[:, None] + d[None, :], acc, mask=keep[:, None])
+            tl.store(slot + HD, m_i, mask=keep)
+            tl.store(slot + HD + 1, l_i, mask=keep)
         else:
-            out = round_to(acc / l_i[:, None], OUT)
-            tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :], out,
-                     mask=gmask[:, None])
+            out = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], OUT)
+            tl.store(out_ptr + r[:, None].to(tl.int64) * stride_or + heads[:, None] * HD
+                     + d[None, :], out, mask=mmask[:, None])
 
     @triton.jit
-    def _attention_combine_kernel(ws_ptr, out_ptr, stride_or, G, KVH, SPLITS,
-                                  HD: tl.constexpr, G_PAD: tl.constexpr, OUT: tl.constexpr):
-        """Program (r, j): merges the splits' partial softmaxes in split order (deterministic):
-        rescale each by 2^(m_s - M), sum, divide by the summed l, round once."""
-        r = tl.program_id(0)
-        j = tl.program_id(1)
-        gi = tl.arange(0, G_PAD)
+    def _attention_combine_kernel(ws_ptr, start_ptr, out_ptr, stride_or, R, S, G, SPLITS, CHUNK,
+                                  HD: tl.constexpr, BLOCK_M: tl.constexpr, OUT: tl.constexpr):
+        """Program (j, mb): merges the splits that hold keys of m-block mb (those below its last
+        position, found from start on the device), in split order (deterministic): rescale each
+        by 2^(m_s - M), sum, divide by the summed l, round once."""
+        j = tl.program_id(0)
+        mb = tl.program_id(1)
+        start = tl.load(start_ptr).to(tl.int32)
+        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+        mmask = m < R * G
         d = tl.arange(0, HD)
-        slot_size = G_PAD * (HD + 2)
-        base = ws_ptr + ((r * KVH + j) * SPLITS).to(tl.int64) * slot_size
-        m_all = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
-        for sp in range(0, SPLITS):
-            m_all = tl.maximum(m_all, tl.load(base + sp * slot_size + G_PAD * HD + gi))
-        l_all = tl.zeros([G_PAD], dtype=tl.float32)
-        acc = tl.zeros([G_PAD, HD], dtype=tl.float32)
-        for sp in range(0, SPLITS):
-            slot = base + sp * slot_size
-            m_s = tl.load(slot + G_PAD * HD + gi)
-            w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_all), 0.0)  # empty split: 0
-            l_all += tl.load(slot + G_PAD * (HD + 1) + gi) * w
-            acc += tl.load(slot + gi[:, None] * HD + d[None, :]) * w[:, None]
+        used = tl.cdiv(_attention_rows_end(start, mb, R, G, S, BLOCK_M), CHUNK)
+        m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        for sp in range(0, used):
+            slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
+            m_all = tl.maximum(m_all, tl.load(slot + HD, mask=mmask, other=float("-inf")))
+        l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+        for sp in range(0, used):
+            slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
+            m_s = tl.load(slot + HD, mask=mmask, other=float("-inf"))
+            w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_all), 0.0)  # no key there: 0
+            l_all += tl.load(slot + HD + 1, mask=mmask, other=0.0) * w
+            acc += tl.load(slot[:, None] + d[None, :], mask=mmask[:, None], other=0.0) * w[:, None]
         out = round_to(acc / tl.where(l_all > 0, l_all, 1.0)[:, None], OUT)
-        heads = (j * G + gi).to(tl.int64)
-        tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :], out,
-                 mask=(gi < G)[:, None])
+        r = m // G
+        heads = (j * G + m % G).to(tl.int64)
+        tl.store(out_ptr + r[:, None].to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :],
+                 out, mask=mmask[:, None])
 
 
 def attention_splits(rows: int, kv_heads: int, S: int, block_n: int, device,
                      splits: int | None = None) -> tuple[int, int]:
     """(splits, keys per split) over the cache capacity S. The split is fixed by S, not by the
     position (which may live on the device), so one CUDA graph serves every position; splits
-    past a row's position exit at once. Default: one split on CPU, else about four programs per
-    SM."""
+    past the rows' positions exit at once and the combine never reads them. Default: one split
+    on CPU, else up to 64 splits of at least one key block (short key loops per program; the
+    programs holding keys, kv_heads x used splits, spread over the SMs)."""
     if splits is None:
-        splits = 1 if device.type != "cuda" else triton.cdiv(4 * sm_count(device),
-                                                             rows * kv_heads)
+        splits = 1 if device.type != "cuda" else 64
     splits = max(1, min(int(splits), triton.cdiv(S, block_n)))
     chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
     return triton.cdiv(S, chunk), chunk
@@ -540,23 +589,27 @@ def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = 
         return out
     if not isinstance(start, torch.Tensor):
         start = torch.tensor([int(start)], dtype=torch.int64, device=q.device)
+    start = start.reshape(1)
     group = H // kvh
-    g_pad, block_n = _attention_blocks(group, hd, S)
+    block_n = _attention_blocks(hd, S)
+    block_m = _attention_block_m(R * group)
+    n_mb = triton.cdiv(R * group, block_m)
     n_splits, chunk = attention_splits(R, kvh, S, block_n, q.device, splits)
     partial = n_splits > 1
-    ws = (torch.empty(R * kvh * n_splits * g_pad * (hd + 2), dtype=torch.float32,
+    ws = (torch.empty(kvh * n_splits * R * group * (hd + 2), dtype=torch.float32,
                       device=q.device) if partial else out)
     scale = hd ** -0.5 if scale is None else scale
     warps = 1 if INTERPRET else 4
-    _cache_attention_kernel[(R, kvh, n_splits)](
+    out_code = dtype_code(k_cache.dtype)
+    _cache_attention_kernel[(kvh, n_splits, n_mb)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
-        start, out, out.stride(0), ws, S, group, kvh, n_splits, chunk, scale * 1.4426950408889634,
-        HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=dtype_code(k_cache.dtype), PARTIAL=partial,
-        num_warps=warps)
+        start, out, out.stride(0), ws, R, S, group, n_splits, chunk, scale * 1.4426950408889634,
+        HD=hd, BLOCK_M=block_m, BLOCK_N=block_n, OUT=out_code, PARTIAL=partial,
+        IEEE=k_cache.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps)
     if partial:
-        _attention_combine_kernel[(R, kvh)](ws, out, out.stride(0), group, kvh, n_splits, HD=hd,
-                                            G_PAD=g_pad, OUT=dtype_code(k_cache.dtype),
-                                            num_warps=warps)
+        _attention_combine_kernel[(kvh, n_mb)](ws, start, out, out.stride(0), R, S, group,
+                                               n_splits, chunk, HD=hd, BLOCK_M=block_m,
+                                               OUT=out_code, num_warps=warps)
     return out
 
 

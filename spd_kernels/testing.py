@@ -165,39 +165,50 @@ def _variants():
                     dict(len_ptr="*i64", new_ptr="*i64", new_stride="i32", table_ptr="*i64",
                          OUTER="i32", S="i32", INNER="i32", CODE="constexpr",
                          BLOCK="constexpr"), dict(CODE=code, BLOCK=1024)))
-    for code, dt in ((1, "bf16"), (0, "fp32")):
-        out.append((f"features._anchor_kernel[{dt}]", features._anchor_kernel,
+    # bf16 (aligned, D a multiple of BLOCK_K); fp32 anchors with bf16 weights (mixed: fp32 dot,
+    # ragged K); fp32 with many rows
+    for tag, dt, w_code, fp32_dot, even, r_scan in (("bf16", "bf16", 1, False, True, 16),
+                                                     ("fp32-bf16w", "fp32", 1, True, False, 32),
+                                                     ("fp32", "fp32", 0, True, True, 256)):
+        out.append((f"features._anchor_kernel[{tag}-R{r_scan}]", features._anchor_kernel,
                     dict(a_ptr=ptr(dt), stride_am="i32", stride_ar="i32", types_ptr="*i64",
-                         table_ptr="*i64", out_ptr=ptr(dt), stride_or="i32", M="i32", D="i32",
-                         N="i32", W_CODE="constexpr", OUT_CODE="constexpr", BLOCK_N="constexpr",
+                         table_ptr="*i64", out_ptr=ptr(dt), stride_or="i32", M="i32", R="i32",
+                         D="i32", N="i32", W_CODE="constexpr", OUT_CODE="constexpr",
+                         FP32_DOT="constexpr", W_ALIGNED="constexpr", EVEN_K="constexpr",
+                         R_SCAN="constexpr", BLOCK_R="constexpr", BLOCK_N="constexpr",
                          BLOCK_K="constexpr"),
-                    dict(W_CODE=code, OUT_CODE=code, BLOCK_N=32, BLOCK_K=256)))
+                    dict(W_CODE=w_code, OUT_CODE=1 if dt == "bf16" else 0, FP32_DOT=fp32_dot,
+                         W_ALIGNED=even, EVEN_K=even, R_SCAN=r_scan, BLOCK_R=16, BLOCK_N=16,
+                         BLOCK_K=256)))
     for code, dt, hd, qkn in ((1, "bf16", 128, True), (0, "fp32", 64, False)):
-        out.append((f"pdm._qkv_rope_kernel[{dt}-{hd}]", pdm._qkv_rope_kernel,
-                    dict(x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), wq_ptr=ptr(dt),
-                         wk_ptr=ptr(dt), wv_ptr=ptr(dt), qn_ptr=ptr(dt), kn_ptr=ptr(dt),
-                         cos_ptr=ptr(dt), sin_ptr=ptr(dt), stride_cs="i32", start_ptr="*i64",
-                         q_ptr=ptr(dt), kc_ptr=ptr(dt), vc_ptr=ptr(dt), T="i32", D="i32",
-                         H="i32", KVH="i32", S="i32", eps="fp32", HD="constexpr",
-                         QK_NORM="constexpr", R="constexpr", BLOCK_D="constexpr"),
-                    dict(HD=hd, QK_NORM=qkn, R=code, BLOCK_D=32)))
-    for code, dt, hd, g_pad, block_n, partial in ((1, "bf16", 128, 4, 16, True),
-                                                  (1, "bf16", 64, 4, 16, False),
-                                                  (0, "fp32", 64, 1, 64, True)):
-        out.append((f"pdm._cache_attention_kernel[{dt}-{hd}-g{g_pad}{'-split' * partial}]",
+        out.append((f"pdm._qk_rope_append_kernel[{dt}-{hd}]", pdm._qk_rope_append_kernel,
+                    dict(qp_ptr=ptr(dt), stride_qp="i32", kp_ptr=ptr(dt), stride_kp="i32",
+                         vp_ptr=ptr(dt), stride_vp="i32", qn_ptr=ptr(dt),
+                         kn_ptr=ptr(dt), cos_ptr=ptr(dt), sin_ptr=ptr(dt), stride_cs="i32",
+                         start_ptr="*i64", q_ptr=ptr(dt), kc_ptr=ptr(dt), vc_ptr=ptr(dt),
+                         T="i32", H="i32", KVH="i32", S="i32", eps="fp32", HD="constexpr",
+                         QK_NORM="constexpr", R="constexpr"),
+                    dict(HD=hd, QK_NORM=qkn, R=code)))
+    for code, dt, hd, block_m, block_n, partial in ((1, "bf16", 128, 64, 64, True),
+                                                   (1, "bf16", 64, 16, 64, False),
+                                                   (0, "fp32", 64, 16, 64, True)):
+        out.append((f"pdm._cache_attention_kernel[{dt}-{hd}-m{block_m}{'-split' * partial}]",
                     pdm._cache_attention_kernel,
                     dict(q_ptr=ptr(dt), stride_qh="i32", stride_qr="i32", k_ptr=ptr(dt),
                          v_ptr=ptr(dt), stride_ch="i32", stride_cs="i32", start_ptr="*i64",
-                         out_ptr=ptr(dt), stride_or="i32",
-                         ws_ptr="*fp32", S="i32", G="i32", KVH="i32", SPLITS="i32", CHUNK="i32",
-                         scale_log2="fp32", HD="constexpr", G_PAD="constexpr",
-                         BLOCK_N="constexpr", OUT="constexpr", PARTIAL="constexpr"),
-                    dict(HD=hd, G_PAD=g_pad, BLOCK_N=block_n, OUT=code, PARTIAL=partial)))
-        out.append((f"pdm._attention_combine_kernel[{dt}-{hd}-g{g_pad}]",
+                         out_ptr=ptr(dt), stride_or="i32", ws_ptr="*fp32", R="i32", S="i32",
+                         G="i32", SPLITS="i32", CHUNK="i32", scale_log2="fp32",
+                         HD="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
+                         OUT="constexpr", PARTIAL="constexpr", IEEE="constexpr",
+                         UPCAST="constexpr"),
+                    dict(HD=hd, BLOCK_M=block_m, BLOCK_N=block_n, OUT=code, PARTIAL=partial,
+                         IEEE=code == 0, UPCAST=False)))
+        out.append((f"pdm._attention_combine_kernel[{dt}-{hd}-m{block_m}]",
                     pdm._attention_combine_kernel,
-                    dict(ws_ptr="*fp32", out_ptr=ptr(dt), stride_or="i32", G="i32", KVH="i32",
-                         SPLITS="i32", HD="constexpr", G_PAD="constexpr", OUT="constexpr"),
-                    dict(HD=hd, G_PAD=g_pad, OUT=code)))
+                    dict(ws_ptr="*fp32", start_ptr="*i64", out_ptr=ptr(dt), stride_or="i32",
+                         R="i32", S="i32", G="i32", SPLITS="i32", CHUNK="i32",
+                         HD="constexpr", BLOCK_M="constexpr", OUT="constexpr"),
+                    dict(HD=hd, BLOCK_M=block_m, OUT=code)))
     lin_sig = lambda dt: dict(
         x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
         res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",

@@ -410,7 +410,7 @@ if HAS_TRITON:
         if GREEDY:
             return lg
         else:
-            return lg / temperature
+            return tl.div_rn(lg, temperature)  # IEEE division: GPU "/" is approximate
 
     @triton.jit
     def _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tp, z,

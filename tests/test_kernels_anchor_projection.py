@@ -5,7 +5,8 @@ import torch
 
 from spd_kernels import SPDBackendError, SPDInputError, anchor_projection
 from spd_kernels import dispatch
-from spd_kernels.features import anchor_projection_reference, anchor_projection_triton
+from spd_kernels.features import (anchor_projection_cuda, anchor_projection_reference,
+                                  anchor_projection_triton)
 from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -37,6 +38,35 @@ def oracle(anchors, types, weights, biases):
 def staircase(n, m):
     """Types of an n-deep in-flight window: depth k gets the anchors its stages produced."""
     return torch.tensor([min(m - 1, (k * m) // (n + 1)) for k in range(n + 1)][::-1])
+
+
+def expected(anchors, types, weights, biases):
+    """oracle() on the rows with a usable projection, NaN rows for the others."""
+    m = anchors.shape[0]
+    ts = types.tolist()
+    good = [r for r, t in enumerate(ts) if 0 <= t < m and weights[t] is not None]
+    d_out = next(w for w in weights if w is not None).shape[0]
+    out = torch.full((len(ts), d_out), float("nan"), device=anchors.device)
+    if good:
+        idx = torch.tensor(good, device=anchors.device)
+        out[idx] = oracle(anchors[:, idx], types[idx], weights, biases)
+    return out
+
+
+# Several rows per type: each weight tile is read once for all of them (kernels group rows by type).
+SHARED_TYPES = {
+    "one-type": ([3] * 20, ()),                     # > 16 rows of one type: two row groups
+    "unsorted": ([2, 4, 0, 4, 2, 1, 4, 0, 2], ()),
+    "unused-types": ([4, 0, 4, 0, 4], ()),         # types 1..3 have weights but no rows
+    "bad-rows": ([4, 9, 1, -1, 4, 1, 3, 3], (3,)),  # out of range or no weight: NaN rows
+    "many-rows": ((torch.arange(300) * 7 % 5).tolist(), ()),  # more rows than one scan pass
+}
+
+
+def shared_case(name, d, d_out, dtype, device, seed, int32=False):
+    types, missing = SHARED_TYPES[name]
+    types = torch.tensor(types, dtype=torch.int32 if int32 else torch.int64)
+    return make_case(5, len(types), d, d_out, dtype, device, seed, types=types, missing=missing)
 
 
 CASES = [(4, 1, 8, 8), (4, 7, 16, 12), (3, 33, 5, 9), (5, 9, 64, 48), (2, 4, 130, 70)]
@@ -90,6 +120,27 @@ def test_triton_bad_type_gives_nan_row_not_a_crash():
     assert out[1].isnan().all() and not out[[0, 2, 3]].isnan().any()
 
 
+@needs_triton
+@pytest.mark.parametrize("name", list(SHARED_TYPES))
+@pytest.mark.parametrize("d", [24, 64])  # ragged and whole BLOCK_K tiles
+def test_triton_rows_sharing_types(name, d):
+    args = shared_case(name, d, 20, torch.float32, TRITON_DEVICE, seed=d, int32=d == 24)
+    want = expected(*args)
+    for mode in ("a", "b"):  # NaN and inf sentinels: every element written, NaN rows too
+        with poisoned_outputs(mode):
+            out = anchor_projection_triton(*args)
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+@needs_triton
+def test_triton_shared_types_half_precision():
+    args = shared_case("unsorted", 64, 48, torch.bfloat16, TRITON_DEVICE, seed=3)
+    with poisoned_outputs("b"):
+        out = anchor_projection(*args, backend="triton")
+    eps = torch.finfo(torch.bfloat16).eps
+    torch.testing.assert_close(out.float(), oracle(*args), rtol=eps, atol=1e-3)
+
+
 def test_reference_default_and_checks():
     assert dispatch.select("anchor_projection", torch.device("cpu"))[0] == "reference"
     a = torch.randn(3, 4, 8)
@@ -129,3 +180,25 @@ def test_gpu_backends_match_reference(d, d_out, dtype):
         with poisoned_outputs("a"):
             out = anchor_projection(*args, backend=backend)
         torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 10)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("name", list(SHARED_TYPES))
+# CUDA vector path (D = 1600: full, half and single k steps; 41 outputs: a warp with one) and
+# the scalar path (D = 100)
+@pytest.mark.parametrize("d,d_out", [(1600, 41), (100, 36)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_rows_sharing_types(name, d, d_out, dtype):
+    """Rows grouped by type on the device: shared, unsorted, unused and bad types, many rows."""
+    fns = {"triton": anchor_projection_triton, "cuda": anchor_projection_cuda}
+    backends = [b for b in fns if b in dispatch.available("anchor_projection", "cuda")]
+    args = shared_case(name, d, d_out, dtype, "cuda", seed=d + len(name), int32=d == 100)
+    want = expected(*args)
+    tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for backend in backends:
+        for mode in ("a", "b"):
+            with poisoned_outputs(mode):
+                out = fns[backend](*args)
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 10, equal_nan=True,
+                                       msg=lambda m: f"{backend}: {m}")

@@ -29,7 +29,7 @@ def per_row(q, k, v, start, scale=None):
     """The specification, one row and head at a time in float64."""
     H, R, hd = q.shape
     g = H // k.shape[0]
-    out = torch.empty(R, H, hd, dtype=torch.float64)
+    out = torch.empty(R, H, hd, dtype=torch.float64, device=q.device)
     for r in range(R):
         for h in range(H):
             keys = k[h // g, :start + r + 1].double()
@@ -82,7 +82,7 @@ def test_triton_fp32_matches_reference(R, start, S, H, KVH, hd):
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_triton_online_softmax_over_many_key_blocks(block_n, monkeypatch):
     """Small key blocks: the running max / rescaling path runs many times per row."""
-    monkeypatch.setattr(pdm, "_attention_blocks", lambda g, hd, S: (pdm.next_pow2(g), block_n))
+    monkeypatch.setattr(pdm, "_attention_blocks", lambda hd, S: block_n)
     R, start, S, H, KVH, hd = 4, 93, 100, 6, 2, 16
     q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE, seed=block_n)
     q[:, 1] *= 8  # peaky rows: the running max moves between blocks
@@ -96,7 +96,7 @@ def test_triton_online_softmax_over_many_key_blocks(block_n, monkeypatch):
 def test_triton_split_keys_merge_exactly(splits, start, monkeypatch):
     """Keys split over programs (flash-decoding) and merged by the combine launch: same result
     as the reference, including splits that lie wholly past a row's position (empty)."""
-    monkeypatch.setattr(pdm, "_attention_blocks", lambda g, hd, S: (pdm.next_pow2(g), 16))
+    monkeypatch.setattr(pdm, "_attention_blocks", lambda hd, S: 16)
     R, S, H, KVH, hd = 5, 100, 6, 2, 16
     q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE,
                         seed=splits * 100 + start)
@@ -107,6 +107,19 @@ def test_triton_split_keys_merge_exactly(splits, start, monkeypatch):
         out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
                                    splits=splits)
     torch.testing.assert_close(out, run(q, k, v, start, "reference"), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("splits", [1, 4])
+def test_triton_rows_over_several_m_blocks(splits):
+    """More (row, query head) pairs than one program holds (R * G = 84 > 64): the second block
+    sees later rows, so its keys (and its used splits) reach further than the first's."""
+    R, start, S, H, KVH, hd = 21, 40, 70, 8, 2, 16
+    q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE, seed=splits)
+    with poisoned_outputs("a"):
+        out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
+                                   splits=splits)
     torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
 
 

@@ -8,6 +8,7 @@ from conftest import make_tiny_target
 from spd import SPDEngine
 from spd.layers import decoder_layer_step, rope_table
 from spd_kernels import SPDInputError, dispatch, pdm_step, qkv_rope_append, use_backend
+from spd_kernels import pdm
 from spd_kernels.pdm import PDMWeights
 from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
 
@@ -60,6 +61,35 @@ def test_triton_fp32_matches_reference(T, d, H, KVH, hd, qk_norm):
         assert got[:, :start].isnan().all() and got[:, start + T:].isnan().all()  # untouched
         torch.testing.assert_close(got[:, start:start + T], want[:, start:start + T], rtol=1e-5,
                                    atol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("T,d,H,KVH,hd", SHAPES[:3])
+def test_triton_packed_qkv_weights_match_separate(T, d, H, KVH, hd):
+    """Weights packed back to back (pdm.pack_qkv) take the one-product path: same q and cache
+    rows as the reference and as the three separate products (to rounding: the product's
+    blocking differs with its width)."""
+    S, start = 16, 3
+    args, caches = make_case(T, d, H, KVH, hd, S, torch.float32, TRITON_DEVICE, seed=hd + T)
+    ref = run(args, caches, start, H, KVH, "reference")
+    separate = run(args, caches, start, H, KVH, "triton")
+    packed_args = dict(args)
+    packed_args["wq"], packed_args["wk"], packed_args["wv"] = pdm.pack_qkv(
+        args["wq"], args["wk"], args["wv"])
+    assert pdm.packed_qkv(packed_args["wq"], packed_args["wk"], packed_args["wv"]) is not None
+    out = run(packed_args, caches, start, H, KVH, "triton")
+    torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
+    for got, sep in zip(out, separate):  # q, then the caches: NaN (unwritten) in the same places
+        torch.testing.assert_close(got, sep, rtol=1e-5, atol=1e-5, equal_nan=True)
+
+
+def test_packed_qkv_only_for_back_to_back_weights():
+    w = torch.randn(10, 4)
+    assert pdm.packed_qkv(w[:4], w[4:6], w[6:]).shape == (10, 4)
+    assert pdm.packed_qkv(w[:4], w[6:], w[4:6]) is None             # out of order
+    assert pdm.packed_qkv(w[:4], w[4:6], w[7:]) is None             # a gap
+    assert pdm.packed_qkv(w[:4], w[4:6], torch.randn(4, 4)) is None  # another storage
+    assert pdm.packed_qkv(w[:4, :2], w[4:6, :2], w[6:, :2]) is None  # not contiguous
 
 
 @needs_triton

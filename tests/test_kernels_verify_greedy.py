@@ -21,12 +21,12 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 def make_inputs(R, D, V, dtype, device, seed, strided=False):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(R, D + (5 if strided else 0), generator=g) * 2
-    if strided:
-        hidden = hidden[:, 2:D + 2]  # row stride D + 5: the kernel must use the stride
     norm = torch.rand(D, generator=g) + 0.5
     head = torch.randn(V, D, generator=g) / D ** 0.5
     cast = lambda t: t.to(device=device, dtype=dtype)
     hidden, norm, head = cast(hidden), cast(norm), cast(head)
+    if strided:  # sliced after the move (.to would copy it contiguous)
+        hidden = hidden[:, 2:D + 2]  # row stride D + 5: the kernel must use the stride
     ref = final_logits(hidden, norm, 1e-6, head).argmax(-1)
     drafts = torch.randint(0, V, (R,), generator=g).to(device)
     drafts[::2] = ref[::2]  # half the rows carry the right draft

@@ -79,3 +79,23 @@ def test_gpu_graphed_sampling_is_lossless_and_reproducible():
     graphed = eng.generate(PROMPT, 30, sp, drafter=graphed_drafter)
     assert graphed_drafter.graphs is not None and graphed_drafter.graphs.replays > 0
     assert graphed.token_ids == eager.token_ids
+
+
+def test_pack_qkv_keeps_the_weights_and_packs_them_once(tiny_target):
+    """PDMStepGraphs packs each layer's q/k/v weights back to back (one product on the Triton
+    path): the values stay, the parameters become views of one buffer, a second pack is a no-op."""
+    from spd_kernels.pdm import packed_qkv
+
+    pdm = SPDEngine(tiny_target, n_stages=2, anchors=[0, 2, 3]).pdm
+    before = {k: v.clone() for k, v in pdm.state_dict().items()}
+    attn = [layer.self_attn for layer in pdm.layers]
+    assert all(packed_qkv(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is None for a in attn)
+    pdm.pack_qkv_()
+    assert all(packed_qkv(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is not None
+               for a in attn)
+    after = pdm.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    ptrs = [a.q_proj.weight.data_ptr() for a in attn]
+    pdm.pack_qkv_()
+    assert [a.q_proj.weight.data_ptr() for a in attn] == ptrs

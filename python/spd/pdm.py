@@ -22,7 +22,7 @@ from spd.errors import SPDError
 from spd.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
-from spd_kernels.pdm import PDMWeights
+from spd_kernels.pdm import PDMWeights, pack_qkv, packed_qkv
 
 SHIPPED_DIR = Path(__file__).parent / "checkpoints"
 
@@ -199,6 +199,19 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         cos, sin = self._rope_for(start + rows, features)
         cache.reserve(start, rows)
         return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin)
+
+    @torch.no_grad()
+    def pack_qkv_(self) -> "PipelineDraftModule":
+        """Put each layer's q, k and v projection weights back to back in one buffer (the
+        parameters become views of it; values unchanged), so the Triton step streams them as one
+        product. For inference: an optimizer holding the old tensors would lose track."""
+        for layer in self.layers:
+            a = layer.self_attn
+            views = pack_qkv(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+            if packed_qkv(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is None:
+                for lin, view in zip((a.q_proj, a.k_proj, a.v_proj), views):
+                    lin.weight.data = view
+        return self
 
     def kernel_weights(self) -> PDMWeights:
         """The layers as plain tensors for spd_kernels.pdm_step. Built on every call (a few

@@ -39,7 +39,7 @@ class PDMStepGraphs:
     """Runs `features + step` of `pdm` against `cache` (rows at start..) as graph replays."""
 
     def __init__(self, pdm, cache):
-        self.pdm, self.cache = pdm, cache
+        self.pdm, self.cache = pdm.pack_qkv_(), cache  # one q/k/v product per layer
         w = pdm.lm_head.weight
         self.device = w.device
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)
