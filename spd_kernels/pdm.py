@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, dispatch
-from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count, triton,
+from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton,
                                  tl)
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
@@ -464,7 +464,8 @@ if HAS_TRITON:
     @triton.jit
     def _cache_attention_kernel(q_ptr, stride_qh, stride_qr, k_ptr, v_ptr, stride_ch, stride_cs,
                                 start_ptr, out_ptr, stride_or, ws_ptr, R, S, G, SPLITS, CHUNK,
-                                scale_log2, HD: tl.constexpr, BLOCK_M: tl.constexpr,
+                                scale_log2, HD: tl.constexpr, HD_PAD: tl.constexpr,
+                                BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, OUT: tl.constexpr,
                                 PARTIAL: tl.constexpr, IEEE: tl.constexpr,
                                 UPCAST: tl.constexpr):
@@ -489,19 +490,21 @@ if HAS_TRITON:
         end = _attention_rows_end(start, mb, R, G, S, BLOCK_M)
         lo = sp * CHUNK
         hi = tl.minimum(end, lo + CHUNK)
-        d = tl.arange(0, HD)
+        d = tl.arange(0, HD_PAD)  # head_dim padded to the dot's minimum of 16
+        dmask = d < HD
         q = tl.load(q_ptr + heads[:, None] * stride_qh + r[:, None].to(tl.int64) * stride_qr
-                    + d[None, :], mask=mmask[:, None], other=0.0)
+                    + d[None, :], mask=mmask[:, None] & dmask[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HD_PAD], dtype=tl.float32)
         kv_head = k_ptr + j.to(tl.int64) * stride_ch
         vv_head = v_ptr + j.to(tl.int64) * stride_ch
         for n0 in range(lo, hi, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             nmask = n < hi
             offs = n[:, None].to(tl.int64) * stride_cs + d[None, :]
-            k = tl.load(kv_head + offs, mask=nmask[:, None], other=0.0)
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(kv_head + offs, mask=kv_mask, other=0.0)
             if IEEE:
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             elif UPCAST:  # the interpreter's dot mishandles bf16; tf32 holds bf16/fp16 exactly
@@ -516,7 +519,7 @@ if HAS_TRITON:
             alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vv_head + offs, mask=nmask[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vv_head + offs, mask=kv_mask, other=0.0).to(tl.float32)
             if IEEE:
                 pv = tl.dot(p, v, input_precision="ieee")
             else:
@@ -526,17 +529,18 @@ if HAS_TRITON:
         if PARTIAL:
             keep = mmask & (lo < end)
             slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
-            tl.store(slot[:, None] + d[None, :], acc, mask=keep[:, None])
+            tl.store(slot[:, None] + d[None, :], acc, mask=keep[:, None] & dmask[None, :])
             tl.store(slot + HD, m_i, mask=keep)
             tl.store(slot + HD + 1, l_i, mask=keep)
         else:
             out = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], OUT)
             tl.store(out_ptr + r[:, None].to(tl.int64) * stride_or + heads[:, None] * HD
-                     + d[None, :], out, mask=mmask[:, None])
+                     + d[None, :], out, mask=mmask[:, None] & dmask[None, :])
 
     @triton.jit
     def _attention_combine_kernel(ws_ptr, start_ptr, out_ptr, stride_or, R, S, G, SPLITS, CHUNK,
-                                  HD: tl.constexpr, BLOCK_M: tl.constexpr, OUT: tl.constexpr):
+                                  HD: tl.constexpr, HD_PAD: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, OUT: tl.constexpr):
         """Program (j, mb): merges the splits that hold keys of m-block mb (those below its last
         position, found from start on the device), in split order (deterministic): rescale each
         by 2^(m_s - M), sum, divide by the summed l, round once."""
@@ -545,25 +549,27 @@ if HAS_TRITON:
         start = tl.load(start_ptr).to(tl.int32)
         m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
         mmask = m < R * G
-        d = tl.arange(0, HD)
+        d = tl.arange(0, HD_PAD)
+        dmask = d < HD
         used = tl.cdiv(_attention_rows_end(start, mb, R, G, S, BLOCK_M), CHUNK)
         m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         for sp in range(0, used):
             slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
             m_all = tl.maximum(m_all, tl.load(slot + HD, mask=mmask, other=float("-inf")))
         l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HD], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, HD_PAD], dtype=tl.float32)
         for sp in range(0, used):
             slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
             m_s = tl.load(slot + HD, mask=mmask, other=float("-inf"))
             w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_all), 0.0)  # no key there: 0
             l_all += tl.load(slot + HD + 1, mask=mmask, other=0.0) * w
-            acc += tl.load(slot[:, None] + d[None, :], mask=mmask[:, None], other=0.0) * w[:, None]
+            acc += tl.load(slot[:, None] + d[None, :], mask=mmask[:, None] & dmask[None, :],
+                           other=0.0) * w[:, None]
         out = round_to(acc / tl.where(l_all > 0, l_all, 1.0)[:, None], OUT)
         r = m // G
         heads = (j * G + m % G).to(tl.int64)
         tl.store(out_ptr + r[:, None].to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :],
-                 out, mask=mmask[:, None])
+                 out, mask=mmask[:, None] & dmask[None, :])
 
 
 def attention_splits(rows: int, kv_heads: int, S: int, block_n: int, device,
@@ -604,11 +610,13 @@ def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = 
     _cache_attention_kernel[(kvh, n_splits, n_mb)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         start, out, out.stride(0), ws, R, S, group, n_splits, chunk, scale * 1.4426950408889634,
-        HD=hd, BLOCK_M=block_m, BLOCK_N=block_n, OUT=out_code, PARTIAL=partial,
+        HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, BLOCK_N=block_n, OUT=out_code,
+        PARTIAL=partial,
         IEEE=k_cache.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps)
     if partial:
         _attention_combine_kernel[(kvh, n_mb)](ws, start, out, out.stride(0), R, S, group,
-                                               n_splits, chunk, HD=hd, BLOCK_M=block_m,
+                                               n_splits, chunk, HD=hd, HD_PAD=max(16, hd),
+                                               BLOCK_M=block_m,
                                                OUT=out_code, num_warps=warps)
     return out
 

@@ -191,6 +191,7 @@ def _variants():
                     dict(HD=hd, QK_NORM=qkn, R=code)))
     for code, dt, hd, block_m, block_n, partial in ((1, "bf16", 128, 64, 64, True),
                                                    (1, "bf16", 64, 16, 64, False),
+                                                   (1, "bf16", 8, 16, 64, True),
                                                    (0, "fp32", 64, 16, 64, True)):
         out.append((f"pdm._cache_attention_kernel[{dt}-{hd}-m{block_m}{'-split' * partial}]",
                     pdm._cache_attention_kernel,
@@ -198,17 +199,18 @@ def _variants():
                          v_ptr=ptr(dt), stride_ch="i32", stride_cs="i32", start_ptr="*i64",
                          out_ptr=ptr(dt), stride_or="i32", ws_ptr="*fp32", R="i32", S="i32",
                          G="i32", SPLITS="i32", CHUNK="i32", scale_log2="fp32",
-                         HD="constexpr", BLOCK_M="constexpr", BLOCK_N="constexpr",
-                         OUT="constexpr", PARTIAL="constexpr", IEEE="constexpr",
+                         HD="constexpr", HD_PAD="constexpr", BLOCK_M="constexpr",
+                         BLOCK_N="constexpr", OUT="constexpr", PARTIAL="constexpr", IEEE="constexpr",
                          UPCAST="constexpr"),
-                    dict(HD=hd, BLOCK_M=block_m, BLOCK_N=block_n, OUT=code, PARTIAL=partial,
-                         IEEE=code == 0, UPCAST=False)))
+                    dict(HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, BLOCK_N=block_n, OUT=code,
+                         PARTIAL=partial, IEEE=code == 0, UPCAST=False)))
         out.append((f"pdm._attention_combine_kernel[{dt}-{hd}-m{block_m}]",
                     pdm._attention_combine_kernel,
                     dict(ws_ptr="*fp32", start_ptr="*i64", out_ptr=ptr(dt), stride_or="i32",
                          R="i32", S="i32", G="i32", SPLITS="i32", CHUNK="i32",
-                         HD="constexpr", BLOCK_M="constexpr", OUT="constexpr"),
-                    dict(HD=hd, BLOCK_M=block_m, OUT=code)))
+                         HD="constexpr", HD_PAD="constexpr", BLOCK_M="constexpr",
+                         OUT="constexpr"),
+                    dict(HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, OUT=code)))
     lin_sig = lambda dt: dict(
         x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
         res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",
