@@ -257,7 +257,7 @@ def build_cases(op: str, s: Shape, dtype, device):
         fns = {"reference": (qkv_rope_append_reference, args)}
         fns["triton"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="triton"), args)
         floor = (lw.wq.numel() + lw.wk.numel() + lw.wv.numel()) * el + rows * d * el * 2
-        yield f"rows={rows}", fns, floor, {}
+        yield f"rows={rows}", fns, floor, {"graph": True}  # uncaptured, launches dominate
     elif op == "cache_attention":
         rows = N_STAGES + 1
         q = rand(s.heads, rows, s.head_dim, dtype=dtype, device=device)

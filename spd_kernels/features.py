@@ -254,8 +254,8 @@ def anchor_projection_triton(anchors, types, weights, biases=None):
         anchors, anchors.stride(0), anchors.stride(1), types, _tables(weights, biases, anchors.device),
         out, out.stride(0), m, rows, d, n_out, W_CODE=dtype_code(w_dtype),
         OUT_CODE=dtype_code(anchors.dtype), FP32_DOT=fp32_dot, W_ALIGNED=w_aligned,
-        EVEN_K=d % block_k == 0, R_SCAN=max(16, min(next_pow2(rows), 256)), BLOCK_R=16, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=stages)
+        EVEN_K=d % block_k == 0, R_SCAN=max(16, min(next_pow2(rows), 256)), BLOCK_R=16,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 

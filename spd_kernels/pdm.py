@@ -539,37 +539,43 @@ if HAS_TRITON:
 
     @triton.jit
     def _attention_combine_kernel(ws_ptr, start_ptr, out_ptr, stride_or, R, S, G, SPLITS, CHUNK,
-                                  HD: tl.constexpr, HD_PAD: tl.constexpr,
-                                  BLOCK_M: tl.constexpr, OUT: tl.constexpr):
-        """Program (j, mb): merges the splits that hold keys of m-block mb (those below its last
-        position, found from start on the device), in split order (deterministic): rescale each
-        by 2^(m_s - M), sum, divide by the summed l, round once."""
-        j = tl.program_id(0)
-        mb = tl.program_id(1)
+                                  HD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
+                                  OUT: tl.constexpr):
+        """Program (m, j): merges, for (row, query head) pair m of kv head j, the splits that hold
+        its keys (those below its position + 1, found from start on the device), BLOCK_S splits
+        a load, in a fixed order (deterministic): rescale each by 2^(m_s - M), sum, divide by the
+        summed l, round once. A program per pair, not per block of pairs: the merge is a few
+        wide loads, not a serial walk over the splits."""
+        m = tl.program_id(0)  # pairs on the first grid axis: it takes more than 65535
+        j = tl.program_id(1)
         start = tl.load(start_ptr).to(tl.int32)
-        m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
-        mmask = m < R * G
+        r = m // G
+        used = tl.cdiv(tl.minimum(start + r + 1, S), CHUNK)
         d = tl.arange(0, HD_PAD)
         dmask = d < HD
-        used = tl.cdiv(_attention_rows_end(start, mb, R, G, S, BLOCK_M), CHUNK)
-        m_all = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        for sp in range(0, used):
-            slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
-            m_all = tl.maximum(m_all, tl.load(slot + HD, mask=mmask, other=float("-inf")))
-        l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HD_PAD], dtype=tl.float32)
-        for sp in range(0, used):
-            slot = ws_ptr + ((j * SPLITS + sp).to(tl.int64) * (R * G) + m) * (HD + 2)
-            m_s = tl.load(slot + HD, mask=mmask, other=float("-inf"))
-            w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_all), 0.0)  # no key there: 0
-            l_all += tl.load(slot + HD + 1, mask=mmask, other=0.0) * w
-            acc += tl.load(slot[:, None] + d[None, :], mask=mmask[:, None] & dmask[None, :],
+        sp = tl.arange(0, BLOCK_S)
+        base = ws_ptr + (j.to(tl.int64) * SPLITS * (R * G) + m) * (HD + 2)
+        step = (R * G) * (HD + 2)  # from one split's slot to the next's
+        m_all = tl.full([BLOCK_S], float("-inf"), dtype=tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            slots = base + (s0 + sp).to(tl.int64) * step
+            m_all = tl.maximum(m_all, tl.load(slots + HD, mask=s0 + sp < used,
+                                              other=float("-inf")))
+        m_top = tl.max(m_all, axis=0)
+        l_all = tl.zeros([BLOCK_S], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_S, HD_PAD], dtype=tl.float32)
+        for s0 in range(0, used, BLOCK_S):
+            smask = s0 + sp < used
+            slots = base + (s0 + sp).to(tl.int64) * step
+            m_s = tl.load(slots + HD, mask=smask, other=float("-inf"))
+            w = tl.where(m_s > float("-inf"), tl.exp2(m_s - m_top), 0.0)  # no key there: 0
+            l_all += tl.load(slots + HD + 1, mask=smask, other=0.0) * w
+            acc += tl.load(slots[:, None] + d[None, :], mask=smask[:, None] & dmask[None, :],
                            other=0.0) * w[:, None]
-        out = round_to(acc / tl.where(l_all > 0, l_all, 1.0)[:, None], OUT)
-        r = m // G
-        heads = (j * G + m % G).to(tl.int64)
-        tl.store(out_ptr + r[:, None].to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :],
-                 out, mask=mmask[:, None] & dmask[None, :])
+        l_sum = tl.sum(l_all, axis=0)
+        out = round_to(tl.sum(acc, axis=0) / tl.where(l_sum > 0, l_sum, 1.0), OUT)
+        head = (j * G + m % G).to(tl.int64)
+        tl.store(out_ptr + r.to(tl.int64) * stride_or + head * HD + d, out, mask=dmask)
 
 
 def attention_splits(rows: int, kv_heads: int, S: int, block_n: int, device,
@@ -614,10 +620,10 @@ def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = 
         PARTIAL=partial,
         IEEE=k_cache.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps)
     if partial:
-        _attention_combine_kernel[(kvh, n_mb)](ws, start, out, out.stride(0), R, S, group,
-                                               n_splits, chunk, HD=hd, HD_PAD=max(16, hd),
-                                               BLOCK_M=block_m,
-                                               OUT=out_code, num_warps=warps)
+        _attention_combine_kernel[(R * group, kvh)](
+            ws, start, out, out.stride(0), R, S, group, n_splits, chunk, HD=hd,
+            HD_PAD=max(16, hd), BLOCK_S=min(16, next_pow2(n_splits)), OUT=out_code,
+            num_warps=1 if INTERPRET else 2)
     return out
 
 

@@ -208,9 +208,9 @@ def _variants():
                     pdm._attention_combine_kernel,
                     dict(ws_ptr="*fp32", start_ptr="*i64", out_ptr=ptr(dt), stride_or="i32",
                          R="i32", S="i32", G="i32", SPLITS="i32", CHUNK="i32",
-                         HD="constexpr", HD_PAD="constexpr", BLOCK_M="constexpr",
+                         HD="constexpr", HD_PAD="constexpr", BLOCK_S="constexpr",
                          OUT="constexpr"),
-                    dict(HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, OUT=code)))
+                    dict(HD=hd, HD_PAD=max(16, hd), BLOCK_S=16, OUT=code)))
     lin_sig = lambda dt: dict(
         x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
         res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",

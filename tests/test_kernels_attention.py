@@ -111,6 +111,20 @@ def test_triton_split_keys_merge_exactly(splits, start, monkeypatch):
 
 
 @needs_triton
+def test_triton_combine_over_more_splits_than_one_load(monkeypatch):
+    """25 key splits, 23 of them holding keys: the combine merges them 16 a load, twice."""
+    monkeypatch.setattr(pdm, "_attention_blocks", lambda hd, S: 16)
+    R, start, S, H, KVH, hd = 5, 350, 400, 4, 2, 16
+    q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE, seed=25)
+    q[:, 3] *= 8
+    assert pdm.attention_splits(R, KVH, S, 16, torch.device(TRITON_DEVICE), 25) == (25, 16)
+    with poisoned_outputs("b"):
+        out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
+                                   splits=25)
+    torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("splits", [1, 4])
 def test_triton_rows_over_several_m_blocks(splits):
     """More (row, query head) pairs than one program holds (R * G = 84 > 64): the second block
