@@ -327,6 +327,13 @@ def test_python_function_prompts(tmp_path):
     assert len(kept) == 2 and not any("has_close_elements" in p for p in kept)
     with pytest.raises(SPDError, match="no Python source folder"):
         python_function_prompts(tmp_path / "missing")
+    # an installed package's sources: the root's own path may hold site-packages
+    pkg = tmp_path / "venv" / "site-packages" / "pkg"
+    pkg.mkdir(parents=True)
+    (pkg / "mod.py").write_text(CODE_MODULE)
+    (pkg / "tests").mkdir()
+    (pkg / "tests" / "test_mod.py").write_text(CODE_MODULE)
+    assert python_function_prompts(pkg) == python_function_prompts(tmp_path / "pkg")
 
 
 def test_code_prompts_join_the_self_distilled_data(tiny_hf_target, monkeypatch):

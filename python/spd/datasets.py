@@ -118,7 +118,9 @@ def python_function_prompts(root: str | Path | None = None, exclude_names=()) ->
         raise SPDError(f"no Python source folder at {root}")
     heads = []
     for path in sorted(root.rglob("*.py")):
-        if any(part in ("test", "tests", "idlelib", "site-packages") for part in path.parts):
+        # folders below root only: a root inside site-packages (a package's sources) still counts
+        if any(part in ("test", "tests", "idlelib", "site-packages")
+               for part in path.relative_to(root).parts):
             continue
         try:
             src = path.read_text(encoding="utf-8")
