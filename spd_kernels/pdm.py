@@ -41,6 +41,7 @@ from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, t
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
+from spd_kernels.linear import _supports as linear_kernel_supports
 from spd_kernels.linear import launch as linear_launch
 
 if HAS_TRITON:
@@ -232,7 +233,7 @@ def _qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, sta
     named = [("x", x), ("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
              ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)]
     named += [(n, t) for n, t in (("q_norm", q_norm), ("k_norm", k_norm)) if t is not None]
-    why = check_kernel_float("x", x)
+    why = linear_kernel_supports(x, ())  # the projections run fused_linear's kernel: its limits
     if why:
         return why
     for name, t in named:
@@ -257,7 +258,8 @@ if HAS_TRITON:
                                vc_ptr, T, H, KVH, S, eps,
                                HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr):
         """Program (t, j) on the projections q [T, H*HD], k, v [T, KVH*HD] (row strides given;
-        already rounded to the model dtype, code R): j < H: query head j; then H..H+KVH-1 key heads; then value heads.
+        already rounded to the model dtype, code R): j < H: query head j; then H..H+KVH-1 key
+        heads; then value heads.
         Per-head RMSNorm and RoPE in registers, rounded op by op where the reference rounds; q
         goes out, k and v straight into the caches at position start + t (read on the device;
         rows past the cache capacity are dropped)."""
@@ -330,7 +332,8 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
     else:
         qp, kp, vp = (linear_launch(x, w, None, norm_weight, eps) for w in (wq, wk, wv))
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
-        qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0), q_norm if q_norm is not None else norm_weight,
+        qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
+        q_norm if q_norm is not None else norm_weight,
         k_norm if k_norm is not None else norm_weight, cos, sin, cos.stride(0), start, q,
         k_cache, v_cache, T, num_heads, num_kv_heads, S, eps, HD=hd,
         QK_NORM=q_norm is not None, R=dtype_code(x.dtype), num_warps=1 if INTERPRET else 2)

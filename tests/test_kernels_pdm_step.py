@@ -106,6 +106,18 @@ def test_triton_half_precision(dtype):
                                    atol=tol)
 
 
+def test_triton_qkv_declines_chunks_past_the_linear_kernels_rows():
+    """The Triton path's projections are fused_linear's kernel (at most MAX_KERNEL_ROWS rows): a
+    longer chunk (a prefill) is declined, so the dispatcher falls back to the reference."""
+    from spd_kernels.linear import MAX_KERNEL_ROWS
+    for T, declined in ((MAX_KERNEL_ROWS, False), (MAX_KERNEL_ROWS + 1, True)):
+        args, caches = make_case(T, 16, 2, 1, 8, T + 4, torch.float32, "cpu", seed=T)
+        why = pdm._qkv_supports(args["x"], args["norm_weight"], 1e-6, args["wq"], args["wk"],
+                                args["wv"], args["q_norm"], args["k_norm"], args["cos"],
+                                args["sin"], 0, caches[0], caches[1], 2, 1)
+        assert (why is not None and f"at most {MAX_KERNEL_ROWS} rows" in why) == declined, why
+
+
 def test_checks_and_library_op():
     args, caches = make_case(3, 16, 2, 1, 8, 6, torch.float32, "cpu", seed=1)
     with pytest.raises(SPDInputError, match="do not fit a cache of 6"):

@@ -207,9 +207,9 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         product. For inference: an optimizer holding the old tensors would lose track."""
         for layer in self.layers:
             a = layer.self_attn
-            views = pack_qkv(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
-            if packed_qkv(a.q_proj.weight, a.k_proj.weight, a.v_proj.weight) is None:
-                for lin, view in zip((a.q_proj, a.k_proj, a.v_proj), views):
+            weights = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
+            if packed_qkv(*weights) is None:  # packed already: no copy
+                for lin, view in zip((a.q_proj, a.k_proj, a.v_proj), pack_qkv(*weights)):
                     lin.weight.data = view
         return self
 
