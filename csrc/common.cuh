@@ -74,6 +74,30 @@ __device__ __forceinline__ void load8<float>(const float* p, float* out) {
   out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
 }
 
+// Eight bf16 / f16 values held in 16 bytes (a uint4 already loaded), as fp32: exact conversions.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& q, float* f);
+
+template <>
+__device__ __forceinline__ void unpack8<__nv_bfloat16>(const uint4& q, float* f) {
+  const uint32_t u[4] = {q.x, q.y, q.z, q.w};  // bit operations keep q in registers
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __uint_as_float(u[i] << 16);
+    f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
+  }
+}
+
+template <>
+__device__ __forceinline__ void unpack8<__half>(const uint4& q, float* f) {
+  const uint32_t u[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = __half2float(__ushort_as_half((unsigned short)(u[i] & 0xffffu)));
+    f[2 * i + 1] = __half2float(__ushort_as_half((unsigned short)(u[i] >> 16)));
+  }
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

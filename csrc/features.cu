@@ -31,26 +31,8 @@ struct Raw8 {
     v = __ldcs(reinterpret_cast<const uint4*>(p));  // read once: do not keep it in L1
   }
   __device__ __forceinline__ void zero() { v = make_uint4(0, 0, 0, 0); }
-  __device__ __forceinline__ void unpack(float* f) const {
-    const uint32_t w[4] = {v.x, v.y, v.z, v.w};  // bit operations keep v in registers
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = low(w[i]);
-      f[2 * i + 1] = high(w[i]);
-    }
-  }
-  static __device__ __forceinline__ float low(uint32_t x);
-  static __device__ __forceinline__ float high(uint32_t x);
+  __device__ __forceinline__ void unpack(float* f) const { unpack8<T>(v, f); }
 };
-
-template <>
-__device__ __forceinline__ float Raw8<__nv_bfloat16>::low(uint32_t x) { return __uint_as_float(x << 16); }
-template <>
-__device__ __forceinline__ float Raw8<__nv_bfloat16>::high(uint32_t x) { return __uint_as_float(x & 0xffff0000u); }
-template <>
-__device__ __forceinline__ float Raw8<__half>::low(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x & 0xffffu))); }
-template <>
-__device__ __forceinline__ float Raw8<__half>::high(uint32_t x) { return __half2float(__ushort_as_half((unsigned short)(x >> 16))); }
 
 template <>
 struct Raw8<float> {

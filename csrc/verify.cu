@@ -24,37 +24,11 @@ constexpr int kThreads = kWarps * 32;
 constexpr int kMaxSmem = 96 * 1024;
 constexpr int kMaxPartials = 2048;  // upper bound of the persistent grid's x size
 
-// 16 bytes of T unpacked to fp32 (exact conversions).
+// 16 bytes of T unpacked to fp32 (exact conversions): E elements.
 template <typename T>
-struct Chunk;
-
-template <>
-struct Chunk<__nv_bfloat16> {
+struct Chunk {
   static constexpr int E = 8;
-  static __device__ __forceinline__ void unpack(const uint4& q, float* f) {
-    const unsigned u[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      f[2 * i] = __uint_as_float(u[i] << 16);
-      f[2 * i + 1] = __uint_as_float(u[i] & 0xffff0000u);
-    }
-  }
-};
-
-template <>
-struct Chunk<__half> {
-  static constexpr int E = 8;
-  static __device__ __forceinline__ void unpack(const uint4& q, float* f) {
-    const unsigned u[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __half2 h2;
-      memcpy(&h2, &u[i], sizeof(h2));
-      const float2 v = __half22float2(h2);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
-  }
+  static __device__ __forceinline__ void unpack(const uint4& q, float* f) { unpack8<T>(q, f); }
 };
 
 template <>
