@@ -68,12 +68,18 @@ def test_train_refuses_bad_combinations(tiny_setup, tmp_path, capsys):
     assert "comma-separated numbers" in capsys.readouterr().err
     assert _train(tiny_setup, tmp_path / "f", "--method", "eagle3", "--fill-weights", "1,1") == 2
     assert "PDM option" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "a", "--argmax-weight", "-0.5") == 2
+    assert "--argmax-weight must be >= 0" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "a", "--method", "eagle3", "--argmax-weight", "1") == 2
+    assert "PDM option" in capsys.readouterr().err
 
 
-def test_train_with_fill_weights(tiny_setup, tmp_path):
-    assert _train(tiny_setup, tmp_path / "fw", "--stages", "2", "--fill-weights", "3,1") == 0
+def test_train_with_fill_and_argmax_weights(tiny_setup, tmp_path):
+    assert _train(tiny_setup, tmp_path / "fw", "--stages", "2", "--fill-weights", "3,1",
+                  "--argmax-weight", "0.5") == 0
     c = json.loads((tmp_path / "fw" / "config.json").read_text())
     assert c["extra"]["train"]["fill_weights"] == [3.0, 1.0]
+    assert c["extra"]["train"]["argmax_weight"] == 0.5
 
 
 def test_fill_level_sampling_follows_the_weights():

@@ -386,3 +386,36 @@ def test_warm_start_into_a_deeper_pdm_computes_the_same(tiny_features, tmp_path)
     with torch.no_grad():  # the check can fail: a new layer that writes changes the drafts
         new.mlp.down_proj.weight.normal_(std=0.5)
     assert not torch.allclose(deeper.step(feats, 0, deeper.new_cache(16)), want, atol=1e-3)
+
+
+def test_argmax_weight_adds_the_argmax_cross_entropy(tiny_features):
+    """loss = KL + w * CE(target argmax) over the positions whose argmax the draft vocabulary
+    holds; kl_only (what evaluation reports) leaves the extra term out."""
+    import torch.nn.functional as F
+    from spd.trainer import Distiller, init_pdm
+    t, fs, _ = tiny_features
+    lay = DepthLayout.build(4, 2, None, ANCHORS)
+    vocab = build_draft_vocab(fs.argmax_counts(t.vocab_size), 8)  # some argmaxes fall outside
+    pdm = init_pdm(t, lay, _cfg(), vocab)
+    with torch.no_grad():
+        for p in pdm.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    item = next(x for x in fs.items if 0 < int(torch.isin(x["argmax"].long(), vocab).sum())
+                < len(x["tokens"]))
+    d0 = Distiller(t, pdm, fs.anchors)
+    d1 = Distiller(t, pdm, fs.anchors, argmax_weight=0.7)
+    kl, nvalid, agree = d0.loss(item, 1)
+    both, nvalid1, agree1 = d1.loss(item, 1)
+    kl_only, _, _ = d1.loss(item, 1, kl_only=True)
+    assert 0 < nvalid < len(item["tokens"]) and (nvalid1, agree1) == (nvalid, agree)
+    torch.testing.assert_close(kl_only, kl)
+    # brute force: the draft's log-probabilities, column by column in target ids
+    q_logp = F.log_softmax(pdm.forward_train(item["anchors"][d0.slots].float(),
+                                             d0.layout_for(len(item["tokens"]), 1)), dim=-1)
+    ce = []
+    for pos, tok in enumerate(item["argmax"].tolist()):
+        if tok in vocab.tolist():
+            ce.append(-q_logp[pos, vocab.tolist().index(tok)])
+    want = kl + 0.7 * torch.stack(ce).sum() / nvalid
+    torch.testing.assert_close(both, want)
+    assert float(both - kl) > 0.01  # the term is there and not negligible

@@ -192,6 +192,9 @@ def _add_train(sub) -> None:
                    help="relative weights of the training fill levels 1..n (default: full with "
                         "probability 1/2, else uniform); e.g. 4,2,1,1 at n=4 follows inference, "
                         "where a rejection restarts drafting at fill 1")
+    p.add_argument("--argmax-weight", type=float, default=0.0,
+                   help="add this weight times the cross-entropy of the target's argmax token "
+                        "to the KL loss (greedy decoding accepts only that token; default 0)")
     p.add_argument("--feature-timing", choices=("pre-step", "post-step"), default=None,
                    help="pre-step (default): draft from features that exist when the cycle "
                         "starts, hidden behind the stages; post-step: after the stage step "
@@ -231,6 +234,9 @@ def cmd_train(args) -> int:
             raise SPDError(f"--fill-weights takes comma-separated numbers, got "
                            f"{args.fill_weights!r}") from None
         check_fill_weights(fill_weights, layout.n)
+    if args.argmax_weight < 0 or (args.argmax_weight and args.method == "eagle3"):
+        raise SPDError(f"--argmax-weight must be >= 0 and is a PDM option, got "
+                       f"{args.argmax_weight} with --method {args.method}")
     feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
     if args.method == "eagle3":
@@ -257,7 +263,7 @@ def cmd_train(args) -> int:
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
                       save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
                       features=args.feature_timing, crop_len=args.crop_len,
-                      fill_weights=fill_weights)
+                      fill_weights=fill_weights, argmax_weight=args.argmax_weight)
     final = train(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0

@@ -4,7 +4,9 @@ Every step takes sequences of cached target features, samples a fill level per s
 with probability `full_fill_prob`, else uniform in 1..n-1; or from `fill_weights`, one weight per
 fill level 1..n, to match how often each occurs at inference), lays the sequence out with
 `train_layout.training_layout` so each draft row sees exactly what it would see at inference,
-and minimises KL(target || draft) on the draft vocabulary. Positions whose target argmax lies
+and minimises KL(target || draft) on the draft vocabulary (plus, with `argmax_weight` > 0, that
+weight times the cross-entropy of the target's argmax: greedy decoding accepts a draft only when
+it is that token, which the KL weighs no more than the rest of the distribution). Positions whose target argmax lies
 outside the draft vocabulary are left out of the loss (the draft can never propose it).
 Checkpoints every `save_every` steps; a run started again on the same output folder resumes.
 """
@@ -44,6 +46,8 @@ class TrainConfig:
     # fill k is judged about a^(k-1) as often as fill 1: with a weak drafter most judgments
     # (and so most of the speedup) are at low fill.
     fill_weights: list | None = None
+    # Weight of an extra cross-entropy term on the target's argmax token (0: KL only).
+    argmax_weight: float = 0.0
     max_len: int = 512
     crop_len: int = 256          # train on random windows of this many tokens (cost ~ len^2)
     eval_every: int = 100
@@ -156,14 +160,17 @@ def _anchor_index(features_anchors: list[int], wanted: list[int]) -> list[int]:
 class Distiller:
     """Computes the training loss of one sequence for a given fill level."""
 
-    def __init__(self, target, pdm, feature_anchors: list[int]):
+    def __init__(self, target, pdm, feature_anchors: list[int], argmax_weight: float = 0.0):
         self.pdm = pdm
+        self.argmax_weight = argmax_weight
         self.layout = pdm.layout
         self.slots = _anchor_index(feature_anchors, list(self.layout.anchors))
         vocab = pdm.draft_to_target
         self.head = target.lm_head.weight.detach().float()[vocab]  # target logits on draft vocab
         self.in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
         self.in_vocab[vocab] = True
+        self.draft_index = torch.zeros(target.vocab_size, dtype=torch.long)  # target id -> row
+        self.draft_index[vocab] = torch.arange(len(vocab))
         self._layouts = {}
         self.shift = 1 if pdm.config.features == "post-step" else 0
 
@@ -175,17 +182,23 @@ class Distiller:
             self._layouts[key] = training_layout(length, self.layout, fill, shift=self.shift)
         return self._layouts[key]
 
-    def loss(self, item, fill: int):
-        """(mean KL over valid positions, #valid, top-1 agreement with the target's argmax)."""
+    def loss(self, item, fill: int, kl_only: bool = False):
+        """(mean loss over valid positions, #valid, top-1 agreement with the target's argmax).
+
+        The loss is the KL, plus `argmax_weight` times the argmax cross-entropy unless
+        `kl_only` (evaluation reports the KL alone, comparable across runs)."""
         anchors = item["anchors"][self.slots].float()
         tl = self.layout_for(anchors.shape[1], fill)
         q_logits = self.pdm.forward_train(anchors, tl)
         p_logp = F.log_softmax(item["final"].float() @ self.head.t(), dim=-1)
         q_logp = F.log_softmax(q_logits, dim=-1)
         valid = self.in_vocab[item["argmax"].long()]
-        kl = (p_logp.exp() * (p_logp - q_logp)).sum(-1)
+        per_row = (p_logp.exp() * (p_logp - q_logp)).sum(-1)
+        if self.argmax_weight and not kl_only:
+            rows = self.draft_index[item["argmax"].long()]
+            per_row = per_row - self.argmax_weight * q_logp.gather(-1, rows[:, None])[:, 0]
         nvalid = int(valid.sum())
-        loss = (kl * valid).sum() / max(1, nvalid)
+        loss = (per_row * valid).sum() / max(1, nvalid)
         draft = self.pdm.draft_to_target[q_logits.argmax(-1)]
         agree = (draft == item["argmax"].long()).float().mean()
         return loss, nvalid, float(agree)
@@ -198,7 +211,7 @@ def evaluate(distiller: Distiller, items) -> dict:
     for fill in sorted({1, n}):
         losses, agrees = [], []
         for it in items:
-            loss, _, agree = distiller.loss(it, fill)
+            loss, _, agree = distiller.loss(it, fill, kl_only=True)
             losses.append(float(loss))
             agrees.append(agree)
         out[f"fill{fill}_kl"] = sum(losses) / len(losses)
@@ -223,7 +236,7 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
         copied = warm_start(pdm, cfg.init_from)
         if progress:
             print(f"[spd] warm start from {cfg.init_from}: {len(copied)} tensors copied")
-    distiller = Distiller(target, pdm, features.anchors)
+    distiller = Distiller(target, pdm, features.anchors, cfg.argmax_weight)
 
     def item_loss(item, rng):
         loss, _, agree = distiller.loss(item, sample_fill(rng, layout.n, cfg))
