@@ -81,3 +81,33 @@ def test_training_forward_equals_incremental_inference(fill, shift):
             pdm.step(pdm.features(anchors[:, :start], types[:start]), 0, cache)
         logits = pdm.step(pdm.features(anchors[:, start:newest + 1], types[start:]), start, cache)
         torch.testing.assert_close(train_logits[newest], logits, rtol=1e-4, atol=1e-4)
+
+
+def test_layer_on_selected_rows_equals_the_full_layer_at_those_rows():
+    """The training forward's last layer computes only the loss rows: that must be the full
+    layer's output at those rows (every row still a key), and fail if a row is mixed up."""
+    from spd.layers import decoder_layer_step
+    n = 3
+    t = make_tiny_target(seed=5, vocab=24, layers=6, hidden=32)
+    lay = DepthLayout.build(6, n, None, [0, 2, 4, 5])
+    pdm = PipelineDraftModule.untrained(t, lay, num_layers=1).float()
+    c, layer = pdm.config, pdm.layers[0]
+    with torch.no_grad():
+        for p in layer.parameters():  # untrained output projections are zero: make them write
+            p.normal_(std=0.3)
+    tl = training_layout(7, lay, 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(len(tl.depth), c.hidden_size, generator=g)
+    cos, sin = pdm._rope_for(7, x)
+    cos, sin = cos[tl.position], sin[tl.position]
+    args = (cos, sin, None, None, 0, c.num_heads, c.num_kv_heads, c.head_dim)
+    with torch.no_grad():
+        full = decoder_layer_step(layer, x, *args, mask=tl.mask)
+        some = decoder_layer_step(layer, x, *args, mask=tl.mask, rows=tl.loss_rows)
+        shuffled = decoder_layer_step(layer, x, *args, mask=tl.mask, rows=tl.loss_rows.flip(0))
+    torch.testing.assert_close(some, full[tl.loss_rows], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(shuffled, full[tl.loss_rows], atol=1e-3)
+    with pytest.raises(ValueError, match="cache-free"):
+        decoder_layer_step(layer, x[:2], cos[:2], sin[:2], torch.zeros(1, 8, c.head_dim),
+                           torch.zeros(1, 8, c.head_dim), 0, c.num_heads, c.num_kv_heads,
+                           c.head_dim, rows=torch.tensor([0]))

@@ -42,16 +42,19 @@ def apply_rope(x, cos, sin):
     return x * cos + _rotate_half(x) * sin
 
 
-def _qkv(attn: nn.Module, x: torch.Tensor, cos, sin, num_heads, num_kv_heads, head_dim):
-    """x [T, d] -> q [H, T, hd], k [KVH, T, hd] (both with RoPE), v [KVH, T, hd]."""
+def _qkv(attn: nn.Module, x: torch.Tensor, cos, sin, num_heads, num_kv_heads, head_dim,
+         q_rows: torch.Tensor | None = None):
+    """x [T, d] -> q [H, T', hd], k [KVH, T, hd] (both with RoPE), v [KVH, T, hd]; queries only
+    for `q_rows` when given (T' of them), else for every row."""
     t = x.shape[0]
-    q = attn.q_proj(x).view(t, num_heads, head_dim)
+    xq, cq, sq = (x, cos, sin) if q_rows is None else (x[q_rows], cos[q_rows], sin[q_rows])
+    q = attn.q_proj(xq).view(xq.shape[0], num_heads, head_dim)
     k = attn.k_proj(x).view(t, num_kv_heads, head_dim)
     v = attn.v_proj(x).view(t, num_kv_heads, head_dim)
     if getattr(attn, "q_norm", None) is not None:  # Qwen3: per-head RMSNorm before RoPE
         q = attn.q_norm(q)
         k = attn.k_norm(k)
-    return (apply_rope(q.transpose(0, 1), cos, sin), apply_rope(k.transpose(0, 1), cos, sin),
+    return (apply_rope(q.transpose(0, 1), cq, sq), apply_rope(k.transpose(0, 1), cos, sin),
             v.transpose(0, 1))
 
 
@@ -63,15 +66,21 @@ def _attend(attn, q, keys, values, mask, num_heads, num_kv_heads, head_dim):
 
 def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: torch.Tensor | None,
                    v_cache: torch.Tensor | None, start: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+                   head_dim: int, mask: torch.Tensor | None = None,
+                   query_rows: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, d] at positions start..start+T-1 -> attention output [T, d].
 
     With caches: writes K/V into k_cache/v_cache [kvh, S, hd] at rows start..start+T-1 and
     attends over rows 0..start+T-1, causally inside the chunk. Without caches (training): the
-    rows attend to each other under the boolean `mask` [T, T] (True = may attend).
+    rows attend to each other under the boolean `mask` [T, T] (True = may attend); with
+    `query_rows`, only those rows query (output [len(query_rows), d]; every row is still a key).
     """
-    q, k, v = _qkv(attn, x, cos, sin, num_heads, num_kv_heads, head_dim)
+    if query_rows is not None and k_cache is not None:
+        raise ValueError("query_rows is for the cache-free (training) path only")
+    q, k, v = _qkv(attn, x, cos, sin, num_heads, num_kv_heads, head_dim, query_rows)
     if k_cache is None:
+        if query_rows is not None:
+            mask = mask[query_rows]
         return _attend(attn, q, k, v, mask, num_heads, num_kv_heads, head_dim)
     t = x.shape[0]
     end = start + t
@@ -85,8 +94,11 @@ def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: torch.Te
 
 
 def decoder_layer_step(layer: nn.Module, x, cos, sin, k_cache, v_cache, start: int,
-                       num_heads: int, num_kv_heads: int, head_dim: int, mask=None):
+                       num_heads: int, num_kv_heads: int, head_dim: int, mask=None, rows=None):
+    """One decoder layer. `rows` (training only): compute the outputs of those rows alone; the
+    other rows still serve as keys and values (a last layer needs no more)."""
     h = layer.input_layernorm(x)
-    x = x + attention_step(layer.self_attn, h, cos, sin, k_cache, v_cache, start,
-                           num_heads, num_kv_heads, head_dim, mask)
+    a = attention_step(layer.self_attn, h, cos, sin, k_cache, v_cache, start,
+                       num_heads, num_kv_heads, head_dim, mask, query_rows=rows)
+    x = (x if rows is None else x[rows]) + a
     return x + layer.mlp(layer.post_attention_layernorm(x))

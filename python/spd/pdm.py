@@ -184,10 +184,16 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         x = self.features(anchors[:, tl.position], tl.types)
         cos, sin = self._rope_for(int(tl.position.max()) + 1, x)
         cos, sin = cos[tl.position], sin[tl.position]
-        for layer in self.layers:
+        last = len(self.layers) - 1
+        if last < 0:
+            x = x[tl.loss_rows]
+        for i, layer in enumerate(self.layers):
+            # Only the loss rows' outputs matter after the last layer, so it computes queries,
+            # output projection and MLP for those rows alone (the other copies stay keys).
             x = decoder_layer_step(layer, x, cos, sin, None, None, 0, c.num_heads,
-                                   c.num_kv_heads, c.head_dim, mask=tl.mask)
-        return self.lm_head(self.norm(x[tl.loss_rows])).float()
+                                   c.num_kv_heads, c.head_dim, mask=tl.mask,
+                                   rows=tl.loss_rows if i == last else None)
+        return self.lm_head(self.norm(x)).float()
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:
