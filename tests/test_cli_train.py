@@ -80,6 +80,10 @@ def test_train_with_fill_and_argmax_weights(tiny_setup, tmp_path):
     c = json.loads((tmp_path / "fw" / "config.json").read_text())
     assert c["extra"]["train"]["fill_weights"] == [3.0, 1.0]
     assert c["extra"]["train"]["argmax_weight"] == 0.5
+    assert c["extra"]["train"]["precision"] in ("fp32", "bf16")  # 'auto' resolved and recorded
+    assert _train(tiny_setup, tmp_path / "bf", "--stages", "2", "--precision", "bf16") == 0
+    c = json.loads((tmp_path / "bf" / "config.json").read_text())
+    assert c["extra"]["train"]["precision"] == "bf16"
 
 
 def test_fill_level_sampling_follows_the_weights():

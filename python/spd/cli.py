@@ -199,6 +199,10 @@ def _add_train(sub) -> None:
                    help="pre-step (default): draft from features that exist when the cycle "
                         "starts, hidden behind the stages; post-step: after the stage step "
                         "(more accurate, not hidden; the paper's ablation; the default for ppsd)")
+    p.add_argument("--precision", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="arithmetic of the training loss: bf16 autocast (weights, optimiser and "
+                        "held-out evaluation stay fp32; ~1.8x faster on a CPU with bf16 units) "
+                        "or fp32; auto (default): bf16 where the device has native bf16")
     p.add_argument("--storage", choices=("int8", "fp16", "fp32"), default="int8",
                    help="weight storage of the saved checkpoint (int8: ~4x smaller than fp32)")
     p.set_defaults(func=cmd_train)
@@ -211,6 +215,7 @@ def cmd_train(args) -> int:
     from spd.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.loading import load_target
     from spd.partition import DepthLayout, default_anchors
+    from spd.train_loop import resolve_precision
     from spd.trainer import TrainConfig, check_fill_weights, train
 
     if args.steps < 1 or args.batch < 1:
@@ -219,6 +224,7 @@ def cmd_train(args) -> int:
         if getattr(args, flag) < 0:
             raise SPDError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
     target = load_target(args.model, device=args.device)
+    precision = resolve_precision(args.precision, target.device)
     anchors = _parse_ints(args.anchors, "--anchors")
     split = _parse_ints(args.split, "--split")
     if args.method == "ppsd" and anchors is None:  # PPSD sees the first stage's output only
@@ -252,7 +258,7 @@ def cmd_train(args) -> int:
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(list(args.extra_features) + [feat_dir], target)
     if args.method == "eagle3":
-        return _train_eagle(args, target, features)
+        return _train_eagle(args, target, features, precision)
     if args.feature_timing is None:
         args.feature_timing = "post-step" if args.method == "ppsd" else "pre-step"
     cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
@@ -263,13 +269,14 @@ def cmd_train(args) -> int:
                       batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
                       save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
                       features=args.feature_timing, crop_len=args.crop_len,
-                      fill_weights=fill_weights, argmax_weight=args.argmax_weight)
+                      fill_weights=fill_weights, argmax_weight=args.argmax_weight,
+                      precision=precision)
     final = train(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0
 
 
-def _train_eagle(args, target, features) -> int:
+def _train_eagle(args, target, features, precision: str) -> int:
     """`spd train --method eagle3`: the EAGLE-3-style head on the same data and vocabulary."""
     from spd.eagle import DEFAULT_DRAFT_STEPS
     from spd.eagle_train import EagleTrainConfig, train_eagle
@@ -283,7 +290,8 @@ def _train_eagle(args, target, features) -> int:
                            save_every=args.eval_every, seed=args.seed,
                            draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
                            intermediate_size=args.intermediate_size,
-                           draft_steps=args.draft_steps or DEFAULT_DRAFT_STEPS)
+                           draft_steps=args.draft_steps or DEFAULT_DRAFT_STEPS,
+                           precision=precision)
     final = train_eagle(target, features, cfg, args.out, storage=args.storage)
     print(json.dumps({"out": args.out, "final": final}))
     return 0

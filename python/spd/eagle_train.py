@@ -44,6 +44,7 @@ class EagleTrainConfig:
     ttt_decay: float = 1.0                 # weight of step j is ttt_decay ** (j - 1)
     intermediate_size: int | None = None   # default: the target's
     draft_steps: int = DEFAULT_DRAFT_STEPS # stored in the checkpoint: the decoder's default
+    precision: str = "fp32"                # or "bf16": the loss under bf16 autocast (train_loop)
     history: list = field(default_factory=list)
 
 

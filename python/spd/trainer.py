@@ -56,6 +56,7 @@ class TrainConfig:
     seed: int = 0
     features: str = "pre-step"   # or "post-step" (the paper's ablation: drafting not hidden)
     method: str = "spd"          # or "ppsd" (first-stage features, post-step); metadata only
+    precision: str = "fp32"      # or "bf16": the loss under bf16 autocast (train_loop)
     init_from: str | None = None  # warm start: copy every matching weight of this checkpoint
     history: list = field(default_factory=list)
 
