@@ -346,7 +346,9 @@ def test_code_prompts_join_the_self_distilled_data(tiny_hf_target, monkeypatch):
     from spd.distill import _prompt_ids, build_sequences
     pool = [f"Implement f{i}.\n\n```python\ndef f{i}(x):\n    \"\"\"Doc {i}.\"\"\"\n```"
             for i in range(6)]
-    monkeypatch.setattr(ds, "python_function_prompts", lambda exclude_names=(): list(pool))
+    roots = {"pkgA": [f"A{i}" for i in range(3)], "pkgB": ["B0"]}
+    monkeypatch.setattr(ds, "python_function_prompts", lambda root=None, exclude_names=():
+                        list(pool) if root is None else list(roots[root]))
     monkeypatch.setattr(ds, "humaneval_function_names", lambda: set())
     monkeypatch.setattr(ds, "iter_sharegpt", lambda: iter(
         [[{"role": "user", "content": f"Question {i}?"}] for i in range(4)]))
@@ -362,9 +364,24 @@ def test_code_prompts_join_the_self_distilled_data(tiny_hf_target, monkeypatch):
     for s, p in zip(seqs, want):
         ids = _prompt_ids(t.tokenizer, p)
         assert s[:len(ids)] == ids and len(ids) < len(s) <= len(ids) + 3
-    with pytest.raises(SPDError, match="asked for 6 code prompts after skipping 1.*gives 6"):
+    with pytest.raises(SPDError, match="asked for 6 code prompts after skipping 1.*give 6"):
         build_sequences(t, conversations=0, self_distill_prompts=0, max_len=200,
                         response_tokens=3, skip=1, code_prompts=6, exclude_eval=False)
+    # Package roots come after the standard library's prompts, shuffled among themselves: the
+    # standard-library part (and what a skip passes over) is unchanged.
+    more = roots["pkgA"] + roots["pkgB"]
+    random.Random(0).shuffle(more)
+    seqs = build_sequences(t, conversations=0, self_distill_prompts=0, max_len=200,
+                           response_tokens=3, skip=5, code_prompts=3, exclude_eval=False,
+                           code_roots=["pkgA", "pkgB"])
+    assert len(seqs) == 3
+    for s, p in zip(seqs, shuffled[5:] + more[:2]):
+        ids = _prompt_ids(t.tokenizer, p)
+        assert s[:len(ids)] == ids
+    with pytest.raises(SPDError, match="standard library and the code roots give 10"):
+        build_sequences(t, conversations=0, self_distill_prompts=0, max_len=200,
+                        response_tokens=3, skip=8, code_prompts=3, exclude_eval=False,
+                        code_roots=["pkgA", "pkgB"])
 
 
 def test_warm_start_into_a_deeper_pdm_computes_the_same(tiny_features, tmp_path):

@@ -172,6 +172,9 @@ def _add_train(sub) -> None:
                         "documented functions of Python's standard library (signature and "
                         "docstring; HumanEval's function names excluded); --data-skip passes "
                         "over the same number of them")
+    p.add_argument("--code-roots", nargs="+", default=[], metavar="DIR",
+                   help="more code prompts from the documented functions of these package "
+                        "folders (e.g. site-packages/numpy), after the standard library's")
     p.add_argument("--response-tokens", type=int, default=192,
                    help="max tokens of each self-distilled response")
     p.add_argument("--distill-dtype", choices=("float32", "bfloat16", "float16"), default=None,
@@ -253,7 +256,7 @@ def cmd_train(args) -> int:
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
             target, conversations=args.conversations, self_distill_prompts=args.self_distill,
             max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed,
-            skip=args.data_skip, code_prompts=args.code_prompts,
+            skip=args.data_skip, code_prompts=args.code_prompts, code_roots=args.code_roots,
             distill_dtype=getattr(torch, args.distill_dtype) if args.distill_dtype else None))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(list(args.extra_features) + [feat_dir], target)

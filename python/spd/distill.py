@@ -93,14 +93,16 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
                     response_tokens: int, seed: int = 0, exclude_eval: bool = True,
                     extra_conversations=None, skip: int = 0, batch_size: int = 16,
                     distill_dtype: torch.dtype | None = None,
-                    code_prompts: int = 0) -> list[list[int]]:
+                    code_prompts: int = 0, code_roots=()) -> list[list[int]]:
     """ShareGPT conversations (chat template applied, cut to max_len) and self-distilled ones,
     plus the target's answers to `code_prompts` code-completion prompts (standard-library
-    functions, see `python_function_prompts`).
+    functions, see `python_function_prompts`, then those of the package folders `code_roots`).
 
     Each pool is shuffled under `seed` and its first `skip` items are passed over, so a second
     data set built with skip >= what the first one took from every pool shares no prompt with
-    it."""
+    it. The code pool is the shuffled standard-library prompts followed by the shuffled prompts
+    of `code_roots`, so adding roots leaves the standard-library part (and what a skip passes
+    over in it) as it was."""
     from spd.datasets import (contains_eval_prompt, eval_prompt_keys, humaneval_function_names,
                               iter_sharegpt, python_function_prompts)
 
@@ -117,13 +119,16 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
     human_src = convs[self_distill_prompts:self_distill_prompts + conversations]
     prompts = [c[0]["content"] for c in distill_src]
     if code_prompts:
-        pool = python_function_prompts(exclude_names=humaneval_function_names()
-                                       if exclude_eval else ())
+        names = humaneval_function_names() if exclude_eval else ()
+        pool = python_function_prompts(exclude_names=names)
         random.Random(seed).shuffle(pool)
+        more = [p for root in code_roots for p in python_function_prompts(root, names)]
+        random.Random(seed).shuffle(more)
+        pool += more
         if skip + code_prompts > len(pool):
+            where = "the standard library" + (" and the code roots" if code_roots else "")
             raise SPDError(f"asked for {code_prompts} code prompts after skipping {skip}, but "
-                           f"the standard library gives {len(pool)} in all; lower the count "
-                           f"or the skip")
+                           f"{where} give {len(pool)} in all; lower the count or the skip")
         prompts += pool[skip:skip + code_prompts]
     seqs = []
     if prompts:
