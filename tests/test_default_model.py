@@ -121,9 +121,10 @@ def test_cli_eval_two_prompts_writes_json(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     assert set(report["datasets"]) == {"two", "humaneval"}
-    assert report["config"]["checked_against_ar"] is True
+    assert report["config"]["checked_against_ar"] is True and report["config"]["lookup"] == 3
     for s in list(report["datasets"].values()) + [report["overall"]]:
-        for key in ("N", "K", "alpha", "theoretical_speedup", "acceptance_rate"):
+        for key in ("N", "K", "alpha", "theoretical_speedup", "acceptance_rate", "lookup_share",
+                    "lookup_acceptance"):
             assert key in s
     assert report["datasets"]["two"]["prompts"] == 2 and report["overall"]["prompts"] == 4
     assert report["overall"]["N"] == sum(d["N"] for d in report["datasets"].values())
@@ -146,9 +147,10 @@ def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cf
     """Each PDM shipped in python/spd/checkpoints loads by default for its n and drafts better
     than an untrained one, with the output still exactly Hugging Face's."""
     n = cfg["n_stages"]
-    eng = SPDEngine(default_target, n_stages=n)
+    eng = SPDEngine(default_target, n_stages=n, lookup=0)  # the PDMs alone, no context lookup
     assert eng.pdm_source.endswith(name)
-    untrained = SPDEngine(default_target, n_stages=n, pdm="untrained", warn_untrained=False)
+    untrained = SPDEngine(default_target, n_stages=n, pdm="untrained", warn_untrained=False,
+                          lookup=0)
     accepted = {"shipped": 0, "untrained": 0}
     for ids, ref in references:
         res = eng.generate(ids, NEW)

@@ -133,8 +133,11 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
         (GenerateRequest(PROMPT, 24, sp), {"sampling": sp}),                 # seeded sampling
         (GenerateRequest(PROMPT, 24, sp, reference=ref, reference_accuracy=0.6, reference_seed=1),
          {"sampling": sp, "drafter": ReferenceDrafter(ref, 0.6, 1)}),
+        # A prompt that repeats: the context lookup (on by default) proposes many drafts
+        (GenerateRequest(PROMPT * 3, 24), {}),
+        (GenerateRequest(PROMPT * 3, 24, sp), {"sampling": sp}),
     ]
-    expected = [eng.generate(PROMPT, 24, **kw) for _, kw in cases]
+    expected = [eng.generate(r.prompt_ids, 24, **kw) for r, kw in cases]
     config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 10 + n), pdm=pdm,
                         fault_timeout=5.0, op_timeout=60.0, speculative_control=speculative)
     got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=150)
@@ -144,6 +147,9 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
         assert (g.stats.N, g.stats.K, g.stats.drafts_judged, g.stats.drafts_accepted) == \
             (e.stats.N, e.stats.K, e.stats.drafts_judged, e.stats.drafts_accepted)
         assert g.stats.by_position == e.stats.by_position  # same drafts judged at the same fills
+        assert (g.stats.lookup_judged, g.stats.lookup_accepted) == \
+            (e.stats.lookup_judged, e.stats.lookup_accepted)
+    assert got[5].stats.lookup_judged > 0  # (sampled text may never repeat 3 tokens)
     assert got[1].stats.K == got[1].stats.N + n - 1                 # oracle: only the first fill
     assert 0 < got[2].stats.drafts_accepted < got[2].stats.drafts_judged
     assert got[3].token_ids != got[0].token_ids                      # sampling really sampled

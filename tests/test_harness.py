@@ -70,6 +70,18 @@ def test_plan_puts_ar_first_and_covers_the_grid(trained):
     assert len(cells) == 4 + 8 + 16
 
 
+def test_grid_lookup_reaches_the_pipeline_drafters(trained):
+    from spd.harness import Cell, _Decoders
+    t, ckpt = trained
+    assert "lookup" not in _spec(ckpt).settings()  # off by default: grids stored before resume
+    spec = _spec(ckpt, lookup=2)
+    assert spec.settings()["lookup"] == 2
+    engine, _ = _Decoders(t, spec).get(Cell("spd", 2, 1, "a", 0.0))
+    assert engine.drafter.lookup == 2
+    engine, _ = _Decoders(t, _spec(ckpt)).get(Cell("spd", 2, 1, "a", 0.0))
+    assert engine.drafter.lookup == 0
+
+
 def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
     t, ckpt = trained
     spec = _spec(ckpt)
@@ -122,6 +134,8 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
     assert sorted(tried) == sorted(k for k, c in cells.items() if "skipped" in c)
     with pytest.raises(SPDError, match="other settings"):
         run_grid(t, _spec(ckpt, max_new_tokens=5), tmp_path, progress=False)
+    with pytest.raises(SPDError, match="other settings"):  # context lookup on: not comparable
+        run_grid(t, _spec(ckpt, lookup=3), tmp_path, progress=False)
 
     written = write_report(state, tmp_path)
     md = (tmp_path / "report.md").read_text()

@@ -22,8 +22,9 @@ V = 12
 PROMPT = [1, 5, 7, 2]
 
 
-def exact_first_tokens(target, sp: SamplingParams):
+def exact_first_tokens(target, sp: SamplingParams, prompt=PROMPT):
     """P(t1, t2) [V, V] and P(t3) [V] under the filtered target distribution."""
+    PROMPT = prompt  # noqa: N806 (the module constant's name, shadowed on purpose)
     def next_probs(prefixes):
         ids = torch.tensor(prefixes)
         with torch.no_grad():
@@ -38,30 +39,37 @@ def exact_first_tokens(target, sp: SamplingParams):
     return joint12, marg3
 
 
-@pytest.mark.parametrize("n,sp", [
-    (2, SamplingParams(temperature=1.0)),
-    (3, SamplingParams(temperature=0.8, top_k=8, top_p=0.9)),
+@pytest.mark.parametrize("n,sp,lookup", [
+    (2, SamplingParams(temperature=1.0), 0),
+    (3, SamplingParams(temperature=0.8, top_k=8, top_p=0.9), 0),
+    # The context lookup's drafts (one-hot q) on a prompt that repeats: most drafts are its own
+    (3, SamplingParams(temperature=1.0), 1),
 ])
-def test_sampled_tokens_follow_target(n, sp):
+def test_sampled_tokens_follow_target(n, sp, lookup):
+    prompt = PROMPT + PROMPT[:3] if lookup else PROMPT
     t = make_tiny_target(seed=21, vocab=V, layers=3, head_scale=3.0)
     draft_vocab = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11])
     pdm = PipelineDraftModule.untrained(t, SPDEngine(t, n_stages=n, pdm=None).layout,
                                         draft_vocab=draft_vocab, seed=3)
     with torch.no_grad():  # a random but confident drafter: its q overlaps p only in part
         pdm.lm_head.weight.mul_(30.0)
-    eng = SPDEngine(t, n_stages=n, pdm=pdm)
-    joint12, marg3 = exact_first_tokens(t, sp)
+    eng = SPDEngine(t, n_stages=n, pdm=pdm, lookup=lookup)
+    joint12, marg3 = exact_first_tokens(t, sp, prompt)
     runs = 3000
     c12 = torch.zeros(V * V, dtype=torch.int64)
     c3 = torch.zeros(V, dtype=torch.int64)
-    accepted = judged = 0
+    accepted = judged = lookup_accepted = lookup_judged = 0
     for seed in range(runs):
-        res = eng.generate(PROMPT, 3, SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed))
+        res = eng.generate(prompt, 3, SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed))
         a, b, c = res.token_ids
         c12[a * V + b] += 1
         c3[c] += 1
         accepted += res.stats.drafts_accepted
         judged += res.stats.drafts_judged
+        lookup_accepted += res.stats.lookup_accepted
+        lookup_judged += res.stats.lookup_judged
     assert 0.05 < accepted / judged < 0.95, "both the accept and the residual paths must occur"
+    if lookup:
+        assert lookup_judged > judged / 4 and 0.05 < lookup_accepted / lookup_judged < 0.95
     assert chi2_test(c12, joint12.reshape(-1)) > 1e-3
     assert chi2_test(c3, marg3) > 1e-3

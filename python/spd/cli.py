@@ -42,6 +42,7 @@ def _add_generate(sub) -> None:
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
     from spd.launch import add_distributed_args
     add_distributed_args(p)
+    _add_lookup_arg(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -102,7 +103,8 @@ def cmd_generate(args) -> int:
     n = 1 if args.mode == "ar" else args.stages
     engine = SPDEngine(target, n_stages=n, split=_parse_ints(args.split, "--split"),
                        anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
-                       pdm_layers=args.pdm_layers, warn_untrained=False)
+                       pdm_layers=args.pdm_layers, warn_untrained=False,
+                       lookup=_check_lookup(args.lookup))
     if engine.pdm_source == "untrained":
         print("[spd] warning: no trained PDM for this target and layout; using an untrained one. Output is "
               "still exactly the target's, but most drafts are rejected, so decoding is slow.",
@@ -119,6 +121,24 @@ def cmd_generate(args) -> int:
         print()
         print(f"[spd] {st.summary()} prefill={st.prefill_s * 1000:.0f} ms", file=sys.stdout)
     return 0
+
+
+def _add_lookup_arg(p) -> None:
+    from spd.lookup import DEFAULT_MIN_LEN
+    p.add_argument("--lookup", type=int, default=None, metavar="K",
+                   help="when the last K or more tokens occurred earlier in the text, draft the "
+                        "token that followed them there instead of the PDM's guess (output is "
+                        f"unchanged; 0: the PDM alone; default {DEFAULT_MIN_LEN}, and 0 in the "
+                        "--methods grid, which compares the drafters themselves)")
+
+
+def _check_lookup(k: int | None, default: int | None = None) -> int:
+    if k is None:
+        from spd.lookup import DEFAULT_MIN_LEN
+        return DEFAULT_MIN_LEN if default is None else default
+    if k < 0:
+        raise SPDError(f"--lookup is a match length (0: off), got {k}")
+    return k
 
 
 def _add_model_layout_args(p) -> None:
@@ -335,6 +355,7 @@ def _add_eval(sub) -> None:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="compare every output with autoregressive decoding (default: on at T=0)")
     p.add_argument("--json-out", default=None, help="write the report as JSON (single run)")
+    _add_lookup_arg(p)
     g = p.add_argument_group("comparison grid")
     g.add_argument("--methods", default=None,
                    help="comma list of ar, pp, eagle3, ppsd, spd: run the grid")
@@ -383,7 +404,7 @@ def cmd_eval(args) -> int:
     target = load_target(args.model, device=args.device)
     engine = SPDEngine(target, n_stages=stages[0], split=_parse_ints(args.split, "--split"),
                        anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
-                       warn_untrained=False)
+                       warn_untrained=False, lookup=_check_lookup(args.lookup))
     if engine.pdm_source == "untrained":
         print("[spd] warning: no trained PDM for this target and layout; using an untrained one",
               file=sys.stderr)
@@ -411,7 +432,8 @@ def _eval_grid(args, sets, stages, temps) -> int:
     spec = GridSpec(methods=[m for m in args.methods.split(",") if m], stages=stages,
                     pdm_layers=_parse_ints(args.pdm_layers, "--pdm-layers"), datasets=sets,
                     temperatures=temps, max_new_tokens=args.max_new_tokens, seed=args.seed,
-                    checkpoint_dirs=args.checkpoint_dir, cost_reps=args.cost_reps)
+                    checkpoint_dirs=args.checkpoint_dir, cost_reps=args.cost_reps,
+                    lookup=_check_lookup(args.lookup, default=0))
     for d in args.checkpoint_dir:
         if not Path(d).is_dir():
             raise SPDError(f"--checkpoint-dir {d} is not a folder")

@@ -30,6 +30,7 @@ import torch
 
 from spd.drafters import Draft
 from spd.errors import SPDError
+from spd.lookup import MAX_LEN, NgramLookup
 from spd.schedule import PipelineSchedule
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 
@@ -131,6 +132,14 @@ class SequenceDecode:
         # the tokens in flight when it was drafted (its draft position in the stats).
         self.draft_q: dict[int, torch.Tensor] = {}
         self.draft_fill: dict[int, int] = {}
+        # Context lookup (spd.lookup), when the drafter asks for it: committed tokens are
+        # indexed, in-flight ones read from host_tokens; draft_src marks the lookup's drafts.
+        min_len = getattr(drafter, "lookup", 0)
+        self.lookup = NgramLookup(min_len) if min_len else None
+        if self.lookup is not None:
+            self.lookup.extend(ids.tolist())
+        self.host_tokens: dict[int, int | torch.Tensor] = {}
+        self.draft_src: dict[int, bool] = {}
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=t.device)
         self.sched = PipelineSchedule(n)
@@ -168,6 +177,8 @@ class SequenceDecode:
         its embedding (anchor 0) exists. q is the draft distribution that proposed it (sampling),
         kept until the token is judged."""
         self.tokens[position] = token
+        if self.lookup is not None:
+            self.host_tokens[position] = token
         self.anchors[0, position] = self.target.embed_tokens(
             self.tokens[position:position + 1])[0]
         if q is not None:
@@ -186,11 +197,29 @@ class SequenceDecode:
             draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop],
                                        self.type_of_depth[depths], rows.start, sched.newest + 1,
                                        self.sampling, u)
+            if self.lookup is not None:
+                draft = self._lookup(sched.newest + 1, draft)
             self.draft_fill[sched.newest + 1] = sched.count
             self.stats.draft_calls += 1
             sched.after_draft()
         self.draft_s.append(time.perf_counter() - t0)
         return draft
+
+    def _lookup(self, position: int, draft: Draft) -> Draft:
+        """The context lookup's token for `position` in place of the drafter's, when the text
+        so far ends with a match (q one-hot under sampling: rejection sampling stays exact)."""
+        committed = len(self.lookup)
+        # On a GPU, int() of an in-flight PDM draft waits for it (it finished cycles ago).
+        tail = [int(self.host_tokens[p]) for p in range(committed, position)]
+        found = self.lookup.propose(self.lookup.tokens[-MAX_LEN:] + tail)
+        self.draft_src[position] = found is not None
+        if found is None:
+            return draft
+        q = None
+        if not self.sampling.greedy:
+            q = torch.zeros(self.target.vocab_size, device=self.target.device)
+            q[found[0]] = 1.0
+        return Draft(found[0], q)
 
     def fill(self, draft: Draft) -> None:
         """Filling cycle: nothing left the pipeline, the draft enters at depth 0."""
@@ -210,7 +239,8 @@ class SequenceDecode:
         in-flight tokens and the draft are dropped and the correction enters alone; returns the
         committed length every target cache must be truncated to (None when accepted)."""
         judged = self.sched.judged
-        self.stats.count_draft(self.draft_fill.pop(judged, self.n), accepted)
+        self.stats.count_draft(self.draft_fill.pop(judged, self.n), accepted,
+                               self.draft_src.pop(judged, False))
         self.stats.N += 1
         self._emit(token)
         if accepted:
@@ -222,12 +252,15 @@ class SequenceDecode:
             self.sched.reject()
             self.draft_q.clear()
             self.draft_fill.clear()
+            self.draft_src.clear()
             if not self.done:
                 self.enter(judged, token)
         return judged
 
     def _emit(self, token: int) -> None:
         self.out.append(token)
+        if self.lookup is not None:
+            self.lookup.append(token)
         if self.on_token:
             self.on_token(token)
         self.done = token in self.target.eos_token_ids or len(self.out) >= self.max_new

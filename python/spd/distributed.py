@@ -65,6 +65,7 @@ from spd.cycle import PhaseTimer, SequenceDecode, check_prompt
 from spd.drafters import ReferenceDrafter
 from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
 from spd.errors import SPDError
+from spd.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.partition import DepthLayout
 from spd.schedule import PipelineSchedule
 from spd.target import Stage
@@ -113,6 +114,8 @@ class DistConfig:
     # Announce the next cycle before the current draft is judged: "auto" (while recent drafts
     # are mostly accepted), "on" or "off" (see SpeculationPolicy).
     speculative_control: str = "auto"
+    # Context lookup's shortest match (spd.lookup; 0: the PDM alone).
+    lookup: int = DEFAULT_LOOKUP
 
     @property
     def world_size(self) -> int:
@@ -985,7 +988,8 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
         if rank == DRAFT_RANK:
             engine = SPDEngine(target, n_stages=config.n_stages, split=config.split,
                                anchors=config.anchors, pdm=config.pdm,
-                               pdm_layers=config.pdm_layers, warn_untrained=False)
+                               pdm_layers=config.pdm_layers, warn_untrained=False,
+                               lookup=config.lookup)
         check_handshake(exchange_info(rt, rank_info(rank, world, config, target, layout)))
         _drop_unused_layers(target, range(0) if rank == DRAFT_RANK else layout.stages[rank - 1])
         rt.init_groups(torch.device(target.device))

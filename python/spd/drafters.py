@@ -26,10 +26,15 @@ class Draft:
 
 
 class PDMDrafter:
+    """The PDM's guess each cycle. `lookup` (>= 1: the shortest match) lets the decode loop put
+    the context lookup's token in its place when the text repeats itself (spd.lookup); 0: off."""
     name = "pdm"
 
-    def __init__(self, pdm, cuda_graphs: bool = True):
+    def __init__(self, pdm, cuda_graphs: bool = True, lookup: int = 0):
+        if lookup < 0:
+            raise ValueError(f"lookup is a match length (0: off), got {lookup}")
         self.pdm = pdm
+        self.lookup = lookup
         self.cache = None
         self.post_step = pdm.config.features == "post-step"
         self.cuda_graphs = cuda_graphs

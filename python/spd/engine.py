@@ -16,6 +16,7 @@ import torch
 
 from spd.cycle import PhaseTimer, SequenceDecode, check_prompt, pick
 from spd.drafters import PDMDrafter
+from spd.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.partition import DepthLayout
 from spd.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
 from spd.target import Stage, TargetModel
@@ -45,6 +46,8 @@ class DecodeStats:
     K: int = 0                 # decode cycles (target forwards for the AR path), refills included
     drafts_judged: int = 0
     drafts_accepted: int = 0
+    lookup_judged: int = 0     # of those, drafts the context lookup proposed (spd.lookup)
+    lookup_accepted: int = 0
     draft_calls: int = 0       # drafter invocations (their time is phase_s["draft"])
     new_tokens: int = 0        # all new tokens returned, the prefill's first token included
     prefill_s: float = 0.0
@@ -55,10 +58,13 @@ class DecodeStats:
     # (EAGLE-3) count the step in the chain. {position: [judged, accepted]}
     by_position: dict = field(default_factory=dict)
 
-    def count_draft(self, position: int, accepted: bool) -> None:
-        """One judged draft at draft position `position` (1-based)."""
+    def count_draft(self, position: int, accepted: bool, lookup: bool = False) -> None:
+        """One judged draft at draft position `position` (1-based); `lookup`: the context
+        lookup proposed it."""
         self.drafts_judged += 1
         self.drafts_accepted += int(accepted)
+        self.lookup_judged += int(lookup)
+        self.lookup_accepted += int(lookup and accepted)
         cell = self.by_position.setdefault(int(position), [0, 0])
         cell[0] += 1
         cell[1] += int(accepted)
@@ -91,7 +97,9 @@ class DecodeStats:
     def summary(self) -> str:
         return (f"mode={self.mode} n={self.n} N={self.N} K={self.K} alpha={self.alpha:.3f} "
                 f"S_theory={self.theoretical_speedup:.2f} accept={self.acceptance_rate:.2f} "
-                f"decode={self.decode_tok_s:.1f} tok/s")
+                f"decode={self.decode_tok_s:.1f} tok/s"
+                + (f" lookup={self.lookup_accepted}/{self.lookup_judged}"
+                   if self.lookup_judged else ""))
 
 
 @dataclass
@@ -105,12 +113,13 @@ class SPDEngine:
 
     pdm: a PipelineDraftModule, a checkpoint folder, "untrained", or None for the checkpoint
     shipped for this target and layout (an untrained PDM if there is none: exact output, many
-    rejections, and a warning says so).
+    rejections, and a warning says so). lookup: shortest context match the drafter uses in
+    place of the PDM's guess (spd.lookup; 0: the PDM alone); `engine.drafter.lookup` changes it.
     """
 
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,
                  pdm=None, pdm_layers: int | None = None, debug_poison: bool = False,
-                 warn_untrained: bool = True):
+                 warn_untrained: bool = True, lookup: int = DEFAULT_LOOKUP):
         self.target = target
         if isinstance(pdm, (str, Path)) and str(pdm) != "untrained" and anchors is None:
             # A checkpoint fixes its own anchors (a PPSD drafter's differ from the default)
@@ -140,7 +149,7 @@ class SPDEngine:
                 check_compatible(pdm.config, target, self.layout)
                 self.pdm_source = "given"
             self.pdm = pdm
-            self.drafter = PDMDrafter(pdm)
+            self.drafter = PDMDrafter(pdm, lookup=lookup)
 
     # --- set-up -------------------------------------------------------------------------------
     def _prepare_stages(self, capacity: int, n: int) -> list[Stage]:

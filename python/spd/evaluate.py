@@ -27,19 +27,22 @@ def result_row(question: dict, res) -> dict:
     """One decoded prompt's counts, as every evaluation records them."""
     st = res.stats
     return {"id": question["id"], "N": st.N, "K": st.K, "judged": st.drafts_judged,
-            "accepted": st.drafts_accepted, "decode_s": st.decode_s,
+            "accepted": st.drafts_accepted, "lookup_judged": st.lookup_judged,
+            "lookup_accepted": st.lookup_accepted, "decode_s": st.decode_s,
             "draft_s": st.phase_s.get("draft", 0.0), "draft_calls": st.draft_calls,
             "new_tokens": len(res.token_ids),
             "by_position": {str(k): list(v) for k, v in st.by_position.items()}}
 
 
 _SUMMED = ("N", "K", "judged", "accepted", "decode_s", "draft_s", "draft_calls", "new_tokens")
+_SUMMED_IF_THERE = ("lookup_judged", "lookup_accepted")  # absent from older grid.json rows
 
 
 def add_totals(rows: list[dict]) -> dict:
     """Sums over `result_row`s, or over totals of several sets (their prompt counts added),
     with the judged/accepted counts by draft position merged."""
     tot = {k: sum(r[k] for r in rows) for k in _SUMMED}
+    tot.update({k: sum(r.get(k, 0) for r in rows) for k in _SUMMED_IF_THERE})
     tot["prompts"] = sum(r.get("prompts", 1) for r in rows)
     by_pos: dict = {}
     for r in rows:
@@ -59,7 +62,11 @@ def summarise(rows: list[dict], n: int) -> dict:
             "theoretical_speedup": alpha * n,
             "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
             "decode_tok_s": t["N"] / t["decode_s"] if t["decode_s"] else 0.0,
-            "draft_vocab_coverage": in_vocab / t["new_tokens"] if t["new_tokens"] else 0.0}
+            "draft_vocab_coverage": in_vocab / t["new_tokens"] if t["new_tokens"] else 0.0,
+            # judged drafts that came from the context lookup (spd.lookup), and their acceptance
+            "lookup_share": t["lookup_judged"] / t["judged"] if t["judged"] else 0.0,
+            "lookup_acceptance": (t["lookup_accepted"] / t["lookup_judged"]
+                                  if t["lookup_judged"] else 0.0)}
 
 
 def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling: SamplingParams,
@@ -73,7 +80,8 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
                          "pdm_layers": engine.pdm.config.num_layers if engine.pdm else 0,
                          "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                          "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
-                         "checked_against_ar": check},
+                         "checked_against_ar": check,
+                         "lookup": getattr(getattr(engine, "drafter", None), "lookup", 0)},
               "datasets": {}}
     all_rows = []
     total = sum(len(v) for v in sets.values())
@@ -101,12 +109,13 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
 
 def format_table(report: dict) -> str:
     hdr = (f"{'dataset':<12}{'prompts':>8}{'N':>7}{'K':>7}{'alpha':>8}{'S_theory':>10}"
-           f"{'accept':>8}{'tok/s':>8}{'vocab cov':>10}")
+           f"{'accept':>8}{'tok/s':>8}{'vocab cov':>10}{'lookup':>8}{'lk acc':>8}")
     lines = [hdr, "-" * len(hdr)]
     for name, s in list(report["datasets"].items()) + [("overall", report["overall"])]:
         lines.append(f"{name:<12}{s['prompts']:>8}{s['N']:>7}{s['K']:>7}{s['alpha']:>8.3f}"
                      f"{s['theoretical_speedup']:>10.2f}{s['acceptance_rate']:>8.2f}"
-                     f"{s['decode_tok_s']:>8.1f}{s['draft_vocab_coverage']:>10.2f}")
+                     f"{s['decode_tok_s']:>8.1f}{s['draft_vocab_coverage']:>10.2f}"
+                     f"{s['lookup_share']:>8.2f}{s['lookup_acceptance']:>8.2f}")
     return "\n".join(lines)
 
 

@@ -50,6 +50,7 @@ class GridSpec:
     checkpoint_dirs: list[str] = field(default_factory=list)
     cost_context: int = 256
     cost_reps: int = 10
+    lookup: int = 0           # context lookup for spd/ppsd cells (0: the drafters alone)
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -69,8 +70,11 @@ class GridSpec:
 
     def settings(self) -> dict:
         """What a resumed run must share with the stored one (cells are comparable)."""
-        return {"max_new_tokens": self.max_new_tokens, "seed": self.seed,
-                "prompts": {k: [str(q["id"]) for q in v] for k, v in self.datasets.items()}}
+        s = {"max_new_tokens": self.max_new_tokens, "seed": self.seed,
+             "prompts": {k: [str(q["id"]) for q in v] for k, v in self.datasets.items()}}
+        if self.lookup:  # only when on, so grids stored before the option still resume
+            s["lookup"] = self.lookup
+        return s
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,7 @@ class _Decoders:
     def __init__(self, target, spec: GridSpec):
         self.target = target
         self.search = [SHIPPED_DIR, *map(Path, spec.checkpoint_dirs)]
+        self.lookup = spec.lookup
         self._cache = {}
 
     def get(self, cell: Cell):
@@ -155,7 +160,7 @@ class _Decoders:
                           f"with `python -m spd train --stages {cell.n} {what} --out DIR` and "
                           "pass --checkpoint-dir")
         return SPDEngine(t, n_stages=cell.n, split=layout.split, anchors=list(layout.anchors),
-                         pdm=path), str(path)
+                         pdm=path, lookup=self.lookup), str(path)
 
 
 def _tok_s(totals: dict) -> float:
@@ -212,7 +217,7 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     settings = spec.settings()
     if state and state.get("settings") != settings:
         raise SPDError(f"{out_dir / GRID_FILE} holds a grid with other settings (prompts, "
-                       "max_new_tokens or seed); use another --out-dir or remove it")
+                       "max_new_tokens, seed or lookup); use another --out-dir or remove it")
     state.setdefault("settings", settings)
     state.setdefault("cells", {})
     state.setdefault("reference", {})  # AR token ids per (dataset, T): the greedy checks

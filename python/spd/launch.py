@@ -287,7 +287,7 @@ def wants_distributed(args) -> bool:
 
 
 def config_from_args(args):
-    from spd.cli import _parse_ints
+    from spd.cli import _check_lookup, _parse_ints
     from spd.distributed import DistConfig, parse_fault
 
     if args.mode == "ar":
@@ -298,6 +298,7 @@ def config_from_args(args):
                       fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
                       speculative_control=getattr(args, "speculative_control", "auto"),
                       backend=getattr(args, "backend", None),
+                      lookup=_check_lookup(getattr(args, "lookup", None)),
                       fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
 
 
