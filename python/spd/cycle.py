@@ -209,8 +209,12 @@ class SequenceDecode:
         """The context lookup's token for `position` in place of the drafter's, when the text
         so far ends with a match (q one-hot under sampling: rejection sampling stays exact)."""
         committed = len(self.lookup)
-        # On a GPU, int() of an in-flight PDM draft waits for it (it finished cycles ago).
-        tail = [int(self.host_tokens[p]) for p in range(committed, position)]
+        # On a GPU an in-flight PDM draft is a device scalar: read it once and keep the int (it
+        # was made a cycle or more ago; full cycles have synchronised on their verify since).
+        tail = []
+        for p in range(committed, position):
+            tok = self.host_tokens[p] = int(self.host_tokens[p])
+            tail.append(tok)
         found = self.lookup.propose(self.lookup.tokens[-MAX_LEN:] + tail)
         self.draft_src[position] = found is not None
         if found is None:
