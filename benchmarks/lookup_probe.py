@@ -1,0 +1,139 @@
+"""Which context-lookup rule to use: replay SPD with the PDM alone and score alternatives.
+
+Decodes prompts with the PDM alone (`lookup=0`) and, for every draft that gets judged, records
+the PDM's token and top probability, the context lookup's proposal at each match length, and the
+token the target committed there. A rule "use the lookup's token when its match is >= K tokens"
+is then scored by the fraction of judged drafts it gets right, and that acceptance a by the
+steady-state estimate S = n / (1 + (1 - a)(n - 1)) (each rejection costs n - 1 refill cycles).
+The estimate ignores that a better drafter changes which drafts get judged; `spd eval --lookup K`
+measures the real figure. Choose K on prompts you do not report (e.g. --offset 5 --limit 5).
+
+    python benchmarks/lookup_probe.py --stages 4 --offset 5 --limit 5 --json-out probe.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+import spd.cycle as cycle
+from spd.engine import SamplingParams, SPDEngine
+from spd.evaluate import collect_sets, encode_question
+from spd.loading import load_target
+from spd.lookup import MAX_LEN, NgramLookup
+
+
+class _Recorder:
+    """Wraps SequenceDecode.draft/commit to log each judged draft (restored by close())."""
+
+    def __init__(self):
+        self.judged: list[dict] = []
+        self._pending: dict[int, dict] = {}
+        self._draft, self._commit = cycle.SequenceDecode.draft, cycle.SequenceDecode.commit
+        rec = self
+
+        def draft(dec, extra_depth):
+            position = dec.sched.newest + 1
+            d = rec._draft(dec, extra_depth)
+            index = getattr(dec, "_probe_index", None)
+            if index is None:
+                index = dec._probe_index = NgramLookup(1, MAX_LEN)
+            while len(index) < dec.prompt_len + len(dec.out):  # committed tokens so far
+                pos = len(index)
+                index.append(int(dec.tokens[pos]))
+            ctx = index.tokens[-MAX_LEN:] + [int(dec.tokens[p]) for p in
+                                             range(len(index), position)]
+            found = index.propose(ctx)
+            rec._pending[position] = {"pdm": int(d.token), "p": rec.last_p,
+                                      "lookup": found[0] if found else None,
+                                      "match": found[1] if found else 0,
+                                      "fill": dec.draft_fill[position]}
+            return d
+
+        def commit(dec, accepted, token, d):
+            info = rec._pending.pop(dec.sched.judged, None)
+            if info is not None:
+                info.update(true=int(token), accepted=bool(accepted))
+                rec.judged.append(info)
+            if not accepted:
+                rec._pending.clear()
+            return rec._commit(dec, accepted, token, d)
+
+        cycle.SequenceDecode.draft, cycle.SequenceDecode.commit = draft, commit
+        self.last_p = 0.0
+
+    def close(self):
+        cycle.SequenceDecode.draft, cycle.SequenceDecode.commit = self._draft, self._commit
+
+
+def score(judged: list[dict], n: int, rules: dict) -> dict:
+    out = {}
+    for name, use in rules.items():
+        right = sum((j["lookup"] if j["lookup"] is not None and use(j) else j["pdm"]) == j["true"]
+                    for j in judged)
+        a = right / len(judged) if judged else 0.0
+        out[name] = {"acceptance": a, "S_estimate": n / (1 + (1 - a) * (n - 1))}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--stages", type=int, default=4)
+    ap.add_argument("--pdm", default=None, help="PDM folder (default: the shipped one)")
+    ap.add_argument("--datasets", default="mt_bench,humaneval")
+    ap.add_argument("--offset", type=int, default=0, help="skip this many prompts of each set")
+    ap.add_argument("--limit", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t = load_target(None)
+    engine = SPDEngine(t, n_stages=args.stages, pdm=args.pdm, lookup=0)
+    sets = collect_sets(args.datasets.split(","), None, args.offset + args.limit)
+    sets = {k: v[args.offset:] for k, v in sets.items()}
+    rec = _Recorder()
+    # the PDM's top probability for each draft, taken where the drafter computes its logits
+    real_logits = engine.drafter.draft_logits
+
+    def logits_and_p(*a, **k):
+        logits = real_logits(*a, **k)
+        rec.last_p = float(torch.softmax(logits.float(), -1).max())
+        return logits
+    engine.drafter.draft_logits = logits_and_p
+    per_set, t0 = {}, time.time()
+    try:
+        for name, questions in sets.items():
+            start = len(rec.judged)
+            for q in questions:
+                engine.generate(encode_question(t.tokenizer, q), args.max_new_tokens,
+                                SamplingParams())
+            per_set[name] = rec.judged[start:]
+    finally:
+        rec.close()
+    rules = {"PDM alone": lambda j: False}
+    rules.update({f"lookup, match >= {k}": (lambda k: lambda j: j["match"] >= k)(k)
+                  for k in range(1, 5)})
+    report = {"stages": args.stages, "pdm": engine.pdm_source, "offset": args.offset,
+              "limit": args.limit, "max_new_tokens": args.max_new_tokens,
+              "device": "CPU" if t.device.type == "cpu" else str(t.device),
+              "seconds": time.time() - t0,
+              "rules": {name: score(j, args.stages, rules) for name, j in
+                        list(per_set.items()) + [("overall", sum(per_set.values(), []))]},
+              "judged": {name: len(j) for name, j in per_set.items()}}
+    print(f"{'rule':<22}" + "".join(f"{name:>22}" for name in report["rules"]))
+    for rule in rules:
+        print(f"{rule:<22}" + "".join(
+            f"{r[rule]['acceptance']:>12.3f} S~{r[rule]['S_estimate']:>5.2f}   "
+            for r in report["rules"].values()))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json_out}")
+
+
+if __name__ == "__main__":
+    main()
