@@ -463,7 +463,7 @@ def test_bf16_training_follows_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss, _, _ = d.loss(item, 2)
         loss.backward()
-        out[precision] = (float(loss), torch.cat([p.grad.flatten() for p in pdm.parameters()
+        out[precision] = (float(loss.detach()), torch.cat([p.grad.flatten() for p in pdm.parameters()
                                                   if p.grad is not None]))
     (l32, g32), (l16, g16) = out["fp32"], out["bf16"]
     assert l16 != l32 and abs(l16 - l32) < 0.03 * l32
