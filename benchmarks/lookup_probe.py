@@ -40,12 +40,8 @@ class _Recorder:
             index = getattr(dec, "_probe_index", None)
             if index is None:
                 index = dec._probe_index = NgramLookup(1, MAX_LEN)
-            while len(index) < dec.prompt_len + len(dec.out):  # committed tokens so far
-                pos = len(index)
-                index.append(int(dec.tokens[pos]))
-            ctx = index.tokens[-MAX_LEN:] + [int(dec.tokens[p]) for p in
-                                             range(len(index), position)]
-            found = index.propose(ctx)
+            index.extend(dec.tokens[len(index):dec.prompt_len + len(dec.out)].tolist())
+            found = index.propose(index.context(dec.tokens[len(index):position].tolist()))
             rec._pending[position] = {"pdm": int(d.token), "p": rec.last_p,
                                       "lookup": found[0] if found else None,
                                       "match": found[1] if found else 0,

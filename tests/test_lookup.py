@@ -45,6 +45,7 @@ def test_index_examples_and_bad_lengths():
     assert idx.propose([3, 9, 1, 2]) == (4, 4)
     assert idx.propose([8, 2]) is None            # "8 2" never occurred; 1-token matches are off
     assert idx.propose([1, 2, 4]) is None         # "2 4" has no successor yet
+    assert idx.context([5, 6]) == [9, 1, 2, 4, 5, 6]  # the last max_len committed, then in flight
     with pytest.raises(ValueError, match="min_len <= max_len"):
         NgramLookup(0, 4)
     with pytest.raises(ValueError, match="min_len <= max_len"):

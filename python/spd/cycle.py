@@ -30,7 +30,7 @@ import torch
 
 from spd.drafters import Draft
 from spd.errors import SPDError
-from spd.lookup import MAX_LEN, NgramLookup
+from spd.lookup import NgramLookup
 from spd.schedule import PipelineSchedule
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 
@@ -133,12 +133,11 @@ class SequenceDecode:
         self.draft_q: dict[int, torch.Tensor] = {}
         self.draft_fill: dict[int, int] = {}
         # Context lookup (spd.lookup), when the drafter asks for it: committed tokens are
-        # indexed, in-flight ones read from host_tokens; draft_src marks the lookup's drafts.
+        # indexed as they are emitted; draft_src marks the lookup's drafts.
         min_len = getattr(drafter, "lookup", 0)
         self.lookup = NgramLookup(min_len) if min_len else None
         if self.lookup is not None:
             self.lookup.extend(ids.tolist())
-        self.host_tokens: dict[int, int | torch.Tensor] = {}
         self.draft_src: dict[int, bool] = {}
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=t.device)
@@ -177,8 +176,6 @@ class SequenceDecode:
         its embedding (anchor 0) exists. q is the draft distribution that proposed it (sampling),
         kept until the token is judged."""
         self.tokens[position] = token
-        if self.lookup is not None:
-            self.host_tokens[position] = token
         self.anchors[0, position] = self.target.embed_tokens(
             self.tokens[position:position + 1])[0]
         if q is not None:
@@ -208,14 +205,10 @@ class SequenceDecode:
     def _lookup(self, position: int, draft: Draft) -> Draft:
         """The context lookup's token for `position` in place of the drafter's, when the text
         so far ends with a match (q one-hot under sampling: rejection sampling stays exact)."""
-        committed = len(self.lookup)
-        # On a GPU an in-flight PDM draft is a device scalar: read it once and keep the int (it
-        # was made a cycle or more ago; full cycles have synchronised on their verify since).
-        tail = []
-        for p in range(committed, position):
-            tok = self.host_tokens[p] = int(self.host_tokens[p])
-            tail.append(tok)
-        found = self.lookup.propose(self.lookup.tokens[-MAX_LEN:] + tail)
+        # The in-flight tokens past the committed ones: one small device-to-host copy on a GPU
+        # (the PDM's drafts stay there; they were made a cycle or more ago).
+        in_flight = self.tokens[len(self.lookup):position].tolist()
+        found = self.lookup.propose(self.lookup.context(in_flight))
         self.draft_src[position] = found is not None
         if found is None:
             return draft

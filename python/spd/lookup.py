@@ -43,6 +43,11 @@ class NgramLookup:
         for t in tokens:
             self.append(t)
 
+    def context(self, in_flight: list[int]) -> list[int]:
+        """The text's end as `propose` needs it: the last committed tokens, then `in_flight`
+        (the tokens past the committed ones, oldest first)."""
+        return self.tokens[-self.max_len:] + list(in_flight)
+
     def propose(self, context: list[int]) -> tuple[int, int] | None:
         """(token, match length) for the longest suffix of `context` (>= min_len tokens) seen
         earlier with a committed successor, or None."""
