@@ -6,8 +6,9 @@ fill level 1..n, to match how often each occurs at inference), lays the sequence
 `train_layout.training_layout` so each draft row sees exactly what it would see at inference,
 and minimises KL(target || draft) on the draft vocabulary (plus, with `argmax_weight` > 0, that
 weight times the cross-entropy of the target's argmax: greedy decoding accepts a draft only when
-it is that token, which the KL weighs no more than the rest of the distribution). Positions whose target argmax lies
-outside the draft vocabulary are left out of the loss (the draft can never propose it).
+it is that token, which the KL weighs no more than the rest of the distribution). Positions
+whose target argmax lies outside the draft vocabulary are left out of the loss (the draft can
+never propose it).
 Checkpoints every `save_every` steps; a run started again on the same output folder resumes.
 """
 from __future__ import annotations
