@@ -43,6 +43,7 @@ import logging
 import torch
 
 import spd_kernels
+from spd.loading import describe_device
 from spd_kernels import dispatch
 from spd_kernels.features import anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
@@ -470,9 +471,7 @@ def targets(rows, device) -> list[dict]:
 
 
 def device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return describe_device(device)
 
 
 def device_tag(device) -> str:

@@ -12,17 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from datetime import date
 from pathlib import Path
 
-import torch
-
 from spd.engine import SamplingParams, SPDEngine
 from spd.evaluate import collect_sets, run_eval
-from spd.loading import load_target
+from spd.loading import describe_device, load_target
 from spd.pdm import read_pdm_config
 
 
@@ -95,8 +92,7 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.json_out:
-        out = {"date": date.today().isoformat(), "device": f"CPU ({platform.processor() or platform.machine()}, "
-               f"{torch.get_num_threads()} threads)", "command": "python " + " ".join(sys.argv),
+        out = {"date": date.today().isoformat(), "device": describe_device("cpu"), "command": "python " + " ".join(sys.argv),
                "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rows": rows,
                "table": table}
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)

@@ -15,6 +15,7 @@ from tqdm import tqdm
 from spd.datasets import load_dataset, load_question_file
 from spd.engine import SamplingParams
 from spd.errors import SPDError
+from spd.loading import describe_device
 
 
 def encode_question(tokenizer, question: dict) -> list[int]:
@@ -81,7 +82,8 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
                          "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                          "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
                          "checked_against_ar": check,
-                         "lookup": getattr(getattr(engine, "drafter", None), "lookup", 0)},
+                         "lookup": getattr(getattr(engine, "drafter", None), "lookup", 0),
+                         "device": describe_device(target.device)},
               "datasets": {}}
     all_rows = []
     total = sum(len(v) for v in sets.values())
