@@ -7,6 +7,8 @@ is then scored by the fraction of judged drafts it gets right, and that acceptan
 steady-state estimate S = n / (1 + (1 - a)(n - 1)) (each rejection costs n - 1 refill cycles).
 The estimate ignores that a better drafter changes which drafts get judged; `spd eval --lookup K`
 measures the real figure. Choose K on prompts you do not report (e.g. --offset 5 --limit 5).
+It also prints, per match length, how often the lookup was right where it disagreed with the
+PDM: the table `spd.lookup.TRUST` gates on (re-measure it for another target or n).
 
     python benchmarks/lookup_probe.py --stages 4 --offset 5 --limit 5 --json-out probe.json
 """
@@ -22,7 +24,7 @@ import spd.cycle as cycle
 from spd.engine import SamplingParams, SPDEngine
 from spd.evaluate import collect_sets, encode_question
 from spd.loading import load_target
-from spd.lookup import MAX_LEN, NgramLookup
+from spd.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
 
 
 class _Recorder:
@@ -45,7 +47,8 @@ class _Recorder:
             rec._pending[position] = {"pdm": int(d.token), "p": rec.last_p,
                                       "lookup": found[0] if found else None,
                                       "match": found[1] if found else 0,
-                                      "fill": dec.draft_fill[position]}
+                                      "fill": dec.draft_fill[position],
+                                      "context": dec.tokens[max(0, position - 8):position].tolist()}
             return d
 
         def commit(dec, accepted, token, d):
@@ -74,6 +77,18 @@ def score(judged: list[dict], n: int, rules: dict) -> dict:
     return out
 
 
+def calibrate(judged: list[dict]) -> dict:
+    """Per match length: how often the lookup's token was right where it differed from the
+    PDM's (what spd.lookup.TRUST holds for the default model)."""
+    out = {}
+    for k in range(1, MAX_LEN + 1):
+        d = [j for j in judged if j["match"] == k and j["lookup"] != j["pdm"]]
+        if d:
+            out[str(k)] = {"drafts": len(d),
+                           "hit_rate": sum(j["lookup"] == j["true"] for j in d) / len(d)}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stages", type=int, default=4)
@@ -84,6 +99,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--dump-judged", default=None,
+                    help="also write every judged draft (with its last 8 context tokens) here")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -113,18 +130,29 @@ def main() -> None:
     rules = {"PDM alone": lambda j: False}
     rules.update({f"lookup, match >= {k}": (lambda k: lambda j: j["match"] >= k)(k)
                   for k in range(1, 5)})
+    # what the decode loop does: a match of >= DEFAULT_MIN_LEN tokens, gated by the PDM's
+    # confidence against spd.lookup.TRUST
+    rules["gated (shipped)"] = lambda j: (j["match"] >= DEFAULT_MIN_LEN
+                                          and j["p"] < NgramLookup.trust(j["match"]))
     report = {"stages": args.stages, "pdm": engine.pdm_source, "offset": args.offset,
               "limit": args.limit, "max_new_tokens": args.max_new_tokens,
               "device": "CPU" if t.device.type == "cpu" else str(t.device),
               "seconds": time.time() - t0,
               "rules": {name: score(j, args.stages, rules) for name, j in
                         list(per_set.items()) + [("overall", sum(per_set.values(), []))]},
-              "judged": {name: len(j) for name, j in per_set.items()}}
+              "judged": {name: len(j) for name, j in per_set.items()},
+              "trust": calibrate(sum(per_set.values(), []))}
     print(f"{'rule':<22}" + "".join(f"{name:>22}" for name in report["rules"]))
     for rule in rules:
         print(f"{rule:<22}" + "".join(
             f"{r[rule]['acceptance']:>12.3f} S~{r[rule]['S_estimate']:>5.2f}   "
             for r in report["rules"].values()))
+    print("lookup hit rate where it disagreed with the PDM (spd.lookup.TRUST), by match length:")
+    for k, c in report["trust"].items():
+        print(f"  {k}: {c['hit_rate']:.2f} of {c['drafts']}  (TRUST {NgramLookup.trust(int(k)):.2f})")
+    if args.dump_judged:
+        with open(args.dump_judged, "w") as f:
+            json.dump(per_set, f)
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(report, f, indent=1)

@@ -10,6 +10,7 @@ import torch
 from spd import SPDEngine
 from spd.cli import encode_prompt, main
 from spd.drafters import ReferenceDrafter
+from spd.lookup import DEFAULT_MIN_LEN
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +123,9 @@ def test_cli_eval_two_prompts_writes_json(tmp_path, capsys):
     assert rc == 0
     report = json.loads(out.read_text())
     assert set(report["datasets"]) == {"two", "humaneval"}
-    assert report["config"]["checked_against_ar"] is True and report["config"]["lookup"] == 3
+    config = report["config"]
+    assert config["checked_against_ar"] is True and config["lookup"] == DEFAULT_MIN_LEN
+    assert config["device"].startswith("CPU (")  # what the figures were measured on
     for s in list(report["datasets"].values()) + [report["overall"]]:
         for key in ("N", "K", "alpha", "theoretical_speedup", "acceptance_rate", "lookup_share",
                     "lookup_acceptance"):

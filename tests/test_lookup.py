@@ -3,11 +3,12 @@ stays exactly the target's while its drafts are used."""
 import random
 
 import pytest
+import torch
 
 from conftest import make_tiny_target
 from spd import SPDEngine
 from spd.drafters import PDMDrafter
-from spd.lookup import NgramLookup
+from spd.lookup import DEFAULT_MIN_LEN, TRUST, NgramLookup
 
 
 def brute_force(committed, context, min_len, max_len):
@@ -78,5 +79,47 @@ def test_greedy_with_lookup_is_lossless_and_uses_its_drafts(n):
 
 def test_engine_lookup_flag_reaches_the_drafter():
     t = make_tiny_target(seed=1, vocab=24, layers=4)
-    assert SPDEngine(t, n_stages=2).drafter.lookup == 3  # on by default
+    assert SPDEngine(t, n_stages=2).drafter.lookup == DEFAULT_MIN_LEN  # on by default
     assert SPDEngine(t, n_stages=2, lookup=0).drafter.lookup == 0
+
+
+class _FixedConfidence(PDMDrafter):
+    """The PDM's drafts with a confidence set by the test (None: no confidence at all)."""
+
+    def __init__(self, pdm, p, lookup):
+        super().__init__(pdm, cuda_graphs=False, lookup=lookup)
+        self.fixed = p
+
+    def draft(self, *args):
+        d = super().draft(*args)
+        d.p = None if self.fixed is None else torch.tensor(self.fixed)
+        return d
+
+
+def _decode_with(eng, p, lookup):
+    eng.drafter = _FixedConfidence(eng.drafter.pdm, p, lookup)  # one PDM for every run
+    return eng.generate(REPEATING, 48)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_gate_trusts_the_lookup_as_far_as_its_hit_rate(n):
+    """The lookup's token is used only where the PDM's top probability is below TRUST[match]:
+    a sure PDM never yields, an unsure one always does (as a drafter with no confidence), and in
+    between only matches long enough to be trusted more count, i.e. a longer shortest match."""
+    assert list(TRUST) == sorted(TRUST) and TRUST[0] == 0.0 and TRUST[-1] < 1.0
+    assert TRUST[3] < 0.55 < TRUST[4]
+    t = make_tiny_target(seed=30 + n, vocab=24, layers=4)
+    eng = SPDEngine(t, n_stages=n)
+    ar = eng.generate_ar(REPEATING, 48).token_ids
+    sure = _decode_with(eng, 1.0, 2)
+    unsure, ungated = _decode_with(eng, 0.0, 2), _decode_with(eng, None, 2)
+    middle, long_only = _decode_with(eng, 0.55, 2), _decode_with(eng, None, 4)
+    for r in (sure, unsure, ungated, middle, long_only):
+        assert r.token_ids == ar
+    assert sure.stats.lookup_judged == 0
+    assert unsure.stats.lookup_judged > 0
+    assert (unsure.stats.K, unsure.stats.lookup_judged, unsure.stats.lookup_accepted) == \
+        (ungated.stats.K, ungated.stats.lookup_judged, ungated.stats.lookup_accepted)
+    assert (middle.stats.K, middle.stats.lookup_judged, middle.stats.lookup_accepted) == \
+        (long_only.stats.K, long_only.stats.lookup_judged, long_only.stats.lookup_accepted)
+    assert 0 < long_only.stats.lookup_judged < ungated.stats.lookup_judged  # short ones yield

@@ -127,7 +127,8 @@ def _add_lookup_arg(p) -> None:
     from spd.lookup import DEFAULT_MIN_LEN
     p.add_argument("--lookup", type=int, default=None, metavar="K",
                    help="when the last K or more tokens occurred earlier in the text, draft the "
-                        "token that followed them there instead of the PDM's guess (output is "
+                        "token that followed them there instead of the PDM's guess, unless the "
+                        "PDM is surer than such a match tends to be right (output is "
                         f"unchanged; 0: the PDM alone; default {DEFAULT_MIN_LEN}, and 0 in the "
                         "--methods grid, which compares the drafters themselves)")
 

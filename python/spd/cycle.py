@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -106,6 +107,15 @@ def verify(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
 
 
 # --- one sequence's decode state -------------------------------------------------------------------
+@dataclass
+class PendingDraft:
+    """What is kept about a drafted position until it is judged."""
+    fill: int                                  # tokens in flight when drafted: its draft position
+    q: torch.Tensor | None                     # the draft distribution that proposed it (sampling)
+    from_lookup: bool | torch.Tensor = False   # the context lookup's token (a 0-d device bool
+    #                                            where the gate decided on the device)
+
+
 class SequenceDecode:
     """Everything about one sequence's SPD decode that does not depend on the transport.
 
@@ -128,17 +138,14 @@ class SequenceDecode:
         self.tokens[:self.prompt_len] = ids
         self.anchors = torch.zeros(len(layout.anchors), self.capacity, t.hidden_size,
                                    device=t.device, dtype=t.dtype)
-        # Until a position is judged: the draft distribution that proposed it (sampling) and
-        # the tokens in flight when it was drafted (its draft position in the stats).
-        self.draft_q: dict[int, torch.Tensor] = {}
-        self.draft_fill: dict[int, int] = {}
+        # Drafted positions not judged yet (dropped together on a rejection).
+        self.pending: dict[int, PendingDraft] = {}
         # Context lookup (spd.lookup), when the drafter asks for it: committed tokens are
-        # indexed as they are emitted; draft_src marks the lookup's drafts.
+        # indexed as they are emitted.
         min_len = getattr(drafter, "lookup", 0)
         self.lookup = NgramLookup(min_len) if min_len else None
         if self.lookup is not None:
             self.lookup.extend(ids.tolist())
-        self.draft_src: dict[int, bool] = {}
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=t.device)
         self.sched = PipelineSchedule(n)
@@ -171,15 +178,12 @@ class SequenceDecode:
         self.stats.new_tokens = len(self.out)
 
     # --- the cycle ------------------------------------------------------------------------------
-    def enter(self, position: int, token, q: torch.Tensor | None = None) -> None:
+    def enter(self, position: int, token) -> None:
         """`token` (an int, or a 0-d device tensor: no host sync) enters stage 0 at depth 0: only
-        its embedding (anchor 0) exists. q is the draft distribution that proposed it (sampling),
-        kept until the token is judged."""
+        its embedding (anchor 0) exists."""
         self.tokens[position] = token
         self.anchors[0, position] = self.target.embed_tokens(
             self.tokens[position:position + 1])[0]
-        if q is not None:
-            self.draft_q[position] = q
 
     def draft(self, extra_depth: int) -> Draft:
         """The drafter's guess for the successor of the newest in-flight token, from features
@@ -194,62 +198,71 @@ class SequenceDecode:
             draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop],
                                        self.type_of_depth[depths], rows.start, sched.newest + 1,
                                        self.sampling, u)
+            from_lookup = False
             if self.lookup is not None:
-                draft = self._lookup(sched.newest + 1, draft)
-            self.draft_fill[sched.newest + 1] = sched.count
+                draft, from_lookup = self._lookup(sched.newest + 1, draft)
+            self.pending[sched.newest + 1] = PendingDraft(sched.count, draft.q, from_lookup)
             self.stats.draft_calls += 1
             sched.after_draft()
         self.draft_s.append(time.perf_counter() - t0)
         return draft
 
-    def _lookup(self, position: int, draft: Draft) -> Draft:
+    def _lookup(self, position: int, draft: Draft) -> tuple[Draft, bool | torch.Tensor]:
         """The context lookup's token for `position` in place of the drafter's, when the text
-        so far ends with a match (q one-hot under sampling: rejection sampling stays exact)."""
+        so far ends with a match the gate trusts more than the drafter (spd.lookup), and
+        whether it was used. Under sampling q is one-hot on the lookup's token, so rejection
+        sampling stays exact."""
         # The in-flight tokens past the committed ones: one small device-to-host copy on a GPU
         # (the PDM's drafts stay there; they were made a cycle or more ago).
         in_flight = self.tokens[len(self.lookup):position].tolist()
         found = self.lookup.propose(self.lookup.context(in_flight))
-        self.draft_src[position] = found is not None
         if found is None:
-            return draft
+            return draft, False
+        token, match_len = found
         q = None
         if not self.sampling.greedy:
             q = torch.zeros(self.target.vocab_size, device=self.target.device)
-            q[found[0]] = 1.0
-        return Draft(found[0], q)
+            q[token] = 1.0
+        trust = self.lookup.trust(match_len)
+        if draft.p is None or trust >= 1.0:  # a drafter without a confidence: the match wins
+            return Draft(token, q), True
+        # Gate on the device (the PDM's token and confidence stay there: no host sync); the
+        # choice is read back when the draft is judged, for the stats.
+        use = draft.p < trust
+        return Draft(torch.where(use, torch.full_like(draft.token, token), draft.token),
+                     None if q is None else torch.where(use, q, draft.q)), use
 
     def fill(self, draft: Draft) -> None:
         """Filling cycle: nothing left the pipeline, the draft enters at depth 0."""
         self.sched.refill()
-        self.enter(self.sched.newest, draft.token, draft.q)
+        self.enter(self.sched.newest, draft.token)
 
     def judge(self, hidden: torch.Tensor) -> tuple[bool, int]:
         """The oldest token left the last stage with final state `hidden` [1, d]: judge the
         next in-flight token. Returns (accepted, the token to commit)."""
         with self.timer("verify"):
             judged = self.sched.judged
+            pending = self.pending.get(judged)
             return verify(self.target, hidden, self.tokens[judged:judged + 1],
-                          self.draft_q.pop(judged, None), self.sampling, self.gen)
+                          pending.q if pending else None, self.sampling, self.gen)
 
     def commit(self, accepted: bool, token: int, draft: Draft) -> int | None:
         """Commit the judged token. Accept: this cycle's draft enters stage 0 next. Reject: the
         in-flight tokens and the draft are dropped and the correction enters alone; returns the
         committed length every target cache must be truncated to (None when accepted)."""
         judged = self.sched.judged
-        self.stats.count_draft(self.draft_fill.pop(judged, self.n), accepted,
-                               self.draft_src.pop(judged, False))
+        pending = self.pending.pop(judged)  # every judged token was drafted
+        self.stats.count_draft(pending.fill, accepted, bool(pending.from_lookup))
         self.stats.N += 1
         self._emit(token)
         if accepted:
             self.sched.accept()
             if not self.done:
-                self.enter(self.sched.newest, draft.token, draft.q)
+                self.enter(self.sched.newest, draft.token)
             return None
         with self.timer("rollback"):
             self.sched.reject()
-            self.draft_q.clear()
-            self.draft_fill.clear()
-            self.draft_src.clear()
+            self.pending.clear()
             if not self.done:
                 self.enter(judged, token)
         return judged

@@ -23,6 +23,8 @@ class Draft:
     it where the host needs the id)."""
     token: int | torch.Tensor
     q: torch.Tensor | None = None  # draft distribution on target ids (sampling only)
+    # the drafter's top probability (0-d, on its device), where the context lookup's gate needs it
+    p: torch.Tensor | None = None
 
 
 class PDMDrafter:
@@ -68,11 +70,17 @@ class PDMDrafter:
     def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
         logits = self.draft_logits(anchors, types, start)
         d2t = self.pdm.draft_to_target
+        # The PDM's confidence (its top probability, at temperature 1 whatever the sampling) for
+        # the context lookup's gate: 1 / sum(exp(logits - max)), no host sync.
+        p = None
+        if self.lookup:
+            lf = logits.float()
+            p = torch.exp(lf - lf.max()).sum().reciprocal()
         if sampling.greedy:
-            return Draft(d2t[logits.argmax()])
+            return Draft(d2t[logits.argmax()], p=p)
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         idx = sample_from_probs(q, uniform.to(q.device))
-        return Draft(d2t[idx], scatter_draft_probs(q[None], d2t, self.vocab_size)[0])
+        return Draft(d2t[idx], scatter_draft_probs(q[None], d2t, self.vocab_size)[0], p)
 
 
 class ReferenceDrafter:
