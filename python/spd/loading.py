@@ -28,7 +28,9 @@ def describe_device(device) -> str:
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    threads = torch.get_num_threads()
+    return (f"CPU ({platform.processor() or platform.machine()}, {threads} "
+            f"thread{'' if threads == 1 else 's'})")
 
 
 def default_model_dir() -> Path:
