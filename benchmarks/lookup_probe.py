@@ -23,7 +23,7 @@ import torch
 import spd.cycle as cycle
 from spd.engine import SamplingParams, SPDEngine
 from spd.evaluate import collect_sets, encode_question
-from spd.loading import load_target
+from spd.loading import describe_device, load_target
 from spd.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
 
 
@@ -47,7 +47,7 @@ class _Recorder:
             rec._pending[position] = {"pdm": int(d.token), "p": rec.last_p,
                                       "lookup": found[0] if found else None,
                                       "match": found[1] if found else 0,
-                                      "fill": dec.draft_fill[position],
+                                      "fill": dec.pending[position].fill,
                                       "context": dec.tokens[max(0, position - 8):position].tolist()}
             return d
 
@@ -136,7 +136,7 @@ def main() -> None:
                                           and j["p"] < NgramLookup.trust(j["match"]))
     report = {"stages": args.stages, "pdm": engine.pdm_source, "offset": args.offset,
               "limit": args.limit, "max_new_tokens": args.max_new_tokens,
-              "device": "CPU" if t.device.type == "cpu" else str(t.device),
+              "device": describe_device(t.device),
               "seconds": time.time() - t0,
               "rules": {name: score(j, args.stages, rules) for name, j in
                         list(per_set.items()) + [("overall", sum(per_set.values(), []))]},
