@@ -121,7 +121,7 @@ def main() -> int:
                              phase_s=agg["phase_s"]))
 
     print(f"\nSingle-process engine, {target.name}, {len(ids_list)} prompts x {m} new tokens, "
-          f"{describe_device('cpu')}")
+          + describe_device("cpu"))
     hdr = f"{'method':<20}{'n':>3}{'N':>6}{'K':>6}{'alpha':>8}{'S_theory':>10}{'tok/s':>8}" \
           f"{'vs AR':>7}{'vs HF':>7}{'cycle ms':>10}"
     print(hdr)

@@ -33,10 +33,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kernels import MODELS, Timer, device_name, device_tag  # noqa: E402
+from bench_kernels import MODELS, Timer, device_tag  # noqa: E402
 
 from spd.cycle import verify  # noqa: E402
 from spd.drafters import PDMDrafter  # noqa: E402
+from spd.loading import describe_device  # noqa: E402
 from spd.engine import SamplingParams  # noqa: E402
 from spd.partition import DepthLayout  # noqa: E402
 from spd.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
@@ -172,7 +173,7 @@ def main() -> int:
         sys.exit(f"--stages must lie in 1..{shape.layers} and --pdm-layers be >= 1")
     timer = Timer(device, args.iters or (50 if gpu else 5),
                   args.warmup if args.warmup is not None else (5 if gpu else 1), flush=False)
-    print(f"{shape.name} on {device_name(device)}, {str(dtype)[6:]}, context {args.context}, "
+    print(f"{shape.name} on {describe_device(device)}, {str(dtype)[6:]}, context {args.context}, "
           f"draft vocabulary {args.draft_vocab}")
     head = (f"{'n':>3}{'L_s':>5}{'MLP':>7}{'draft':>7}{'stage layers':>14}{'stage us':>11}{'draft us':>11}"
             f"{'verify us':>11}{'draft/stage':>13}{'(draft+verify)/stage':>22}  hidden")
@@ -193,7 +194,7 @@ def main() -> int:
                f"{args.date}-draft-hiding-{device_tag(device)}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(dict(
-        date=args.date, device=device_name(device), dtype=str(dtype), model=vars(shape),
+        date=args.date, device=describe_device(device), dtype=str(dtype), model=vars(shape),
         draft_vocab=args.draft_vocab, context=args.context, iters=timer.iters,
         command=" ".join(sys.argv), rows=rows), indent=1))
     print(f"wrote {out}")

@@ -364,7 +364,7 @@ def run(args) -> dict:
     timer = Timer(device, args.iters, args.warmup, flush=not args.no_flush)
     torch.manual_seed(0)
     bw = copy_bandwidth(device, timer)
-    print(f"device {device_name(device)}: copy bandwidth {bw:.1f} GB/s; dtype {dtype}; "
+    print(f"device {describe_device(device)}: copy bandwidth {bw:.1f} GB/s; dtype {dtype}; "
           f"iters {args.iters}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
@@ -470,10 +470,6 @@ def targets(rows, device) -> list[dict]:
     return out
 
 
-def device_name(device) -> str:
-    return describe_device(device)
-
-
 def device_tag(device) -> str:
     if device.type != "cuda":
         return "cpu"
@@ -486,7 +482,7 @@ def device_tag(device) -> str:
 
 def meta(args, device, dtype, bw) -> dict:
     import triton
-    return dict(date=args.date, device=device_name(device), platform=platform.platform(),
+    return dict(date=args.date, device=describe_device(device), platform=platform.platform(),
                 torch=torch.__version__, triton=getattr(triton, "__version__", None),
                 cuda_extension=dispatch.describe()["cuda_extension"], dtype=str(dtype),
                 copy_bandwidth_gb_s=bw, iters=args.iters, warmup=args.warmup,

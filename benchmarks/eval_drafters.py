@@ -92,8 +92,8 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.json_out:
-        out = {"date": date.today().isoformat(), "device": describe_device("cpu"), "command": "python " + " ".join(sys.argv),
-               "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rows": rows,
+        out = {"date": date.today().isoformat(), "device": describe_device("cpu"),
+               "command": "python " + " ".join(sys.argv), "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rows": rows,
                "table": table}
         Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_out).write_text(json.dumps(out, indent=1))

@@ -21,6 +21,7 @@ import time
 import torch
 
 import spd.cycle as cycle
+from spd.drafters import top_probability
 from spd.engine import SamplingParams, SPDEngine
 from spd.evaluate import collect_sets, encode_question
 from spd.loading import describe_device, load_target
@@ -114,7 +115,7 @@ def main() -> None:
 
     def logits_and_p(*a, **k):
         logits = real_logits(*a, **k)
-        rec.last_p = float(torch.softmax(logits.float(), -1).max())
+        rec.last_p = float(top_probability(logits))
         return logits
     engine.drafter.draft_logits = logits_and_p
     per_set, t0 = {}, time.time()
@@ -149,7 +150,8 @@ def main() -> None:
             for r in report["rules"].values()))
     print("lookup hit rate where it disagreed with the PDM (spd.lookup.TRUST), by match length:")
     for k, c in report["trust"].items():
-        print(f"  {k}: {c['hit_rate']:.2f} of {c['drafts']}  (TRUST {NgramLookup.trust(int(k)):.2f})")
+        print(f"  {k}: {c['hit_rate']:.2f} of {c['drafts']}  "
+              f"(TRUST {NgramLookup.trust(int(k)):.2f})")
     if args.dump_judged:
         with open(args.dump_judged, "w") as f:
             json.dump(per_set, f)

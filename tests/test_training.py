@@ -463,8 +463,8 @@ def test_bf16_training_follows_fp32():
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss, _, _ = d.loss(item, 2)
         loss.backward()
-        out[precision] = (float(loss.detach()), torch.cat([p.grad.flatten() for p in pdm.parameters()
-                                                  if p.grad is not None]))
+        grads = [p.grad.flatten() for p in pdm.parameters() if p.grad is not None]
+        out[precision] = (float(loss.detach()), torch.cat(grads))
     (l32, g32), (l16, g16) = out["fp32"], out["bf16"]
     assert l16 != l32 and abs(l16 - l32) < 0.03 * l32
     assert float(torch.nn.functional.cosine_similarity(g32, g16, dim=0)) > 0.99

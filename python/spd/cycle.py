@@ -242,9 +242,8 @@ class SequenceDecode:
         next in-flight token. Returns (accepted, the token to commit)."""
         with self.timer("verify"):
             judged = self.sched.judged
-            pending = self.pending.get(judged)
             return verify(self.target, hidden, self.tokens[judged:judged + 1],
-                          pending.q if pending else None, self.sampling, self.gen)
+                          self.pending[judged].q, self.sampling, self.gen)
 
     def commit(self, accepted: bool, token: int, draft: Draft) -> int | None:
         """Commit the judged token. Accept: this cycle's draft enters stage 0 next. Reject: the

@@ -27,6 +27,13 @@ class Draft:
     p: torch.Tensor | None = None
 
 
+def top_probability(logits: torch.Tensor) -> torch.Tensor:
+    """A drafter's confidence: the top probability of softmax(logits) at temperature 1, as a 0-d
+    tensor on the logits' device (1 / sum(exp(logits - max)): no host sync)."""
+    lf = logits.float()
+    return torch.exp(lf - lf.max()).sum().reciprocal()
+
+
 class PDMDrafter:
     """The PDM's guess each cycle. `lookup` (>= 1: the shortest match) lets the decode loop put
     the context lookup's token in its place when the text repeats itself (spd.lookup); 0: off."""
@@ -70,12 +77,9 @@ class PDMDrafter:
     def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
         logits = self.draft_logits(anchors, types, start)
         d2t = self.pdm.draft_to_target
-        # The PDM's confidence (its top probability, at temperature 1 whatever the sampling) for
-        # the context lookup's gate: 1 / sum(exp(logits - max)), no host sync.
-        p = None
-        if self.lookup:
-            lf = logits.float()
-            p = torch.exp(lf - lf.max()).sum().reciprocal()
+        # the PDM's confidence for the context lookup's gate (at temperature 1 whatever the
+        # sampling: the gate's hit rates were measured that way)
+        p = top_probability(logits) if self.lookup else None
         if sampling.greedy:
             return Draft(d2t[logits.argmax()], p=p)
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
