@@ -6,9 +6,11 @@ package `spd` lives in `python/spd`.
 The CUDA C++ kernels in `csrc/` become the extension `spd_kernels._spd_cuda`: nvcc compiles the .cu
 files (sm_90 code plus compute_90 PTX, so newer GPUs JIT it; SPD_CUDA_ARCHS="80;90" changes the
 list), the host compiler compiles the pybind11 bindings, and the CUDA runtime is linked statically.
-It does not use torch's C++ API (so it builds against a CPU-only torch too). The build is skipped,
-with a message, when nvcc is not found or SPD_SKIP_CUDA_BUILD=1; the package works without it
-(reference and Triton backends).
+It does not use torch's C++ API (so it builds against a CPU-only torch too). The same sources,
+compiled as host C++ against a fiber emulation of CUDA threads (csrc/simt_host.h), become
+`spd_kernels._spd_simt`, which lets the tests run the CUDA kernels on machines without a GPU.
+Both are skipped, with a message, when nvcc is not found or SPD_SKIP_CUDA_BUILD=1; the package
+works without them (reference and Triton backends).
 """
 from __future__ import annotations
 
@@ -62,19 +64,45 @@ def _gencode_flags() -> list[str]:
     return flags
 
 
+def _cuda_include(nvcc: str) -> Path:
+    """The toolkit's include folder (cuda_bf16.h and friends, for the host emulation)."""
+    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
+             str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"]
+    for home in filter(None, homes):
+        for sub in ("include", "targets/x86_64-linux/include", "targets/sbsa-linux/include"):
+            if (Path(home) / sub / "cuda_bf16.h").exists():
+                return Path(home) / sub
+    raise RuntimeError("cuda_bf16.h not found: set CUDA_HOME to the CUDA toolkit, or "
+                       "SPD_SKIP_CUDA_BUILD=1 to install without the CUDA extensions")
+
+
 class BuildExt(build_ext):
-    """Compiles the .cu sources with nvcc (in parallel, skipped when up to date), then links them
-    into the pybind11 extension with the default toolchain."""
+    """Compiles the kernel sources into objects (in parallel, skipped when up to date), then links
+    them into the pybind11 extension with the default toolchain:
+      _spd_cuda: csrc/*.cu with nvcc, the CUDA runtime linked statically;
+      _spd_simt: the same .cu files as host C++ (SPD_SIMT_HOST, csrc/simt_host.h) plus the fiber
+                 scheduler, so tests run the kernels on a CPU; no CUDA runtime."""
 
     def build_extension(self, ext):
-        if ext.name != "spd_kernels._spd_cuda":
+        if ext.name not in ("spd_kernels._spd_cuda", "spd_kernels._spd_simt"):
             return super().build_extension(ext)
         nvcc = _find_nvcc()
-        lib = _cudart_dir(nvcc)
-        tmp = Path(self.build_temp) / "cuda"
+        simt = ext.name.endswith("_spd_simt")
+        tmp = Path(self.build_temp) / ("simt" if simt else "cuda")
         tmp.mkdir(parents=True, exist_ok=True)
         headers = list((ROOT / CSRC).glob("*.h")) + list((ROOT / CSRC).glob("*.cuh"))
         newest_header = max((h.stat().st_mtime for h in headers), default=0.0)
+        if simt:
+            cxx = os.environ.get("CXX") or shutil.which("c++") or "g++"
+            base = [cxx, "-O2", "-std=c++17", "-fPIC", "-DSPD_SIMT_HOST", f"-I{ROOT / CSRC}",
+                    # CUDA code reads 16-byte loads as bf16 pairs; g++ -O2 would assume no alias
+                    "-fno-strict-aliasing",
+                    f"-I{_cuda_include(nvcc)}", "-Wno-unknown-pragmas"]
+            sources = CU_SOURCES + ["simt_host.cpp"]
+        else:
+            base = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", f"-I{ROOT / CSRC}",
+                    *_gencode_flags()]
+            sources = CU_SOURCES
 
         def compile_one(name: str) -> str:
             src = ROOT / CSRC / name
@@ -82,16 +110,18 @@ class BuildExt(build_ext):
             if (obj.exists() and obj.stat().st_mtime >= src.stat().st_mtime
                     and obj.stat().st_mtime >= newest_header):
                 return str(obj)
-            cmd = [nvcc, "-c", str(src), "-o", str(obj), "-O3", "-std=c++17",
-                   "-Xcompiler", "-fPIC", f"-I{ROOT / CSRC}", *_gencode_flags()]
+            lang = ["-x", "c++"] if simt and name.endswith(".cu") else []
+            cmd = [*base, *lang, "-c", str(src), "-o", str(obj)]
             _say(" ".join(cmd) + "\n")
             subprocess.run(cmd, check=True)
             return str(obj)
 
-        with ThreadPoolExecutor(max_workers=max(1, min(len(CU_SOURCES), os.cpu_count() or 1))) as pool:
-            ext.extra_objects = list(pool.map(compile_one, CU_SOURCES))
-        ext.library_dirs = [str(lib)]
-        ext.libraries = ["cudart_static", "dl", "rt", "pthread"]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(sources), os.cpu_count() or 1))) as pool:
+            ext.extra_objects = list(pool.map(compile_one, sources))
+        ext.depends = [*ext.depends, *ext.extra_objects]  # a rebuilt object relinks the module
+        if not simt:
+            ext.library_dirs = [str(_cudart_dir(nvcc))]
+            ext.libraries = ["cudart_static", "dl", "rt", "pthread"]
         return super().build_extension(ext)
 
 
@@ -108,14 +138,18 @@ def _extensions() -> list[Extension]:
     except ImportError:
         _say("pybind11 is not installed: not building the CUDA extension spd_kernels._spd_cuda")
         return []
-    return [Extension(
-        "spd_kernels._spd_cuda",
-        sources=[f"{CSRC}/bindings.cpp"],
-        include_dirs=[pybind11.get_include(), CSRC],
-        language="c++",
-        extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden"],
-        depends=[f"{CSRC}/{n}" for n in CU_SOURCES] + [f"{CSRC}/spd_cuda.h", f"{CSRC}/common.cuh"],
-    )]
+    depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["simt_host.cpp"]] + [
+        f"{CSRC}/spd_cuda.h", f"{CSRC}/common.cuh", f"{CSRC}/simt_host.h"]
+    flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
+    return [
+        Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
+                  include_dirs=[pybind11.get_include(), CSRC], language="c++",
+                  extra_compile_args=flags, depends=depends),
+        # The same kernels on the host, for tests on machines without a GPU (csrc/simt_host.h).
+        Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
+                  include_dirs=[pybind11.get_include(), CSRC], language="c++",
+                  extra_compile_args=flags, depends=depends + [f"{CSRC}/bindings.cpp"]),
+    ]
 
 
 setup(

@@ -519,6 +519,10 @@ def main() -> int:
     ap.add_argument("--date", default=str(date.today()))
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    for flag, given, valid in (("--models", args.models, MODELS), ("--ops", args.ops, OPS)):
+        unknown = [x.strip() for x in given.split(",") if x.strip() and x.strip() not in valid]
+        if unknown:
+            ap.error(f"{flag}: unknown {', '.join(unknown)} (valid: {', '.join(valid)})")
     gpu = args.device.startswith("cuda")
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -12,6 +12,15 @@
 
 #include "spd_cuda.h"
 
+// The same bindings build two modules: _spd_cuda (the kernels compiled by nvcc) and _spd_simt
+// (the same kernel sources compiled for the host emulation in simt_host.h, for tests).
+#ifndef SPD_MODULE
+#define SPD_MODULE _spd_cuda
+#endif
+#define SPD_STR2(x) #x
+#define SPD_STR(x) SPD_STR2(x)
+#define SPD_MODULE_NAME "spd_kernels." SPD_STR(SPD_MODULE)
+
 namespace py = pybind11;
 
 namespace {
@@ -22,16 +31,16 @@ std::string describe(int err) {
 
 void check(int err, const char* what) {
   if (err != 0)
-    throw std::runtime_error(std::string("spd_kernels._spd_cuda.") + what + " failed: " + describe(err));
+    throw std::runtime_error(std::string(SPD_MODULE_NAME ".") + what + " failed: " + describe(err));
 }
 
 int device_count() {
   int n = 0;
   const int err = spd::device_count(&n);
   if (err != 0)
-    throw std::runtime_error("spd_kernels._spd_cuda: no usable CUDA device (cudaGetDeviceCount: " +
+    throw std::runtime_error(SPD_MODULE_NAME ": no usable CUDA device (cudaGetDeviceCount: " +
                              describe(err) + ")");
-  if (n == 0) throw std::runtime_error("spd_kernels._spd_cuda: no usable CUDA device (none found)");
+  if (n == 0) throw std::runtime_error(SPD_MODULE_NAME ": no usable CUDA device (none found)");
   return n;
 }
 
@@ -48,8 +57,13 @@ T* ptr(uintptr_t p) { return reinterpret_cast<T*>(p); }
 
 }  // namespace
 
-PYBIND11_MODULE(_spd_cuda, m) {
+PYBIND11_MODULE(SPD_MODULE, m) {
   m.doc() = "CUDA kernels of spd_kernels (raw device pointers, no torch C++ API)";
+#ifdef SPD_SIMT_HOST
+  m.attr("host_emulation") = true;  // kernels run as fibers on the CPU, on host addresses
+#else
+  m.attr("host_emulation") = false;
+#endif
   m.def("device_count", &device_count, "number of CUDA devices; raises when none is usable");
   m.def("runtime_version", &spd::runtime_version, "CUDA runtime version compiled in");
   m.def("verify_greedy_num_blocks", &spd::verify_greedy_num_blocks, py::arg("V"));

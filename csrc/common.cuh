@@ -1,8 +1,17 @@
 // Shared device helpers: element types, rounding like torch, vector loads, warp reductions.
 #pragma once
+#ifdef SPD_SIMT_HOST
+#include "simt_host.h"  // the host emulation used by tests (spd_kernels._spd_simt)
+// kernel<<<grid, block, smem, stream>>>(args) runs the grid's threads as fibers, synchronously.
+#define SPD_LAUNCH(kernel, grid, block, smem, stream) \
+  ::spd::simt::launch(kernel, grid, block, smem, stream)
+#else
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#define SPD_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+#define SPD_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 #include <cstdint>
 
@@ -107,6 +116,15 @@ __device__ __forceinline__ float warp_sum(float v) {
 // (value, index) order of an argmax with ties to the lowest index.
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
   return v > bv || (v == bv && i < bi);
+}
+
+// A hint to start pulling p's cache line into L2 (nothing in the host emulation).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+#ifndef SPD_SIMT_HOST
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+#else
+  (void)p;
+#endif
 }
 
 inline bool vec_aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 31u) == 0; }

@@ -215,13 +215,9 @@ void launch(dim3 grid, cudaStream_t stream, const void* anchors, int64_t stride_
             int64_t stride_or, int M, int R, int D, int N, int tiles, bool vec) {
   const T* a = static_cast<const T*>(anchors);
   T* o = static_cast<T*>(out);
-  if (vec)
-    anchor_kernel<T, true><<<grid, kThreads, 0, stream>>>(a, stride_am, stride_ar, types, types_i64,
-                                                          table, o, stride_or, M, R, D, N, tiles);
-  else
-    anchor_kernel<T, false><<<grid, kThreads, 0, stream>>>(a, stride_am, stride_ar, types,
-                                                           types_i64, table, o, stride_or, M, R, D,
-                                                           N, tiles);
+  auto kernel = vec ? anchor_kernel<T, true> : anchor_kernel<T, false>;
+  SPD_LAUNCH(kernel, grid, kThreads, 0, stream)(a, stride_am, stride_ar, types, types_i64, table,
+                                                o, stride_or, M, R, D, N, tiles);
 }
 
 }  // namespace

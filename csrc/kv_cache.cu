@@ -32,7 +32,7 @@ __global__ void poison_kernel(const int64_t* lengths, const int64_t* new_lengths
 
 int kv_truncate(int64_t* lengths, const int64_t* new_lengths, int new_stride, int C, void* stream) {
   if (C <= 0) return cudaSuccess;
-  lengths_kernel<<<(C + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream)>>>(
+  SPD_LAUNCH(lengths_kernel, (C + 255) / 256, 256, 0, static_cast<cudaStream_t>(stream))(
       lengths, new_lengths, new_stride, C);
   return cudaGetLastError();
 }
@@ -44,10 +44,12 @@ int kv_poison(const int64_t* lengths, const int64_t* new_lengths, int new_stride
   if (C > 2147483647 || n_buffers * outer > 65535) return cudaErrorInvalidValue;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   dim3 grid(C, (unsigned)(n_buffers * outer));
+  auto k32 = poison_kernel<uint32_t>;
+  auto k16 = poison_kernel<uint16_t>;
   switch (dtype) {
-    case kF32: poison_kernel<uint32_t><<<grid, 256, 0, stream>>>(lengths, new_lengths, new_stride, table, outer, S, inner, 0x7FC00000u); break;
-    case kBF16: poison_kernel<uint16_t><<<grid, 256, 0, stream>>>(lengths, new_lengths, new_stride, table, outer, S, inner, (uint16_t)0x7FC0u); break;
-    case kF16: poison_kernel<uint16_t><<<grid, 256, 0, stream>>>(lengths, new_lengths, new_stride, table, outer, S, inner, (uint16_t)0x7E00u); break;
+    case kF32: SPD_LAUNCH(k32, grid, 256, 0, stream)(lengths, new_lengths, new_stride, table, outer, S, inner, 0x7FC00000u); break;
+    case kBF16: SPD_LAUNCH(k16, grid, 256, 0, stream)(lengths, new_lengths, new_stride, table, outer, S, inner, (uint16_t)0x7FC0u); break;
+    case kF16: SPD_LAUNCH(k16, grid, 256, 0, stream)(lengths, new_lengths, new_stride, table, outer, S, inner, (uint16_t)0x7E00u); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

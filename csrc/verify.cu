@@ -42,10 +42,6 @@ struct Chunk<float> {
   }
 };
 
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Vectorised dot products of NV weight rows with the nr normed rows in s_h.
 // U chunks of 16 bytes per row and lane are loaded before any is used.
 template <typename T, int MAXR, int NV, int U>
@@ -127,7 +123,7 @@ __global__ void __launch_bounds__(kThreads)
 greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ g,
                const T* __restrict__ w, int64_t stride_w, float* __restrict__ pval,
                int* __restrict__ pidx, int R, int D, int V, int NB, float eps, bool vec) {
-  extern __shared__ float4 s_h4[];  // [MAXR][D] fp32; float4 for 16-byte alignment
+  SPD_DYNAMIC_SHARED(float4, s_h4);  // [MAXR][D] fp32; float4 for 16-byte alignment
   float* s_h = reinterpret_cast<float*>(s_h4);
   __shared__ float s_part[kWarps][MAXR];
   __shared__ float s_rstd[MAXR];
@@ -340,7 +336,7 @@ int launch_partial(const void* hidden, int64_t stride_h, const void* norm_weight
   constexpr int E = Chunk<T>::E;
   const bool vec = (D % E == 0) && (stride_w % E == 0) &&
                    (reinterpret_cast<uintptr_t>(weight) & 15u) == 0;
-  kernel<<<dim3(gx, gy), kThreads, smem, stream>>>(
+  SPD_LAUNCH(kernel, dim3(gx, gy), kThreads, smem, stream)(
       static_cast<const T*>(hidden), stride_h, static_cast<const T*>(norm_weight),
       static_cast<const T*>(weight), stride_w, pval, pidx, R, D, V, NB, eps, vec);
   *np = gx;
@@ -409,7 +405,8 @@ int verify_greedy(const void* hidden, int64_t stride_h, const void* norm_weight,
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess) return err;
-  greedy_reduce<<<R, 256, 0, stream>>>(pval, pidx, NB, np, draft, draft_i64, target, accepted);
+  SPD_LAUNCH(greedy_reduce, R, 256, 0, stream)(pval, pidx, NB, np, draft, draft_i64, target,
+                                               accepted);
   return cudaGetLastError();
 }
 

@@ -6,11 +6,13 @@ works (reference and Triton backends) whether or not the extension was built.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 _ext = None
 _error: str | None = None
 _loaded = False
+_simt = None  # spd_kernels._spd_simt while `simulated()` is active
 
 
 def load():
@@ -28,22 +30,52 @@ def load():
 
 
 def built() -> bool:
-    return load() is not None
+    return _simt is not None or load() is not None
 
 
 def unavailable_reason() -> str | None:
+    if _simt is not None:
+        return None
     load()
     return _error
 
 
 def ext():
+    if _simt is not None:
+        return _simt
     mod = load()
     if mod is None:
         raise RuntimeError(_error)
     return mod
 
 
+def simulating() -> bool:
+    return _simt is not None
+
+
+@contextlib.contextmanager
+def simulated():
+    """Inside this block the cuda backend runs the same CUDA C++ kernels in the host emulation
+    (`spd_kernels._spd_simt`, csrc/simt_host.h) on CPU tensors: the tests' way of checking the
+    kernels on machines without a GPU. Slow (every CUDA thread is a fiber) and not thread-safe:
+    for small test shapes only. Raises ImportError when the emulation was not built."""
+    global _simt
+    try:
+        mod = importlib.import_module("spd_kernels._spd_simt")
+    except ImportError as exc:
+        raise ImportError(f"spd_kernels._spd_simt is not built ({exc}): it is built with the "
+                          "CUDA extension (nvcc and the CUDA headers present, "
+                          "SPD_SKIP_CUDA_BUILD unset)") from exc
+    old, _simt = _simt, mod
+    try:
+        yield mod
+    finally:
+        _simt = old
+
+
 def stream_of(t) -> int:
     """Raw cudaStream_t (as an int) of the current torch stream on t's device."""
+    if t.device.type == "cpu" and _simt is not None:
+        return 0  # the emulation runs synchronously
     import torch
     return torch.cuda.current_stream(t.device).cuda_stream

@@ -81,6 +81,8 @@ def backend_unavailable(backend: str, device: torch.device) -> str | None:
                     "TRITON_INTERPRET=1 before importing spd_kernels")
         return f"Triton kernels do not run on {device.type} tensors"
     if backend == "cuda":
+        if device.type == "cpu" and _cuda.simulating():
+            return None  # the kernels' host emulation (tests): _cuda.simulated()
         if device.type != "cuda":
             return f"the CUDA C++ kernels need CUDA tensors, got {device.type} tensors"
         if not _cuda.built():

@@ -4,10 +4,13 @@
 - `chi2_pvalue(counts, probs)`: goodness of fit of sampled counts against probabilities.
 - `TRITON_DEVICE`: where the Triton kernels can run in this process ("cpu" under the interpreter,
   "cuda" when compiled for a GPU, None when neither), so one test body covers both.
+- `SIMT_SKIP_REASON`: None when the CUDA C++ kernels' host emulation (`spd_kernels._spd_simt`) is
+  built, so tests can run the cuda backend on CPU tensors inside `_cuda.simulated()`.
 """
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import torch
 
@@ -23,6 +26,18 @@ else:
 
 TRITON_SKIP_REASON = ("the Triton kernels need TRITON_INTERPRET=1 set before import (CPU) or a "
                       "CUDA device with TRITON_INTERPRET unset")
+
+
+def _simt_skip_reason() -> str | None:
+    try:
+        importlib.import_module("spd_kernels._spd_simt")
+    except ImportError as exc:
+        return (f"the CUDA kernels' host emulation spd_kernels._spd_simt is not built ({exc}); "
+                "it is built with the CUDA extension when nvcc is present")
+    return None
+
+
+SIMT_SKIP_REASON = _simt_skip_reason()
 
 
 @contextlib.contextmanager

@@ -4,13 +4,15 @@ import pytest
 import torch
 
 from spd_kernels import SPDBackendError, SPDInputError, anchor_projection
-from spd_kernels import dispatch
+from spd_kernels import _cuda, dispatch
 from spd_kernels.features import (anchor_projection_cuda, anchor_projection_reference,
                                   anchor_projection_triton)
-from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
+                                 poisoned_outputs)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -165,6 +167,39 @@ def test_library_op():
                                anchor_projection_reference(*args))
 
 
+# --- CUDA kernel in the host emulation (CPU) --------------------------------------------------------
+
+def check_cuda_shared_types(name, d, d_out, dtype, device):
+    args = shared_case(name, d, d_out, dtype, device, seed=d + len(name), int32=d == 100)
+    want = expected(*args)
+    tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
+    for mode in ("a", "b"):
+        with poisoned_outputs(mode):
+            out = anchor_projection_cuda(*args)
+        torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 10, equal_nan=True)
+
+
+@needs_simt
+@pytest.mark.parametrize("name", list(SHARED_TYPES))
+# D = 1600: the vector path's full, half and single k steps (41 outputs: a warp with one);
+# D = 100: the scalar path
+@pytest.mark.parametrize("d,d_out", [(1600, 41), (100, 36)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_kernel_in_host_emulation(name, d, d_out, dtype):
+    with _cuda.simulated():
+        check_cuda_shared_types(name, d, d_out, dtype, "cpu")
+
+
+@needs_simt
+@pytest.mark.parametrize("m,rows,d,d_out", CASES)
+def test_cuda_kernel_in_host_emulation_strided_cases(m, rows, d, d_out):
+    args = make_case(m, rows, d, d_out, torch.float32, "cpu", seed=rows * 10 + d)
+    assert not args[0].is_contiguous()
+    with _cuda.simulated(), poisoned_outputs("a"):
+        out = anchor_projection(*args, backend="cuda")
+    torch.testing.assert_close(out, anchor_projection_reference(*args), rtol=1e-5, atol=1e-5)
+
+
 # --- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -191,14 +226,13 @@ def test_gpu_backends_match_reference(d, d_out, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_rows_sharing_types(name, d, d_out, dtype):
     """Rows grouped by type on the device: shared, unsorted, unused and bad types, many rows."""
-    fns = {"triton": anchor_projection_triton, "cuda": anchor_projection_cuda}
-    backends = [b for b in fns if b in dispatch.available("anchor_projection", "cuda")]
-    args = shared_case(name, d, d_out, dtype, "cuda", seed=d + len(name), int32=d == 100)
-    want = expected(*args)
-    tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
-    for backend in backends:
+    if "cuda" in dispatch.available("anchor_projection", "cuda"):
+        check_cuda_shared_types(name, d, d_out, dtype, "cuda")
+    if "triton" in dispatch.available("anchor_projection", "cuda"):
+        args = shared_case(name, d, d_out, dtype, "cuda", seed=d + len(name), int32=d == 100)
+        want = expected(*args)
+        tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
         for mode in ("a", "b"):
             with poisoned_outputs(mode):
-                out = fns[backend](*args)
-            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 10, equal_nan=True,
-                                       msg=lambda m: f"{backend}: {m}")
+                out = anchor_projection_triton(*args)
+            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 10, equal_nan=True)

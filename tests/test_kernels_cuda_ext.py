@@ -30,6 +30,31 @@ def test_extension_built_when_nvcc_is_present():
     assert ext.verify_greedy_num_blocks(151936) > 0
 
 
+def test_host_emulation_built_when_nvcc_is_present():
+    """The same kernel sources compiled for the CPU (csrc/simt_host.h): the cuda backend's tests
+    run on every machine with the toolkit, GPU or not."""
+    if os.environ.get("SPD_SKIP_CUDA_BUILD") == "1" or not nvcc_present():
+        pytest.skip("no nvcc (or SPD_SKIP_CUDA_BUILD=1): the emulation is not expected")
+    with _cuda.simulated() as sim:
+        assert sim.host_emulation and sim.device_count() == 1
+        assert "cuda" in dispatch.available("verify_greedy", "cpu")
+        assert dispatch.select("verify_greedy", torch.device("cpu"))[0] == "reference"  # auto
+    assert "cuda" not in dispatch.available("verify_greedy", "cpu")
+    assert not _cuda.ext().host_emulation
+
+
+def test_simulated_without_the_emulation_says_why():
+    code = ("import sys; sys.modules['spd_kernels._spd_simt'] = None\n"
+            "from spd_kernels import _cuda\n"
+            "try:\n"
+            "    with _cuda.simulated(): pass\n"
+            "except ImportError as e:\n"
+            "    print('ERR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=120)
+    assert "ERR spd_kernels._spd_simt is not built" in out.stdout, out.stderr
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_calls_without_gpu_raise_clear_errors():
     if not _cuda.built():

@@ -4,12 +4,13 @@ import pytest
 import torch
 
 from spd_kernels import SPDBackendError, SPDInputError, truncate_kv_
-from spd_kernels import dispatch
+from spd_kernels import _cuda, dispatch
 from spd_kernels.kv_cache import truncate_kv_reference
-from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON
+from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -105,6 +106,19 @@ def test_library_op():
                           (length.clone(), torch.tensor(4), [k.clone(), k.clone()], -2, True))
     torch.ops.spd.truncate_kv_(length, torch.tensor(4), [k], -2, True)
     assert length.tolist() == [4, 3, 4] and k[0, :, 4:7].isnan().all()
+
+
+# --- CUDA kernels in the host emulation (CPU) -------------------------------------------------------
+
+@needs_simt
+@pytest.mark.parametrize("C,H,S,hd", [(1, 1, 8, 4), (5, 3, 17, 7), (300, 2, 9, 3), (2, 1, 1, 3)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernels_in_host_emulation(C, H, S, hd, dtype):
+    """300 caches: two blocks of the lengths kernel."""
+    with _cuda.simulated():
+        run_both(C, H, S, hd, dtype, "cpu", seed=C * 100 + S, backend="cuda")
+        run_both(C, H, S, hd, dtype, "cpu", seed=C, backend="cuda", per_cache=False,
+                 seq_first=True)
 
 
 # --- GPU ------------------------------------------------------------------------------------------

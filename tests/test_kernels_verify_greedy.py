@@ -1,20 +1,28 @@
 """Greedy verification kernels (fused RMSNorm + LM-head GEMV + argmax + compare) vs the reference.
 
 The Triton kernel runs in the interpreter on CPU (TRITON_INTERPRET=1, set by conftest) or compiled
-on a GPU; the CUDA kernel only on a GPU (tests marked `gpu`). fp32 must match exactly; in bf16 /
+on a GPU; the CUDA kernel on a GPU (tests marked `gpu`) and, on CPU tensors, in its host emulation
+(`_cuda.simulated()`, the same csrc/verify.cu compiled with csrc/simt_host.h). fp32 must match exactly; in bf16 /
 fp16 the kernel rounds like the reference, and any disagreement must be a near-tie of the
 reference logits (fp32 accumulation order differs).
 """
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from spd_kernels import SPDBackendError, SPDInputError, verify_greedy
-from spd_kernels import dispatch
-from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+from spd_kernels import _cuda, dispatch
+from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
+                                 poisoned_outputs)
 from spd_kernels.verify import final_logits, verify_greedy_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -83,9 +91,8 @@ def test_triton_strided_hidden_and_int32_drafts():
     check_against_reference(hidden, norm, head, spaced, backend="triton", exact=True)
 
 
-@needs_triton
-def test_triton_ties_go_to_lowest_id():
-    """Duplicate LM-head rows give exactly tied logits: the lowest id wins, as torch.argmax."""
+def tied_case():
+    """Duplicate LM-head rows give exactly tied logits; the reference argmax is the lowest id."""
     g = torch.Generator().manual_seed(3)
     D, V = 16, 200
     head = torch.randn(V, D, generator=g)
@@ -96,9 +103,14 @@ def test_triton_ties_go_to_lowest_id():
         for dup in (winner + 67, winner + 131):  # copies in other vocabulary blocks, later ids
             head[dup % V] = head[winner]
     ref = final_logits(hidden, norm, 1e-6, head).argmax(-1)
-    hidden, norm, head = (t.to(TRITON_DEVICE) for t in (hidden, norm, head))
-    t, ok = verify_greedy(hidden, norm, 1e-6, head, ref.to(TRITON_DEVICE), backend="triton")
-    assert torch.equal(t.cpu(), ref) and ok.all()
+    return hidden, norm, head, ref
+
+
+@needs_triton
+def test_triton_ties_go_to_lowest_id():
+    hidden, norm, head, ref = (t.to(TRITON_DEVICE) for t in tied_case())
+    t, ok = verify_greedy(hidden, norm, 1e-6, head, ref, backend="triton")
+    assert torch.equal(t, ref) and ok.all()
 
 
 @needs_triton
@@ -139,6 +151,53 @@ def test_library_op_and_fake():
         return t + 1, ok
     t2, _ = step(args[0], args[1], args[3], args[4])
     assert torch.equal(t2, t + 1)
+
+
+# --- CUDA kernel in the host emulation (CPU) --------------------------------------------------------
+# Small shapes: every CUDA thread is a fiber. (17, 24, 50) takes three row tiles of 8; D = 45 and
+# 7 take the scalar path, the others the 16-byte vector path.
+
+@needs_simt
+@pytest.mark.parametrize("R,D,V", [(1, 32, 100), (3, 45, 257), (17, 24, 50), (2, 7, 33),
+                                   (6, 96, 131)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_cuda_kernel_in_host_emulation(R, D, V, dtype):
+    args = make_inputs(R, D, V, dtype, "cpu", seed=R * 1000 + D)
+    with _cuda.simulated():
+        check_against_reference(*args, backend="cuda", exact=dtype == torch.float32)
+
+
+@needs_simt
+def test_cuda_kernel_in_host_emulation_strides_ties_and_empty():
+    hidden, norm, head, drafts = make_inputs(3, 40, 90, torch.float32, "cpu", seed=7, strided=True)
+    spaced = torch.stack([drafts, drafts], 1).reshape(-1)[::2]
+    th, tn, tw, tref = tied_case()
+    with _cuda.simulated():
+        check_against_reference(hidden, norm, head, drafts.int(), backend="cuda", exact=True)
+        check_against_reference(hidden, norm, head, spaced, backend="cuda", exact=True)
+        t, ok = verify_greedy(th, tn, 1e-6, tw, tref, backend="cuda")
+        assert torch.equal(t, tref) and ok.all()
+        t, ok = verify_greedy(hidden[:0], norm, 1e-6, head, drafts[:0], backend="cuda")
+        assert t.shape == (0,) and ok.shape == (0,)
+
+
+@needs_simt
+@pytest.mark.parametrize("variant", ["1", "2"])
+def test_cuda_kernel_load_shapes_in_host_emulation(variant):
+    """SPD_VERIFY_VARIANT is read once per process: the other two load shapes in a subprocess."""
+    code = ("import torch, sys; sys.path.insert(0, 'tests')\n"
+            "from test_kernels_verify_greedy import make_inputs, check_against_reference\n"
+            "from spd_kernels import _cuda\n"
+            "for R, D, V in [(1, 64, 100), (9, 32, 77)]:\n"
+            "    for dt in (torch.float32, torch.bfloat16):\n"
+            "        args = make_inputs(R, D, V, dt, 'cpu', seed=R + D)\n"
+            "        with _cuda.simulated():\n"
+            "            check_against_reference(*args, backend='cuda', exact=dt == torch.float32)\n"
+            "print('OK')\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[1], timeout=300,
+                         env={**os.environ, "SPD_VERIFY_VARIANT": variant})
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
 # --- GPU ------------------------------------------------------------------------------------------

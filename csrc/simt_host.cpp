@@ -1,0 +1,247 @@
+// The fiber scheduler behind simt_host.h, and the few CUDA runtime calls the kernels' launchers
+// make, answered for one emulated device (this library does not link the CUDA runtime).
+#include "simt_host.h"
+
+#include <ucontext.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace spd {
+namespace simt {
+
+Coords coords;
+
+namespace {
+
+constexpr size_t kStack = 256 * 1024;
+constexpr int kMaxThreads = 1024;
+constexpr size_t kMaxDynamicSmem = 227 * 1024;  // H100/H200 opt-in limit
+constexpr int kSMs = 3;  // emulated multiprocessors: persistent grids get 3 or 6 blocks, not 1
+
+// A barrier among fibers: `expected` live members; the last to arrive opens a new generation.
+struct Barrier {
+  int expected = 0, arrived = 0;
+  unsigned generation = 0;
+};
+
+struct Fiber {
+  ucontext_t ctx;
+  dim3 tid;
+  int warp = 0, lane = 0;
+  bool started = false, done = false;
+  std::vector<char> stack;
+};
+
+struct Block {
+  std::vector<Fiber> fibers;
+  Barrier block_bar;
+  std::vector<Barrier> warp_bars;
+  std::vector<uint64_t> slots;  // 32 per warp
+  std::vector<unsigned char> smem;
+  const std::function<void()>* body = nullptr;
+  ucontext_t scheduler;
+  Fiber* current = nullptr;
+  long progress = 0;  // arrivals and exits; a full pass without any is a deadlock
+  int last_error = 0;
+};
+
+Block blk;
+std::mutex launch_mutex;
+int last_error = cudaSuccess;
+
+void yield() { swapcontext(&blk.current->ctx, &blk.scheduler); }
+
+void wait(Barrier& b) {
+  const unsigned gen = b.generation;
+  ++blk.progress;
+  if (++b.arrived >= b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+    return;
+  }
+  while (b.generation == gen) yield();
+}
+
+// A thread that returns leaves its barriers, which may open them (CUDA counts live threads).
+void leave(Barrier& b) {
+  --b.expected;
+  if (b.arrived > 0 && b.arrived >= b.expected) {
+    b.arrived = 0;
+    ++b.generation;
+  }
+}
+
+void fiber_main() {
+  Fiber* f = blk.current;
+  (*blk.body)();
+  f->done = true;
+  ++blk.progress;
+  leave(blk.warp_bars[f->warp]);
+  leave(blk.block_bar);
+  // returning resumes uc_link (the scheduler)
+}
+
+int run_block(dim3 bidx) {
+  const int n = (int)(coords.block_dim.x * coords.block_dim.y * coords.block_dim.z);
+  const int warps = (n + 31) / 32;
+  blk.block_bar = Barrier{n, 0, 0};
+  blk.warp_bars.assign(warps, Barrier{});
+  for (int w = 0; w < warps; ++w) blk.warp_bars[w].expected = std::min(32, n - 32 * w);
+  std::fill(blk.slots.begin(), blk.slots.end(), 0xDEADBEEFDEADBEEFull);
+  // Poison shared memory: a read of an element no thread wrote shows up as NaN / garbage.
+  std::fill(blk.smem.begin(), blk.smem.end(), (unsigned char)0xFF);
+  for (int i = 0; i < n; ++i) {
+    Fiber& f = blk.fibers[i];
+    f.tid = dim3(i % coords.block_dim.x, (i / coords.block_dim.x) % coords.block_dim.y,
+                 i / (coords.block_dim.x * coords.block_dim.y));
+    f.warp = i / 32;
+    f.lane = i % 32;
+    f.started = f.done = false;
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = &blk.scheduler;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  coords.block_idx = bidx;
+  int live = n;
+  while (live > 0) {
+    const long before = blk.progress;
+    live = 0;
+    for (int i = 0; i < n; ++i) {
+      Fiber& f = blk.fibers[i];
+      if (f.done) continue;
+      blk.current = &f;
+      coords.thread_idx = f.tid;
+      const bool first = !f.started;
+      f.started = true;
+      swapcontext(&blk.scheduler, &f.ctx);
+      if (first) ++blk.progress;
+      if (!f.done) ++live;
+    }
+    if (live > 0 && blk.progress == before) {
+      std::fprintf(stderr,
+                   "spd_kernels._spd_simt: deadlock in block (%u, %u, %u): %d thread(s) wait at "
+                   "a barrier that the others never reach\n",
+                   bidx.x, bidx.y, bidx.z, live);
+      return cudaErrorLaunchFailure;  // the fibers are abandoned; their stacks are reused
+    }
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+
+void sync_block() { wait(blk.block_bar); }
+void sync_warp() { wait(blk.warp_bars[blk.current->warp]); }
+uint64_t* warp_slots() { return blk.slots.data() + 32 * blk.current->warp; }
+int lane() { return blk.current->lane; }
+void* dynamic_shared() { return blk.smem.data(); }
+
+int run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+  std::lock_guard<std::mutex> lock(launch_mutex);  // one launch at a time: statics are shared
+  const long threads = (long)block.x * block.y * block.z;
+  if (threads <= 0 || threads > kMaxThreads || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+      grid.y > 65535 || grid.z > 65535) {
+    last_error = cudaErrorInvalidConfiguration;
+    return last_error;
+  }
+  if (smem > kMaxDynamicSmem) {
+    last_error = cudaErrorInvalidValue;
+    return last_error;
+  }
+  if ((long)blk.fibers.size() < threads) {
+    blk.fibers.resize(threads);
+    for (auto& f : blk.fibers)
+      if (f.stack.empty()) f.stack.resize(kStack);
+  }
+  blk.slots.assign(32 * ((threads + 31) / 32), 0);
+  blk.smem.assign(smem + 16, 0);
+  blk.body = &body;
+  coords.block_dim = block;
+  coords.grid_dim = grid;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        const int err = run_block(dim3(x, y, z));
+        if (err != cudaSuccess) {
+          last_error = err;
+          return err;
+        }
+      }
+  return cudaSuccess;
+}
+
+}  // namespace simt
+}  // namespace spd
+
+// CUDA runtime calls made by the launchers, for one emulated device.
+extern "C" {
+
+cudaError_t cudaGetLastError(void) {
+  const int e = spd::simt::last_error;
+  spd::simt::last_error = cudaSuccess;
+  return static_cast<cudaError_t>(e);
+}
+
+cudaError_t cudaPeekAtLastError(void) { return static_cast<cudaError_t>(spd::simt::last_error); }
+
+cudaError_t cudaGetDeviceCount(int* count) {
+  *count = 1;
+  return cudaSuccess;
+}
+
+cudaError_t cudaGetDevice(int* device) {
+  *device = 0;
+  return cudaSuccess;
+}
+
+cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
+  switch (attr) {
+    case cudaDevAttrMultiProcessorCount: *value = spd::simt::kSMs; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)spd::simt::kMaxDynamicSmem; break;
+    case cudaDevAttrWarpSize: *value = 32; break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t cudaFuncSetAttribute(const void*, cudaFuncAttribute, int) { return cudaSuccess; }
+
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, const void*, int,
+                                                          size_t) {
+  *blocks = 2;
+  return cudaSuccess;
+}
+
+cudaError_t cudaRuntimeGetVersion(int* version) {
+  *version = CUDART_VERSION;
+  return cudaSuccess;
+}
+
+const char* cudaGetErrorName(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
+    case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    default: return "cudaErrorUnknown";
+  }
+}
+
+const char* cudaGetErrorString(cudaError_t err) {
+  switch (err) {
+    case cudaSuccess: return "no error";
+    case cudaErrorInvalidValue: return "invalid argument";
+    case cudaErrorInvalidConfiguration: return "invalid configuration argument";
+    case cudaErrorLaunchFailure: return "unspecified launch failure (in the host emulation: a deadlock at a barrier)";
+    default: return "unknown error";
+  }
+}
+
+}  // extern "C"
