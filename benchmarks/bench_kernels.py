@@ -206,8 +206,10 @@ def build_cases(op: str, s: Shape, dtype, device):
         for case, (t, k, p) in {"T=0.8": (0.8, 0, 1.0), "T=0.8,k=50,p=0.9": (0.8, 50, 0.9)}.items():
             args = (logits, q, d2t, tok, u, t, k, p)
             fns = {"reference": (rejection_sample_logits_reference, args)}
-            fns["triton"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: spd_kernels.rejection_sample_logits(
-                lg, qq, m, tk, uu, temperature=t_, top_k=k_, top_p=p_, backend="triton"), args)
+            for b in ("triton", "cuda"):  # cuda: one block per row, one launch
+                fns[b] = (lambda lg, qq, m, tk, uu, t_, k_, p_, b=b:
+                          spd_kernels.rejection_sample_logits(lg, qq, m, tk, uu, temperature=t_,
+                                                              top_k=k_, top_p=p_, backend=b), args)
             # the split-row plan's baseline (radix select with top-k / top-p): one program
             # per row (bisection)
             t2d = target_to_draft_map(d2t, V)

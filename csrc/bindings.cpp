@@ -88,6 +88,28 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "rejection_sample",
+      [](uintptr_t x, int64_t stride_x, int x_dtype, uintptr_t q, int64_t stride_q, int q_dtype,
+         uintptr_t t2d, uintptr_t tok, bool tok_i64, uintptr_t u, int64_t stride_u,
+         uintptr_t seed, uintptr_t offset, uintptr_t out_tok, uintptr_t out_acc, int R, int V,
+         float temperature, int top_k, float top_p, bool from_logits, uintptr_t stream) {
+        require_device();
+        check(spd::rejection_sample(ptr<const void>(x), stride_x, x_dtype, ptr<const void>(q),
+                                    stride_q, q_dtype, ptr<const int>(t2d), ptr<const void>(tok),
+                                    tok_i64, ptr<const float>(u), stride_u,
+                                    ptr<const int64_t>(seed), ptr<const int64_t>(offset),
+                                    ptr<int64_t>(out_tok), ptr<bool>(out_acc), R, V, temperature,
+                                    top_k, top_p, from_logits, ptr<void>(stream)),
+              "rejection_sample");
+      },
+      py::arg("x"), py::arg("stride_x"), py::arg("x_dtype"), py::arg("q"), py::arg("stride_q"),
+      py::arg("q_dtype"), py::arg("t2d"), py::arg("tok"), py::arg("tok_i64"), py::arg("u"),
+      py::arg("stride_u"), py::arg("seed"), py::arg("offset"), py::arg("out_tok"),
+      py::arg("out_acc"), py::arg("R"), py::arg("V"), py::arg("temperature"), py::arg("top_k"),
+      py::arg("top_p"), py::arg("from_logits"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
       "kv_truncate",
       [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream) {
         require_device();

@@ -2,7 +2,9 @@
 // make, answered for one emulated device (this library does not link the CUDA runtime).
 #include "simt_host.h"
 
+#if !defined(__x86_64__)
 #include <ucontext.h>
+#endif
 
 #include <cstdio>
 #include <cstdlib>
@@ -23,6 +25,61 @@ constexpr int kMaxThreads = 1024;
 constexpr size_t kMaxDynamicSmem = 227 * 1024;  // H100/H200 opt-in limit
 constexpr int kSMs = 3;  // emulated multiprocessors: persistent grids get 3 or 6 blocks, not 1
 
+// Switching between fibers. On x86-64 a few instructions save the callee-saved registers and
+// swap stacks (swapcontext would also make a signal-mask system call on every switch, which
+// dominates the run time); elsewhere ucontext.
+#if defined(__x86_64__)
+extern "C" void spd_simt_switch(void** save_sp, void* load_sp);
+asm(R"(
+  .text
+  .globl spd_simt_switch
+  .hidden spd_simt_switch
+  .type spd_simt_switch, @function
+spd_simt_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size spd_simt_switch, .-spd_simt_switch
+)");
+
+struct Context {
+  void* sp = nullptr;
+  // A fresh context on stack [base, base + size) that starts in entry() (which never returns).
+  void prepare(char* base, size_t size, void (*entry)()) {
+    uintptr_t top = (reinterpret_cast<uintptr_t>(base) + size) & ~uintptr_t(15);
+    void** frame = reinterpret_cast<void**>(top - 8);  // entry sees rsp = 8 mod 16, as after a call
+    *--frame = reinterpret_cast<void*>(entry);         // popped by ret
+    for (int i = 0; i < 6; ++i) *--frame = nullptr;    // rbp rbx r12 r13 r14 r15
+    sp = frame;
+  }
+  static void swap(Context& from, Context& to) { spd_simt_switch(&from.sp, to.sp); }
+};
+#else
+struct Context {
+  ucontext_t uc;
+  void prepare(char* base, size_t size, void (*entry)()) {
+    getcontext(&uc);
+    uc.uc_stack.ss_sp = base;
+    uc.uc_stack.ss_size = size;
+    uc.uc_link = nullptr;  // entry() never returns
+    makecontext(&uc, entry, 0);
+  }
+  static void swap(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+};
+#endif
+
 // A barrier among fibers: `expected` live members; the last to arrive opens a new generation.
 struct Barrier {
   int expected = 0, arrived = 0;
@@ -30,7 +87,7 @@ struct Barrier {
 };
 
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   dim3 tid;
   int warp = 0, lane = 0;
   bool started = false, done = false;
@@ -44,7 +101,7 @@ struct Block {
   std::vector<uint64_t> slots;  // 32 per warp
   std::vector<unsigned char> smem;
   const std::function<void()>* body = nullptr;
-  ucontext_t scheduler;
+  Context scheduler;
   Fiber* current = nullptr;
   long progress = 0;  // arrivals and exits; a full pass without any is a deadlock
   int last_error = 0;
@@ -54,7 +111,7 @@ Block blk;
 std::mutex launch_mutex;
 int last_error = cudaSuccess;
 
-void yield() { swapcontext(&blk.current->ctx, &blk.scheduler); }
+void yield() { Context::swap(blk.current->ctx, blk.scheduler); }
 
 void wait(Barrier& b) {
   const unsigned gen = b.generation;
@@ -83,7 +140,8 @@ void fiber_main() {
   ++blk.progress;
   leave(blk.warp_bars[f->warp]);
   leave(blk.block_bar);
-  // returning resumes uc_link (the scheduler)
+  Context::swap(f->ctx, blk.scheduler);  // for good: a finished fiber is never resumed
+  __builtin_unreachable();
 }
 
 int run_block(dim3 bidx) {
@@ -102,11 +160,7 @@ int run_block(dim3 bidx) {
     f.warp = i / 32;
     f.lane = i % 32;
     f.started = f.done = false;
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = f.stack.data();
-    f.ctx.uc_stack.ss_size = f.stack.size();
-    f.ctx.uc_link = &blk.scheduler;
-    makecontext(&f.ctx, fiber_main, 0);
+    f.ctx.prepare(f.stack.data(), f.stack.size(), fiber_main);
   }
   coords.block_idx = bidx;
   int live = n;
@@ -120,7 +174,7 @@ int run_block(dim3 bidx) {
       coords.thread_idx = f.tid;
       const bool first = !f.started;
       f.started = true;
-      swapcontext(&blk.scheduler, &f.ctx);
+      Context::swap(blk.scheduler, f.ctx);
       if (first) ++blk.progress;
       if (!f.done) ++live;
     }

@@ -104,6 +104,41 @@ inline T __shfl_down_sync(unsigned, T v, unsigned delta, int = 32) {
   return ::spd::simt::exchange(v, src < 32 ? src : ::spd::simt::lane());  // CUDA: own value
 }
 
+template <typename T>
+inline T __shfl_up_sync(unsigned, T v, unsigned delta, int = 32) {
+  const int src = ::spd::simt::lane() - (int)delta;
+  return ::spd::simt::exchange(v, src >= 0 ? src : ::spd::simt::lane());  // CUDA: own value
+}
+
+// Lanes of the caller's warp holding the same value (every lane must call, as with mask ~0).
+template <typename T>
+inline unsigned __match_any_sync(unsigned, T v) {
+  static_assert(sizeof(T) <= 8, "match of values up to 8 bytes");
+  uint64_t* slots = ::spd::simt::warp_slots();
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  slots[::spd::simt::lane()] = bits;
+  ::spd::simt::sync_warp();
+  const unsigned first = ::spd::simt::coords.thread_idx.x & ~31u;
+  const unsigned n = ::spd::simt::coords.block_dim.x - first;
+  unsigned out = 0;
+  for (unsigned i = 0; i < 32 && i < n; ++i) out |= (slots[i] == bits ? 1u : 0u) << i;
+  ::spd::simt::sync_warp();
+  return out;
+}
+
+// Sum of v over the lanes in mask (each of them calls with the same mask).
+inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
+  uint64_t* slots = ::spd::simt::warp_slots();
+  slots[::spd::simt::lane()] = v;
+  ::spd::simt::sync_warp();
+  unsigned out = 0;
+  for (int i = 0; i < 32; ++i)
+    if (mask >> i & 1u) out += (unsigned)slots[i];
+  ::spd::simt::sync_warp();
+  return out;
+}
+
 inline unsigned __ballot_sync(unsigned, int pred) {
   uint64_t* slots = ::spd::simt::warp_slots();
   const int me = ::spd::simt::lane();
@@ -126,6 +161,7 @@ inline T __ldcs(const T* p) { return *p; }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
+inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz((unsigned)x); }
 
 inline float __uint_as_float(unsigned x) { float f; std::memcpy(&f, &x, 4); return f; }
@@ -164,5 +200,7 @@ template <typename T>
 inline T atomicAdd(T* p, T v) { const T old = *p; *p = old + v; return old; }
 template <typename T>
 inline T atomicMax(T* p, T v) { const T old = *p; *p = old < v ? v : old; return old; }
+template <typename T>
+inline T atomicMin(T* p, T v) { const T old = *p; *p = v < old ? v : old; return old; }
 template <typename T>
 inline T atomicCAS(T* p, T cmp, T v) { const T old = *p; if (old == cmp) *p = v; return old; }

@@ -36,4 +36,14 @@ int anchor_projection(const void* anchors, int64_t stride_am, int64_t stride_ar,
                       bool types_i64, const int64_t* table, void* out, int64_t stride_or, int M,
                       int R, int D, int N, int dtype, bool vectorized, void* stream);
 
+// Rejection sampling, one block per row. x: logits (from_logits; p = softmax(x / T) with top-k /
+// top-p, T = 0 greedy) or probabilities p [R, V]; q [R, Vq] with t2d [V] (target id -> q column or
+// -1), or q on target ids when t2d is null; u [R, 2] fp32 uniforms, or null for Philox(seed[0],
+// offset[0] + r). Writes out_tok [R] (int64) and out_acc [R] (bool).
+int rejection_sample(const void* x, int64_t stride_x, int x_dtype, const void* q,
+                     int64_t stride_q, int q_dtype, const int* t2d, const void* tok, bool tok_i64,
+                     const float* u, int64_t stride_u, const int64_t* seed, const int64_t* offset,
+                     int64_t* out_tok, bool* out_acc, int R, int V, float temperature, int top_k,
+                     float top_p, bool from_logits, void* stream);
+
 }  // namespace spd

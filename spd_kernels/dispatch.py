@@ -2,7 +2,8 @@
 
 Automatic choice (the default):
   - CUDA tensors: the CUDA C++ kernel if the extension is built and the op has one that supports
-    the arguments, else the Triton kernel, else the reference.
+    the arguments, else the Triton kernel, else the reference. A kernel registered with
+    automatic=False (written and checked, not yet timed on a GPU) runs only when requested.
   - CPU tensors: the reference (the Triton interpreter is a correctness tool, not a speed path).
 
 Forcing a backend:
@@ -43,21 +44,25 @@ class _Impl:
     fn: Callable
     # supports(*args, **kwargs) -> None when the impl handles these arguments, else a reason.
     supports: Callable | None = None
+    # False: runs only when asked for by name (a kernel not yet timed against the others on a
+    # GPU); the automatic choice passes over it.
+    automatic: bool = True
 
 
 _REGISTRY: dict[str, dict[str, _Impl]] = {op: {} for op in OPS}
 _local = threading.local()
 
 
-def register(op: str, backend: str, supports: Callable | None = None):
-    """Decorator: `fn` implements `op` on `backend` (same signature as the public op)."""
+def register(op: str, backend: str, supports: Callable | None = None, automatic: bool = True):
+    """Decorator: `fn` implements `op` on `backend` (same signature as the public op).
+    automatic=False keeps the automatic choice from picking it (it runs when requested)."""
     if op not in _REGISTRY:
         raise ValueError(f"unknown op {op!r}")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
 
     def deco(fn):
-        _REGISTRY[op][backend] = _Impl(fn, supports)
+        _REGISTRY[op][backend] = _Impl(fn, supports, automatic)
         return fn
     return deco
 
@@ -164,7 +169,7 @@ def select(op: str, device: torch.device, args=None, kwargs=None,
         return name, impl.fn
     for cand in _auto_order(device):
         impl = impls.get(cand)
-        if impl is None or backend_unavailable(cand, device) is not None:
+        if impl is None or not impl.automatic or backend_unavailable(cand, device) is not None:
             continue
         if check_args and impl.supports is not None and impl.supports(*args, **kwargs) is not None:
             continue
@@ -190,5 +195,7 @@ def describe() -> dict:
         "triton": HAS_TRITON, "triton_interpret": INTERPRET, "cuda_extension": _cuda.built(),
         "cuda_extension_error": _cuda.unavailable_reason(),
         "ops": {op: {"implemented": [b for b in BACKENDS if b in _REGISTRY[op]],
+                     "on_request_only": [b for b in BACKENDS if b in _REGISTRY[op]
+                                         and not _REGISTRY[op][b].automatic],
                      **{str(d): available(op, d) for d in devices}} for op in OPS},
     }

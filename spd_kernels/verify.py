@@ -10,10 +10,12 @@ Backends (see spd_kernels.dispatch):
   verify_greedy            reference | triton (fused RMSNorm + LM-head GEMV + argmax + compare,
                            vocabulary split over programs, partial maxima reduced by a second
                            launch; the logits never reach memory) | cuda (same plan in C++)
-  rejection_sample         reference | triton (p and q given on target ids)
+  rejection_sample         reference | triton (p and q given on target ids) | cuda
   rejection_sample_logits  reference | triton (temperature / top-k / top-p computed in the kernel
                            from the target logits; q on the draft vocabulary, mapped to target ids;
-                           uniforms given, or Philox with seed and offset in device tensors)
+                           uniforms given, or Philox with seed and offset in device tensors) |
+                           cuda (csrc/sampling.cu: one launch, one block per row for every pass;
+                           the same Philox stream as the Triton kernels)
 
 Two Triton plans for the rejection samplers: one program per row (thresholds by bisection over
 the row), and on a GPU from 16k entries a row a split-row plan: chunks of the row in parallel
@@ -1064,6 +1066,54 @@ def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
                       pval.data_ptr(), pidx.data_ptr(), target.data_ptr(), accepted.data_ptr(),
                       R, D, V, float(eps), dtype_code(hidden.dtype), _cuda.stream_of(hidden))
     return target, accepted
+
+
+def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature,
+                           top_k, top_p, from_logits):
+    """One block per row does every pass (csrc/sampling.cu); same arguments as the Triton plan."""
+    ext = _cuda.ext()
+    R, V = x.shape
+    out = _alloc.empty(R, dtype=torch.int64, device=x.device)
+    acc = _alloc.empty(R, dtype=torch.bool, device=x.device)
+    if R == 0:
+        return out, acc
+    tok = tok.contiguous()
+    philox = uniforms is None
+    if not philox:
+        uniforms = uniforms.float()
+        if uniforms.stride(1) != 1:
+            uniforms = uniforms.contiguous()
+    ext.rejection_sample(x.data_ptr(), x.stride(0), dtype_code(x.dtype), q.data_ptr(), q.stride(0),
+                         dtype_code(q.dtype), 0 if t2d is None else t2d.data_ptr(),
+                         tok.data_ptr(), tok.dtype == torch.int64,
+                         0 if philox else uniforms.data_ptr(), 0 if philox else uniforms.stride(0),
+                         philox_seed.data_ptr() if philox else 0,
+                         philox_offset.data_ptr() if philox else 0, out.data_ptr(),
+                         acc.data_ptr(), R, V, float(temperature), int(top_k), float(top_p),
+                         from_logits, _cuda.stream_of(x))
+    if philox:
+        philox_offset.add_(R)  # after the launch: every block read the old value
+    return out, acc
+
+
+# The CUDA sampler is checked in the host emulation but not yet timed on a GPU against the
+# Triton plans: until it is, it runs only when asked for (backend="cuda", SPD_BACKEND).
+@dispatch.register("rejection_sample", "cuda", automatic=False,
+                   supports=lambda p, q, t, u: _float_ok(("target_probs", p), ("draft_probs", q),
+                                                         ("uniforms", u)))
+def rejection_sample_cuda(target_probs, draft_probs, draft_tokens, uniforms):
+    return _launch_rejection_cuda(target_probs, draft_probs, None, draft_tokens, uniforms, None,
+                                  None, 1.0, 0, 1.0, from_logits=False)
+
+
+@dispatch.register("rejection_sample_logits", "cuda", supports=_rsl_supports, automatic=False)
+def rejection_sample_logits_cuda(target_logits, draft_probs, draft_to_target, draft_tokens,
+                                 uniforms=None, temperature=1.0, top_k=0, top_p=1.0,
+                                 philox_seed=None, philox_offset=None):
+    t2d = target_to_draft_map(draft_to_target, target_logits.shape[1])
+    return _launch_rejection_cuda(target_logits, draft_probs, t2d, draft_tokens, uniforms,
+                                  philox_seed, philox_offset, temperature, top_k, top_p,
+                                  from_logits=True)
 
 
 __all__ = ["filtered_probs", "final_logits", "rejection_sample", "rejection_sample_logits",

@@ -5,8 +5,8 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd_kernels import SPDBackendError, dispatch, truncate_kv_, use_backend
-from spd_kernels.testing import TRITON_DEVICE
+from spd_kernels import SPDBackendError, _cuda, dispatch, truncate_kv_, use_backend
+from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton_cpu = pytest.mark.skipif(TRITON_DEVICE != "cpu",
@@ -28,6 +28,29 @@ def test_auto_on_cpu_is_reference_for_every_op():
     assert set(info["ops"]) == set(dispatch.OPS)
     assert all("reference" in v["implemented"] and "triton" in v["implemented"]
                for v in info["ops"].values())
+
+
+def test_on_request_only_kernels_are_passed_over_by_the_automatic_choice(monkeypatch):
+    """A backend registered with automatic=False (the CUDA sampler, not yet timed on a GPU) runs
+    when named but never by default: here with the cuda-first order of a GPU and a fake op."""
+    calls = []
+    impls = {"cuda": dispatch._Impl(lambda: calls.append("cuda"), automatic=False),
+             "reference": dispatch._Impl(lambda: calls.append("reference"))}
+    monkeypatch.setitem(dispatch._REGISTRY, "verify_greedy", impls)
+    monkeypatch.setattr(dispatch, "_auto_order", lambda device: ("cuda", "triton", "reference"))
+    monkeypatch.setattr(dispatch, "backend_unavailable", lambda backend, device: None)
+    assert dispatch.select("verify_greedy", CPU)[0] == "reference"
+    assert dispatch.select("verify_greedy", CPU, backend="cuda")[0] == "cuda"
+    monkeypatch.setenv("SPD_BACKEND", "verify_greedy=cuda")
+    dispatch.call("verify_greedy", CPU)
+    assert calls == ["cuda"]
+    assert dispatch.describe()["ops"]["verify_greedy"]["on_request_only"] == ["cuda"]
+
+
+def test_the_cuda_sampler_is_on_request_only():
+    info = dispatch.describe()["ops"]
+    assert "cuda" in info["rejection_sample_logits"]["on_request_only"]
+    assert "cuda" not in info["verify_greedy"]["on_request_only"]
 
 
 @needs_triton_cpu
@@ -56,8 +79,8 @@ def test_env_errors(monkeypatch):
 def test_explicit_unavailable_backend_raises_clearly():
     with pytest.raises(SPDBackendError, match="cuda backend was requested.*CUDA tensors"):
         dispatch.select("verify_greedy", CPU, backend="cuda")
-    with pytest.raises(SPDBackendError, match="rejection_sample has no cuda implementation"):
-        dispatch.select("rejection_sample", CPU, backend="cuda")
+    with pytest.raises(SPDBackendError, match="qkv_rope_append has no cuda implementation"):
+        dispatch.select("qkv_rope_append", CPU, backend="cuda")
 
 
 def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
@@ -97,6 +120,27 @@ def test_auto_skips_a_backend_that_does_not_support_the_arguments(monkeypatch):
     assert dispatch.select("truncate_kv", CPU, (length, torch.tensor(2), same, -2, True))[0] == "triton"
     with pytest.raises(SPDBackendError, match="one shape and dtype"):
         truncate_kv_(length, torch.tensor(2), mixed, poison=True, backend="triton")
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@pytest.mark.parametrize("n", [2, 3])
+def test_engine_lossless_with_the_cuda_kernels_in_host_emulation(n):
+    """The CUDA C++ kernels, run on the CPU by the host emulation: greedy SPD with verify, KV
+    truncation (with NaN poison) and the anchor projection on the cuda backend reproduces
+    autoregressive decoding; sampled SPD with the CUDA rejection sampler reproduces the
+    reference backends' run (same uniforms)."""
+    cuda_ops = dict(verify_greedy="cuda", truncate_kv="cuda", anchor_projection="cuda")
+    t = make_tiny_target(seed=60 + n, vocab=40, layers=4)
+    eng = SPDEngine(t, n_stages=n, anchors=[0, 2, 3], debug_poison=True)
+    ar = eng.generate_ar(PROMPT, 16).token_ids
+    with _cuda.simulated(), use_backend(**cuda_ops):
+        res = eng.generate(PROMPT, 16)
+    assert res.token_ids == ar
+    assert res.stats.drafts_judged > res.stats.drafts_accepted  # rollbacks happened
+    sp = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=5)
+    ref = eng.generate(PROMPT, 10, sp).token_ids
+    with _cuda.simulated(), use_backend(rejection_sample="cuda", **cuda_ops):
+        assert eng.generate(PROMPT, 10, sp).token_ids == ref
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from spd_kernels import SPDInputError, rejection_sample, rejection_sample_logits
-from spd_kernels import dispatch, verify
+from spd_kernels import _cuda, dispatch, verify
 from spd_kernels.sampling import filtered_probs, sample_from_probs
-from spd_kernels.testing import (TRITON_DEVICE, TRITON_SKIP_REASON, chi2_pvalue,
+from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON, chi2_pvalue,
                                  poisoned_outputs)
 from spd_kernels.verify import (rejection_sample_logits_reference, rejection_sample_reference,
                                 scatter_draft_probs, target_to_draft_map)
@@ -22,6 +22,7 @@ triton_cdiv = lambda a, b: -(-a // b)
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def probs_case(R, V, seed, device):
@@ -101,18 +102,12 @@ def test_logits_kernel_with_tied_logits(top_k, top_p):
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
 
-@needs_triton
-@pytest.mark.parametrize("case", ["random", "disjoint_support"])
-def test_philox_kernel_follows_target_distribution(case):
+def check_philox_distribution(case, backend, device, n, temperature, top_k, top_p):
     """The output of the kernel's own Philox stream must be distributed as p (chi-square at
     significance 1e-3), and the acceptance rate must equal sum(min(p, q))."""
     g = torch.Generator().manual_seed(4)
     V, Vd = 12, 9
-    n = 800 if TRITON_DEVICE == "cpu" else 200000
     logits = torch.randn(V, generator=g) * 1.5
-    # Top-k / top-p thresholds cost ~70 interpreted passes per row: the bit-exact tests cover
-    # them; here only the temperature path, whose randomness is the point.
-    temperature, top_k, top_p = (0.8, 0, 1.0) if TRITON_DEVICE == "cpu" else (0.8, 10, 0.95)
     p = filtered_probs(logits, temperature, top_k, top_p)
     d2t = torch.randperm(V, generator=g)[:Vd]
     q = torch.rand(Vd, generator=g)
@@ -120,13 +115,13 @@ def test_philox_kernel_follows_target_distribution(case):
         q[p[d2t] > 0.1] = 0.0  # the draft never proposes the target's likeliest tokens
     q = q / q.sum()
     tok = d2t[sample_from_probs(q.expand(n, -1), torch.rand(n, generator=g))]
-    dev = TRITON_DEVICE
+    dev = device
     seed = torch.tensor([1234], device=dev)
     offset = torch.tensor([0], device=dev)
     out, acc = rejection_sample_logits(
         logits.expand(n, -1).contiguous().to(dev), q.expand(n, -1).contiguous().to(dev),
         d2t.to(dev), tok.to(dev), temperature=temperature, top_k=top_k, top_p=top_p,
-        philox_seed=seed, philox_offset=offset, backend="triton")
+        philox_seed=seed, philox_offset=offset, backend=backend)
     assert int(offset) == n  # the offset advanced by one per row
     counts = torch.bincount(out.cpu(), minlength=V)
     assert chi2_pvalue(counts, p) > 1e-3
@@ -134,6 +129,123 @@ def test_philox_kernel_follows_target_distribution(case):
     expect = torch.minimum(p, q_full).sum().item()
     rate = acc.float().mean().item()
     assert abs(rate - expect) < 4 * math.sqrt(expect * (1 - expect) / n) + 1e-9
+
+
+@needs_triton
+@pytest.mark.parametrize("case", ["random", "disjoint_support"])
+def test_philox_kernel_follows_target_distribution(case):
+    # Top-k / top-p thresholds cost ~70 interpreted passes per row: the bit-exact tests cover
+    # them; here only the temperature path, whose randomness is the point.
+    if TRITON_DEVICE == "cpu":
+        check_philox_distribution(case, "triton", "cpu", 800, 0.8, 0, 1.0)
+    else:
+        check_philox_distribution(case, "triton", "cuda", 200000, 0.8, 10, 0.95)
+
+
+# --- the CUDA kernel (csrc/sampling.cu) in the host emulation (CPU) ---------------------------------
+
+@needs_simt
+@pytest.mark.parametrize("R,V", [(1, 10), (5, 37), (8, 300), (3, 1000)])
+def test_cuda_probs_kernel_in_host_emulation(R, V):
+    p, q, tok, u = probs_case(R, V, seed=V, device="cpu")
+    ref = rejection_sample_reference(p, q, tok, u)
+    with _cuda.simulated():
+        for mode in ("a", "b"):
+            with poisoned_outputs(mode):
+                out = rejection_sample(p, q, tok.int(), u, backend="cuda")
+            assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@needs_simt
+@pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING)
+@pytest.mark.parametrize("R,V,Vd", [(4, 50, 20), (3, 301, 150), (2, 1000, 999)])
+def test_cuda_logits_kernel_in_host_emulation(R, V, Vd, temperature, top_k, top_p):
+    """Every pass in one block: stats, the radix selects of top-k and top-p, the walk in tiles
+    (V = 1000 spans a tile of 1024 only partly; 301 and 50 leave most threads idle)."""
+    logits, q, d2t, tok, u = logits_case(R, V, Vd, seed=V + top_k, device="cpu")
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
+    with _cuda.simulated(), poisoned_outputs("b"):
+        out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, backend="cuda")
+    assert torch.equal(out[0], ref[0]), (out, ref)
+    assert torch.equal(out[1], ref[1])
+
+
+@needs_simt
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_logits_kernel_half_precision_and_long_rows(dtype):
+    """bf16 / fp16 logits and q (the kernel converts on load); 5000 entries: several walk tiles."""
+    logits, q, d2t, tok, u = logits_case(3, 5000, 700, seed=8, device="cpu")
+    logits, q = logits.to(dtype), q.to(dtype)
+    for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.8, 40, 0.9)]:
+        ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
+        with _cuda.simulated():
+            out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=temperature,
+                                          top_k=top_k, top_p=top_p, backend="cuda")
+        assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@needs_simt
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.3), (0, 0.9), (50, 0.6), (7, 1.0)])
+def test_cuda_logits_kernel_at_the_thresholds(top_k, top_p):
+    """Drafts spread evenly over the vocabulary: many fall just inside or just outside the
+    top-k / top-p set, so a threshold off by one token changes some row's outcome."""
+    R, V = 64, 200
+    logits, _, _, _, u = logits_case(R, V, V, seed=21 + top_k, device="cpu")
+    d2t = torch.arange(V)
+    q = torch.full((R, V), 1.0 / V)
+    order = logits.argsort(-1, descending=True)
+    tok = order.gather(1, torch.arange(R)[:, None] % 60 + 1).squeeze(1)  # ranks 2 .. 61
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, 1.0, top_k, top_p)
+    with _cuda.simulated():
+        out = rejection_sample_logits(logits, q, d2t, tok, u, top_k=top_k, top_p=top_p,
+                                      backend="cuda")
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert ref[1].any() and not ref[1].all()
+
+
+@needs_simt
+@pytest.mark.parametrize("top_k", [1, 3, 10])
+def test_cuda_logits_kernel_with_tied_logits(top_k):
+    logits, q, d2t, tok, u = logits_case(6, 120, 60, seed=11 + top_k, device="cpu", ties=True)
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, 1.0, top_k, 1.0)
+    with _cuda.simulated():
+        out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=1.0, top_k=top_k,
+                                      backend="cuda")
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+@needs_simt
+@pytest.mark.parametrize("case", ["random", "disjoint_support"])
+def test_cuda_philox_kernel_follows_target_distribution(case):
+    with _cuda.simulated():
+        check_philox_distribution(case, "cuda", "cpu", 2000, 0.8, 10, 0.95)
+
+
+@needs_simt
+@needs_triton
+def test_cuda_and_triton_draw_the_same_philox_numbers():
+    """csrc/sampling.cu reproduces Triton's Philox-4x32-10 stream and uniform mapping, so the two
+    backends sample the same tokens from the same seed and offset."""
+    logits, q, d2t, tok, _ = logits_case(16, 64, 32, seed=3, device="cpu")
+    q = q.clone()
+    q[:, 1::4] = 0.0  # more rejections: the draw uses u1 too
+    q = q / q.sum(-1, keepdim=True)
+    seed, start = 2**40 + 7, 2**32 - 5  # the counter's high word changes inside the batch
+
+    def run(backend, device):
+        offset = torch.tensor([start], device=device)
+        out = rejection_sample_logits(
+            logits.to(device), q.to(device), d2t.to(device), tok.to(device),
+            philox_seed=torch.tensor([seed], device=device), philox_offset=offset,
+            backend=backend)
+        assert int(offset) == start + 16
+        return out
+    a, acc_a = run("triton", TRITON_DEVICE)
+    with _cuda.simulated():
+        b, acc_b = run("cuda", "cpu")
+    assert not acc_a.all() and acc_a.any()
+    assert torch.equal(a.cpu(), b) and torch.equal(acc_a.cpu(), acc_b)
 
 
 # --- the split-row plan (no top-k / top-p; the GPU's default from 16k entries a row) ------------
@@ -346,30 +458,39 @@ def test_library_ops():
 
 # --- GPU ------------------------------------------------------------------------------------------
 
+def gpu_backends():
+    return [b for b in ("triton", "cuda") if b in dispatch.available("rejection_sample_logits",
+                                                                     "cuda")]
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING)
-def test_gpu_triton_matches_reference_at_qwen_vocab(temperature, top_k, top_p):
+def test_gpu_backends_match_reference_at_qwen_vocab(temperature, top_k, top_p):
     logits, q, d2t, tok, u = logits_case(3, 151936, 32768, seed=1, device="cuda")
     ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
-    out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=temperature, top_k=top_k,
-                                  top_p=top_p, backend="triton")
-    # exp/division on the GPU may differ from torch's in the last bit: allow a rare flip
-    assert (out[0] == ref[0]).float().mean() >= 2 / 3
+    for backend in gpu_backends():
+        out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=temperature,
+                                      top_k=top_k, top_p=top_p, backend=backend)
+        # exp/division on the GPU may differ from torch's in the last bit: allow a rare flip
+        assert (out[0] == ref[0]).float().mean() >= 2 / 3, backend
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_philox_in_cuda_graph():
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_philox_in_cuda_graph(backend):
+    if backend not in gpu_backends():
+        pytest.skip(f"{backend} is not available here")
     logits, q, d2t, tok, _ = logits_case(2, 4096, 1024, seed=3, device="cuda")
     seed = torch.tensor([7], device="cuda")
     offset = torch.tensor([0], device="cuda")
-    rejection_sample_logits(logits, q, d2t, tok, philox_seed=seed, philox_offset=offset,
-                            backend="triton")
+    first, _ = rejection_sample_logits(logits, q, d2t, tok, philox_seed=seed,
+                                       philox_offset=offset, backend=backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out, _ = rejection_sample_logits(logits, q, d2t, tok, philox_seed=seed,
-                                         philox_offset=offset, backend="triton")
+                                         philox_offset=offset, backend=backend)
     start = int(offset)
     for i in range(3):
         graph.replay()
@@ -379,9 +500,13 @@ def test_gpu_philox_in_cuda_graph():
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_split_plan_with_top_k_top_p_follows_target_distribution():
-    """At 20k entries a row the GPU takes the split-row plan with the radix select: its own
-    Philox draws must be distributed as p after temperature, top-k and top-p (chi-square)."""
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_top_k_top_p_follows_target_distribution(backend):
+    """At 20k entries a row: Triton takes the split-row plan with the radix select, CUDA one
+    block per row. Their own Philox draws must be distributed as p after temperature, top-k
+    and top-p (chi-square)."""
+    if backend not in gpu_backends():
+        pytest.skip(f"{backend} is not available here")
     g = torch.Generator().manual_seed(9)
     V, Vd, n = 20000, 4096, 20000
     logits = torch.randn(V, generator=g) * 3
@@ -398,7 +523,7 @@ def test_gpu_split_plan_with_top_k_top_p_follows_target_distribution():
         logits.expand(n, -1).contiguous().cuda(), q.expand(n, -1).contiguous().cuda(),
         d2t.cuda(), tok.cuda(), temperature=temperature, top_k=top_k, top_p=top_p,
         philox_seed=torch.tensor([3], device="cuda"), philox_offset=torch.tensor([0], device="cuda"),
-        backend="triton")
+        backend=backend)
     support = p > 0
     counts = torch.bincount(out.cpu(), minlength=V)
     assert counts[~support].sum() == 0
