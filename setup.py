@@ -141,15 +141,18 @@ def _extensions() -> list[Extension]:
     depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["simt_host.cpp"]] + [
         f"{CSRC}/spd_cuda.h", f"{CSRC}/common.cuh", f"{CSRC}/simt_host.h"]
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
-    return [
-        Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
-                  include_dirs=[pybind11.get_include(), CSRC], language="c++",
-                  extra_compile_args=flags, depends=depends),
+    exts = [Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
+                      include_dirs=[pybind11.get_include(), CSRC], language="c++",
+                      extra_compile_args=flags, depends=depends)]
+    if os.environ.get("SPD_SKIP_SIMT_BUILD", "0") == "1":  # e.g. on a GPU machine, to save time
+        _say("SPD_SKIP_SIMT_BUILD=1: not building the host emulation spd_kernels._spd_simt")
+    else:
         # The same kernels on the host, for tests on machines without a GPU (csrc/simt_host.h).
-        Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
-                  include_dirs=[pybind11.get_include(), CSRC], language="c++",
-                  extra_compile_args=flags, depends=depends + [f"{CSRC}/bindings.cpp"]),
-    ]
+        exts.append(Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
+                              include_dirs=[pybind11.get_include(), CSRC], language="c++",
+                              extra_compile_args=flags,
+                              depends=depends + [f"{CSRC}/bindings.cpp"]))
+    return exts
 
 
 setup(

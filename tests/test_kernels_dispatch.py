@@ -139,7 +139,7 @@ def test_engine_lossless_with_the_cuda_kernels_in_host_emulation(n):
     assert res.stats.drafts_judged > res.stats.drafts_accepted  # rollbacks happened
     sp = SamplingParams(temperature=0.9, top_k=12, top_p=0.95, seed=5)
     ref = eng.generate(PROMPT, 10, sp).token_ids
-    with _cuda.simulated(), use_backend(rejection_sample="cuda", **cuda_ops):
+    with _cuda.simulated(), use_backend(rejection_sample_logits="cuda", **cuda_ops):
         assert eng.generate(PROMPT, 10, sp).token_ids == ref
 
 

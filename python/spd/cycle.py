@@ -33,7 +33,8 @@ from spd.drafters import Draft
 from spd.errors import SPDError
 from spd.lookup import NgramLookup
 from spd.schedule import PipelineSchedule
-from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
+from spd_kernels import (filtered_probs, rejection_sample_logits, sample_from_probs,
+                         verify_greedy)
 
 if TYPE_CHECKING:  # engine.py imports this module
     from spd.engine import DecodeStats, SamplingParams
@@ -100,10 +101,29 @@ def verify(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
     if sampling.greedy:
         best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token)
         return bool(ok[0]), int(best[0])
-    p = filtered_probs(t.logits(hidden), sampling.temperature, sampling.top_k, sampling.top_p)
-    u = torch.rand(1, 2, generator=gen).to(p.device)
-    token, ok = rejection_sample(p, q[None].to(p.device), draft_token, u)
+    logits = t.logits(hidden)
+    u = torch.rand(1, 2, generator=gen).to(logits.device)
+    # Straight from the logits: on a GPU one fused kernel applies temperature / top-k / top-p
+    # (no sort, p never stored) and samples. q is on target ids (the context lookup proposes
+    # tokens outside the draft vocabulary), so its map is the identity.
+    token, ok = rejection_sample_logits(logits, q[None].to(logits.device),
+                                        _vocab_ids(logits.shape[-1], logits.device), draft_token,
+                                        u, temperature=sampling.temperature,
+                                        top_k=sampling.top_k, top_p=sampling.top_p)
     return bool(ok[0]), int(token[0])
+
+
+_VOCAB_IDS: dict = {}
+
+
+def _vocab_ids(vocab: int, device: torch.device) -> torch.Tensor:
+    """arange(vocab) on device, one tensor per (vocab, device): the kernels cache their checks of
+    a vocabulary map per tensor, so the same one is passed every cycle."""
+    key = (vocab, str(device))
+    ids = _VOCAB_IDS.get(key)
+    if ids is None:
+        ids = _VOCAB_IDS[key] = torch.arange(vocab, device=device)
+    return ids
 
 
 # --- one sequence's decode state -------------------------------------------------------------------
