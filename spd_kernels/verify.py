@@ -971,17 +971,23 @@ def _radix_select(x, pmax, psum, parg, thr, zsel, temperature, top_k, top_p, use
                                        NB_PAD=nb_pad, num_warps=SPLIT_WARPS)
 
 
+def _rejection_outputs(x, tok):
+    """A launcher's token [R] int64 and accepted [R] bool buffers, and the draft tokens made
+    contiguous (the kernels index them by row)."""
+    R = x.shape[0]
+    return (_alloc.empty(R, dtype=torch.int64, device=x.device),
+            _alloc.empty(R, dtype=torch.bool, device=x.device), tok.contiguous())
+
+
 def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature, top_k,
                       top_p, from_logits, q_mapped, chunk=None):
     """chunk: None picks the plan (`_split_chunk`), 0 forces one program per row, > 0 forces
     the split-row plan with that chunk length (at least V / RADIX_MAX_CHUNKS with top-k or
     top-p)."""
     R, V = x.shape
-    out = _alloc.empty(R, dtype=torch.int64, device=x.device)
-    acc = _alloc.empty(R, dtype=torch.bool, device=x.device)
+    out, acc, tok = _rejection_outputs(x, tok)
     if R == 0:
         return out, acc
-    tok = tok.contiguous()
     greedy = from_logits and temperature == 0.0
     use_top_k = from_logits and not greedy and 0 < top_k < V
     use_top_p = from_logits and not greedy and top_p < 1.0
@@ -1073,11 +1079,9 @@ def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset,
     """One block per row does every pass (csrc/sampling.cu); same arguments as the Triton plan."""
     ext = _cuda.ext()
     R, V = x.shape
-    out = _alloc.empty(R, dtype=torch.int64, device=x.device)
-    acc = _alloc.empty(R, dtype=torch.bool, device=x.device)
+    out, acc, tok = _rejection_outputs(x, tok)
     if R == 0:
         return out, acc
-    tok = tok.contiguous()
     philox = uniforms is None
     if not philox:
         uniforms = uniforms.float()

@@ -169,13 +169,14 @@ def test_library_op():
 
 # --- CUDA kernel in the host emulation (CPU) --------------------------------------------------------
 
-def check_cuda_shared_types(name, d, d_out, dtype, device):
+def check_shared_types(fn, name, d, d_out, dtype, device):
+    """fn (a backend's implementation) on a SHARED_TYPES case, outputs poisoned both ways."""
     args = shared_case(name, d, d_out, dtype, device, seed=d + len(name), int32=d == 100)
     want = expected(*args)
     tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
     for mode in ("a", "b"):
         with poisoned_outputs(mode):
-            out = anchor_projection_cuda(*args)
+            out = fn(*args)
         torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 10, equal_nan=True)
 
 
@@ -187,7 +188,7 @@ def check_cuda_shared_types(name, d, d_out, dtype, device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_kernel_in_host_emulation(name, d, d_out, dtype):
     with _cuda.simulated():
-        check_cuda_shared_types(name, d, d_out, dtype, "cpu")
+        check_shared_types(anchor_projection_cuda, name, d, d_out, dtype, "cpu")
 
 
 @needs_simt
@@ -226,13 +227,7 @@ def test_gpu_backends_match_reference(d, d_out, dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_rows_sharing_types(name, d, d_out, dtype):
     """Rows grouped by type on the device: shared, unsorted, unused and bad types, many rows."""
-    if "cuda" in dispatch.available("anchor_projection", "cuda"):
-        check_cuda_shared_types(name, d, d_out, dtype, "cuda")
-    if "triton" in dispatch.available("anchor_projection", "cuda"):
-        args = shared_case(name, d, d_out, dtype, "cuda", seed=d + len(name), int32=d == 100)
-        want = expected(*args)
-        tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
-        for mode in ("a", "b"):
-            with poisoned_outputs(mode):
-                out = anchor_projection_triton(*args)
-            torch.testing.assert_close(out.float(), want, rtol=tol, atol=tol * 10, equal_nan=True)
+    fns = {"triton": anchor_projection_triton, "cuda": anchor_projection_cuda}
+    for backend, fn in fns.items():
+        if backend in dispatch.available("anchor_projection", "cuda"):
+            check_shared_types(fn, name, d, d_out, dtype, "cuda")

@@ -43,6 +43,12 @@ def test_host_emulation_built_when_nvcc_is_present():
     assert not _cuda.ext().host_emulation
 
 
+def run_python(code: str) -> subprocess.CompletedProcess:
+    """code in a fresh interpreter (a module hidden there stays hidden from this process)."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=120)
+
+
 def test_simulated_without_the_emulation_says_why():
     code = ("import sys; sys.modules['spd_kernels._spd_simt'] = None\n"
             "from spd_kernels import _cuda\n"
@@ -50,8 +56,7 @@ def test_simulated_without_the_emulation_says_why():
             "    with _cuda.simulated(): pass\n"
             "except ImportError as e:\n"
             "    print('ERR', e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=120)
+    out = run_python(code)
     assert "ERR spd_kernels._spd_simt is not built" in out.stdout, out.stderr
 
 
@@ -68,6 +73,9 @@ def test_calls_without_gpu_raise_clear_errors():
         ext.verify_greedy(0, 8, 0, 0, 8, 0, True, 0, 0, 0, 0, 1, 8, 16, 1e-6, 1, 0)
     with pytest.raises(RuntimeError, match=NO_GPU_MESSAGE):
         ext.anchor_projection(0, 8, 8, 0, True, 0, 0, 8, 1, 1, 8, 8, 1, False, 0)
+    with pytest.raises(RuntimeError, match=NO_GPU_MESSAGE):
+        ext.rejection_sample(0, 8, 0, 0, 8, 0, 0, 0, True, 0, 2, 0, 0, 0, 0, 1, 8, 1.0, 0, 1.0,
+                             True, 0)
 
 
 def test_package_works_without_the_extension():
@@ -81,8 +89,7 @@ def test_package_works_without_the_extension():
         "t, ok = verify_greedy(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(5, 8),"
         " torch.tensor([0, 1]))\n"
         "print('OK', t.shape)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=120)
+    out = run_python(code)
     assert out.returncode == 0, out.stderr
     assert "REASON the CUDA extension spd_kernels._spd_cuda is not built" in out.stdout
     assert "CUDA_AVAILABLE ['triton', 'reference']" in out.stdout or \
