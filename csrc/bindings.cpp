@@ -61,6 +61,13 @@ PYBIND11_MODULE(SPD_MODULE, m) {
   m.doc() = "CUDA kernels of spd_kernels (raw device pointers, no torch C++ API)";
 #ifdef SPD_SIMT_HOST
   m.attr("host_emulation") = true;  // kernels run as fibers on the CPU, on host addresses
+  m.def(
+      "selftest",
+      [](int which, uintptr_t out) {
+        check(spd::simt::selftest(which, ptr<int>(out)), "selftest");
+      },
+      py::arg("which"), py::arg("out"),
+      "known-answer kernels of the emulation: 0 warp collectives, 1 a deadlock");
 #else
   m.attr("host_emulation") = false;
 #endif

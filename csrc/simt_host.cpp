@@ -234,6 +234,49 @@ int run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& bo
 }  // namespace simt
 }  // namespace spd
 
+// Known-answer kernels for the emulation itself (tests/test_kernels_cuda_ext.py).
+namespace spd {
+namespace simt {
+namespace {
+
+// out[9 * t + i]: lane t's results of the warp collectives, for 64 threads (two warps).
+void collectives_kernel(int* out) {
+  const int t = threadIdx.x, lane = t & 31;
+  int* o = out + 9 * t;
+  o[0] = __shfl_xor_sync(0xffffffffu, t, 5);
+  o[1] = __shfl_up_sync(0xffffffffu, t, 3);
+  o[2] = __shfl_down_sync(0xffffffffu, t, 3);
+  o[3] = __shfl_sync(0xffffffffu, t, 7);
+  o[4] = (int)__ballot_sync(0xffffffffu, lane % 3 == 0);
+  const unsigned peers = __match_any_sync(0xffffffffu, lane % 4);
+  o[5] = (int)peers;
+  o[6] = (int)__reduce_add_sync(peers, (unsigned)t);
+  __shared__ int s[64];
+  s[t] = t * t;
+  __syncthreads();
+  o[7] = s[63 - t];  // written by another warp before the barrier
+  o[8] = (int)blockIdx.x * 100 + (int)blockDim.x;
+}
+
+// Half of warp 0 waits at __syncthreads, the other half at __syncwarp: neither barrier can open.
+void deadlock_kernel(int* out) {
+  if (threadIdx.x < 16) __syncthreads();
+  else if (threadIdx.x < 32) __syncwarp();
+  else __syncthreads();
+  out[threadIdx.x] = 1;
+}
+
+}  // namespace
+
+int selftest(int which, int* out) {
+  auto kernel = which == 0 ? collectives_kernel : deadlock_kernel;
+  launch(kernel, 1, 64, 0, nullptr)(out);
+  return cudaGetLastError();
+}
+
+}  // namespace simt
+}  // namespace spd
+
 // CUDA runtime calls made by the launchers, for one emulated device.
 extern "C" {
 

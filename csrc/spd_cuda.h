@@ -46,4 +46,12 @@ int rejection_sample(const void* x, int64_t stride_x, int x_dtype, const void* q
                      int64_t* out_tok, bool* out_acc, int R, int V, float temperature, int top_k,
                      float top_p, bool from_logits, void* stream);
 
+#ifdef SPD_SIMT_HOST
+namespace simt {
+// Known-answer kernels of the host emulation (simt_host.cpp): 0 = warp collectives and a block
+// barrier, 64 threads writing out[9 * 64]; 1 = a deadlock (must return cudaErrorLaunchFailure).
+int selftest(int which, int* out);
+}  // namespace simt
+#endif
+
 }  // namespace spd

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from spd_kernels import _cuda, dispatch
+from spd_kernels.testing import SIMT_SKIP_REASON
 
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU_MESSAGE = r"no usable CUDA device.*(InsufficientDriver|NoDevice|none found)"
@@ -41,6 +42,28 @@ def test_host_emulation_built_when_nvcc_is_present():
         assert dispatch.select("verify_greedy", torch.device("cpu"))[0] == "reference"  # auto
     assert "cuda" not in dispatch.available("verify_greedy", "cpu")
     assert not _cuda.ext().host_emulation
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+def test_host_emulation_known_answers_and_deadlock():
+    """The emulation is the CPU oracle of the CUDA kernels, so it is checked itself: warp
+    shuffles, ballot, match, reduce and a block barrier on 64 threads against their CUDA
+    definitions, and a barrier half a warp never reaches reported instead of hanging."""
+    with _cuda.simulated() as sim:
+        out = torch.full((64 * 9,), -1, dtype=torch.int32)
+        sim.selftest(0, out.data_ptr())
+        got = out.view(64, 9).tolist()
+        for t in range(64):
+            lane, base = t % 32, t - t % 32
+            peers = [base + i for i in range(32) if i % 4 == lane % 4]
+            want = [base + (lane ^ 5), t - 3 if lane >= 3 else t, t + 3 if lane < 29 else t,
+                    base + 7, sum(1 << i for i in range(0, 32, 3)),
+                    sum(1 << (p - base) for p in peers), sum(peers), (63 - t) ** 2, 64]
+            want = [w - (1 << 32) if w >= 1 << 31 else w for w in want]  # as int32
+            assert got[t] == want, (t, got[t], want)
+        with pytest.raises(RuntimeError, match="cudaErrorLaunchFailure.*deadlock"):
+            sim.selftest(1, out.data_ptr())
+        sim.selftest(0, out.data_ptr())  # usable after a deadlock
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:
