@@ -27,6 +27,7 @@ from setuptools.command.build_ext import build_ext
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
 CU_SOURCES = ["verify.cu", "sampling.cu", "kv_cache.cu", "features.cu", "runtime.cu"]
+SIMT_ONLY = ["simt_host.h", "simt_host.cpp"]  # the host emulation, in _spd_simt only
 
 
 def _say(msg: str) -> None:
@@ -44,16 +45,29 @@ def _find_nvcc() -> str | None:
     return str(default) if default.exists() else None
 
 
-def _cudart_dir(nvcc: str) -> Path:
-    """The folder holding libcudart_static.a (nvcc may be a wrapper script outside CUDA_HOME)."""
+def _toolkit_dir(nvcc: str, subdirs: tuple[str, ...], name: str) -> Path:
+    """The toolkit folder (one of subdirs) holding `name`; nvcc may be a wrapper script outside
+    CUDA_HOME."""
     homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
              str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"]
     for home in filter(None, homes):
-        for sub in ("lib64", "lib", "targets/x86_64-linux/lib", "targets/sbsa-linux/lib"):
-            if (Path(home) / sub / "libcudart_static.a").exists():
+        for sub in subdirs:
+            if (Path(home) / sub / name).exists():
                 return Path(home) / sub
-    raise RuntimeError("libcudart_static.a not found: set CUDA_HOME to the CUDA toolkit, or "
-                       "SPD_SKIP_CUDA_BUILD=1 to install without the CUDA extension")
+    raise RuntimeError(f"{name} not found: set CUDA_HOME to the CUDA toolkit, or "
+                       "SPD_SKIP_CUDA_BUILD=1 to install without the CUDA extensions")
+
+
+def _cudart_dir(nvcc: str) -> Path:
+    """The folder holding libcudart_static.a."""
+    return _toolkit_dir(nvcc, ("lib64", "lib", "targets/x86_64-linux/lib",
+                               "targets/sbsa-linux/lib"), "libcudart_static.a")
+
+
+def _cuda_include(nvcc: str) -> Path:
+    """The toolkit's include folder (cuda_bf16.h and friends, for the host emulation)."""
+    return _toolkit_dir(nvcc, ("include", "targets/x86_64-linux/include",
+                               "targets/sbsa-linux/include"), "cuda_bf16.h")
 
 
 def _gencode_flags() -> list[str]:
@@ -62,18 +76,6 @@ def _gencode_flags() -> list[str]:
     flags = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
     flags.append(f"-gencode=arch=compute_{archs[-1]},code=compute_{archs[-1]}")  # portable PTX
     return flags
-
-
-def _cuda_include(nvcc: str) -> Path:
-    """The toolkit's include folder (cuda_bf16.h and friends, for the host emulation)."""
-    homes = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"),
-             str(Path(nvcc).resolve().parent.parent), "/usr/local/cuda"]
-    for home in filter(None, homes):
-        for sub in ("include", "targets/x86_64-linux/include", "targets/sbsa-linux/include"):
-            if (Path(home) / sub / "cuda_bf16.h").exists():
-                return Path(home) / sub
-    raise RuntimeError("cuda_bf16.h not found: set CUDA_HOME to the CUDA toolkit, or "
-                       "SPD_SKIP_CUDA_BUILD=1 to install without the CUDA extensions")
 
 
 class BuildExt(build_ext):
@@ -87,10 +89,11 @@ class BuildExt(build_ext):
         if ext.name not in ("spd_kernels._spd_cuda", "spd_kernels._spd_simt"):
             return super().build_extension(ext)
         nvcc = _find_nvcc()
-        simt = ext.name.endswith("_spd_simt")
+        simt = ext.name == "spd_kernels._spd_simt"
         tmp = Path(self.build_temp) / ("simt" if simt else "cuda")
         tmp.mkdir(parents=True, exist_ok=True)
-        headers = list((ROOT / CSRC).glob("*.h")) + list((ROOT / CSRC).glob("*.cuh"))
+        headers = [h for h in list((ROOT / CSRC).glob("*.h")) + list((ROOT / CSRC).glob("*.cuh"))
+                   if simt or h.name not in SIMT_ONLY]  # nvcc never includes the emulation
         newest_header = max((h.stat().st_mtime for h in headers), default=0.0)
         if simt:
             cxx = os.environ.get("CXX") or shutil.which("c++") or "g++"
@@ -98,7 +101,7 @@ class BuildExt(build_ext):
                     # CUDA code reads 16-byte loads as bf16 pairs; g++ -O2 would assume no alias
                     "-fno-strict-aliasing",
                     f"-I{_cuda_include(nvcc)}", "-Wno-unknown-pragmas"]
-            sources = CU_SOURCES + ["simt_host.cpp"]
+            sources = CU_SOURCES + [n for n in SIMT_ONLY if n.endswith(".cpp")]
         else:
             base = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", f"-I{ROOT / CSRC}",
                     *_gencode_flags()]
@@ -138,8 +141,7 @@ def _extensions() -> list[Extension]:
     except ImportError:
         _say("pybind11 is not installed: not building the CUDA extension spd_kernels._spd_cuda")
         return []
-    depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["simt_host.cpp"]] + [
-        f"{CSRC}/spd_cuda.h", f"{CSRC}/common.cuh", f"{CSRC}/simt_host.h"]
+    depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["spd_cuda.h", "common.cuh"]]
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
     exts = [Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
                       include_dirs=[pybind11.get_include(), CSRC], language="c++",
@@ -151,7 +153,8 @@ def _extensions() -> list[Extension]:
         exts.append(Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
                               include_dirs=[pybind11.get_include(), CSRC], language="c++",
                               extra_compile_args=flags,
-                              depends=depends + [f"{CSRC}/bindings.cpp"]))
+                              depends=depends + [f"{CSRC}/{n}" for n in
+                                                 SIMT_ONLY + ["bindings.cpp"]]))
     return exts
 
 

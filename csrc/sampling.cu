@@ -60,7 +60,7 @@ struct Row {
   const int* t2d;
   int V;
   float temperature;
-  bool greedy;
+  bool from_logits, greedy;  // x holds logits (else probabilities); T = 0
   __device__ __forceinline__ float logit(int v) const {
     const float lg = to_f(x[v]);
     return greedy ? lg : lg / temperature;  // IEEE division, as the reference
@@ -74,21 +74,19 @@ struct Row {
   }
 };
 
-// What p needs once the thresholds are known.
+// What p needs once the thresholds are known (from logits).
 struct Kept {
-  float mx, z;
-  int amax;
-  uint32_t tk, tp;  // keep iff key >= tk (top-k) and key >= tp (top-p)
-  bool from_logits, greedy, use_k, use_p;
+  float mx, z;        // max of x and the kept mass sum exp(x - mx)
+  int amax;           // first index of the max (greedy)
+  uint32_t keep_from; // keep iff key >= it: the larger of the top-k and top-p thresholds (or 0)
 };
 
 template <typename T, typename Q>
 __device__ __forceinline__ float p_of(const Row<T, Q>& row, const Kept& k, int v) {
-  if (!k.from_logits) return to_f(row.x[v]);
-  if (k.greedy) return v == k.amax ? 1.f : 0.f;
+  if (!row.from_logits) return to_f(row.x[v]);
+  if (row.greedy) return v == k.amax ? 1.f : 0.f;
   const float x = row.logit(v);
-  const uint32_t key = ukey(x);
-  if ((k.use_k && key < k.tk) || (k.use_p && key < k.tp)) return 0.f;
+  if (ukey(x) < k.keep_from) return 0.f;
   return expf(x - k.mx) / k.z;
 }
 
@@ -306,8 +304,8 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   Row<T, Q> row{static_cast<const T*>(P.x) + (int64_t)r * P.stride_x,
                 static_cast<const Q*>(P.q) + (int64_t)r * P.stride_q, P.t2d, P.V, P.temperature,
-                P.greedy};
-  Kept k{0.f, 1.f, 0, 0u, 0u, P.from_logits, P.greedy, P.use_k, P.use_p};
+                P.from_logits, P.greedy};
+  Kept k{0.f, 1.f, 0, 0u};
 
   if (P.from_logits) {
     Stat st{-INFINITY, 0.f, INT_MAX};
@@ -325,15 +323,15 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
     k.mx = st.m;
     k.amax = st.i;
     k.z = st.s;
-    if (!P.greedy && (P.use_k || P.use_p)) {
-      if (P.use_k) k.tk = radix_select(row, k.mx, false, 0u, P.top_k, 0.f, sh);
-      if (P.use_p) k.tp = radix_select(row, k.mx, true, P.use_k ? k.tk : 0u, 0, P.top_p, sh);
+    if (P.use_k || P.use_p) {  // both false when greedy
+      const uint32_t tk = P.use_k ? radix_select(row, k.mx, false, 0u, P.top_k, 0.f, sh) : 0u;
+      const uint32_t tp = P.use_p ? radix_select(row, k.mx, true, tk, 0, P.top_p, sh) : 0u;
+      k.keep_from = max(tk, tp);
       // the kept mass, summed like every other pass
-      const uint32_t keep_from = max(k.use_k ? k.tk : 0u, k.use_p ? k.tp : 0u);
       float s = 0.f;
       for (int v = threadIdx.x; v < P.V; v += kThreads) {
         const float x = row.logit(v);
-        if (ukey(x) >= keep_from) s += expf(x - k.mx);
+        if (ukey(x) >= k.keep_from) s += expf(x - k.mx);
       }
       k.z = block_sum(s, sh);
     }
@@ -371,8 +369,8 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
     }
     s_res = block_sum(s_res, sh);
     s_p = block_sum(s_p, sh);
-    const bool use_p = s_res <= 0.f;  // p <= q everywhere: draw from p itself
-    const float goal = u1 * (use_p ? s_p : s_res);
+    const bool from_p = s_res <= 0.f;  // p <= q everywhere: draw from p itself
+    const float goal = u1 * (from_p ? s_p : s_res);
     // Inverse CDF: the first index whose running mass exceeds goal and that has mass, clamped
     // to the last index with mass (rounding at the top end), as sample_from_probs.
     float carry = 0.f;
@@ -387,7 +385,7 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
         float wj = 0.f;
         if (v < P.V) {
           const float p = p_of(row, k, v);
-          wj = use_p ? p : fmaxf(p - row.qv(v), 0.f);
+          wj = from_p ? p : fmaxf(p - row.qv(v), 0.f);
         }
         w[j] = wj;
         mine += wj;

@@ -6,11 +6,10 @@
 #include <ucontext.h>
 #endif
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
 namespace spd {
@@ -104,7 +103,7 @@ struct Block {
   Context scheduler;
   Fiber* current = nullptr;
   long progress = 0;  // arrivals and exits; a full pass without any is a deadlock
-  int last_error = 0;
+  int threads = 0;    // in the block
 };
 
 Block blk;
@@ -147,6 +146,7 @@ void fiber_main() {
 int run_block(dim3 bidx) {
   const int n = (int)(coords.block_dim.x * coords.block_dim.y * coords.block_dim.z);
   const int warps = (n + 31) / 32;
+  blk.threads = n;
   blk.block_bar = Barrier{n, 0, 0};
   blk.warp_bars.assign(warps, Barrier{});
   for (int w = 0; w < warps; ++w) blk.warp_bars[w].expected = std::min(32, n - 32 * w);
@@ -195,6 +195,7 @@ void sync_block() { wait(blk.block_bar); }
 void sync_warp() { wait(blk.warp_bars[blk.current->warp]); }
 uint64_t* warp_slots() { return blk.slots.data() + 32 * blk.current->warp; }
 int lane() { return blk.current->lane; }
+int warp_size() { return std::min(32, blk.threads - 32 * blk.current->warp); }
 void* dynamic_shared() { return blk.smem.data(); }
 
 int run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {

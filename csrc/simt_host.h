@@ -41,6 +41,7 @@ void sync_block();                           // __syncthreads
 void sync_warp();                            // __syncwarp
 uint64_t* warp_slots();                      // 32 exchange slots of the caller's warp
 int lane();
+int warp_size();                             // threads in the caller's warp (32 but the last)
 void* dynamic_shared();                      // the launch's dynamic shared memory
 
 // Runs body(block) for every block, each block's threads as fibers. 0 or a cudaError_t value.
@@ -63,19 +64,28 @@ Launcher<K> launch(K kernel, dim3 grid, dim3 block, size_t smem, cudaStream_t) {
   return Launcher<K>{kernel, grid, block, smem};
 }
 
-template <typename T>
-T exchange(T v, int src_lane) {
-  static_assert(sizeof(T) <= 8, "warp exchange of values up to 8 bytes");
+// Every warp collective: each lane puts v in its slot, then read(slots, lanes) computes the
+// lane's result from the whole warp's values. Lanes past the end of a partial warp have none.
+template <typename T, typename F>
+auto warp_collective(T v, F read) {
+  static_assert(sizeof(T) <= 8, "warp collectives of values up to 8 bytes");
   uint64_t* slots = warp_slots();
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
   slots[lane()] = bits;
   sync_warp();
-  bits = slots[src_lane & 31];
+  const auto out = read(static_cast<const uint64_t*>(slots), warp_size());
   sync_warp();  // nobody overwrites a slot before every lane has read
-  T out;
-  std::memcpy(&out, &bits, sizeof(T));
   return out;
+}
+
+template <typename T>
+T exchange(T v, int src_lane) {
+  return warp_collective(v, [src_lane](const uint64_t* slots, int) {
+    T out;
+    std::memcpy(&out, &slots[src_lane & 31], sizeof(T));
+    return out;
+  });
 }
 
 }  // namespace simt
@@ -113,44 +123,31 @@ inline T __shfl_up_sync(unsigned, T v, unsigned delta, int = 32) {
 // Lanes of the caller's warp holding the same value (every lane must call, as with mask ~0).
 template <typename T>
 inline unsigned __match_any_sync(unsigned, T v) {
-  static_assert(sizeof(T) <= 8, "match of values up to 8 bytes");
-  uint64_t* slots = ::spd::simt::warp_slots();
   uint64_t bits = 0;
   std::memcpy(&bits, &v, sizeof(T));
-  slots[::spd::simt::lane()] = bits;
-  ::spd::simt::sync_warp();
-  const unsigned first = ::spd::simt::coords.thread_idx.x & ~31u;
-  const unsigned n = ::spd::simt::coords.block_dim.x - first;
-  unsigned out = 0;
-  for (unsigned i = 0; i < 32 && i < n; ++i) out |= (slots[i] == bits ? 1u : 0u) << i;
-  ::spd::simt::sync_warp();
-  return out;
+  return ::spd::simt::warp_collective(v, [bits](const uint64_t* slots, int lanes) {
+    unsigned out = 0;
+    for (int i = 0; i < lanes; ++i) out |= (slots[i] == bits ? 1u : 0u) << i;
+    return out;
+  });
 }
 
 // Sum of v over the lanes in mask (each of them calls with the same mask).
 inline unsigned __reduce_add_sync(unsigned mask, unsigned v) {
-  uint64_t* slots = ::spd::simt::warp_slots();
-  slots[::spd::simt::lane()] = v;
-  ::spd::simt::sync_warp();
-  unsigned out = 0;
-  for (int i = 0; i < 32; ++i)
-    if (mask >> i & 1u) out += (unsigned)slots[i];
-  ::spd::simt::sync_warp();
-  return out;
+  return ::spd::simt::warp_collective(v, [mask](const uint64_t* slots, int) {
+    unsigned out = 0;
+    for (int i = 0; i < 32; ++i)
+      if (mask >> i & 1u) out += (unsigned)slots[i];
+    return out;
+  });
 }
 
 inline unsigned __ballot_sync(unsigned, int pred) {
-  uint64_t* slots = ::spd::simt::warp_slots();
-  const int me = ::spd::simt::lane();
-  slots[me] = pred ? 1u : 0u;
-  ::spd::simt::sync_warp();
-  // Lanes past the end of a partial warp never wrote: count only those the block has.
-  const unsigned first = ::spd::simt::coords.thread_idx.x & ~31u;
-  const unsigned n = ::spd::simt::coords.block_dim.x - first;
-  unsigned out = 0;
-  for (unsigned i = 0; i < 32 && i < n; ++i) out |= (slots[i] ? 1u : 0u) << i;
-  ::spd::simt::sync_warp();
-  return out;
+  return ::spd::simt::warp_collective(pred ? 1u : 0u, [](const uint64_t* slots, int lanes) {
+    unsigned out = 0;
+    for (int i = 0; i < lanes; ++i) out |= (slots[i] ? 1u : 0u) << i;
+    return out;
+  });
 }
 
 template <typename T>

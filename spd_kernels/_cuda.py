@@ -53,6 +53,21 @@ def simulating() -> bool:
     return _simt is not None
 
 
+def _load_simt():
+    """(the host emulation module, None) or (None, why it is not there)."""
+    try:
+        return importlib.import_module("spd_kernels._spd_simt"), None
+    except ImportError as exc:
+        return None, (f"spd_kernels._spd_simt is not built ({exc}): it is built with the CUDA "
+                      "extension when nvcc and the CUDA headers are present and neither "
+                      "SPD_SKIP_CUDA_BUILD=1 nor SPD_SKIP_SIMT_BUILD=1 is set")
+
+
+def simt_unavailable_reason() -> str | None:
+    """Why `simulated()` cannot run here (None when it can)."""
+    return _load_simt()[1]
+
+
 @contextlib.contextmanager
 def simulated():
     """Inside this block the cuda backend runs the same CUDA C++ kernels in the host emulation
@@ -60,12 +75,9 @@ def simulated():
     kernels on machines without a GPU. Slow (every CUDA thread is a fiber) and not thread-safe:
     for small test shapes only. Raises ImportError when the emulation was not built."""
     global _simt
-    try:
-        mod = importlib.import_module("spd_kernels._spd_simt")
-    except ImportError as exc:
-        raise ImportError(f"spd_kernels._spd_simt is not built ({exc}): it is built with the "
-                          "CUDA extension (nvcc and the CUDA headers present, "
-                          "SPD_SKIP_CUDA_BUILD unset)") from exc
+    mod, why = _load_simt()
+    if mod is None:
+        raise ImportError(why)
     old, _simt = _simt, mod
     try:
         yield mod

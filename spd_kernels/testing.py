@@ -10,11 +10,10 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 
 import torch
 
-from spd_kernels import _alloc
+from spd_kernels import _alloc, _cuda
 from spd_kernels._triton import HAS_TRITON, INTERPRET
 
 if not HAS_TRITON:
@@ -28,16 +27,7 @@ TRITON_SKIP_REASON = ("the Triton kernels need TRITON_INTERPRET=1 set before imp
                       "CUDA device with TRITON_INTERPRET unset")
 
 
-def _simt_skip_reason() -> str | None:
-    try:
-        importlib.import_module("spd_kernels._spd_simt")
-    except ImportError as exc:
-        return (f"the CUDA kernels' host emulation spd_kernels._spd_simt is not built ({exc}); "
-                "it is built with the CUDA extension when nvcc is present")
-    return None
-
-
-SIMT_SKIP_REASON = _simt_skip_reason()
+SIMT_SKIP_REASON = _cuda.simt_unavailable_reason()
 
 
 @contextlib.contextmanager

@@ -1016,9 +1016,12 @@ def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temp
     return out, acc
 
 
-@dispatch.register("rejection_sample", "triton",
-                   supports=lambda p, q, t, u: _float_ok(("target_probs", p), ("draft_probs", q),
-                                                         ("uniforms", u)))
+def _rs_supports(target_probs, draft_probs, draft_tokens, uniforms):
+    return _float_ok(("target_probs", target_probs), ("draft_probs", draft_probs),
+                     ("uniforms", uniforms))
+
+
+@dispatch.register("rejection_sample", "triton", supports=_rs_supports)
 def rejection_sample_triton(target_probs, draft_probs, draft_tokens, uniforms):
     return _launch_rejection(target_probs, draft_probs, None, draft_tokens, uniforms, None, None,
                              1.0, 0, 1.0, from_logits=False, q_mapped=False)
@@ -1102,9 +1105,7 @@ def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset,
 
 # The CUDA sampler is checked in the host emulation but not yet timed on a GPU against the
 # Triton plans: until it is, it runs only when asked for (backend="cuda", SPD_BACKEND).
-@dispatch.register("rejection_sample", "cuda", automatic=False,
-                   supports=lambda p, q, t, u: _float_ok(("target_probs", p), ("draft_probs", q),
-                                                         ("uniforms", u)))
+@dispatch.register("rejection_sample", "cuda", supports=_rs_supports, automatic=False)
 def rejection_sample_cuda(target_probs, draft_probs, draft_tokens, uniforms):
     return _launch_rejection_cuda(target_probs, draft_probs, None, draft_tokens, uniforms, None,
                                   None, 1.0, 0, 1.0, from_logits=False)
