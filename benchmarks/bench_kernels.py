@@ -4,7 +4,9 @@ the reference, at the shapes of SmolLM2-135M, Qwen3-4B and Qwen3-8B.
 For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda;
 for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
 cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
-triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch; for the attention also
+triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch, and cuda_linear(_cg): the
+same with the dense ops (and the QKV products) on the CUDA kernel; for fused_linear / fused_swiglu
+cuda_cg, the CUDA kernel's launches as a graph; for the attention also
 triton_1split, the keys not split over programs; for sampling triton_1prog, one program a row
 instead of the split-row plan) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
@@ -296,9 +298,10 @@ def build_cases(op: str, s: Shape, dtype, device):
             g = rand(K, dtype=dtype, device=device, scale=0.1) + 1 if norm else None
             r = rand(n_rows, N, dtype=dtype, device=device) if res else None
             args = (x, w, g, 1e-6, r)
-            fns = {"reference": (fused_linear_reference, args),
-                   "triton": (lambda xx, ww, gg, e, rr: spd_kernels.fused_linear(
-                       xx, ww, norm_weight=gg, eps=e, residual=rr, backend="triton"), args)}
+            fns = {"reference": (fused_linear_reference, args)}
+            fns.update({b: (lambda xx, ww, gg, e, rr, b=b: spd_kernels.fused_linear(
+                xx, ww, norm_weight=gg, eps=e, residual=rr, backend=b), args)
+                for b in ("triton", "cuda")})
             floor = (N * K + n_rows * K + n_rows * N * (2 if res else 1)) * el  # + residual read
             yield case, fns, floor, {"graph": True}
     elif op == "fused_swiglu":
@@ -308,8 +311,9 @@ def build_cases(op: str, s: Shape, dtype, device):
         wu = rand(s.intermediate, d, dtype=dtype, device=device, scale=d ** -0.5)
         g = rand(d, dtype=dtype, device=device, scale=0.1) + 1
         args = (x, g, 1e-6, wg, wu)
-        fns = {"reference": (fused_swiglu_reference, args),
-               "triton": (lambda *a: spd_kernels.fused_swiglu(*a, backend="triton"), args)}
+        fns = {"reference": (fused_swiglu_reference, args)}
+        fns.update({b: (lambda *a, b=b: spd_kernels.fused_swiglu(*a, backend=b), args)
+                    for b in ("triton", "cuda")})
         floor = (2 * s.intermediate * d + rows * d + rows * s.intermediate) * el
         yield f"norm+gate/up rows={rows}", fns, floor, {"graph": True}
     elif op == "pdm_step":
@@ -332,6 +336,7 @@ def build_cases(op: str, s: Shape, dtype, device):
             fns["triton"] = (lambda *a: pdm_step(*a, backend="triton"),
                              (x, w, kc, vc, start, cos, sin))
             fns["triton_attn"] = (triton_attention_only, (x, w, kc, vc, start, cos, sin))
+            fns["cuda_linear"] = (cuda_linear_layers, (x, w, kc, vc, start, cos, sin))
             floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
             floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
             yield case, fns, floor, {"graph": True}
@@ -344,6 +349,13 @@ def triton_attention_only(*args):
         return pdm_step(*args)
 
 
+def cuda_linear_layers(*args):
+    """The PDM step with Triton QKV/RoPE/append and attention, the CUDA kernel for every dense
+    product (the QKV products included: they follow fused_linear's backend on a GPU)."""
+    with dispatch.use_backend("triton", fused_linear="cuda", fused_swiglu="cuda"):
+        return pdm_step(*args)
+
+
 # --- running ----------------------------------------------------------------------------------------
 
 def backend_ready(op: str, backend: str, device) -> str | None:
@@ -351,8 +363,16 @@ def backend_ready(op: str, backend: str, device) -> str | None:
                              "fused_swiglu")}.get(op, (op,))
     if backend in ("reference", "compile", "cuda_graph"):
         return None
+    if backend.startswith("cuda_linear"):  # the step with Triton attention, CUDA dense products
+        needs = dict(qkv_rope_append="triton", cache_attention="triton", fused_linear="cuda",
+                     fused_swiglu="cuda")
+        if any(b not in dispatch.available(o, device) for o, b in needs.items()):
+            return "not available here"
+        return None if device.type == "cuda" else "Triton interpreter is not a speed path"
     if backend.startswith("triton"):  # triton_cg, triton_attn, triton_1split, ...: Triton kernels
         backend = "triton"
+    elif backend.startswith("cuda"):  # cuda_cg: the CUDA kernel's launches as a graph
+        backend = "cuda"
     if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
         return "not available here"
     if backend == "triton" and device.type == "cpu":
@@ -388,6 +408,10 @@ def run(args) -> dict:
                     graphed = [("cuda_graph", "reference")]
                     if "triton" in fns and backend_ready(op, "triton", device) is None:
                         graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn")]
+                    if "cuda" in fns and backend_ready(op, "cuda", device) is None:
+                        graphed.append(("cuda_cg", "cuda"))
+                    if "cuda_linear" in fns and backend_ready(op, "cuda_linear", device) is None:
+                        graphed.append(("cuda_linear_cg", "cuda_linear"))
                     for name, src in graphed:
                         if src not in fns:
                             continue
@@ -447,7 +471,8 @@ def targets(rows, device) -> list[dict]:
         return [dict(target="GPU targets", status="not evaluated on CPU")]
 
     def best(op, model="qwen3-4b", case=None,
-             backends=("triton", "cuda", "cuda_graph", "triton_cg", "triton_attn_cg")):
+             backends=("triton", "cuda", "cuda_graph", "triton_cg", "triton_attn_cg", "cuda_cg",
+                       "cuda_linear_cg")):
         cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
                  and r["backend"] in backends and (case is None or r["case"].startswith(case))]
         return min(cands, key=lambda r: r["us"]) if cands else None

@@ -5,6 +5,7 @@
 #   3. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
 #      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is)
 #   4. kernel microbenchmarks at Qwen3-4B shapes (but verify)   -> $OUT/<date>-kernels-<dev>.json
+#      (the dense ops and the PDM step on Triton and on the CUDA kernel, each also as a graph)
 #   5. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
 #   6. verify_greedy, once per CUDA kernel variant (SPD_VERIFY_VARIANT=0, 1, 2) -> verify-variant-*.json
@@ -111,6 +112,7 @@ show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
 echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
 show gpu-tests.log | tail -n 2
 echo "---- kernel targets"; show bench-kernels.log | grep -E "^target:|ERROR" | cut -c1-240
+echo "---- dense ops";      show bench-kernels.log | grep -E "(fused_linear|fused_swiglu|pdm_step) .*(triton_cg|cuda_cg|cuda_linear_cg)" | cut -c1-120
 echo "---- verify variants"; for vv in 0 1 2; do show verify-variant-$vv.log | grep -E "verify_greedy|ERROR|Error" | cut -c1-120 | sed "s/^/v$vv /"; done
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2

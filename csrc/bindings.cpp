@@ -117,6 +117,26 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "fused_linear",
+      [](uintptr_t x, int64_t stride_x, uintptr_t norm_weight, uintptr_t xn, uintptr_t w0,
+         uintptr_t w1, uintptr_t residual, int64_t stride_res, uintptr_t out, int64_t stride_out,
+         uintptr_t ws, int R, int N, int K, int splits, int k_per, float eps, int dtype,
+         uintptr_t stream) {
+        require_device();
+        check(spd::fused_linear(ptr<const void>(x), stride_x, ptr<const void>(norm_weight),
+                                ptr<void>(xn), ptr<const void>(w0), ptr<const void>(w1),
+                                ptr<const void>(residual), stride_res, ptr<void>(out), stride_out,
+                                ptr<float>(ws), R, N, K, splits, k_per, eps, dtype,
+                                ptr<void>(stream)),
+              "fused_linear");
+      },
+      py::arg("x"), py::arg("stride_x"), py::arg("norm_weight"), py::arg("xn"), py::arg("w0"),
+      py::arg("w1"), py::arg("residual"), py::arg("stride_res"), py::arg("out"),
+      py::arg("stride_out"), py::arg("ws"), py::arg("R"), py::arg("N"), py::arg("K"),
+      py::arg("splits"), py::arg("k_per"), py::arg("eps"), py::arg("dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
       "kv_truncate",
       [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream) {
         require_device();

@@ -14,6 +14,7 @@
 #endif
 
 #include <cstdint>
+#include <type_traits>
 
 #include "spd_cuda.h"
 
@@ -126,6 +127,44 @@ __device__ __forceinline__ void prefetch_l2(const void* p) {
   (void)p;
 #endif
 }
+
+// One warp-wide tensor-core product, mma.sync m16n8k16 with fp32 accumulation (sm_80 and
+// newer): c += A B for A 16 x 16 (row-major) and B 16 x 8 (column-major), elements of T (bf16 or
+// f16), two per 32-bit register, the lower index in the low half. With g = lane / 4, q = lane % 4
+// (the PTX ISA's fragment layout):
+//   a[0] = A[g][2q, 2q+1]    a[1] = A[g+8][2q, 2q+1]    a[2] = A[g][2q+8, 2q+9]    a[3] = A[g+8][2q+8, 2q+9]
+//   b[0] = B[2q, 2q+1][g]    b[1] = B[2q+8, 2q+9][g]
+//   c[0], c[1] = C[g][2q, 2q+1]                         c[2], c[3] = C[g+8][2q, 2q+1]
+// Every lane of the warp must call it, converged. The emulation computes it in fp32 (simt_host.h).
+#ifdef SPD_SIMT_HOST
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]) {
+  simt::mma_m16n8k16(a, b, c, std::is_same<T, __nv_bfloat16>::value);
+}
+#else
+template <typename T>
+__device__ __forceinline__ void mma_16816(float (&c)[4], const uint32_t (&a)[4],
+                                          const uint32_t (&b)[2]);
+template <>
+__device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                         const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma_16816<__half>(float (&c)[4], const uint32_t (&a)[4],
+                                                  const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#endif
 
 inline bool vec_aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 31u) == 0; }
 

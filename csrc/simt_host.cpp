@@ -235,6 +235,52 @@ int run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& bo
 }  // namespace simt
 }  // namespace spd
 
+// mma.sync m16n8k16 (fragment layout in common.cuh). Needs the whole warp of 32 lanes.
+namespace spd {
+namespace simt {
+namespace {
+
+float element(uint32_t reg, int j, bool bf16) {  // element j (0 = low half) of a packed pair
+  const unsigned short h = (unsigned short)(j ? reg >> 16 : reg & 0xffffu);
+  if (bf16) return __uint_as_float((uint32_t)h << 16);
+  return __half2float(__ushort_as_half(h));
+}
+
+}  // namespace
+
+void mma_m16n8k16(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&c)[4], bool bf16) {
+  std::array<std::array<uint32_t, 32>, 4> ga;
+  std::array<std::array<uint32_t, 32>, 2> gb;
+  for (int i = 0; i < 4; ++i) ga[i] = gather(a[i]);
+  for (int i = 0; i < 2; ++i) gb[i] = gather(b[i]);
+  if (warp_size() != 32) {
+    std::fprintf(stderr, "spd_kernels._spd_simt: mma_m16n8k16 in a partial warp\n");
+    std::abort();
+  }
+  float A[16][16], B[16][8];
+  for (int l = 0; l < 32; ++l) {
+    const int g = l >> 2, q = l & 3;
+    for (int j = 0; j < 2; ++j) {
+      A[g][2 * q + j] = element(ga[0][l], j, bf16);
+      A[g + 8][2 * q + j] = element(ga[1][l], j, bf16);
+      A[g][2 * q + 8 + j] = element(ga[2][l], j, bf16);
+      A[g + 8][2 * q + 8 + j] = element(ga[3][l], j, bf16);
+      B[2 * q + j][g] = element(gb[0][l], j, bf16);
+      B[2 * q + 8 + j][g] = element(gb[1][l], j, bf16);
+    }
+  }
+  const int g = lane() >> 2, q = lane() & 3;
+  for (int i = 0; i < 4; ++i) {
+    const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+    float s = 0.f;
+    for (int k = 0; k < 16; ++k) s = std::fma(A[row][k], B[k][col], s);
+    c[i] += s;
+  }
+}
+
+}  // namespace simt
+}  // namespace spd
+
 // Known-answer kernels for the emulation itself (tests/test_kernels_cuda_ext.py).
 namespace spd {
 namespace simt {

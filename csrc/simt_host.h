@@ -15,6 +15,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>  // types and declarations only: simt_host.cpp defines the calls used
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -87,6 +88,21 @@ T exchange(T v, int src_lane) {
     return out;
   });
 }
+
+// The whole warp's values of v (lanes past the end of a partial warp read as 0).
+template <typename T>
+std::array<T, 32> gather(T v) {
+  return warp_collective(v, [](const uint64_t* slots, int lanes) {
+    std::array<T, 32> out{};
+    for (int i = 0; i < lanes; ++i) std::memcpy(&out[i], &slots[i], sizeof(T));
+    return out;
+  });
+}
+
+// mma.sync m16n8k16 with fp32 accumulation (common.cuh's mma_16816 gives the fragment layout):
+// the warp's fragments are gathered, each lane computes its four C elements in fp32 (the products
+// of bf16 / f16 values are exact; the sum runs over k in order). simt_host.cpp.
+void mma_m16n8k16(const uint32_t (&a)[4], const uint32_t (&b)[2], float (&c)[4], bool bf16);
 
 }  // namespace simt
 }  // namespace spd

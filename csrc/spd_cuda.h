@@ -46,6 +46,16 @@ int rejection_sample(const void* x, int64_t stride_x, int x_dtype, const void* q
                      int64_t* out_tok, bool* out_acc, int R, int V, float temperature, int top_k,
                      float top_p, bool from_logits, void* stream);
 
+// Linear layers over R <= 16 rows on tensor cores (bf16 / f16), K % 8 == 0, 16-byte aligned rows:
+// out [R, N] = epilogue(rms_norm(x) @ w0^T, rms_norm(x) @ w1^T) with SwiGLU when w1 is given and
+// + residual when given. norm_weight (or null): xn [R, K] receives the normed rows. K is cut into
+// `splits` ranges of k_per columns (a multiple of 32); with splits > 1, ws holds
+// splits * (w1 ? 2 : 1) * R * N fp32 partial sums.
+int fused_linear(const void* x, int64_t stride_x, const void* norm_weight, void* xn,
+                 const void* w0, const void* w1, const void* residual, int64_t stride_res,
+                 void* out, int64_t stride_out, float* ws, int R, int N, int K, int splits,
+                 int k_per, float eps, int dtype, void* stream);
+
 #ifdef SPD_SIMT_HOST
 namespace simt {
 // Known-answer kernels of the host emulation (simt_host.cpp): 0 = warp collectives and a block

@@ -21,13 +21,19 @@ Op `fused_swiglu(x, norm_weight, eps, w_gate, w_up)`:
              idle) partial sums go to an fp32 workspace and a second launch reduces them in a
              fixed order (deterministic) and applies the epilogue. Intermediates are rounded to
              the model dtype where the reference rounds.
+  cuda       csrc/linear.cu, bf16 / fp16 and at most 16 rows: tensor-core mma with the rows of x
+             as the MMA's 16 rows, each weight byte loaded once straight into the fragments
+             (16-byte loads, a whole batch in flight per lane); the norm is a first launch, K
+             splits (to fill the GPU at 2560 output columns) a last one, in a fixed order.
+             Registered on request only (backend="cuda", SPD_BACKEND=fused_linear=cuda) until a
+             GPU has timed it against Triton.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from spd_kernels import _alloc, dispatch
+from spd_kernels import _alloc, _cuda, dispatch
 from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count, triton,
                                  tl)
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, last_dim_contiguous
@@ -36,6 +42,11 @@ if HAS_TRITON:
     from spd_kernels._triton import round_to
 
 MAX_KERNEL_ROWS = 64   # past this (a prefill chunk) a GEMM library is the right tool
+CUDA_MAX_ROWS = 16     # the MMA's M: rows of x
+CUDA_CHUNK = 32        # K columns per warp step; a split covers a multiple of it
+CUDA_COLUMNS = 64      # output columns per block (half of that per weight with SwiGLU)
+CUDA_MIN_CHUNKS = 4    # K chunks per split at least: fewer and the partial sums cost more than
+                       # the extra blocks gain
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,12 +123,23 @@ def fused_swiglu_reference(x, norm_weight, eps, w_gate, w_up):
 # triton
 # ------------------------------------------------------------------------------------------------
 
-def _supports(x, tensors):
+def _supports(x, tensors, *, cuda: bool = False):
+    """None when the Triton kernel (cuda: the CUDA kernel) takes these tensors, else why not."""
     why = check_kernel_float("x", x)
     if why:
         return why
-    if x.shape[0] > MAX_KERNEL_ROWS:
-        return (f"the kernel is for at most {MAX_KERNEL_ROWS} rows (got {x.shape[0]}); a GEMM "
+    R, K = x.shape
+    if cuda:
+        if x.dtype not in (torch.bfloat16, torch.float16):
+            return (f"the CUDA kernel runs bf16 / fp16 on tensor cores, got {x.dtype} (the "
+                    f"Triton kernel takes fp32)")
+        if R > CUDA_MAX_ROWS:
+            return f"the CUDA kernel is for at most {CUDA_MAX_ROWS} rows (got {R})"
+        if K == 0 or K % 8:
+            return (f"the CUDA kernel reads K in 16-byte pieces: K must be a positive multiple "
+                    f"of 8, got {K}")
+    elif R > MAX_KERNEL_ROWS:
+        return (f"the kernel is for at most {MAX_KERNEL_ROWS} rows (got {R}); a GEMM "
                 f"library serves larger chunks")
     for name, t in tensors:
         if t is None:
@@ -129,17 +151,26 @@ def _supports(x, tensors):
             return why
         if name.startswith("w") and not t.is_contiguous():  # weights are read as [out, K] rows
             return f"{name} must be contiguous"
+        if cuda and (name == "x" or name.startswith("w")) and (t.data_ptr() % 16
+                                                               or t.stride(0) % 8):
+            return f"{name} must start on a 16-byte boundary with rows a multiple of 8 apart"
     return None
 
 
-def _linear_supports(x, weight, norm_weight, eps, residual):
-    return _supports(x, [("x", x), ("weight", weight), ("norm_weight", norm_weight),
-                         ("residual", residual)])
+def _linear_tensors(x, weight, norm_weight, eps, residual):
+    return [("x", x), ("weight", weight), ("norm_weight", norm_weight), ("residual", residual)]
 
 
-def _swiglu_supports(x, norm_weight, eps, w_gate, w_up):
-    return _supports(x, [("x", x), ("norm_weight", norm_weight), ("w_gate", w_gate),
-                         ("w_up", w_up)])
+def _swiglu_tensors(x, norm_weight, eps, w_gate, w_up):
+    return [("x", x), ("norm_weight", norm_weight), ("w_gate", w_gate), ("w_up", w_up)]
+
+
+def _linear_supports(*args):
+    return _supports(args[0], _linear_tensors(*args))
+
+
+def _swiglu_supports(*args):
+    return _supports(args[0], _swiglu_tensors(*args))
 
 
 # GPU tiles are autotuned on the first call per shape (no GPU has tuned them by hand yet); K per
@@ -322,3 +353,58 @@ def fused_linear_triton(x, weight, norm_weight, eps, residual):
 @dispatch.register("fused_swiglu", "triton", supports=_swiglu_supports)
 def fused_swiglu_triton(x, norm_weight, eps, w_gate, w_up):
     return launch(x, w_gate, w_up, norm_weight, eps)
+
+
+# ------------------------------------------------------------------------------------------------
+# cuda
+# ------------------------------------------------------------------------------------------------
+
+def _linear_cuda_supports(*args):
+    return _supports(args[0], _linear_tensors(*args), cuda=True)
+
+
+def _swiglu_cuda_supports(*args):
+    return _supports(args[0], _swiglu_tensors(*args), cuda=True)
+
+
+def cuda_plan(N: int, K: int, sets: int, device, split_k: int | None = None) -> tuple[int, int]:
+    """(splits, K columns per split) for csrc/linear.cu: about three blocks per SM in all."""
+    chunks = -(-K // CUDA_CHUNK)
+    if split_k is None:
+        col_blocks = -(-N // (CUDA_COLUMNS // sets))
+        sms = sm_count(device) if device.type == "cuda" else 3  # 3: the emulated device
+        split_k = min(round(3 * sms / col_blocks), chunks // CUDA_MIN_CHUNKS)
+    per = -(-chunks // max(1, min(int(split_k), chunks)))
+    return -(-chunks // per), per * CUDA_CHUNK
+
+
+def cuda_launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
+                split_k: int | None = None) -> torch.Tensor:
+    """Launcher shared by both ops on the CUDA kernel (w_up given: SwiGLU)."""
+    R, K = x.shape
+    N = weight.shape[0]
+    out = _alloc.empty(R, N, dtype=x.dtype, device=x.device)
+    if R == 0 or N == 0:
+        return out
+    sets = 2 if w_up is not None else 1
+    splits, k_per = cuda_plan(N, K, sets, x.device, split_k)
+    ws = _alloc.empty(splits * sets * R * N, dtype=torch.float32, device=x.device) \
+        if splits > 1 else None
+    xn = _alloc.empty(R, K, dtype=x.dtype, device=x.device) if norm_weight is not None else None
+    ptr = lambda t: 0 if t is None else t.data_ptr()
+    _cuda.ext().fused_linear(
+        x.data_ptr(), x.stride(0), ptr(norm_weight), ptr(xn), weight.data_ptr(), ptr(w_up),
+        ptr(residual), residual.stride(0) if residual is not None else 0, out.data_ptr(),
+        out.stride(0), ptr(ws), R, N, K, splits, k_per, float(eps), dtype_code(x.dtype),
+        _cuda.stream_of(x))
+    return out
+
+
+@dispatch.register("fused_linear", "cuda", supports=_linear_cuda_supports, automatic=False)
+def fused_linear_cuda(x, weight, norm_weight, eps, residual):
+    return cuda_launch(x, weight, None, norm_weight, eps, residual)
+
+
+@dispatch.register("fused_swiglu", "cuda", supports=_swiglu_cuda_supports, automatic=False)
+def fused_swiglu_cuda(x, norm_weight, eps, w_gate, w_up):
+    return cuda_launch(x, w_gate, w_up, norm_weight, eps)

@@ -9,8 +9,9 @@ The position `start` may be a device tensor, so nothing in the step needs the ho
 
 Op `qkv_rope_append` (dispatched, see spd_kernels.dispatch):
   reference  torch, mirroring spd.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
-  triton     the q, k and v projections through fused_linear's kernel (RMSNorm fused, each
-             weight tile read once for all rows), then one launch, program (row, head), applies
+  triton     the q, k and v projections through fused_linear (RMSNorm fused, each weight tile
+             read once for all rows; on a GPU whichever backend fused_linear's dispatch picks,
+             in the interpreter its Triton kernel), then one launch, program (row, head), applies
              the per-head RMSNorm and RoPE in registers and writes q out or k/v straight into the
              cache at position start + row (read on the device; rows past the capacity dropped).
 Op `cache_attention` (dispatched):
@@ -310,6 +311,15 @@ if HAS_TRITON:
             tl.store(v_row + HALF + half, hi.to(vc_ptr.dtype.element_ty), mask=ok & (half >= 0))
 
 
+def _project(x, w, norm_weight, eps):
+    """rms_norm(x) @ w.T for the Triton QKV step. On a GPU it goes through fused_linear's
+    dispatch, so use_backend(fused_linear="cuda") (or SPD_BACKEND) moves these products to the
+    CUDA kernel with the others; in the interpreter it is the Triton kernel."""
+    if x.device.type == "cuda":
+        return fused_linear(x, w, norm_weight=norm_weight, eps=eps)
+    return linear_launch(x, w, None, norm_weight, eps)
+
+
 @dispatch.register("qkv_rope_append", "triton", supports=_qkv_supports)
 def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
                            k_cache, v_cache, num_heads, num_kv_heads):
@@ -326,11 +336,11 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
         start = torch.tensor([int(start)], dtype=torch.int64, device=x.device)
     qkv = packed_qkv(wq, wk, wv)
     if qkv is not None:  # one product over the packed weights, then views of its columns
-        y = linear_launch(x, qkv, None, norm_weight, eps)
+        y = _project(x, qkv, norm_weight, eps)
         nq, nk = wq.shape[0], wk.shape[0]
         qp, kp, vp = y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
     else:
-        qp, kp, vp = (linear_launch(x, w, None, norm_weight, eps) for w in (wq, wk, wv))
+        qp, kp, vp = (_project(x, w, norm_weight, eps) for w in (wq, wk, wv))
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
         qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
         q_norm if q_norm is not None else norm_weight,

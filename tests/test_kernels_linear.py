@@ -1,17 +1,21 @@
-"""fused_linear / fused_swiglu (the dense part of the PDM step): the Triton kernel against its
-reference on fresh random inputs, outputs poisoned first, with and without the fused RMSNorm and
-residual, with the K dimension split over programs (partial sums reduced by a second launch)."""
+"""fused_linear / fused_swiglu (the dense part of the PDM step): the Triton kernel and the CUDA
+kernel (csrc/linear.cu, run in the host emulation on CPU) against their reference on fresh random
+inputs, outputs and scratch poisoned first, with and without the fused RMSNorm and residual, with
+the K dimension split over programs (partial sums reduced by a last launch)."""
 import pytest
 import torch
 
-from spd_kernels import SPDBackendError, SPDInputError, dispatch, fused_linear, fused_swiglu
-from spd_kernels.linear import (MAX_KERNEL_ROWS, fused_linear_reference, fused_swiglu_reference,
-                                launch, plan)
-from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+from spd_kernels import (SPDBackendError, SPDInputError, _cuda, dispatch, fused_linear,
+                         fused_swiglu)
+from spd_kernels.linear import (CUDA_MAX_ROWS, MAX_KERNEL_ROWS, cuda_launch, cuda_plan,
+                                fused_linear_reference, fused_swiglu_reference, launch, plan)
+from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
+                                 poisoned_outputs)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def make(R, K, N, dtype, device, seed):
@@ -131,34 +135,105 @@ def test_unsupported_arguments_raise_when_forced_and_fall_back_when_auto():
     torch.testing.assert_close(got, a["x"] @ a["w"].t())
 
 
+# K a multiple of 8 (the CUDA kernel's 16-byte loads); R past 8 uses the MMA's rows 8..15;
+# K = 520 has a last chunk of 8 of 32 columns; N not a multiple of 8 leaves part of a tile.
+CUDA_SHAPES = [(1, 48, 40), (9, 104, 70), (5, 256, 300), (16, 32, 17), (12, 520, 129)]
+
+
+@needs_simt
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R,K,N", CUDA_SHAPES)
+@pytest.mark.parametrize("split_k", [1, 3, None])
+def test_cuda_kernel_matches_reference_in_emulation(dtype, R, K, N, split_k):
+    """Every epilogue (plain, norm + residual, norm + SwiGLU) with one split, three, and the
+    plan's own choice; outputs and scratch (normed rows, partial sums) poisoned."""
+    a = make(R, K, N, dtype, "cpu", seed=R * K + N)
+    with _cuda.simulated(), poisoned_outputs("a"):
+        plain = cuda_launch(a["x"], a["w"], split_k=split_k)
+        normed = cuda_launch(a["x"], a["w"], None, a["g"], 1e-6, a["res"], split_k=split_k)
+        swiglu = cuda_launch(a["x"], a["w"], a["w2"], a["g"], 1e-6, split_k=split_k)
+    t = tol(dtype)
+    torch.testing.assert_close(plain, fused_linear_reference(a["x"], a["w"], None, 1e-6, None), **t)
+    torch.testing.assert_close(normed, fused_linear_reference(a["x"], a["w"], a["g"], 1e-6,
+                                                              a["res"]), **t)
+    torch.testing.assert_close(swiglu, fused_swiglu_reference(a["x"], a["g"], 1e-6, a["w"],
+                                                              a["w2"]), **t)
+
+
+def test_cuda_plan_covers_k_exactly():
+    """Every 32-column chunk of K is summed by exactly one split, for any split count asked."""
+    for K in (8, 104, 520, 2560, 9728):
+        for want in (None, 1, 2, 3, 7, 1000):
+            for N, sets in ((17, 1), (2560, 1), (9728, 2)):
+                splits, k_per = cuda_plan(N, K, sets, torch.device("cpu"), want)
+                assert k_per % 32 == 0 and splits >= 1
+                assert (splits - 1) * k_per < K <= splits * k_per
+
+
+@needs_simt
+def test_cuda_dispatch_on_request_only_and_its_limits():
+    """The CUDA kernel runs when asked for (it is not timed on a GPU yet, so the automatic choice
+    passes over it), and says why it cannot take an argument instead of reading past one."""
+    assert "cuda" in dispatch.describe()["ops"]["fused_linear"]["on_request_only"]
+    a = make(3, 64, 40, torch.bfloat16, "cpu", seed=4)
+    with _cuda.simulated():
+        assert dispatch.select("fused_linear", torch.device("cpu"))[0] == "reference"
+        with poisoned_outputs("b"):
+            got = fused_linear(a["x"], a["w"], residual=a["res"], backend="cuda")
+            got2 = fused_swiglu(a["x"], a["g"], 1e-6, a["w"], a["w2"], backend="cuda")
+        torch.testing.assert_close(got, fused_linear_reference(a["x"], a["w"], None, 1e-6,
+                                                               a["res"]), **tol(torch.bfloat16))
+        torch.testing.assert_close(got2, fused_swiglu_reference(a["x"], a["g"], 1e-6, a["w"],
+                                                                a["w2"]), **tol(torch.bfloat16))
+        f32 = make(3, 64, 40, torch.float32, "cpu", seed=4)
+        big = make(CUDA_MAX_ROWS + 1, 64, 40, torch.bfloat16, "cpu", seed=4)
+        odd = make(3, 60, 40, torch.bfloat16, "cpu", seed=4)
+        wide = torch.randn(40, 72).to(torch.bfloat16)
+        for call, match in (
+                (lambda: fused_linear(f32["x"], f32["w"], backend="cuda"), "bf16 / fp16"),
+                (lambda: fused_linear(big["x"], big["w"], backend="cuda"), "at most 16 rows"),
+                (lambda: fused_linear(odd["x"], odd["w"], backend="cuda"), "multiple of 8"),
+                (lambda: fused_linear(a["x"], wide[:, 4:68], backend="cuda"),
+                 "weight must be contiguous"),
+                (lambda: fused_linear(torch.randn(3, 72).to(torch.bfloat16)[:, 4:68], a["w"],
+                                      backend="cuda"), "16-byte boundary"),
+                (lambda: fused_swiglu(a["x"], a["g"], 1e-6, a["w"], a["w2"].half(),
+                                      backend="cuda"), "x's dtype")):
+            with pytest.raises(SPDBackendError, match=match):
+                call()
+
+
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("what,K,N", [("o_proj", 4096, 2560), ("gate_up", 2560, 9728),
                                       ("down", 9728, 2560), ("lm_head", 2560, 32768)])
-def test_gpu_triton_at_qwen3_4b_pdm_shapes(dtype, what, K, N):
-    if "triton" not in dispatch.available("fused_linear", "cuda"):
-        pytest.skip("Triton not available for CUDA tensors here (TRITON_INTERPRET=1?)")
+def test_gpu_backends_at_qwen3_4b_pdm_shapes(backend, dtype, what, K, N):
+    if backend not in dispatch.available("fused_linear", "cuda"):
+        pytest.skip(f"the {backend} backend is not available for CUDA tensors here")
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA kernel is bf16 / fp16 only (tensor cores); fp32 runs on Triton")
     R = 9 if what != "lm_head" else 1
     a = make(R, K, N, dtype, "cuda", seed=N + K)
     t = dict(rtol=1e-3, atol=1e-3) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
     with poisoned_outputs("a"):
         if what == "gate_up":
-            got = fused_swiglu(a["x"], a["g"], 1e-6, a["w"], a["w2"], backend="triton")
+            got = fused_swiglu(a["x"], a["g"], 1e-6, a["w"], a["w2"], backend=backend)
             want = fused_swiglu_reference(a["x"], a["g"], 1e-6, a["w"], a["w2"])
         else:
             g = a["g"] if what == "lm_head" else None
             res = None if what == "lm_head" else a["res"]
-            got = fused_linear(a["x"], a["w"], norm_weight=g, residual=res, backend="triton")
+            got = fused_linear(a["x"], a["w"], norm_weight=g, residual=res, backend=backend)
             want = fused_linear_reference(a["x"], a["w"], g, 1e-6, res)
     torch.testing.assert_close(got.float(), want.float(), **t)
     # a CUDA graph of the call replays to the same result (the split workspace is graph memory)
     res = a["res"] if what != "lm_head" else None
-    fused_linear(a["x"], a["w"], residual=res, backend="triton")  # compile outside the capture
+    fused_linear(a["x"], a["w"], residual=res, backend=backend)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        replayed = fused_linear(a["x"], a["w"], residual=res, backend="triton")
+        replayed = fused_linear(a["x"], a["w"], residual=res, backend=backend)
     a["x"].copy_(torch.randn_like(a["x"]))
     graph.replay()
     torch.testing.assert_close(replayed.float(),

@@ -7,10 +7,11 @@ import torch
 from conftest import make_tiny_target
 from spd import SPDEngine
 from spd.layers import decoder_layer_step, rope_table
-from spd_kernels import SPDInputError, dispatch, pdm_step, qkv_rope_append, use_backend
+from spd_kernels import SPDInputError, _cuda, dispatch, pdm_step, qkv_rope_append, use_backend
 from spd_kernels import pdm
-from spd_kernels.pdm import PDMWeights
-from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+from spd_kernels.pdm import LayerWeights, PDMWeights
+from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
+                                 poisoned_outputs)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
@@ -242,6 +243,39 @@ def test_runtime_step_routes_through_pdm_step_bit_for_bit():
             torch.randn(pdm.layers[0].self_attn.o_proj.weight.shape, generator=g) * 0.1)
 
 
+def random_step_weights(d, H, KVH, hd, inter, vd, L, dtype, device, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(device=device, dtype=dtype)
+    one = lambda n: (torch.rand(n, generator=g) + 0.5).to(device=device, dtype=dtype)
+    layers = [LayerWeights(one(d), r(H * hd, d, sc=d ** -0.5), r(KVH * hd, d, sc=d ** -0.5),
+                           r(KVH * hd, d, sc=d ** -0.5), one(hd), one(hd),
+                           r(d, H * hd, sc=d ** -0.5), one(d), r(inter, d, sc=d ** -0.5),
+                           r(inter, d, sc=d ** -0.5), r(d, inter, sc=inter ** -0.5))
+              for _ in range(L)]
+    return PDMWeights(layers, one(d), r(vd, d, sc=d ** -0.5), H, KVH, hd, 1e-6), r
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+def test_pdm_step_with_the_cuda_linear_layers_in_emulation():
+    """The step with every dense product (o_proj, SwiGLU MLP, down, LM head) on the CUDA kernel
+    (host emulation, bf16) matches the reference step: the kernel's strides, views (the head
+    takes x[-1:]) and residuals line up in the real sequence of calls."""
+    d, H, KVH, hd, inter, vd, S, L = 64, 4, 2, 16, 96, 200, 32, 2
+    w, r = random_step_weights(d, H, KVH, hd, inter, vd, L, torch.bfloat16, "cpu")
+    cos, sin = (t.to(torch.bfloat16) for t in rope_table(hd, S, 1e4))
+    caches = {b: [r(L, KVH, S, hd) for _ in range(2)] for b in ("reference", "cuda")}
+    caches["cuda"] = [c.clone() for c in caches["reference"]]
+    for start, rows in ((0, 9), (9, 5), (12, 1)):
+        feats = r(rows, d)
+        want = pdm_step(feats, w, *caches["reference"], start, cos, sin, backend="reference")
+        with _cuda.simulated(), use_backend(fused_linear="cuda", fused_swiglu="cuda"), \
+                poisoned_outputs("a"):
+            got = pdm_step(feats, w, *caches["cuda"], start, cos, sin)
+        torch.testing.assert_close(got, want, rtol=0.03, atol=0.05)
+        for c, ref in zip(caches["cuda"], caches["reference"]):
+            torch.testing.assert_close(c.float(), ref.float(), rtol=0.02, atol=0.02)
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -261,29 +295,24 @@ def test_gpu_triton_at_qwen3_4b_pdm_shapes(dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_pdm_step_captured_once_replays_at_any_position():
+@pytest.mark.parametrize("linear", ["triton", "cuda"])
+def test_gpu_pdm_step_captured_once_replays_at_any_position(linear):
     """With a device `start` nothing in pdm_step reads the position on the host: one CUDA graph of
-    the whole step (Triton QKV/RoPE/append + attention, torch MLP/head) replays at any position."""
+    the whole step (Triton QKV/RoPE/append + attention; the dense products on Triton or on the
+    CUDA kernel) replays at any position."""
     if any("triton" not in dispatch.available(op, "cuda")
            for op in ("qkv_rope_append", "cache_attention")):
         pytest.skip("Triton not available for CUDA tensors here (TRITON_INTERPRET=1?)")
-    from spd_kernels.pdm import LayerWeights
+    if linear not in dispatch.available("fused_linear", "cuda"):
+        pytest.skip(f"the {linear} backend of fused_linear is not available here")
     dtype, dev = torch.bfloat16, "cuda"
     d, H, KVH, hd, inter, vd, S, T, L = 512, 8, 2, 64, 1024, 1000, 256, 5, 2
-    g = torch.Generator().manual_seed(3)
-    r = lambda *s, sc=1.0: (torch.randn(*s, generator=g) * sc).to(device=dev, dtype=dtype)
-    one = lambda n: (torch.rand(n, generator=g) + 0.5).to(device=dev, dtype=dtype)
-    layers = [LayerWeights(one(d), r(H * hd, d, sc=d ** -0.5), r(KVH * hd, d, sc=d ** -0.5),
-                           r(KVH * hd, d, sc=d ** -0.5), one(hd), one(hd),
-                           r(d, H * hd, sc=d ** -0.5), one(d), r(inter, d, sc=d ** -0.5),
-                           r(inter, d, sc=d ** -0.5), r(d, inter, sc=inter ** -0.5))
-              for _ in range(L)]
-    w = PDMWeights(layers, one(d), r(vd, d, sc=d ** -0.5), H, KVH, hd, 1e-6)
+    w, r = random_step_weights(d, H, KVH, hd, inter, vd, L, dtype, dev)
     cos, sin = (t.to(device=dev, dtype=dtype) for t in rope_table(hd, S, 1e6))
     k, v = r(L, KVH, S, hd), r(L, KVH, S, hd)
     feats = r(T, d)
     start = torch.tensor([0], device=dev)
-    with use_backend("triton"):
+    with use_backend("triton", fused_linear=linear, fused_swiglu=linear):
         pdm_step(feats, w, k, v, start, cos, sin)  # compile the kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
