@@ -141,7 +141,7 @@ def _extensions() -> list[Extension]:
     except ImportError:
         _say("pybind11 is not installed: not building the CUDA extension spd_kernels._spd_cuda")
         return []
-    depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["spd_cuda.h", "common.cuh"]]
+    depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["spd_cuda.h", "common.cuh", "mma_stream.cuh"]]
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
     exts = [Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
                       include_dirs=[pybind11.get_include(), CSRC], language="c++",

@@ -6,7 +6,9 @@ for the PDM step and the cache attention also CUDA-graph replays of the eager re
 cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
 triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch, and cuda_linear(_cg): the
 same with the dense ops (and the QKV products) on the CUDA kernel; for fused_linear / fused_swiglu
-cuda_cg, the CUDA kernel's launches as a graph; for the attention also
+cuda_cg, the CUDA kernel's launches as a graph, and cuda_1split(_cg) / cuda_2x_split(_cg), the same
+kernel with one K split or twice its plan's (to tune the plan); for the anchor projection
+cuda_mma(_cg), the tensor-core variant (SPD_ANCHOR_VARIANT=mma); for the attention also
 triton_1split, the keys not split over programs; for sampling triton_1prog, one program a row
 instead of the split-row plan) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
@@ -47,9 +49,10 @@ import torch
 import spd_kernels
 from spd.loading import describe_device
 from spd_kernels import dispatch
-from spd_kernels.features import anchor_projection_reference
+from spd_kernels.features import anchor_projection_cuda_mma, anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
-from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
+from spd_kernels.linear import (cuda_launch, cuda_plan, fused_linear_reference,
+                                fused_swiglu_reference)
 from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_launch, pack_qkv,
                              cache_attention_reference, pdm_step, qkv_rope_append_reference)
 from spd_kernels.verify import (_launch_rejection, rejection_sample_logits_reference,
@@ -231,10 +234,13 @@ def build_cases(op: str, s: Shape, dtype, device):
         fns = {"reference": (anchor_projection_reference, args)}
         fns.update({b: (lambda *a, b=b: spd_kernels.anchor_projection(*a, backend=b), args)
                     for b in ("triton", "cuda")})
+        if dtype != torch.float32:  # the tensor-core variant (SPD_ANCHOR_VARIANT=mma)
+            fns["cuda_mma"] = (anchor_projection_cuda_mma, args)
         present = set(types.tolist())
         floor = sum(weights[e].numel() * el + d * el for e in present)
         floor += sum((int(e) + 1) * d * el for e in types.tolist()) + rows * d * el
-        yield f"rows={rows},m={N_ANCHORS}", fns, floor, {}
+        # graphs of the kernels (two launches for cuda_mma); the reference syncs on the types
+        yield f"rows={rows},m={N_ANCHORS}", fns, floor, {"graph": True, "graph_reference": False}
     elif op == "truncate_kv":
         C = math.ceil(s.layers / N_STAGES)
         lengths = torch.full((C,), CONTEXT, dtype=torch.int64, device=device)
@@ -302,6 +308,8 @@ def build_cases(op: str, s: Shape, dtype, device):
             fns.update({b: (lambda xx, ww, gg, e, rr, b=b: spd_kernels.fused_linear(
                 xx, ww, norm_weight=gg, eps=e, residual=rr, backend=b), args)
                 for b in ("triton", "cuda")})
+            fns.update(cuda_split_variants(N, K, 1, lambda xx, ww, gg, e, rr, split: cuda_launch(
+                xx, ww, None, gg, e, rr, split_k=split), args))
             floor = (N * K + n_rows * K + n_rows * N * (2 if res else 1)) * el  # + residual read
             yield case, fns, floor, {"graph": True}
     elif op == "fused_swiglu":
@@ -314,6 +322,8 @@ def build_cases(op: str, s: Shape, dtype, device):
         fns = {"reference": (fused_swiglu_reference, args)}
         fns.update({b: (lambda *a, b=b: spd_kernels.fused_swiglu(*a, backend=b), args)
                     for b in ("triton", "cuda")})
+        fns.update(cuda_split_variants(s.intermediate, d, 2, lambda xx, gg, e, wg_, wu_, split:
+                                       cuda_launch(xx, wg_, wu_, gg, e, split_k=split), args))
         floor = (2 * s.intermediate * d + rows * d + rows * s.intermediate) * el
         yield f"norm+gate/up rows={rows}", fns, floor, {"graph": True}
     elif op == "pdm_step":
@@ -340,6 +350,18 @@ def build_cases(op: str, s: Shape, dtype, device):
             floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
             floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
             yield case, fns, floor, {"graph": True}
+
+
+def cuda_split_variants(N, K, sets, launch, args) -> dict:
+    """The CUDA dense kernel at other K-split counts than its plan's (one split, and twice the
+    plan's), for tuning the plan on the GPU: {name: (fn, args)}."""
+    planned, _ = cuda_plan(N, K, sets, torch.device("cuda") if torch.cuda.is_available()
+                           else torch.device("cpu"))
+    out = {}
+    for name, split in (("cuda_1split", 1), ("cuda_2x_split", 2 * planned)):
+        if split != planned:
+            out[name] = (lambda *a, split=split: launch(*a, split), args)
+    return out
 
 
 def triton_attention_only(*args):
@@ -405,11 +427,13 @@ def run(args) -> dict:
                     ref_fn, ref_args = fns["reference"]
                     entries["compile"] = (torch.compile(ref_fn, dynamic=False), ref_args)
                 if extra.get("graph") and device.type == "cuda":
-                    graphed = [("cuda_graph", "reference")]
+                    graphed = [("cuda_graph", "reference")] if extra.get("graph_reference",
+                                                                         True) else []
                     if "triton" in fns and backend_ready(op, "triton", device) is None:
                         graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn")]
                     if "cuda" in fns and backend_ready(op, "cuda", device) is None:
-                        graphed.append(("cuda_cg", "cuda"))
+                        graphed += [(f"{b}_cg", b) for b in fns if b.startswith("cuda")
+                                    and not b.startswith("cuda_linear")]
                     if "cuda_linear" in fns and backend_ready(op, "cuda_linear", device) is None:
                         graphed.append(("cuda_linear_cg", "cuda_linear"))
                     for name, src in graphed:
@@ -472,7 +496,7 @@ def targets(rows, device) -> list[dict]:
 
     def best(op, model="qwen3-4b", case=None,
              backends=("triton", "cuda", "cuda_graph", "triton_cg", "triton_attn_cg", "cuda_cg",
-                       "cuda_linear_cg")):
+                       "cuda_linear_cg", "cuda_mma", "cuda_mma_cg")):
         cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
                  and r["backend"] in backends and (case is None or r["case"].startswith(case))]
         return min(cands, key=lambda r: r["us"]) if cands else None

@@ -116,6 +116,26 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       py::arg("top_p"), py::arg("from_logits"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
 
+  m.def("anchor_projection_items", &spd::anchor_projection_items, py::arg("M"), py::arg("D"),
+        py::arg("k_per"));
+  m.def(
+      "anchor_projection_mma",
+      [](uintptr_t anchors, int64_t stride_am, int64_t stride_ar, uintptr_t types, bool types_i64,
+         uintptr_t table, uintptr_t out, int64_t stride_or, uintptr_t ws, int M, int R, int D,
+         int N, int k_per, int dtype, uintptr_t stream) {
+        require_device();
+        check(spd::anchor_projection_mma(ptr<const void>(anchors), stride_am, stride_ar,
+                                         ptr<const void>(types), types_i64,
+                                         ptr<const int64_t>(table), ptr<void>(out), stride_or,
+                                         ptr<float>(ws), M, R, D, N, k_per, dtype,
+                                         ptr<void>(stream)),
+              "anchor_projection_mma");
+      },
+      py::arg("anchors"), py::arg("stride_am"), py::arg("stride_ar"), py::arg("types"),
+      py::arg("types_i64"), py::arg("table"), py::arg("out"), py::arg("stride_or"), py::arg("ws"),
+      py::arg("M"), py::arg("R"), py::arg("D"), py::arg("N"), py::arg("k_per"), py::arg("dtype"),
+      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
   m.def(
       "fused_linear",
       [](uintptr_t x, int64_t stride_x, uintptr_t norm_weight, uintptr_t xn, uintptr_t w0,

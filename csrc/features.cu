@@ -9,7 +9,7 @@
 // never built. W_e and b_e come from a device pointer table. fp32 accumulation, one rounding.
 #include <cmath>
 
-#include "common.cuh"
+#include "mma_stream.cuh"
 
 namespace spd {
 namespace {
@@ -54,6 +54,30 @@ __device__ __forceinline__ int row_class(const void* types, bool types_i64,
   const int64_t e = types_i64 ? static_cast<const int64_t*>(types)[r]
                               : (int64_t) static_cast<const int*>(types)[r];
   return (e >= 0 && e < M && table[e] != 0) ? (int)e : -1;
+}
+
+// Compacts the rows of class cls among rows base .. base + blockDim.x - 1 into s_rows (in row
+// order) and returns how many there are; every thread of the block (W warps) calls it.
+template <int W>
+__device__ __forceinline__ int collect_rows(const void* types, bool types_i64,
+                                            const int64_t* __restrict__ table, int M, int R,
+                                            int cls, int base, int* s_rows, int* s_warp_count) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int r = base + threadIdx.x;
+  const bool match = r < R && row_class(types, types_i64, table, M, r) == cls;
+  const unsigned bal = __ballot_sync(0xffffffffu, match);
+  if (lane == 0) s_warp_count[warp] = __popc(bal);
+  __syncthreads();
+  int count = 0, offset = 0;
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const int c = s_warp_count[w];
+    offset += w < warp ? c : 0;
+    count += c;
+  }
+  if (match) s_rows[offset + __popc(bal & ((1u << lane) - 1u))] = r;
+  __syncthreads();
+  return count;
 }
 
 // One k step of a warp: elements k0 + u*256 .. +7 (u < U, all < D) of chunk j for nf features.
@@ -179,21 +203,8 @@ anchor_kernel(const T* __restrict__ a, int64_t stride_am, int64_t stride_ar, con
   }
 
   for (int base = 0; base < R; base += kThreads) {
-    // Compact the rows of class cls among rows base .. base+kThreads-1 into s_rows.
-    const int r = base + threadIdx.x;
-    const bool match = r < R && row_class(types, types_i64, table, M, r) == cls;
-    const unsigned bal = __ballot_sync(0xffffffffu, match);
-    if (lane == 0) s_warp_count[warp] = __popc(bal);
-    __syncthreads();
-    int count = 0, offset = 0;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      const int c = s_warp_count[w];
-      offset += w < warp ? c : 0;
-      count += c;
-    }
-    if (match) s_rows[offset + __popc(bal & ((1u << lane) - 1u))] = r;
-    __syncthreads();
+    const int count = collect_rows<kWarps>(types, types_i64, table, M, R, cls, base, s_rows,
+                                           s_warp_count);
 
     if (cls < 0) {  // NaN rows, nothing read through the table
       for (int p = threadIdx.x; p < count * kTile; p += kThreads) {
@@ -220,7 +231,156 @@ void launch(dim3 grid, cudaStream_t stream, const void* anchors, int64_t stride_
                                                 o, stride_or, M, R, D, N, tiles);
 }
 
+// --- tensor-core variant (bf16 / f16, 16-byte aligned rows): SPD_ANCHOR_VARIANT=1 ----------------
+//
+// Block (column tile, work item y). The work items are (type e, K split s) for every e < M, type
+// after type, each split k_per columns of W_e's (e + 1) * D: blocks of about equal work whatever
+// the type, where a block per (tile, type) made the heaviest type's blocks the tail. A block
+// collects its type's rows (on the device) and streams its K range of W_e against up to 16 of them
+// at a time through mma_stream.cuh (row g's activations at column k of the concat come from anchor
+// k / D in place); warps take 16 columns each. Partial sums go to ws[y][row][column]; then
+// anchor_mma_reduce sums each row's splits in order, adds the bias and rounds once (NaN for rows
+// without a usable projection).
+constexpr int kMmaWarps = 4;
+constexpr int kMmaThreads = kMmaWarps * 32;
+constexpr int kMmaNV = 2;                          // 8-column tiles per warp
+constexpr int kMmaTile = kMmaWarps * 8 * kMmaNV;   // columns per block
+
+// Work items before type e (splits of every type below it) with k_per columns a split.
+__device__ __forceinline__ int items_before(int e, int D, int k_per) {
+  int y = 0;
+  for (int i = 0; i < e; ++i) y += (int)(((int64_t)(i + 1) * D + k_per - 1) / k_per);
+  return y;
+}
+
+template <typename T, bool TWO>
+__device__ __forceinline__ void anchor_mma_group(const T* __restrict__ a, int64_t stride_am,
+                                                 int64_t stride_ar, const int* rows, int nr,
+                                                 const T* __restrict__ W, int64_t K, int D,
+                                                 int N, int n0, int k_lo, int k_hi,
+                                                 float* __restrict__ ws_y) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  const T* wrow[1][kMmaNV];
+#pragma unroll
+  for (int v = 0; v < kMmaNV; ++v)  // columns past N re-read column N - 1; their sums are dropped
+    wrow[0][v] = W + (int64_t)min(n0 + 8 * v + g, N - 1) * K;
+  const T* ra = a + (int64_t)rows[min(g, nr - 1)] * stride_ar;
+  const T* rb = a + (int64_t)rows[min(g + 8, nr - 1)] * stride_ar;
+  auto at = [stride_am, D](const T* row) {
+    return [row, stride_am, D](int k) {
+      const int j = k / D;
+      return row + j * stride_am + (k - j * D);
+    };
+  };
+  float acc[1][kMmaNV][4] = {};
+  mma_stream<T, 1, kMmaNV, TWO>(wrow, at(ra), at(rb), g < nr, g + 8 < nr, k_lo, k_hi, q, acc);
+#pragma unroll
+  for (int v = 0; v < kMmaNV; ++v)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int slot = g + (i >= 2 ? 8 : 0), n = n0 + 8 * v + 2 * q + (i & 1);
+      if (slot < nr && n < N) ws_y[(int64_t)rows[slot] * N + n] = acc[0][v][i];
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kMmaThreads, 4)  // <= 128 registers (mma_stream.cuh)
+anchor_mma(const T* __restrict__ a, int64_t stride_am, int64_t stride_ar, const void* types,
+           bool types_i64, const int64_t* __restrict__ table, float* __restrict__ ws, int M,
+           int R, int D, int N, int k_per) {
+  __shared__ int s_rows[kMmaThreads];
+  __shared__ int s_warp_count[kMmaWarps];
+  int e = 0, split = blockIdx.y;  // this block's work item: split `split` of type e
+  for (; e < M; ++e) {
+    const int splits = (int)(((int64_t)(e + 1) * D + k_per - 1) / k_per);
+    if (split < splits) break;
+    split -= splits;
+  }
+  if (e >= M || table[e] == 0) return;  // uniform: no weight, its rows are NaN rows
+  const T* W = reinterpret_cast<const T*>(table[e]);
+  const int64_t K = (int64_t)(e + 1) * D;
+  const int k_lo = split * k_per, k_hi = (int)min((int64_t)k_lo + k_per, K);
+  const int n0 = (blockIdx.x * kMmaWarps + (threadIdx.x >> 5)) * 8 * kMmaNV;
+  float* ws_y = ws + (int64_t)blockIdx.y * R * N;
+  for (int base = 0; base < R; base += kMmaThreads) {
+    const int count = collect_rows<kMmaWarps>(types, types_i64, table, M, R, e, base, s_rows,
+                                               s_warp_count);
+    if (n0 < N) {  // warp-uniform; the whole warp runs each mma
+      for (int g0 = 0; g0 < count; g0 += kMmaRows) {
+        const int nr = min(kMmaRows, count - g0);
+        if (nr > 8)
+          anchor_mma_group<T, true>(a, stride_am, stride_ar, s_rows + g0, nr, W, K, D, N, n0,
+                                    k_lo, k_hi, ws_y);
+        else
+          anchor_mma_group<T, false>(a, stride_am, stride_ar, s_rows + g0, nr, W, K, D, N, n0,
+                                     k_lo, k_hi, ws_y);
+      }
+    }
+    __syncthreads();  // s_rows and s_warp_count are rewritten by the next pass
+  }
+}
+
+// out[r][n] = round(sum of row r's splits in order + bias), NaN for rows of no usable type.
+template <typename T>
+__global__ void __launch_bounds__(256)
+anchor_mma_reduce(const float* __restrict__ ws, const void* types, bool types_i64,
+                  const int64_t* __restrict__ table, T* __restrict__ out, int64_t stride_or,
+                  int M, int R, int D, int N, int k_per) {
+  const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (int64_t)R * N) return;
+  const int r = (int)(i / N), n = (int)(i % N);
+  const int e = row_class(types, types_i64, table, M, r);
+  float v = nanf("");
+  if (e >= 0) {
+    const int y0 = items_before(e, D, k_per);
+    const int splits = (int)(((int64_t)(e + 1) * D + k_per - 1) / k_per);
+    v = 0.f;
+    for (int s = 0; s < splits; ++s) v += ws[((int64_t)(y0 + s) * R + r) * N + n];
+    const T* B = reinterpret_cast<const T*>(table[M + e]);
+    if (B != nullptr) v += to_f(B[n]);
+  }
+  out[(int64_t)r * stride_or + n] = Num<T>::from_f(v);
+}
+
+template <typename T>
+int launch_mma(const void* anchors, int64_t stride_am, int64_t stride_ar, const void* types,
+               bool types_i64, const int64_t* table, void* out, int64_t stride_or, float* ws,
+               int M, int R, int D, int N, int k_per, int items, cudaStream_t stream) {
+  const T* a = static_cast<const T*>(anchors);
+  const dim3 grid((N + kMmaTile - 1) / kMmaTile, items);
+  SPD_LAUNCH(anchor_mma<T>, grid, kMmaThreads, 0, stream)(a, stride_am, stride_ar, types,
+                                                          types_i64, table, ws, M, R, D, N, k_per);
+  const int64_t n = (int64_t)R * N;
+  auto reduce = anchor_mma_reduce<T>;
+  SPD_LAUNCH(reduce, (unsigned)((n + 255) / 256), 256, 0, stream)(
+      ws, types, types_i64, table, static_cast<T*>(out), stride_or, M, R, D, N, k_per);
+  return cudaGetLastError();
+}
+
 }  // namespace
+
+int anchor_projection_items(int M, int D, int k_per) {
+  int64_t y = 0;
+  for (int e = 0; e < M; ++e) y += ((int64_t)(e + 1) * D + k_per - 1) / k_per;
+  return y > 65535 ? -1 : (int)y;
+}
+
+int anchor_projection_mma(const void* anchors, int64_t stride_am, int64_t stride_ar,
+                          const void* types, bool types_i64, const int64_t* table, void* out,
+                          int64_t stride_or, float* ws, int M, int R, int D, int N, int k_per,
+                          int dtype, void* stream_ptr) {
+  if (R <= 0 || N <= 0) return cudaSuccess;
+  const int items = M > 0 && k_per > 0 ? anchor_projection_items(M, D, k_per) : -1;
+  if (items <= 0 || D <= 0 || D % 8 != 0 || k_per % kMmaChunk != 0 || ws == nullptr ||
+      (int64_t)(N + kMmaTile - 1) / kMmaTile > 0x7fffffff)
+    return cudaErrorInvalidValue;
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (dtype) {
+    case kBF16: return launch_mma<__nv_bfloat16>(anchors, stride_am, stride_ar, types, types_i64, table, out, stride_or, ws, M, R, D, N, k_per, items, stream);
+    case kF16: return launch_mma<__half>(anchors, stride_am, stride_ar, types, types_i64, table, out, stride_or, ws, M, R, D, N, k_per, items, stream);
+    default: return cudaErrorInvalidValue;  // fp32: the FFMA kernel above
+  }
+}
 
 int anchor_projection(const void* anchors, int64_t stride_am, int64_t stride_ar, const void* types,
                       bool types_i64, const int64_t* table, void* out, int64_t stride_or, int M,

@@ -1,31 +1,23 @@
 // Linear layers over a few rows on tensor cores: fused_linear and fused_swiglu
 // (spd_kernels/linear.py), the dense part of the PDM step.
 //
-// With at most 16 rows the time is reading the weight once, so the product is laid out for that:
-// the rows of x are the 16 rows of mma.m16n8k16's A (rows past R are zero) and 8 weight rows are
-// its B. A warp takes 8 * NV output columns (of each of S weights: SwiGLU's gate and up) over the
-// block's K range; per 32 columns of K every lane loads 16 contiguous bytes of each of its weight
-// rows and of x rows g and g + 8, and those registers are the fragments of two mma steps as they
-// are. That works because a dot product does not care in which order k is summed: both operands
-// map mma's logical k to the same memory column (logical 2q + j and 2q + 8 + j of step s sit at
-// 8q + 4s + j and 8q + 4s + 2 + j), so no shuffle, shared memory or unpacking is needed, and every
-// loaded byte of a weight is used once.
+// With at most 16 rows the time is reading the weight once. The rows of x and the weight rows go
+// through mma_stream.cuh (rows of x as the MMA's 16 rows, 8 weight rows as its columns, each
+// 16-byte load used as a fragment as loaded). A warp takes 8 * NV output columns of each of S
+// weights (SwiGLU's gate and up) over its block's K range.
 //
 // Launches: (1) with a norm, norm_rows writes rms_norm(x) to xn once (rounded to the model dtype
 // twice, as the reference); (2) linear_mma over (column blocks, K splits); (3) with more than one
 // split, linear_reduce sums the fp32 partials in split order (deterministic) and applies the
 // epilogue, which otherwise runs in (2): round, SwiGLU, residual, rounded where the reference
 // rounds.
-#include "common.cuh"
+#include "mma_stream.cuh"
 
 namespace spd {
 namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kChunk = 32;  // k columns per warp step: 4 lanes x 8 elements
-constexpr int kUnroll = 4;  // chunks whose loads are all issued before the first mma
-constexpr int kMaxRows = 16;
 constexpr int kMinBlocks = 4;  // resident blocks per SM the register use must allow
 
 template <typename T>
@@ -66,33 +58,10 @@ norm_rows(const T* __restrict__ x, int64_t sx, const T* __restrict__ g, T* __res
     xn[(int64_t)r * K + k] = Num<T>::from_f(to_f(g[k]) * round_to<T>(to_f(xr[k]) * rs));
 }
 
-// 16 bytes of x through the read-only path, or zeros when !ok.
-__device__ __forceinline__ uint4 load_x16(const void* p, bool ok) {
-  return ok ? __ldg(reinterpret_cast<const uint4*>(p)) : make_uint4(0, 0, 0, 0);
-}
-
-// The same for a weight, which is read once: kept out of L1 (x stays there).
-__device__ __forceinline__ uint4 load_w16(const void* p, bool ok) {
-#ifdef SPD_SIMT_HOST
-  return load_x16(p, ok);
-#else
-  uint4 v;
-  asm volatile(
-      "{\n .reg .pred p;\n setp.ne.b32 p, %5, 0;\n"
-      " mov.b32 %0, 0;\n mov.b32 %1, 0;\n mov.b32 %2, 0;\n mov.b32 %3, 0;\n"
-      " @p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p), "r"((int)ok));
-  return v;
-#endif
-}
-
 // Block (bx, split): output columns [(bx * kWarps + warp) * 8 * NV, + 8 * NV) of each weight, K
 // range [split * k_per, + k_per). TWO: R > 8, so x rows 8..15 are loaded too.
+// kMinBlocks in the launch bounds: a register budget of 128 (see mma_stream.cuh).
 template <typename T, int S, int NV, bool TWO>
-// kMinBlocks in the launch bounds: with the register budget it implies (<= 128), ptxas keeps a
-// batch's loads ahead of its mma; with the default it sank 12 of 16 loads below the first mma and
-// waited for each in turn.
 __global__ void __launch_bounds__(kThreads, kMinBlocks)
 linear_mma(const T* __restrict__ x, int64_t sx, const T* __restrict__ w0,
            const T* __restrict__ w1, const T* __restrict__ res, int64_t sres, T* __restrict__ out,
@@ -120,34 +89,9 @@ linear_mma(const T* __restrict__ x, int64_t sx, const T* __restrict__ w0,
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[s][v][i] = 0.f;
 
-  for (int k0 = k_lo; k0 < k_hi; k0 += kChunk * kUnroll) {
-    uint4 wq[kUnroll][S][NV], qa[kUnroll], qb[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int k = k0 + u * kChunk + 8 * q;  // K % 8 == 0: these 8 columns are all in or all out
-      const bool in = k < k_hi;
-#pragma unroll
-      for (int s = 0; s < S; ++s)
-#pragma unroll
-        for (int v = 0; v < NV; ++v) wq[u][s][v] = load_w16(wrow[s][v] + k, in);
-      qa[u] = load_x16(xa + k, in && a_ok);
-      qb[u] = load_x16(xb + k, in && b_ok);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t a0[4] = {qa[u].x, qb[u].x, qa[u].y, qb[u].y};  // step 0: 8q + 0..3
-      const uint32_t a1[4] = {qa[u].z, qb[u].z, qa[u].w, qb[u].w};  // step 1: 8q + 4..7
-#pragma unroll
-      for (int s = 0; s < S; ++s)
-#pragma unroll
-        for (int v = 0; v < NV; ++v) {
-          const uint32_t b0[2] = {wq[u][s][v].x, wq[u][s][v].y};
-          const uint32_t b1[2] = {wq[u][s][v].z, wq[u][s][v].w};
-          mma_16816<T>(acc[s][v], a0, b0);
-          mma_16816<T>(acc[s][v], a1, b1);
-        }
-    }
-  }
+  mma_stream<T, S, NV, TWO>(
+      wrow, [xa](int k) { return xa + k; }, [xb](int k) { return xb + k; }, a_ok, b_ok, k_lo,
+      k_hi, q, acc);
 
   // acc[s][v][i]: row g + 8 * (i >= 2), column n0 + 8 v + 2 q + (i & 1)
   const bool partial = gridDim.y > 1;
@@ -220,7 +164,7 @@ int fused_linear(const void* x, int64_t stride_x, const void* norm_weight, void*
   if (R <= 0 || N <= 0) return cudaSuccess;
   // The Python side checks all of this with messages; here it only keeps a bad call from
   // reading out of bounds.
-  if (R > kMaxRows || K <= 0 || K % 8 != 0 || splits < 1 || k_per <= 0 || k_per % kChunk != 0 ||
+  if (R > kMmaRows || K <= 0 || K % 8 != 0 || splits < 1 || k_per <= 0 || k_per % kMmaChunk != 0 ||
       (int64_t)(splits - 1) * k_per >= K || (int64_t)splits * k_per < K ||
       (splits > 1 && ws == nullptr) || (norm_weight != nullptr && xn == nullptr) ||
       (int64_t)(N + kWarps * 8 - 1) / (kWarps * 8) > 0x7fffffff || splits > 65535)

@@ -36,6 +36,15 @@ int anchor_projection(const void* anchors, int64_t stride_am, int64_t stride_ar,
                       bool types_i64, const int64_t* table, void* out, int64_t stride_or, int M,
                       int R, int D, int N, int dtype, bool vectorized, void* stream);
 
+// The same on tensor cores (bf16 / f16, D % 8 == 0, 16-byte aligned anchors and weights): work
+// items (type, K split of k_per columns, a multiple of 32), anchor_projection_items(M, D, k_per)
+// of them (-1: too many); ws holds items * R * N fp32 partial sums.
+int anchor_projection_items(int M, int D, int k_per);
+int anchor_projection_mma(const void* anchors, int64_t stride_am, int64_t stride_ar,
+                          const void* types, bool types_i64, const int64_t* table, void* out,
+                          int64_t stride_or, float* ws, int M, int R, int D, int N, int k_per,
+                          int dtype, void* stream);
+
 // Rejection sampling, one block per row. x: logits (from_logits; p = softmax(x / T) with top-k /
 // top-p, T = 0 greedy) or probabilities p [R, V]; q [R, Vq] with t2d [V] (target id -> q column or
 // -1), or q on target ids when t2d is null; u [R, 2] fp32 uniforms, or null for Philox(seed[0],

@@ -13,18 +13,24 @@ Backends (see spd_kernels.dispatch):
              a time), accumulating sum_j W_{e,j} h_{b_j}[r] in fp32, reading the anchors in place
              through their strides (the concat is never built) and rounding once at the end. One
              more program class writes the NaN rows (below).
-  cuda       the same plan in C++ (csrc/features.cu).
+  cuda       the same plan in C++ (csrc/features.cu). SPD_ANCHOR_VARIANT=mma (bf16 / fp16)
+             takes a tensor-core kernel instead: blocks of (64 columns, type and K split), each
+             split an equal share of the weights, rows through mma.m16n8k16 (csrc/mma_stream.cuh),
+             partial sums reduced in order with the bias by a second launch. Not timed on a GPU
+             yet, so not the default.
 On device tensors the kernels write NaN for a row whose type is out of range or has no weight
 (value checks there need a host sync; SPD_CHECK_VALUES=1 turns them on).
 """
 from __future__ import annotations
 
+import os
 from typing import Sequence
 
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count,
+                                 triton, tl)
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 
@@ -269,8 +275,66 @@ def _cuda_supports(anchors, types, weights, biases=None):
     return None
 
 
+CUDA_VARIANTS = ("ffma", "mma")
+MMA_TILE, MMA_CHUNK = 64, 32  # output columns per block, K columns per warp step (features.cu)
+
+
+def cuda_variant() -> str:
+    """SPD_ANCHOR_VARIANT: ffma (default: the kernel timed on the H200) or mma (the tensor-core
+    kernel, bf16 / fp16 only, not timed on a GPU yet)."""
+    v = os.environ.get("SPD_ANCHOR_VARIANT", "ffma").strip().lower() or "ffma"
+    if v not in CUDA_VARIANTS:
+        raise SPDInputError(f"SPD_ANCHOR_VARIANT must be one of {', '.join(CUDA_VARIANTS)}, got {v!r}")
+    return v
+
+
+def _vector_loads_ok(anchors, weights) -> bool:
+    """16-byte vector loads need every row start aligned to 8 elements (32 bytes for fp32)."""
+    d = anchors.shape[2]
+    addrs = [anchors.data_ptr()] + [w.data_ptr() for w in weights if w is not None]
+    return (d % 8 == 0 and anchors.stride(0) % 8 == 0 and anchors.stride(1) % 8 == 0
+            and all(a % 32 == 0 for a in addrs))
+
+
+def mma_plan(m: int, d: int, n_out: int, device, k_per: int | None = None) -> tuple[int, int]:
+    """(K columns per work item, work items) of the tensor-core kernel: about four blocks per SM
+    in all, each on an equal share of sum_e (e + 1) * d, at least 4 warp steps."""
+    if k_per is None:
+        tiles = -(-n_out // MMA_TILE)
+        sms = sm_count(device) if device.type == "cuda" else 3  # 3: the emulated device
+        items = max(m, round(4 * sms / tiles))
+        k_per = -(-(d * m * (m + 1) // 2) // items)
+    k_per = max(4 * MMA_CHUNK, -(-int(k_per) // MMA_CHUNK) * MMA_CHUNK)
+    count = lambda k: sum(-(-(e + 1) * d // k) for e in range(m))
+    while count(k_per) > 65535:  # the grid's y limit
+        k_per *= 2
+    return k_per, count(k_per)
+
+
+def anchor_projection_cuda_mma(anchors, types, weights, biases=None, *, k_per=None):
+    """The tensor-core kernel (bf16 / fp16, 16-byte aligned rows): see csrc/features.cu."""
+    m, rows, d = anchors.shape
+    n_out = _d_out(anchors, weights)
+    out = _alloc.empty(rows, n_out, dtype=anchors.dtype, device=anchors.device)
+    if rows == 0:
+        return out
+    k_per, items = mma_plan(m, d, n_out, anchors.device, k_per)
+    ws = _alloc.empty(items * rows * n_out, dtype=torch.float32, device=anchors.device)
+    types = types.contiguous()
+    _cuda.ext().anchor_projection_mma(
+        anchors.data_ptr(), anchors.stride(0), anchors.stride(1), types.data_ptr(),
+        types.dtype == torch.int64, _tables(weights, biases, anchors.device).data_ptr(),
+        out.data_ptr(), out.stride(0), ws.data_ptr(), m, rows, d, n_out, k_per,
+        dtype_code(anchors.dtype), _cuda.stream_of(anchors))
+    return out
+
+
 @dispatch.register("anchor_projection", "cuda", supports=_cuda_supports)
 def anchor_projection_cuda(anchors, types, weights, biases=None):
+    vec = _vector_loads_ok(anchors, weights)
+    if (vec and anchors.dtype in (torch.bfloat16, torch.float16)
+            and cuda_variant() == "mma"):
+        return anchor_projection_cuda_mma(anchors, types, weights, biases)
     ext = _cuda.ext()
     m, rows, d = anchors.shape
     n_out = _d_out(anchors, weights)
@@ -279,10 +343,6 @@ def anchor_projection_cuda(anchors, types, weights, biases=None):
         return out
     types = types.contiguous()
     table = _tables(weights, biases, anchors.device)
-    # 16-byte vector loads need every row start aligned to 8 elements (32 bytes for fp32).
-    addrs = [anchors.data_ptr()] + [w.data_ptr() for w in weights if w is not None]
-    vec = (d % 8 == 0 and anchors.stride(0) % 8 == 0 and anchors.stride(1) % 8 == 0
-           and all(a % 32 == 0 for a in addrs))
     ext.anchor_projection(anchors.data_ptr(), anchors.stride(0), anchors.stride(1),
                           types.data_ptr(), types.dtype == torch.int64, table.data_ptr(),
                           out.data_ptr(), out.stride(0), m, rows, d, n_out,

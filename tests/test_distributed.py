@@ -409,6 +409,83 @@ def test_torchrun_killed_rank_on_other_node_stops_both_nodes(tiny_model_dir):
     assert _group_gone(procs[0].pid) and _group_gone(procs[1].pid)
 
 
+# A rank process on its own: rank `rank` of `world` against the test's store (its host is the test)
+_RANK_SCRIPT = """
+import json, sys, time
+from datetime import timedelta
+from spd.distributed import CommError, DistConfig, Runtime
+port, rank, world, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+rt = Runtime(rank, world, DistConfig(n_stages=world - 1, fault_timeout=1.0), "127.0.0.1", port)
+print("ready", flush=True)
+if mode == "block":  # inside a C++ call, where no Python signal handler runs
+    rt.store.wait(["never"], timedelta(seconds=60))
+else:  # a failed wait on rank 2, as gloo reports a closed connection
+    rec = rt.blame_after_comm_error(CommError(2, "hidden state", RuntimeError("Connection closed")),
+                                    0.2)
+    print(json.dumps(rec), flush=True)
+"""
+
+
+def _rank_process(port, rank, world, mode):
+    proc = subprocess.Popen([PY, "-c", _RANK_SCRIPT, str(port), str(rank), str(world), mode],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=dict(os.environ, PYTHONPATH=str(REPO / "python")),
+                            start_new_session=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    assert ready and proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
+    return proc
+
+
+def _test_store():
+    import torch.distributed as dist
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return master, dist.PrefixStore("spd/", master)
+
+
+def test_sigterm_marks_the_rank_and_ends_it_even_inside_a_blocking_call():
+    """torchrun stops a node's other ranks with SIGTERM when one fails. A rank blocked in C++
+    (gloo, the store) runs no Python handler, so its watchdog acts: it marks the store and the
+    process ends with status 143 at once."""
+    from spd.distributed import EXIT_TERMINATED
+    master, store = _test_store()
+    proc = _rank_process(master.port, 1, 3, "block")
+    try:
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(20)
+        assert time.monotonic() - t0 < 10
+    finally:
+        _kill_group(proc)
+    assert proc.returncode == EXIT_TERMINATED, proc.stderr.read()[-2000:]
+    assert store.check(["term/1"]) and not store.check(["fail/first"])
+    assert "stopped by SIGTERM" in proc.stderr.read()
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_a_lost_connection_blames_the_silent_rank_not_the_one_its_launcher_stopped(marked):
+    """Ranks 2 and 3 are silent (heartbeats stopped); rank 2 was stopped by its launcher
+    (marked) after rank 3 died. The wait on rank 2 failed, yet the record names rank 3, from the
+    watchdog. Unmarked, rank 2 is named at once: the mark is what makes the difference."""
+    import json as _json
+    master, store = _test_store()
+    for r, count in ((1, 1 << 40), (2, 5), (3, 5)):  # rank 1 finished; 2 and 3 went silent
+        store.add(f"hb/{r}", count)
+    if marked:
+        store.set("term/2", "1")
+    proc = _rank_process(master.port, 0, 4, "blame")
+    try:
+        out, err = proc.communicate(timeout=60)
+    finally:
+        _kill_group(proc)
+    rec = _json.loads(store.get("fail/first"))
+    if marked:  # the watchdog's verdict came first; it stops the process itself
+        assert (rec["rank"], rec["kind"]) == (3, "lost"), (rec, err[-2000:])
+        assert "rank 3 (stage 2) was lost" in err
+    else:
+        assert (rec["rank"], rec["kind"]) == (2, "lost"), (rec, err[-2000:])
+        assert "Connection closed" in rec["error"]
+
+
 @pytest.mark.slow
 def test_cli_self_launch_default_model_matches_single_process(default_target):
     prompt = "Explain how a CPU cache works."

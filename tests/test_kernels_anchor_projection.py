@@ -5,8 +5,9 @@ import torch
 
 from spd_kernels import SPDBackendError, SPDInputError, anchor_projection
 from spd_kernels import _cuda, dispatch
-from spd_kernels.features import (anchor_projection_cuda, anchor_projection_reference,
-                                  anchor_projection_triton)
+from spd_kernels.features import (anchor_projection_cuda, anchor_projection_cuda_mma,
+                                  anchor_projection_reference, anchor_projection_triton,
+                                  mma_plan)
 from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
                                  poisoned_outputs)
 
@@ -201,6 +202,50 @@ def test_cuda_kernel_in_host_emulation_strided_cases(m, rows, d, d_out):
     torch.testing.assert_close(out, anchor_projection_reference(*args), rtol=1e-5, atol=1e-5)
 
 
+@needs_simt
+@pytest.mark.parametrize("name", list(SHARED_TYPES))
+@pytest.mark.parametrize("k_per", [None, 128])  # the plan's splits, and many small ones
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_mma_kernel_in_host_emulation(name, k_per, dtype):
+    """The tensor-core variant: rows grouped by type (more than 16: two MMA passes; more than a
+    scan pass), each type's K cut into splits reduced in order with the bias; the scratch of
+    partial sums is poisoned too. D = 200: a split ends inside an anchor's columns."""
+    fn = lambda *a: anchor_projection_cuda_mma(*a, k_per=k_per)
+    with _cuda.simulated():
+        check_shared_types(fn, name, 200, 41, dtype, "cpu")
+
+
+def test_cuda_mma_plan_cuts_every_type_into_equal_splits():
+    for m, d, n_out in ((5, 2560, 2560), (3, 200, 41), (1, 8, 8), (8, 4096, 4096)):
+        for want in (None, 1, 100, 5000):
+            k_per, items = mma_plan(m, d, n_out, torch.device("cpu"), want)
+            assert k_per % 32 == 0 and k_per >= 128
+            assert items == sum(-(-(e + 1) * d // k_per) for e in range(m)) <= 65535
+
+
+@needs_simt
+def test_cuda_variant_is_chosen_by_the_environment(monkeypatch):
+    args = make_case(5, 9, 64, 48, torch.bfloat16, "cpu", seed=3, types=staircase(8, 5))
+    want = oracle(*args)
+    calls = []
+    import spd_kernels.features as features
+    real = features.anchor_projection_cuda_mma
+    monkeypatch.setattr(features, "anchor_projection_cuda_mma",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    for variant, mma_calls in (("ffma", 0), ("mma", 1), (None, 1)):  # None: unset, ffma
+        if variant is None:
+            monkeypatch.delenv("SPD_ANCHOR_VARIANT")
+        else:
+            monkeypatch.setenv("SPD_ANCHOR_VARIANT", variant)
+        with _cuda.simulated(), poisoned_outputs("a"):
+            out = anchor_projection(*args, backend="cuda")
+        torch.testing.assert_close(out.float(), want, rtol=1e-2, atol=1e-2)
+        assert len(calls) == mma_calls
+    monkeypatch.setenv("SPD_ANCHOR_VARIANT", "tensor")
+    with _cuda.simulated(), pytest.raises(SPDInputError, match="SPD_ANCHOR_VARIANT"):
+        anchor_projection(*args, backend="cuda")
+
+
 # --- GPU ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
@@ -212,10 +257,13 @@ def test_gpu_backends_match_reference(d, d_out, dtype):
     args = make_case(5, 9, d, d_out, dtype, "cuda", seed=d, types=staircase(8, 5))
     ref = oracle(*args)
     tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
-    for backend in backends:
+    fns = {b: lambda *a, b=b: anchor_projection(*a, backend=b) for b in backends}
+    if "cuda" in backends and dtype != torch.float32 and d % 8 == 0:
+        fns["cuda_mma"] = anchor_projection_cuda_mma  # the tensor-core variant
+    for name, fn in fns.items():
         with poisoned_outputs("a"):
-            out = anchor_projection(*args, backend=backend)
-        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 10)
+            out = fn(*args)
+        torch.testing.assert_close(out.float(), ref, rtol=tol, atol=tol * 10, msg=name)
 
 
 @pytest.mark.gpu
@@ -228,6 +276,8 @@ def test_gpu_backends_match_reference(d, d_out, dtype):
 def test_gpu_rows_sharing_types(name, d, d_out, dtype):
     """Rows grouped by type on the device: shared, unsorted, unused and bad types, many rows."""
     fns = {"triton": anchor_projection_triton, "cuda": anchor_projection_cuda}
+    if dtype != torch.float32 and d % 8 == 0:
+        fns["cuda_mma"] = anchor_projection_cuda_mma
     for backend, fn in fns.items():
-        if backend in dispatch.available("anchor_projection", "cuda"):
+        if backend.split("_")[0] in dispatch.available("anchor_projection", "cuda"):
             check_shared_types(fn, name, d, d_out, dtype, "cuda")

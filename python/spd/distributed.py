@@ -39,7 +39,9 @@ Requests (prefill header, shutdown) and statistics go through the rendezvous sto
 wait there without a communication timeout. Failures: every rank heartbeats into the store; a rank
 that raises writes a failure record first; a watchdog thread in every rank exits the process
 (naming the failed rank) when a record appears or a heartbeat stops for `fault_timeout` seconds;
-a dead peer also breaks gloo's connection, which surfaces at once.
+a dead peer also breaks gloo's connection, which surfaces at once. A rank stopped from outside
+(SIGTERM: torchrun stops a node's other ranks when one of them fails) leaves a mark and exits with
+status 143; the others then blame the rank that failed, not the ones its launcher stopped.
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ CTRL_FIELDS = 6  # op, cycle, window start, window count, truncate to (-1: none)
 HEARTBEAT_DONE = 1 << 40  # added to a rank's heartbeat counter when it finished cleanly
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_PEER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process SIGTERM ended
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -221,6 +224,19 @@ def read_failure(store) -> dict | None:
     return json.loads(store.get(FAIL_KEY))
 
 
+def term_key(rank: int) -> str:
+    return f"term/{rank}"
+
+
+def was_terminated(store, rank: int) -> bool:
+    """Whether `rank` left because of a SIGTERM from outside (its launcher, most often because
+    another rank on its node failed): a symptom, not the failure to report."""
+    try:
+        return bool(store.check([term_key(rank)]))
+    except Exception:
+        return False
+
+
 def short_error(exc: BaseException) -> str:
     """First line of an error, without gloo's source-location prefix."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -256,6 +272,7 @@ class Runtime:
         for r in range(world):
             self.store.add(f"hb/{r}", 0)
         self.store.add(f"hb/{rank}", 1)
+        self._term_fd = self._catch_sigterm()
         self.watchdog = _Watchdog(self)
         self.watchdog.start()
         self.data_group = None
@@ -283,6 +300,61 @@ class Runtime:
         finally:
             os._exit(code)
 
+    def _catch_sigterm(self) -> int | None:
+        """Turn SIGTERM into `terminated()`. The main thread may sit inside gloo for long, where
+        no Python handler runs, so the signal also wakes a pipe that the watchdog thread reads.
+        Only in a process's main thread, and never over a handler someone else installed.
+        Returns the pipe's read end (None: not installed)."""
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+            return None
+        r, w = os.pipe()
+        os.set_blocking(r, False)
+        os.set_blocking(w, False)
+        try:
+            signal.set_wakeup_fd(w)
+            signal.signal(signal.SIGTERM, lambda *_: self.terminated(self.store))
+        except (ValueError, OSError):
+            os.close(r)
+            os.close(w)
+            return None
+        return r
+
+    def sigterm_pending(self) -> bool:
+        """Whether SIGTERM arrived (read by the watchdog thread)."""
+        if self._term_fd is None:
+            return False
+        try:
+            data = os.read(self._term_fd, 64)
+        except (BlockingIOError, OSError):
+            return False
+        return signal.SIGTERM in data
+
+    def terminated(self, store) -> None:
+        """Stopped from outside: mark it for the other ranks, then leave (status 143)."""
+        try:
+            store.set(term_key(self.rank), "1")
+        except Exception:
+            pass  # the store is gone: the others find out through their own watchdogs
+        self.exit_now(EXIT_TERMINATED, "stopped by SIGTERM (its launcher or the system)")
+
+    def blame_after_comm_error(self, exc: CommError, first_wait: float) -> dict:
+        """The failure record to stop for after a failed wait on `exc.peer`. A rank that fails
+        records why before it exits, so the record is normally there within `first_wait`; else
+        the peer went silent. A peer its launcher stopped (SIGTERM mark) is a symptom of a
+        failure elsewhere, so the watchdogs get a fault timeout to name the rank that went
+        silent first; only then is the peer itself named."""
+        rec = self.wait_for_failure(first_wait)
+        if rec is None and was_terminated(self.store, exc.peer):
+            rec = self.wait_for_failure(self.config.fault_timeout + 2.0)
+            if rec is None:
+                return self.report("killed", "stopped by SIGTERM from outside (its launcher or "
+                                             "the system)", rank=exc.peer)
+        if rec is None:
+            rec = self.report("lost", f"rank {self.rank} lost its connection while waiting for "
+                                      f"the {exc.what}: {exc.cause}", rank=exc.peer)
+        return rec
+
     def stop_for(self, rec: dict) -> None:
         """Leave because of someone else's failure record."""
         if rec.get("kind") == "interrupted":
@@ -302,6 +374,9 @@ class Runtime:
 
     def finish(self) -> None:
         self.watchdog.stop()
+        if self._term_fd is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # no watchdog to act on it any more
+            signal.set_wakeup_fd(-1)
         try:
             self.store.add(f"hb/{self.rank}", HEARTBEAT_DONE)
         except Exception:
@@ -397,6 +472,9 @@ class _Watchdog(threading.Thread):
         keys = [f"hb/{r}" for r in range(rt.world)]
         seen: dict[int, tuple[int, float]] = {}
         while not self._stop_event.is_set():
+            if rt.sigterm_pending():  # the main thread may be stuck inside gloo
+                rt.terminated(store)
+                return
             try:
                 store.add(f"hb/{rt.rank}", 1)
                 rec = read_failure(store)
@@ -419,6 +497,10 @@ class _Watchdog(threading.Thread):
                 if last is None or last[0] != count:
                     seen[r] = (count, now)
                 elif now - last[1] > rt.config.fault_timeout:
+                    # a rank its launcher stopped is named only if no other verdict comes
+                    if (now - last[1] <= 2 * rt.config.fault_timeout
+                            and was_terminated(store, r)):
+                        continue
                     rec = write_failure(store, r, "lost",
                                         f"no heartbeat for {rt.config.fault_timeout:g} s "
                                         "(killed, crashed or frozen)", rt.rank)
@@ -1012,13 +1094,8 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
     except CommError as exc:
         if rt is None:
             raise
-        # Usually a symptom: the peer died or failed. A rank that fails records why before it
-        # exits, so its record is normally there already; else name the peer we lost.
-        rec = rt.wait_for_failure(min(1.0, config.fault_timeout))
-        if rec is None:
-            rec = rt.report("lost", f"rank {rank} lost its connection while waiting for the "
-                                    f"{exc.what}: {exc.cause}", rank=exc.peer)
-        rt.stop_for(rec)
+        # Usually a symptom: the peer died or failed (see blame_after_comm_error).
+        rt.stop_for(rt.blame_after_comm_error(exc, min(1.0, config.fault_timeout)))
     except KeyboardInterrupt:
         if rt is None:
             raise

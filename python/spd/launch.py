@@ -97,6 +97,9 @@ def _open_store(host: str, port: int, timeout_s: float):
 
 
 def _exit_reason(code: int) -> tuple[str, str]:
+    from spd.distributed import EXIT_TERMINATED
+    if code == EXIT_TERMINATED:  # a rank's own SIGTERM handler (it marks the store, then leaves)
+        return "killed", "stopped by SIGTERM"
     if code < 0:
         try:
             name = signal.Signals(-code).name
