@@ -85,6 +85,18 @@ def simulated():
         _simt = old
 
 
+EMULATED_SMS = 3  # the emulated device's multiprocessors (kSMs in csrc/simt_host.cpp)
+
+
+def multiprocessors(device) -> int:
+    """SMs of a CUDA device, or of the emulated one (CPU tensors inside `simulated()`): the
+    launchers size their grids with it."""
+    if device.type == "cuda":
+        import torch
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return EMULATED_SMS
+
+
 def stream_of(t) -> int:
     """Raw cudaStream_t (as an int) of the current torch stream on t's device."""
     if t.device.type == "cpu" and _simt is not None:

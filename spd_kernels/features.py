@@ -29,8 +29,7 @@ from typing import Sequence
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count,
-                                 triton, tl)
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 
@@ -301,8 +300,7 @@ def mma_plan(m: int, d: int, n_out: int, device, k_per: int | None = None) -> tu
     in all, each on an equal share of sum_e (e + 1) * d, at least 4 warp steps."""
     if k_per is None:
         tiles = -(-n_out // MMA_TILE)
-        sms = sm_count(device) if device.type == "cuda" else 3  # 3: the emulated device
-        items = max(m, round(4 * sms / tiles))
+        items = max(m, round(4 * _cuda.multiprocessors(device) / tiles))
         k_per = -(-(d * m * (m + 1) // 2) // items)
     k_per = max(4 * MMA_CHUNK, -(-int(k_per) // MMA_CHUNK) * MMA_CHUNK)
     count = lambda k: sum(-(-(e + 1) * d // k) for e in range(m))

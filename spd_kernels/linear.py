@@ -372,8 +372,7 @@ def cuda_plan(N: int, K: int, sets: int, device, split_k: int | None = None) -> 
     chunks = -(-K // CUDA_CHUNK)
     if split_k is None:
         col_blocks = -(-N // (CUDA_COLUMNS // sets))
-        sms = sm_count(device) if device.type == "cuda" else 3  # 3: the emulated device
-        split_k = min(round(3 * sms / col_blocks), chunks // CUDA_MIN_CHUNKS)
+        split_k = min(round(3 * _cuda.multiprocessors(device) / col_blocks), chunks // CUDA_MIN_CHUNKS)
     per = -(-chunks // max(1, min(int(split_k), chunks)))
     return -(-chunks // per), per * CUDA_CHUNK
 
