@@ -116,6 +116,16 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       py::arg("top_p"), py::arg("from_logits"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
 
+  m.def(
+      "mma_selftest",
+      [](uintptr_t a, uintptr_t b, uintptr_t c, int dtype, uintptr_t stream) {
+        require_device();
+        check(spd::mma_selftest(ptr<const void>(a), ptr<const void>(b), ptr<float>(c), dtype,
+                                ptr<void>(stream)),
+              "mma_selftest");
+      },
+      py::arg("a"), py::arg("b"), py::arg("c"), py::arg("dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
   m.def("anchor_projection_items", &spd::anchor_projection_items, py::arg("M"), py::arg("D"),
         py::arg("k_per"));
   m.def(

@@ -155,7 +155,45 @@ int launch(const void* x, int64_t sx, const void* norm_weight, void* xn, const v
   return cudaGetLastError();
 }
 
+// The MMA alone on one warp, fragments filled element by element from the PTX ISA's layout
+// (common.cuh), not through mma_stream's 16-byte trick: c [16, 8] = a [16, 16] @ b [8, 16]^T.
+// A known-answer check of the instruction and of the layout this code assumes (on a GPU against
+// the hardware, in the emulation against simt_host.cpp).
+template <typename T>
+__global__ void mma_check(const T* __restrict__ a, const T* __restrict__ b, float* __restrict__ c) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
+  auto pair = [](const T* p) {  // elements p[0] (low half) and p[1]
+    uint32_t lo, hi;
+    const T x0 = p[0], x1 = p[1];
+    memcpy(&lo, &x0, 2);
+    memcpy(&hi, &x1, 2);
+    return (lo & 0xffffu) | (hi << 16);
+  };
+  const uint32_t fa[4] = {pair(a + g * 16 + 2 * q), pair(a + (g + 8) * 16 + 2 * q),
+                          pair(a + g * 16 + 2 * q + 8), pair(a + (g + 8) * 16 + 2 * q + 8)};
+  const uint32_t fb[2] = {pair(b + g * 16 + 2 * q), pair(b + g * 16 + 2 * q + 8)};
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  mma_16816<T>(acc, fa, fb);
+  for (int i = 0; i < 4; ++i) c[(g + (i >= 2 ? 8 : 0)) * 8 + 2 * q + (i & 1)] = acc[i];
+}
+
 }  // namespace
+
+int mma_selftest(const void* a, const void* b, float* c, int dtype, void* stream_ptr) {
+  cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  switch (dtype) {
+    case kBF16:
+      SPD_LAUNCH(mma_check<__nv_bfloat16>, 1, 32, 0, stream)(
+          static_cast<const __nv_bfloat16*>(a), static_cast<const __nv_bfloat16*>(b), c);
+      break;
+    case kF16:
+      SPD_LAUNCH(mma_check<__half>, 1, 32, 0, stream)(static_cast<const __half*>(a),
+                                                      static_cast<const __half*>(b), c);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
 
 int fused_linear(const void* x, int64_t stride_x, const void* norm_weight, void* xn,
                  const void* w0, const void* w1, const void* residual, int64_t stride_res,

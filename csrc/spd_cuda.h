@@ -60,6 +60,9 @@ int rejection_sample(const void* x, int64_t stride_x, int x_dtype, const void* q
 // + residual when given. norm_weight (or null): xn [R, K] receives the normed rows. K is cut into
 // `splits` ranges of k_per columns (a multiple of 32); with splits > 1, ws holds
 // splits * (w1 ? 2 : 1) * R * N fp32 partial sums.
+// One mma.m16n8k16 on one warp with fragments filled by the PTX ISA's layout (a check of it):
+// c [16, 8] fp32 = a [16, 16] @ b [8, 16]^T, bf16 or f16 inputs.
+int mma_selftest(const void* a, const void* b, float* c, int dtype, void* stream);
 int fused_linear(const void* x, int64_t stride_x, const void* norm_weight, void* xn,
                  const void* w0, const void* w1, const void* residual, int64_t stride_res,
                  void* out, int64_t stride_out, float* ws, int R, int N, int K, int splits,

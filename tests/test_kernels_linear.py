@@ -203,6 +203,36 @@ def test_cuda_dispatch_on_request_only_and_its_limits():
                 call()
 
 
+def _mma_selftest(dtype, device):
+    """One mma.m16n8k16 with fragments filled element by element from the PTX ISA's layout, on
+    small integers (every sum exact): it must equal the matrix product exactly."""
+    g = torch.Generator().manual_seed(21)
+    a = torch.randint(-4, 5, (16, 16), generator=g).to(device=device, dtype=dtype)
+    b = torch.randint(-4, 5, (8, 16), generator=g).to(device=device, dtype=dtype)
+    c = torch.full((16, 8), float("nan"), device=device)
+    _cuda.ext().mma_selftest(a.data_ptr(), b.data_ptr(), c.data_ptr(),
+                             1 if dtype == torch.bfloat16 else 2, _cuda.stream_of(a))
+    assert torch.equal(c, a.float() @ b.float().T)
+
+
+@needs_simt
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_emulated_mma_follows_the_documented_fragment_layout(dtype):
+    with _cuda.simulated():
+        _mma_selftest(dtype, "cpu")
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_mma_follows_the_documented_fragment_layout(dtype):
+    """The layout the kernels (and the emulation) assume, against the hardware."""
+    if "cuda" not in dispatch.available("fused_linear", "cuda"):
+        pytest.skip("the CUDA extension is not built here")
+    _mma_selftest(dtype, "cuda")
+    torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @needs_gpu
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
