@@ -16,7 +16,9 @@ achieved GB/s, that as a percentage of this device's measured copy bandwidth, an
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
 benchmarks/results/<date>-kernels-<device>.json).
 
-On a GPU it also checks the issue's targets (Qwen3-4B shapes): verify within 1.2x of reading the
+On a GPU it also sets each kernel registered on request only (not yet timed) against what the
+automatic choice runs for the same case ("challenger" lines, JSON `challengers`: speedup > 1
+argues for making it automatic), and checks the issue's targets (Qwen3-4B shapes): verify within 1.2x of reading the
 LM head once; anchor projection within 1.25x of its floor; the PDM step (3 layers, 32k draft
 vocabulary, 9 rows) within 1.5x of its weight-read floor and faster than a 4-layer stage; KV
 truncation under 5 us with no host synchronisation. Run it there with TRITON_INTERPRET unset:
@@ -473,7 +475,8 @@ def run(args) -> dict:
                 gc.collect()
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    return dict(meta=meta(args, device, dtype, bw), rows=rows, targets=targets(rows, device))
+    return dict(meta=meta(args, device, dtype, bw), rows=rows, targets=targets(rows, device),
+                challengers=challengers(rows))
 
 
 def graph_of(fn, fargs):
@@ -518,6 +521,37 @@ def targets(rows, device) -> list[dict]:
     out.append(dict(target="KV truncation < 5 us, no host sync", value=k and k["us"],
                     backend=k and k["backend"],
                     ok=bool(k and k["us"] < 5 and k.get("no_host_sync"))))
+    return out
+
+
+# Kernels registered on request only (not yet timed on a GPU), each against what the automatic
+# choice runs for the same call: (op, the challenger's backends, the incumbent's backends); graph
+# rows stand against graph rows.
+CHALLENGES = (
+    ("rejection_sample_logits", ("cuda",), ("triton",)),
+    ("anchor_projection", ("cuda_mma",), ("cuda",)),
+    ("anchor_projection", ("cuda_mma_cg",), ("cuda_cg",)),
+    ("fused_linear", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
+    ("fused_swiglu", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
+    ("pdm_step", ("cuda_linear_cg",), ("triton_cg",)),
+)
+
+
+def challengers(rows) -> list[dict]:
+    """Per (model, op, case): the best on-request kernel against the automatic one; speedup > 1
+    means the on-request kernel was faster (a case for making it automatic)."""
+    out = []
+    timed = [r for r in rows if "us" in r]
+    for op, new, old in CHALLENGES:
+        for key in sorted({(r["model"], r["case"]) for r in timed if r["op"] == op}):
+            pick = lambda names: min((r for r in timed if r["op"] == op and
+                                      (r["model"], r["case"]) == key and r["backend"] in names),
+                                     key=lambda r: r["us"], default=None)
+            a, b = pick(new), pick(old)
+            if a is not None and b is not None:
+                out.append(dict(model=key[0], op=op, case=key[1], challenger=a["backend"],
+                                challenger_us=a["us"], incumbent=b["backend"],
+                                incumbent_us=b["us"], speedup=b["us"] / a["us"]))
     return out
 
 
@@ -588,6 +622,10 @@ def main() -> int:
     print("-" * len(HEADER))
     for t in result["targets"]:
         print("target:", json.dumps(t))
+    for c in result["challengers"]:  # on-request kernels against the automatic choice
+        print(f"challenger: {c['model']} {c['op']} [{c['case']}] {c['challenger']} "
+              f"{c['challenger_us']:.1f} us vs {c['incumbent']} {c['incumbent_us']:.1f} us: "
+              f"{c['speedup']:.2f}x")
     out = Path(args.json_out or Path(__file__).parent / "results" /
                f"{args.date}-kernels-{device_tag(torch.device(args.device))}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
