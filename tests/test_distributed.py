@@ -478,12 +478,11 @@ def test_a_lost_connection_blames_the_silent_rank_not_the_one_its_launcher_stopp
     finally:
         _kill_group(proc)
     rec = _json.loads(store.get("fail/first"))
-    if marked:  # the watchdog's verdict came first; it stops the process itself
-        assert (rec["rank"], rec["kind"]) == (3, "lost"), (rec, err[-2000:])
-        assert "rank 3 (stage 2) was lost" in err
-    else:
-        assert (rec["rank"], rec["kind"]) == (2, "lost"), (rec, err[-2000:])
-        assert "Connection closed" in rec["error"]
+    # marked: only the watchdog's verdict (no heartbeat from rank 3) can name anyone in time;
+    # unmarked: the failed wait names rank 2 at once (or, on a stalled machine, the watchdog does)
+    assert (rec["rank"], rec["kind"]) == ((3 if marked else 2), "lost"), (rec, err[-2000:])
+    if marked:
+        assert "no heartbeat" in rec["error"]
 
 
 @pytest.mark.slow
