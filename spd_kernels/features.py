@@ -287,12 +287,18 @@ def cuda_variant() -> str:
     return v
 
 
-def _vector_loads_ok(anchors, weights) -> bool:
-    """16-byte vector loads need every row start aligned to 8 elements (32 bytes for fp32)."""
+def _vector_loads_ok(anchors, weights, align: int = 32) -> bool:
+    """Loads of 8 elements need every row start aligned to 8 elements: 16 bytes for bf16 / fp16
+    (the tensor-core kernel), the FMA kernel asks 32 (its fp32 path loads 32 bytes)."""
     d = anchors.shape[2]
     addrs = [anchors.data_ptr()] + [w.data_ptr() for w in weights if w is not None]
     return (d % 8 == 0 and anchors.stride(0) % 8 == 0 and anchors.stride(1) % 8 == 0
-            and all(a % 32 == 0 for a in addrs))
+            and all(a % align == 0 for a in addrs))
+
+
+def _mma_ok(anchors, weights) -> bool:
+    return (anchors.dtype in (torch.bfloat16, torch.float16)
+            and _vector_loads_ok(anchors, weights, align=16))
 
 
 def mma_plan(m: int, d: int, n_out: int, device, k_per: int | None = None) -> tuple[int, int]:
@@ -311,6 +317,9 @@ def mma_plan(m: int, d: int, n_out: int, device, k_per: int | None = None) -> tu
 
 def anchor_projection_cuda_mma(anchors, types, weights, biases=None, *, k_per=None):
     """The tensor-core kernel (bf16 / fp16, 16-byte aligned rows): see csrc/features.cu."""
+    if not _mma_ok(anchors, weights):
+        raise SPDInputError("the tensor-core anchor kernel needs bf16 / fp16 anchors and weights "
+                            "with rows on 16-byte boundaries (D and the strides multiples of 8)")
     m, rows, d = anchors.shape
     n_out = _d_out(anchors, weights)
     out = _alloc.empty(rows, n_out, dtype=anchors.dtype, device=anchors.device)
@@ -329,10 +338,9 @@ def anchor_projection_cuda_mma(anchors, types, weights, biases=None, *, k_per=No
 
 @dispatch.register("anchor_projection", "cuda", supports=_cuda_supports)
 def anchor_projection_cuda(anchors, types, weights, biases=None):
-    vec = _vector_loads_ok(anchors, weights)
-    if (vec and anchors.dtype in (torch.bfloat16, torch.float16)
-            and cuda_variant() == "mma"):
+    if cuda_variant() == "mma" and _mma_ok(anchors, weights):
         return anchor_projection_cuda_mma(anchors, types, weights, biases)
+    vec = _vector_loads_ok(anchors, weights)
     ext = _cuda.ext()
     m, rows, d = anchors.shape
     n_out = _d_out(anchors, weights)
