@@ -246,10 +246,15 @@ constexpr int kMmaThreads = kMmaWarps * 32;
 constexpr int kMmaNV = 2;                          // 8-column tiles per warp
 constexpr int kMmaTile = kMmaWarps * 8 * kMmaNV;   // columns per block
 
-// Work items before type e (splits of every type below it) with k_per columns a split.
+// K splits of type e ((e + 1) * D columns of W_e, k_per a split): its work items.
+__host__ __device__ __forceinline__ int type_splits(int e, int D, int k_per) {
+  return (int)(((int64_t)(e + 1) * D + k_per - 1) / k_per);
+}
+
+// Work items before type e (splits of every type below it).
 __device__ __forceinline__ int items_before(int e, int D, int k_per) {
   int y = 0;
-  for (int i = 0; i < e; ++i) y += (int)(((int64_t)(i + 1) * D + k_per - 1) / k_per);
+  for (int i = 0; i < e; ++i) y += type_splits(i, D, k_per);
   return y;
 }
 
@@ -292,7 +297,7 @@ anchor_mma(const T* __restrict__ a, int64_t stride_am, int64_t stride_ar, const 
   __shared__ int s_warp_count[kMmaWarps];
   int e = 0, split = blockIdx.y;  // this block's work item: split `split` of type e
   for (; e < M; ++e) {
-    const int splits = (int)(((int64_t)(e + 1) * D + k_per - 1) / k_per);
+    const int splits = type_splits(e, D, k_per);
     if (split < splits) break;
     split -= splits;
   }
@@ -333,7 +338,7 @@ anchor_mma_reduce(const float* __restrict__ ws, const void* types, bool types_i6
   float v = nanf("");
   if (e >= 0) {
     const int y0 = items_before(e, D, k_per);
-    const int splits = (int)(((int64_t)(e + 1) * D + k_per - 1) / k_per);
+    const int splits = type_splits(e, D, k_per);
     v = 0.f;
     for (int s = 0; s < splits; ++s) v += ws[((int64_t)(y0 + s) * R + r) * N + n];
     const T* B = reinterpret_cast<const T*>(table[M + e]);
@@ -361,7 +366,7 @@ int launch_mma(const void* anchors, int64_t stride_am, int64_t stride_ar, const 
 
 int anchor_projection_items(int M, int D, int k_per) {
   int64_t y = 0;
-  for (int e = 0; e < M; ++e) y += ((int64_t)(e + 1) * D + k_per - 1) / k_per;
+  for (int e = 0; e < M; ++e) y += type_splits(e, D, k_per);
   return y > 65535 ? -1 : (int)y;
 }
 

@@ -86,6 +86,7 @@ def simulated():
 
 
 EMULATED_SMS = 3  # the emulated device's multiprocessors (kSMs in csrc/simt_host.cpp)
+MMA_CHUNK = 32    # K columns per warp step of the tensor-core kernels (kMmaChunk, mma_stream.cuh)
 
 
 def multiprocessors(device) -> int:

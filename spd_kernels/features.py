@@ -275,7 +275,7 @@ def _cuda_supports(anchors, types, weights, biases=None):
 
 
 CUDA_VARIANTS = ("ffma", "mma")
-MMA_TILE, MMA_CHUNK = 64, 32  # output columns per block, K columns per warp step (features.cu)
+MMA_TILE = 64  # output columns per block of the tensor-core kernel (kMmaTile, features.cu)
 
 
 def cuda_variant() -> str:
@@ -308,7 +308,7 @@ def mma_plan(m: int, d: int, n_out: int, device, k_per: int | None = None) -> tu
         tiles = -(-n_out // MMA_TILE)
         items = max(m, round(4 * _cuda.multiprocessors(device) / tiles))
         k_per = -(-(d * m * (m + 1) // 2) // items)
-    k_per = max(4 * MMA_CHUNK, -(-int(k_per) // MMA_CHUNK) * MMA_CHUNK)
+    k_per = max(4 * _cuda.MMA_CHUNK, -(-int(k_per) // _cuda.MMA_CHUNK) * _cuda.MMA_CHUNK)
     count = lambda k: sum(-(-(e + 1) * d // k) for e in range(m))
     while count(k_per) > 65535:  # the grid's y limit
         k_per *= 2
@@ -320,6 +320,10 @@ def anchor_projection_cuda_mma(anchors, types, weights, biases=None, *, k_per=No
     if not _mma_ok(anchors, weights):
         raise SPDInputError("the tensor-core anchor kernel needs bf16 / fp16 anchors and weights "
                             "with rows on 16-byte boundaries (D and the strides multiples of 8)")
+    return _launch_mma(anchors, types, weights, biases, k_per)
+
+
+def _launch_mma(anchors, types, weights, biases, k_per):
     m, rows, d = anchors.shape
     n_out = _d_out(anchors, weights)
     out = _alloc.empty(rows, n_out, dtype=anchors.dtype, device=anchors.device)
@@ -339,7 +343,7 @@ def anchor_projection_cuda_mma(anchors, types, weights, biases=None, *, k_per=No
 @dispatch.register("anchor_projection", "cuda", supports=_cuda_supports)
 def anchor_projection_cuda(anchors, types, weights, biases=None):
     if cuda_variant() == "mma" and _mma_ok(anchors, weights):
-        return anchor_projection_cuda_mma(anchors, types, weights, biases)
+        return _launch_mma(anchors, types, weights, biases, None)
     vec = _vector_loads_ok(anchors, weights)
     ext = _cuda.ext()
     m, rows, d = anchors.shape

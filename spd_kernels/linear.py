@@ -43,7 +43,6 @@ if HAS_TRITON:
 
 MAX_KERNEL_ROWS = 64   # past this (a prefill chunk) a GEMM library is the right tool
 CUDA_MAX_ROWS = 16     # the MMA's M: rows of x
-CUDA_CHUNK = 32        # K columns per warp step; a split covers a multiple of it
 CUDA_COLUMNS = 64      # output columns per block (half of that per weight with SwiGLU)
 CUDA_MIN_CHUNKS = 4    # K chunks per split at least: fewer and the partial sums cost more than
                        # the extra blocks gain
@@ -369,12 +368,13 @@ def _swiglu_cuda_supports(*args):
 
 def cuda_plan(N: int, K: int, sets: int, device, split_k: int | None = None) -> tuple[int, int]:
     """(splits, K columns per split) for csrc/linear.cu: about three blocks per SM in all."""
-    chunks = -(-K // CUDA_CHUNK)
+    chunks = -(-K // _cuda.MMA_CHUNK)
     if split_k is None:
         col_blocks = -(-N // (CUDA_COLUMNS // sets))
-        split_k = min(round(3 * _cuda.multiprocessors(device) / col_blocks), chunks // CUDA_MIN_CHUNKS)
+        split_k = min(round(3 * _cuda.multiprocessors(device) / col_blocks),
+                      chunks // CUDA_MIN_CHUNKS)
     per = -(-chunks // max(1, min(int(split_k), chunks)))
-    return -(-chunks // per), per * CUDA_CHUNK
+    return -(-chunks // per), per * _cuda.MMA_CHUNK
 
 
 def cuda_launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,

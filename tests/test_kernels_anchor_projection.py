@@ -229,9 +229,8 @@ def test_cuda_variant_is_chosen_by_the_environment(monkeypatch):
     want = oracle(*args)
     calls = []
     import spd_kernels.features as features
-    real = features.anchor_projection_cuda_mma
-    monkeypatch.setattr(features, "anchor_projection_cuda_mma",
-                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = features._launch_mma  # the tensor-core kernel's launcher
+    monkeypatch.setattr(features, "_launch_mma", lambda *a, **k: calls.append(1) or real(*a, **k))
     for variant, mma_calls in (("ffma", 0), ("mma", 1), (None, 1)):  # None: unset, ffma
         if variant is None:
             monkeypatch.delenv("SPD_ANCHOR_VARIANT")

@@ -9,6 +9,7 @@ from spd_kernels import (SPDBackendError, SPDInputError, _cuda, dispatch, fused_
                          fused_swiglu)
 from spd_kernels.linear import (CUDA_MAX_ROWS, MAX_KERNEL_ROWS, cuda_launch, cuda_plan,
                                 fused_linear_reference, fused_swiglu_reference, launch, plan)
+from spd_kernels._triton import dtype_code
 from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
                                  poisoned_outputs)
 
@@ -210,8 +211,8 @@ def _mma_selftest(dtype, device):
     a = torch.randint(-4, 5, (16, 16), generator=g).to(device=device, dtype=dtype)
     b = torch.randint(-4, 5, (8, 16), generator=g).to(device=device, dtype=dtype)
     c = torch.full((16, 8), float("nan"), device=device)
-    _cuda.ext().mma_selftest(a.data_ptr(), b.data_ptr(), c.data_ptr(),
-                             1 if dtype == torch.bfloat16 else 2, _cuda.stream_of(a))
+    _cuda.ext().mma_selftest(a.data_ptr(), b.data_ptr(), c.data_ptr(), dtype_code(dtype),
+                             _cuda.stream_of(a))
     assert torch.equal(c, a.float() @ b.float().T)
 
 
