@@ -26,7 +26,8 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CU_SOURCES = ["verify.cu", "sampling.cu", "linear.cu", "kv_cache.cu", "features.cu", "runtime.cu"]
+CU_SOURCES = ["verify.cu", "sampling.cu", "linear.cu", "rope_append.cu", "attention.cu",
+              "kv_cache.cu", "features.cu", "runtime.cu"]
 SIMT_ONLY = ["simt_host.h", "simt_host.cpp"]  # the host emulation, in _spd_simt only
 
 

@@ -4,12 +4,13 @@ the reference, at the shapes of SmolLM2-135M, Qwen3-4B and Qwen3-8B.
 For each (model, op, case) and each backend that can run here (reference, compile, triton, cuda;
 for the PDM step and the cache attention also CUDA-graph replays of the eager reference,
 cuda_graph, and of the Triton path, triton_cg, position read on the device; for the PDM step also
-triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch, and cuda_linear(_cg): the
-same with the dense ops (and the QKV products) on the CUDA kernel; for fused_linear / fused_swiglu
+triton_attn(_cg): Triton QKV/RoPE/attention with the dense ops in torch, cuda_linear(_cg): the
+same with the dense ops (and the QKV products) on the CUDA kernel, and cuda(_cg): every op of the
+step on the CUDA kernels; for fused_linear / fused_swiglu
 cuda_cg, the CUDA kernel's launches as a graph, and cuda_1split(_cg) / cuda_2x_split(_cg), the same
 kernel with one K split or twice its plan's (to tune the plan); for the anchor projection
 cuda_mma(_cg), the tensor-core variant (SPD_ANCHOR_VARIANT=mma); for the attention also
-triton_1split, the keys not split over programs; for sampling triton_1prog, one program a row
+triton_1split and cuda_1split(_cg), the keys not split over programs; for sampling triton_1prog, one program a row
 instead of the split-row plan) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
@@ -55,7 +56,8 @@ from spd_kernels.features import anchor_projection_cuda_mma, anchor_projection_r
 from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.linear import (cuda_launch, cuda_plan, fused_linear_reference,
                                 fused_swiglu_reference)
-from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_launch, pack_qkv,
+from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_cuda_launch, attention_launch,
+                             pack_qkv,
                              cache_attention_reference, pdm_step, qkv_rope_append_reference)
 from spd_kernels.verify import (_launch_rejection, rejection_sample_logits_reference,
                                 target_to_draft_map, verify_greedy_reference)
@@ -269,6 +271,7 @@ def build_cases(op: str, s: Shape, dtype, device):
                 start, kc, vc, s.heads, s.kv_heads)
         fns = {"reference": (qkv_rope_append_reference, args)}
         fns["triton"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="triton"), args)
+        fns["cuda"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="cuda"), args)
         floor = (lw.wq.numel() + lw.wk.numel() + lw.wv.numel()) * el + rows * d * el * 2
         yield f"rows={rows}", fns, floor, {"graph": True}  # uncaptured, launches dominate
     elif op == "cache_attention":
@@ -282,7 +285,11 @@ def build_cases(op: str, s: Shape, dtype, device):
                "triton": (lambda *a: spd_kernels.cache_attention(*a, backend="triton"),
                           (q, kc, vc, start, None)),
                "triton_1split": (lambda *a: attention_launch(*a, splits=1),
-                                 (q, kc, vc, start, None))}
+                                 (q, kc, vc, start, None)),
+               "cuda": (lambda *a: spd_kernels.cache_attention(*a, backend="cuda"),
+                        (q, kc, vc, start, None)),
+               "cuda_1split": (lambda *a: attention_cuda_launch(*a, splits=1),
+                               (q, kc, vc, start, None))}
         # start on the device: no host read, the reference masks the whole cache
         yield f"rows={rows},start on device", fns, floor, {"graph": True}
         long_start = torch.tensor([CACHE_CAPACITY - rows], device=device)
@@ -349,6 +356,8 @@ def build_cases(op: str, s: Shape, dtype, device):
                              (x, w, kc, vc, start, cos, sin))
             fns["triton_attn"] = (triton_attention_only, (x, w, kc, vc, start, cos, sin))
             fns["cuda_linear"] = (cuda_linear_layers, (x, w, kc, vc, start, cos, sin))
+            fns["cuda"] = (lambda *a: pdm_step(*a, backend="cuda"),
+                           (x, w, kc, vc, start, cos, sin))
             floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
             floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
             yield case, fns, floor, {"graph": True}
@@ -533,7 +542,9 @@ CHALLENGES = (
     ("anchor_projection", ("cuda_mma_cg",), ("cuda_cg",)),
     ("fused_linear", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
     ("fused_swiglu", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
-    ("pdm_step", ("cuda_linear_cg",), ("triton_cg",)),
+    ("cache_attention", ("cuda_cg", "cuda_1split_cg"), ("triton_cg",)),
+    ("qkv_rope_append", ("cuda_cg",), ("triton_cg",)),
+    ("pdm_step", ("cuda_linear_cg", "cuda_cg"), ("triton_cg",)),
 )
 
 

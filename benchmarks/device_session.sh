@@ -113,7 +113,7 @@ echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut
 show gpu-tests.log | tail -n 2
 echo "---- kernel targets"; show bench-kernels.log | grep -E "^target:|ERROR" | cut -c1-240
 echo "---- on request";     show bench-kernels.log | grep -E "^challenger:" | cut -c1-150 | head -n 30
-echo "---- dense ops";      show bench-kernels.log | grep -E "anchor_projection .*(cuda|triton)|(fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 50
+echo "---- step ops";       show bench-kernels.log | grep -E "anchor_projection .*(cuda|triton)|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 70
 echo "---- verify variants"; for vv in 0 1 2; do show verify-variant-$vv.log | grep -E "verify_greedy|ERROR|Error" | cut -c1-120 | sed "s/^/v$vv /"; done
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2

@@ -167,6 +167,49 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       py::call_guard<py::gil_scoped_release>());
 
   m.def(
+      "rope_append",
+      [](uintptr_t qp, int64_t stride_qp, uintptr_t kp, int64_t stride_kp, uintptr_t vp,
+         int64_t stride_vp, uintptr_t q_norm, uintptr_t k_norm, uintptr_t cos, uintptr_t sin,
+         int64_t stride_cs, uintptr_t start, uintptr_t q_out, uintptr_t k_cache,
+         uintptr_t v_cache, int rows, int H, int KVH, int S, int P, int HD, float eps, int dtype,
+         uintptr_t stream) {
+        require_device();
+        check(spd::rope_append(ptr<const void>(qp), stride_qp, ptr<const void>(kp), stride_kp,
+                               ptr<const void>(vp), stride_vp, ptr<const void>(q_norm),
+                               ptr<const void>(k_norm), ptr<const void>(cos),
+                               ptr<const void>(sin), stride_cs, ptr<const int64_t>(start),
+                               ptr<void>(q_out), ptr<void>(k_cache), ptr<void>(v_cache), rows, H,
+                               KVH, S, P, HD, eps, dtype, ptr<void>(stream)),
+              "rope_append");
+      },
+      py::arg("qp"), py::arg("stride_qp"), py::arg("kp"), py::arg("stride_kp"), py::arg("vp"),
+      py::arg("stride_vp"), py::arg("q_norm"), py::arg("k_norm"), py::arg("cos"), py::arg("sin"),
+      py::arg("stride_cs"), py::arg("start"), py::arg("q_out"), py::arg("k_cache"),
+      py::arg("v_cache"), py::arg("rows"), py::arg("H"), py::arg("KVH"), py::arg("S"),
+      py::arg("P"), py::arg("HD"), py::arg("eps"), py::arg("dtype"), py::arg("stream"),
+      py::call_guard<py::gil_scoped_release>());
+
+  m.def(
+      "cache_attention",
+      [](uintptr_t q, int64_t stride_qh, int64_t stride_qr, uintptr_t k, uintptr_t v,
+         int64_t stride_ch, int64_t stride_cs, uintptr_t start, uintptr_t out, int64_t stride_or,
+         uintptr_t ws, int H, int R, int KVH, int S, int HD, int splits, int chunk,
+         float scale_log2, int dtype, uintptr_t stream) {
+        require_device();
+        check(spd::cache_attention(ptr<const void>(q), stride_qh, stride_qr, ptr<const void>(k),
+                                   ptr<const void>(v), stride_ch, stride_cs,
+                                   ptr<const int64_t>(start), ptr<void>(out), stride_or,
+                                   ptr<float>(ws), H, R, KVH, S, HD, splits, chunk, scale_log2,
+                                   dtype, ptr<void>(stream)),
+              "cache_attention");
+      },
+      py::arg("q"), py::arg("stride_qh"), py::arg("stride_qr"), py::arg("k"), py::arg("v"),
+      py::arg("stride_ch"), py::arg("stride_cs"), py::arg("start"), py::arg("out"),
+      py::arg("stride_or"), py::arg("ws"), py::arg("H"), py::arg("R"), py::arg("KVH"),
+      py::arg("S"), py::arg("HD"), py::arg("splits"), py::arg("chunk"), py::arg("scale_log2"),
+      py::arg("dtype"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+
+  m.def(
       "kv_truncate",
       [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream) {
         require_device();

@@ -63,6 +63,25 @@ int rejection_sample(const void* x, int64_t stride_x, int x_dtype, const void* q
 // One mma.m16n8k16 on one warp with fragments filled by the PTX ISA's layout (a check of it):
 // c [16, 8] fp32 = a [16, 16] @ b [8, 16]^T, bf16 or f16 inputs.
 int mma_selftest(const void* a, const void* b, float* c, int dtype, void* stream);
+// The per-head step of qkv_rope_append after the products: qp [rows, H * HD], kp and vp
+// [rows, KVH * HD] (row strides given) -> per-head RMSNorm of q and k (when q_norm / k_norm are
+// given, both or neither), RoPE from the tables cos / sin [P, HD] (row stride stride_cs) at
+// position *start + row, q to q_out [H, rows, HD], k and v into the caches [KVH, S, HD] (rows past
+// S dropped). bf16 / f16, HD even and at most 256.
+int rope_append(const void* qp, int64_t stride_qp, const void* kp, int64_t stride_kp,
+                const void* vp, int64_t stride_vp, const void* q_norm, const void* k_norm,
+                const void* cos, const void* sin, int64_t stride_cs, const int64_t* start,
+                void* q_out, void* k_cache, void* v_cache, int rows, int H, int KVH, int S, int P,
+                int HD, float eps, int dtype, void* stream);
+// Attention of R rows (query heads H, q [H, R, HD] with strides (stride_qh, stride_qr, 1)) against
+// KV caches [KVH, S, HD] (strides (stride_ch, stride_cs, 1)), row r seeing keys 0 .. *start + r;
+// out [R, H * HD] (row stride stride_or). bf16 / f16, HD 64 or 128, 16-byte aligned rows. The keys
+// are cut into `splits` ranges of `chunk` (a multiple of 32); with splits > 1, ws holds
+// KVH * splits * R * (H / KVH) * (HD + 2) fp32. scale_log2 = softmax scale * log2(e).
+int cache_attention(const void* q, int64_t stride_qh, int64_t stride_qr, const void* k,
+                    const void* v, int64_t stride_ch, int64_t stride_cs, const int64_t* start,
+                    void* out, int64_t stride_or, float* ws, int H, int R, int KVH, int S, int HD,
+                    int splits, int chunk, float scale_log2, int dtype, void* stream);
 int fused_linear(const void* x, int64_t stride_x, const void* norm_weight, void* xn,
                  const void* w0, const void* w1, const void* residual, int64_t stride_res,
                  void* out, int64_t stride_out, float* ws, int R, int N, int K, int splits,

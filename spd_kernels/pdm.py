@@ -14,6 +14,9 @@ Op `qkv_rope_append` (dispatched, see spd_kernels.dispatch):
              in the interpreter its Triton kernel), then one launch, program (row, head), applies
              the per-head RMSNorm and RoPE in registers and writes q out or k/v straight into the
              cache at position start + row (read on the device; rows past the capacity dropped).
+  cuda       the products on fused_linear's tensor-core CUDA kernel, then csrc/rope_append.cu, a
+             block per (row, head), for the same per-head work (bf16 / fp16, <= 16 rows). On
+             request only until a GPU has timed it.
 Op `cache_attention` (dispatched):
   reference  torch. With an int `start`: SDPA over cache rows [0, start + R) with the causal
              chunk mask, exactly spd.layers' attention. With a tensor `start`: the mask over the
@@ -26,6 +29,12 @@ Op `cache_attention` (dispatched):
              graphs replay anywhere, and a second launch merges the splits that hold keys in a
              fixed order. One rounding to the cache dtype. Output [R, H * head_dim], ready for
              o_proj.
+  cuda       csrc/attention.cu, bf16 / fp16, head_dim 64 or 128: block (kv head, key split, up
+             to 64 pairs), 32-key tiles through shared memory (the next tile's loads in flight),
+             scores on tensor cores with the q and K pieces as fragments as loaded, online softmax
+             a warp per pair, P V in fp32 FMAs; the same split-and-merge plan as Triton's.
+             Registered on request only (backend="cuda", SPD_BACKEND=cache_attention=cuda) until
+             a GPU has timed it against Triton.
 The output projection + residual, RMSNorm + SwiGLU MLP + residual and the final RMSNorm + LM
 head are spd_kernels.linear's fused_linear / fused_swiglu (dispatched the same way).
 """
@@ -36,13 +45,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spd_kernels import _alloc, dispatch
+from spd_kernels import _alloc, _cuda, dispatch
 from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton,
                                  tl)
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
 from spd_kernels.linear import _supports as linear_kernel_supports
+from spd_kernels.linear import cuda_launch as linear_cuda_launch
 from spd_kernels.linear import launch as linear_launch
 
 if HAS_TRITON:
@@ -320,6 +330,24 @@ def _project(x, w, norm_weight, eps):
     return linear_launch(x, w, None, norm_weight, eps)
 
 
+def _start_tensor(start, device) -> torch.Tensor:
+    """start as the int64 tensor of one element the kernels read on the device."""
+    if not isinstance(start, torch.Tensor):
+        return torch.tensor([int(start)], dtype=torch.int64, device=device)
+    return start.reshape(1)
+
+
+def _qkv_products(x, norm_weight, eps, wq, wk, wv, project):
+    """(q, k, v) projections of rms_norm(x) through project(x, w, norm_weight, eps): one product
+    over the packed weights when they lie back to back (then views of its columns), else three."""
+    qkv = packed_qkv(wq, wk, wv)
+    if qkv is None:
+        return tuple(project(x, w, norm_weight, eps) for w in (wq, wk, wv))
+    y = project(x, qkv, norm_weight, eps)
+    nq, nk = wq.shape[0], wk.shape[0]
+    return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+
+
 @dispatch.register("qkv_rope_append", "triton", supports=_qkv_supports)
 def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
                            k_cache, v_cache, num_heads, num_kv_heads):
@@ -332,21 +360,67 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
     q = _alloc.empty(num_heads, T, hd, dtype=x.dtype, device=x.device)
     if T == 0:
         return q
-    if not isinstance(start, torch.Tensor):
-        start = torch.tensor([int(start)], dtype=torch.int64, device=x.device)
-    qkv = packed_qkv(wq, wk, wv)
-    if qkv is not None:  # one product over the packed weights, then views of its columns
-        y = _project(x, qkv, norm_weight, eps)
-        nq, nk = wq.shape[0], wk.shape[0]
-        qp, kp, vp = y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
-    else:
-        qp, kp, vp = (_project(x, w, norm_weight, eps) for w in (wq, wk, wv))
+    start = _start_tensor(start, x.device)
+    qp, kp, vp = _qkv_products(x, norm_weight, eps, wq, wk, wv, _project)
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
         qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
         q_norm if q_norm is not None else norm_weight,
         k_norm if k_norm is not None else norm_weight, cos, sin, cos.stride(0), start, q,
         k_cache, v_cache, T, num_heads, num_kv_heads, S, eps, HD=hd,
         QK_NORM=q_norm is not None, R=dtype_code(x.dtype), num_warps=1 if INTERPRET else 2)
+    return q
+
+
+CUDA_ROPE_MAX_HEAD_DIM = 256  # a thread per pair of RoPE elements, one block per head
+
+
+def _qkv_cuda_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
+                       v_cache, num_heads, num_kv_heads):
+    hd = k_cache.shape[2]
+    if hd > CUDA_ROPE_MAX_HEAD_DIM:
+        return f"the CUDA kernel takes head_dim up to {CUDA_ROPE_MAX_HEAD_DIM}, got {hd}"
+    # the products run on linear.cu: its limits (bf16 / fp16, <= 16 rows, 16-byte rows)
+    why = linear_kernel_supports(x, [("x", x), ("norm_weight", norm_weight), ("wq", wq),
+                                     ("wk", wk), ("wv", wv)], cuda=True)
+    if why:
+        return why
+    named = [("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)]
+    named += [(n, t) for n, t in (("q_norm", q_norm), ("k_norm", k_norm)) if t is not None]
+    for name, t in named:
+        if t.dtype != x.dtype:
+            return (f"the kernel needs every tensor in one dtype (x is {x.dtype}, {name} is "
+                    f"{t.dtype})")
+        why = last_dim_contiguous(name, t)
+        if why:
+            return why
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+    return None
+
+
+def _project_cuda(x, w, norm_weight, eps):
+    return linear_cuda_launch(x, w, None, norm_weight, eps)
+
+
+@dispatch.register("qkv_rope_append", "cuda", supports=_qkv_cuda_supports, automatic=False)
+def qkv_rope_append_cuda(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
+                         k_cache, v_cache, num_heads, num_kv_heads):
+    # The products on linear.cu's tensor-core kernel (packed into one when the weights lie back
+    # to back), then csrc/rope_append.cu, a block per (row, head): per-head norm, RoPE, append.
+    T = x.shape[0]
+    kvh, S, hd = k_cache.shape
+    q = _alloc.empty(num_heads, T, hd, dtype=x.dtype, device=x.device)
+    if T == 0:
+        return q
+    start = _start_tensor(start, x.device)
+    qp, kp, vp = _qkv_products(x, norm_weight, eps, wq, wk, wv, _project_cuda)
+    ptr = lambda t: 0 if t is None else t.data_ptr()
+    _cuda.ext().rope_append(
+        qp.data_ptr(), qp.stride(0), kp.data_ptr(), kp.stride(0), vp.data_ptr(), vp.stride(0),
+        ptr(q_norm), ptr(k_norm), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+        start.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, num_heads,
+        num_kv_heads, S, cos.shape[0], hd, float(eps), dtype_code(x.dtype), _cuda.stream_of(x))
     return q
 
 
@@ -612,9 +686,7 @@ def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = 
     out = _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
     if R == 0:
         return out
-    if not isinstance(start, torch.Tensor):
-        start = torch.tensor([int(start)], dtype=torch.int64, device=q.device)
-    start = start.reshape(1)
+    start = _start_tensor(start, q.device)
     group = H // kvh
     block_n = _attention_blocks(hd, S)
     block_m = _attention_block_m(R * group)
@@ -643,6 +715,78 @@ def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = 
 @dispatch.register("cache_attention", "triton", supports=_attention_supports)
 def cache_attention_triton(q, k_cache, v_cache, start, scale):
     return attention_launch(q, k_cache, v_cache, start, scale)
+
+
+# ------------------------------------------------------------------------------------------------
+# cache_attention on the CUDA kernel (csrc/attention.cu)
+# ------------------------------------------------------------------------------------------------
+
+CUDA_ATTENTION_TILE = 32             # keys per tile (kTile in attention.cu)
+CUDA_ATTENTION_PAIRS = 64            # (row, query head) pairs per block (kMaxPairs)
+CUDA_ATTENTION_HEAD_DIMS = (64, 128)  # the kernel's instantiations
+
+
+def _attention_cuda_supports(q, k_cache, v_cache, start, scale):
+    hd = q.shape[2]
+    if k_cache.dtype not in (torch.bfloat16, torch.float16):
+        return (f"the CUDA kernel runs bf16 / fp16 caches (scores on tensor cores), got "
+                f"{k_cache.dtype} (the Triton kernel takes fp32)")
+    if hd not in CUDA_ATTENTION_HEAD_DIMS:
+        return f"the CUDA kernel is built for head_dim 64 or 128, got {hd}"
+    if q.dtype != k_cache.dtype:
+        return f"the kernel needs q in the caches' dtype (q is {q.dtype}, caches {k_cache.dtype})"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        why = last_dim_contiguous(name, t)
+        if why:
+            return why
+        if t.data_ptr() % 16 or t.stride(0) % 8 or t.stride(1) % 8:
+            return (f"the CUDA kernel reads {name} in 16-byte pieces: it must start on a 16-byte "
+                    f"boundary with rows a multiple of 8 elements apart")
+    if k_cache.stride() != v_cache.stride():
+        return (f"the kernel needs k_cache and v_cache with the same strides (got "
+                f"{k_cache.stride()} and {v_cache.stride()})")
+    return None
+
+
+def attention_cuda_plan(kv_heads: int, pairs: int, S: int, device,
+                        splits: int | None = None) -> tuple[int, int]:
+    """(splits, keys per split) of the CUDA kernel over the cache capacity S (not the position,
+    so one graph serves every position): about four blocks per SM when the cache is full, each
+    split a whole number of 32-key tiles."""
+    tiles = -(-S // CUDA_ATTENTION_TILE)
+    if splits is None:
+        blocks_z = -(-pairs // CUDA_ATTENTION_PAIRS)
+        splits = round(4 * _cuda.multiprocessors(device) / (kv_heads * blocks_z))
+    splits = max(1, min(int(splits), tiles))
+    chunk = -(-tiles // splits) * CUDA_ATTENTION_TILE
+    return -(-S // chunk), chunk
+
+
+def attention_cuda_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = None):
+    """The CUDA cache attention (see cache_attention); `splits` forces the key split."""
+    H, R, hd = q.shape
+    kvh, S, _ = k_cache.shape
+    out = _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
+    if R == 0:
+        return out
+    start = _start_tensor(start, q.device)
+    group = H // kvh
+    n_splits, chunk = attention_cuda_plan(kvh, R * group, S, q.device, splits)
+    ws = (_alloc.empty(kvh * n_splits * R * group * (hd + 2), dtype=torch.float32,
+                       device=q.device) if n_splits > 1 else None)
+    scale = hd ** -0.5 if scale is None else scale
+    _cuda.ext().cache_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
+        k_cache.stride(0), k_cache.stride(1), start.data_ptr(), out.data_ptr(), out.stride(0),
+        0 if ws is None else ws.data_ptr(), H, R, kvh, S, hd, n_splits, chunk,
+        float(scale) * 1.4426950408889634, dtype_code(k_cache.dtype), _cuda.stream_of(q))
+    return out
+
+
+@dispatch.register("cache_attention", "cuda", supports=_attention_cuda_supports,
+                   automatic=False)
+def cache_attention_cuda(q, k_cache, v_cache, start, scale):
+    return attention_cuda_launch(q, k_cache, v_cache, start, scale)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,17 +1,20 @@
 """cache_attention: a chunk of R rows attending causally (GQA) to a KV cache that already holds
-them, the position read from a device tensor. Triton kernel against the reference (both of its
-paths: host int start, device tensor start), the reference against a per-row loop, errors."""
+them, the position read from a device tensor. Triton kernel and the CUDA kernel (csrc/attention.cu,
+in the host emulation on CPU) against the reference (both of its paths: host int start, device
+tensor start), the reference against a per-row loop, errors."""
 import math
 
 import pytest
 import torch
 
-from spd_kernels import SPDBackendError, SPDInputError, cache_attention, dispatch, pdm
-from spd_kernels.testing import TRITON_DEVICE, TRITON_SKIP_REASON, poisoned_outputs
+from spd_kernels import SPDBackendError, SPDInputError, _cuda, cache_attention, dispatch, pdm
+from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
+                                 poisoned_outputs)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def make_case(R, start, S, H, KVH, hd, dtype, device, seed):
@@ -152,6 +155,82 @@ def test_triton_half_precision(dtype):
                                atol=2 * tol)
 
 
+# (R, start, S, H, KVH, hd) for the CUDA kernel (head_dim 64 / 128): R = 1 at position 0 in a
+# cache shorter than a tile; 36 pairs (the Qwen3 group of 4); no GQA at hd 128 with the chunk
+# ending at the capacity; 68 pairs (two pair blocks of 34, the second seeing further); an odd
+# group of 3; MQA from position 0 (every key causal inside the chunk).
+CUDA_SHAPES = [(1, 0, 5, 4, 2, 64), (9, 40, 100, 8, 2, 64), (5, 75, 80, 4, 4, 128),
+               (17, 20, 70, 8, 2, 64), (3, 95, 160, 6, 2, 128), (16, 0, 40, 2, 1, 64)]
+
+
+@needs_simt
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("R,start,S,H,KVH,hd", CUDA_SHAPES)
+@pytest.mark.parametrize("splits", [1, 3, None])
+def test_cuda_kernel_matches_reference_in_emulation(dtype, R, start, S, H, KVH, hd, splits):
+    """One split (the block normalises; several 32-key tiles when S is long), three, and the
+    plan's own (the combine merges the splits holding each row's keys); the cache past the chunk
+    is NaN and the output and workspace poisoned, in both sentinel sets (same bits)."""
+    q, k, v = make_case(R, start, S, H, KVH, hd, dtype, "cpu", seed=R * S + hd + (splits or 0))
+    q[:, R // 2] *= 8  # a peaky row: its maximum moves between tiles and splits
+    start_t = torch.tensor([start])
+    with _cuda.simulated():
+        with poisoned_outputs("a"):
+            out = pdm.attention_cuda_launch(q, k, v, start_t, None, splits=splits)
+        with poisoned_outputs("b"):
+            again = pdm.attention_cuda_launch(q, k, v, start, None, splits=splits)  # host start
+    assert out.shape == (R, H * hd) and out.dtype == dtype
+    tol = 2 * torch.finfo(dtype).eps
+    ref = run(q, k, v, start_t, "reference")  # fp32 math, one rounding: as the kernel
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(out.float(), per_row(q, k, v, start).float(), rtol=2 * tol,
+                               atol=2 * tol)
+    assert torch.equal(out, again)
+
+
+def test_cuda_plan_covers_the_cache_in_whole_tiles():
+    for S in (1, 5, 32, 33, 100, 4096, 40960):
+        for want in (None, 1, 2, 3, 64, 10 ** 6):
+            for kvh, pairs in ((8, 36), (1, 200), (2, 4)):
+                splits, chunk = pdm.attention_cuda_plan(kvh, pairs, S, torch.device("cpu"), want)
+                assert chunk % pdm.CUDA_ATTENTION_TILE == 0 and splits >= 1
+                assert (splits - 1) * chunk < S <= splits * chunk
+                if want is not None:
+                    assert splits <= want
+
+
+@needs_simt
+def test_cuda_dispatch_on_request_only_and_its_limits():
+    """The CUDA kernel runs when asked for (not yet timed on a GPU, so the automatic choice
+    passes over it), takes a q that is a strided view, and says why it cannot take an argument
+    instead of reading past one."""
+    assert "cuda" in dispatch.describe()["ops"]["cache_attention"]["on_request_only"]
+    R, start, S, H, KVH, hd = 4, 30, 64, 4, 2, 64
+    q, k, v = make_case(R, start, S, H, KVH, hd, torch.bfloat16, "cpu", seed=5)
+    q_view = q.transpose(0, 1).contiguous().transpose(0, 1)  # [H, R, hd] over an [R, H, hd] buffer
+    tol = 2 * torch.finfo(torch.bfloat16).eps
+    with _cuda.simulated():
+        assert dispatch.select("cache_attention", torch.device("cpu"))[0] == "reference"
+        got = run(q_view, k, v, torch.tensor(start), "cuda")
+        torch.testing.assert_close(got.float(), run(q, k, v, start, "reference").float(),
+                                   rtol=tol, atol=tol)
+        q32, k32, v32 = make_case(R, start, S, H, KVH, hd, torch.float32, "cpu", seed=5)
+        qs, ks, vs = make_case(R, start, S, H, KVH, 32, torch.bfloat16, "cpu", seed=5)
+        raw = torch.randn(KVH * S * hd + 4).to(torch.bfloat16)
+        shifted = raw[4:].view(KVH, S, hd)  # 8 bytes past a 16-byte boundary
+        for call, match in (
+                (lambda: cache_attention(q32, k32, v32, start, backend="cuda"), "bf16 / fp16"),
+                (lambda: cache_attention(qs, ks, vs, start, backend="cuda"), "64 or 128, got 32"),
+                (lambda: cache_attention(q.half(), k, v, start, backend="cuda"),
+                 "q in the caches' dtype"),
+                (lambda: cache_attention(q, shifted, v, start, backend="cuda"),
+                 "k_cache in 16-byte pieces"),
+                (lambda: cache_attention(q, k, v.transpose(1, 2).contiguous().transpose(1, 2),
+                                         start, backend="cuda"), "contiguous")):
+            with pytest.raises(SPDBackendError, match=match):
+                call()
+
+
 def test_checks():
     q, k, v = make_case(3, 2, 8, 4, 2, 8, torch.float32, "cpu", seed=0)
     with pytest.raises(SPDInputError, match="rows 6..8 do not fit a cache of 8"):
@@ -211,25 +290,28 @@ def test_library_op():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_triton_at_qwen3_4b_pdm_shapes_and_graph_replay(dtype):
+def test_gpu_backends_at_qwen3_4b_pdm_shapes_and_graph_replay(backend, dtype):
     """bf16 / fp32 on CUDA at the Qwen3-4B PDM shapes (9 rows, 32 heads over 8 kv heads,
     head_dim 128), then one CUDA graph replayed at other positions by writing `start`."""
-    if "triton" not in dispatch.available("cache_attention", "cuda"):
-        pytest.skip("Triton not available for CUDA tensors here (TRITON_INTERPRET=1?)")
+    if backend not in dispatch.available("cache_attention", "cuda"):
+        pytest.skip(f"the {backend} backend is not available for CUDA tensors here")
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA kernel is bf16 / fp16 only (tensor-core scores); fp32 runs on Triton")
     R, S, H, KVH, hd = 9, 4096, 32, 8, 128
     q, k, v = make_case(R, 4000, S, H, KVH, hd, dtype, "cuda", seed=9)
     k, v = k.nan_to_num(), v.nan_to_num()
     tol = 2e-5 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
     start = torch.tensor([1000], device="cuda")
     ref = run(q, k, v, start, "reference")
-    out = run(q, k, v, start, "triton")
+    out = run(q, k, v, start, backend)
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
     graph = torch.cuda.CUDAGraph()
-    cache_attention(q, k, v, start, backend="triton")  # compile outside the capture
+    cache_attention(q, k, v, start, backend=backend)  # compile outside the capture
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
-        captured = cache_attention(q, k, v, start, backend="triton")
+        captured = cache_attention(q, k, v, start, backend=backend)
     for pos in (0, 17, 2500, S - R):
         start.fill_(pos)
         graph.replay()

@@ -76,9 +76,11 @@ def test_env_errors(monkeypatch):
         dispatch.select("verify_greedy", CPU)
 
 
-def test_explicit_unavailable_backend_raises_clearly():
+def test_explicit_unavailable_backend_raises_clearly(monkeypatch):
     with pytest.raises(SPDBackendError, match="cuda backend was requested.*CUDA tensors"):
         dispatch.select("verify_greedy", CPU, backend="cuda")
+    # every op has a CUDA kernel today: take one away to see the message for a missing one
+    monkeypatch.delitem(dispatch._REGISTRY["qkv_rope_append"], "cuda")
     with pytest.raises(SPDBackendError, match="qkv_rope_append has no cuda implementation"):
         dispatch.select("qkv_rope_append", CPU, backend="cuda")
 

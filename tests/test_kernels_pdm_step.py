@@ -16,6 +16,7 @@ from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_RE
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def make_case(T, d, H, KVH, hd, S, dtype, device, seed, qk_norm=True):
@@ -105,6 +106,56 @@ def test_triton_half_precision(dtype):
     for got, want in zip(out[1:], ref[1:]):
         torch.testing.assert_close(got[:, 2:2 + T].float(), want[:, 2:2 + T].float(), rtol=tol,
                                    atol=tol)
+
+
+# (T, d, H, KVH, hd) for the CUDA path (d a multiple of 8): head_dim 8 (4 of a warp's threads
+# hold pairs), 16, 64 (one full warp) and 128 (two warps: the per-head norm sums across them).
+CUDA_SHAPES = [(1, 32, 4, 2, 8), (5, 48, 6, 2, 16), (9, 40, 4, 4, 8), (3, 24, 2, 1, 64),
+               (16, 64, 2, 1, 128)]
+
+
+@needs_simt
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("T,d,H,KVH,hd", CUDA_SHAPES)
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_cuda_kernel_matches_reference_in_emulation(dtype, T, d, H, KVH, hd, qk_norm):
+    """The products on linear.cu, then rope_append.cu (host emulation), packed and separate
+    weights, start on the device and on the host: q as the reference's, k and v written at
+    start .. start + T - 1 and nowhere else (the rest of the caches stays NaN)."""
+    S, start = 24, 5
+    args, caches = make_case(T, d, H, KVH, hd, S, dtype, "cpu", seed=T * d + hd, qk_norm=qk_norm)
+    ref = run(args, caches, start, H, KVH, "reference")
+    packed = dict(args)
+    packed["wq"], packed["wk"], packed["wv"] = pdm.pack_qkv(args["wq"], args["wk"], args["wv"])
+    tol = 2 * torch.finfo(dtype).eps
+    with _cuda.simulated():
+        outs = [run(args, caches, torch.tensor([start]), H, KVH, "cuda"),
+                run(packed, caches, start, H, KVH, "cuda")]
+    for out in outs:
+        assert out[0].shape == (H, T, hd) and out[0].dtype == dtype
+        torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=tol, atol=tol)
+        for got, want in zip(out[1:], ref[1:]):
+            assert got[:, :start].isnan().all() and got[:, start + T:].isnan().all()
+            torch.testing.assert_close(got[:, start:start + T].float(),
+                                       want[:, start:start + T].float(), rtol=tol, atol=tol)
+
+
+@needs_simt
+def test_cuda_qkv_on_request_only_and_its_limits():
+    from spd_kernels import SPDBackendError
+    assert "cuda" in dispatch.describe()["ops"]["qkv_rope_append"]["on_request_only"]
+    args, caches = make_case(3, 24, 2, 1, 8, 20, torch.bfloat16, "cpu", seed=2)
+    with _cuda.simulated():
+        assert dispatch.select("qkv_rope_append", torch.device("cpu"))[0] == "reference"
+        for change, match in ((dict(x=args["x"].float()), "bf16 / fp16"),
+                              (dict(cos=args["cos"].half()), "one dtype"),
+                              (dict(x=torch.randn(17, 24).to(torch.bfloat16)), "at most 16 rows")):
+            bad = dict(args, **change)
+            k, v = (c.clone() for c in caches)
+            with pytest.raises(SPDBackendError, match=match):
+                qkv_rope_append(bad["x"], bad["norm_weight"], 1e-6, bad["wq"], bad["wk"],
+                                bad["wv"], bad["q_norm"], bad["k_norm"], bad["cos"], bad["sin"],
+                                0, k, v, 2, 1, backend="cuda")
 
 
 def test_triton_qkv_declines_chunks_past_the_linear_kernels_rows():
@@ -256,11 +307,12 @@ def random_step_weights(d, H, KVH, hd, inter, vd, L, dtype, device, seed=3):
 
 
 @pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
-def test_pdm_step_with_the_cuda_linear_layers_in_emulation():
-    """The step with every dense product (o_proj, SwiGLU MLP, down, LM head) on the CUDA kernel
-    (host emulation, bf16) matches the reference step: the kernel's strides, views (the head
-    takes x[-1:]) and residuals line up in the real sequence of calls."""
-    d, H, KVH, hd, inter, vd, S, L = 64, 4, 2, 16, 96, 200, 32, 2
+def test_pdm_step_with_the_cuda_kernels_in_emulation():
+    """The step with every op on the CUDA kernels (QKV products, norm / RoPE / append, attention,
+    o_proj, SwiGLU MLP, down, LM head; host emulation, bf16) matches the reference step: the
+    kernels' strides, views (the head takes x[-1:], the attention q from the QKV step) and
+    residuals line up in the real sequence of calls."""
+    d, H, KVH, hd, inter, vd, S, L = 64, 4, 2, 64, 96, 200, 48, 2
     w, r = random_step_weights(d, H, KVH, hd, inter, vd, L, torch.bfloat16, "cpu")
     cos, sin = (t.to(torch.bfloat16) for t in rope_table(hd, S, 1e4))
     caches = {b: [r(L, KVH, S, hd) for _ in range(2)] for b in ("reference", "cuda")}
@@ -268,9 +320,8 @@ def test_pdm_step_with_the_cuda_linear_layers_in_emulation():
     for start, rows in ((0, 9), (9, 5), (12, 1)):
         feats = r(rows, d)
         want = pdm_step(feats, w, *caches["reference"], start, cos, sin, backend="reference")
-        with _cuda.simulated(), use_backend(fused_linear="cuda", fused_swiglu="cuda"), \
-                poisoned_outputs("a"):
-            got = pdm_step(feats, w, *caches["cuda"], start, cos, sin)
+        with _cuda.simulated(), poisoned_outputs("a"):
+            got = pdm_step(feats, w, *caches["cuda"], start, cos, sin, backend="cuda")
         torch.testing.assert_close(got, want, rtol=0.03, atol=0.05)
         for c, ref in zip(caches["cuda"], caches["reference"]):
             torch.testing.assert_close(c.float(), ref.float(), rtol=0.02, atol=0.02)
@@ -278,15 +329,18 @@ def test_pdm_step_with_the_cuda_linear_layers_in_emulation():
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_triton_at_qwen3_4b_pdm_shapes(dtype):
-    if "triton" not in dispatch.available("qkv_rope_append", "cuda"):
-        pytest.skip("Triton not available for CUDA tensors here")
+def test_gpu_backends_at_qwen3_4b_pdm_shapes(backend, dtype):
+    if backend not in dispatch.available("qkv_rope_append", "cuda"):
+        pytest.skip(f"the {backend} backend is not available for CUDA tensors here")
+    if backend == "cuda" and dtype == torch.float32:
+        pytest.skip("the CUDA path is bf16 / fp16 only (tensor-core products); fp32 runs on Triton")
     T, d, H, KVH, hd, S = 9, 2560, 32, 8, 128, 4096
     args, caches = make_case(T, d, H, KVH, hd, S, dtype, "cuda", seed=9)
     start = torch.tensor([1000], device="cuda")
     ref = run(args, caches, start, H, KVH, "reference")
-    out = run(args, caches, start, H, KVH, "triton")
+    out = run(args, caches, start, H, KVH, backend)
     tol = 1e-4 if dtype == torch.float32 else 2 * torch.finfo(dtype).eps
     torch.testing.assert_close(out[0].float(), ref[0].float(), rtol=tol, atol=tol)
     torch.testing.assert_close(out[1][:, 1000:1009].float(), ref[1][:, 1000:1009].float(),
@@ -295,16 +349,18 @@ def test_gpu_triton_at_qwen3_4b_pdm_shapes(dtype):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("linear", ["triton", "cuda"])
-def test_gpu_pdm_step_captured_once_replays_at_any_position(linear):
+@pytest.mark.parametrize("qkv,attention,linear", [("triton", "triton", "triton"),
+                                                  ("triton", "triton", "cuda"),
+                                                  ("cuda", "cuda", "cuda")])
+def test_gpu_pdm_step_captured_once_replays_at_any_position(qkv, attention, linear):
     """With a device `start` nothing in pdm_step reads the position on the host: one CUDA graph of
-    the whole step (Triton QKV/RoPE/append + attention; the dense products on Triton or on the
-    CUDA kernel) replays at any position."""
-    if any("triton" not in dispatch.available(op, "cuda")
-           for op in ("qkv_rope_append", "cache_attention")):
-        pytest.skip("Triton not available for CUDA tensors here (TRITON_INTERPRET=1?)")
-    if linear not in dispatch.available("fused_linear", "cuda"):
-        pytest.skip(f"the {linear} backend of fused_linear is not available here")
+    the whole step (all Triton, Triton with the CUDA dense products, all CUDA) replays at any
+    position."""
+    wanted = dict(qkv_rope_append=qkv, cache_attention=attention, fused_linear=linear,
+                  fused_swiglu=linear)
+    for op, backend in wanted.items():
+        if backend not in dispatch.available(op, "cuda"):
+            pytest.skip(f"the {backend} backend of {op} is not available here")
     dtype, dev = torch.bfloat16, "cuda"
     d, H, KVH, hd, inter, vd, S, T, L = 512, 8, 2, 64, 1024, 1000, 256, 5, 2
     w, r = random_step_weights(d, H, KVH, hd, inter, vd, L, dtype, dev)
@@ -312,7 +368,7 @@ def test_gpu_pdm_step_captured_once_replays_at_any_position(linear):
     k, v = r(L, KVH, S, hd), r(L, KVH, S, hd)
     feats = r(T, d)
     start = torch.tensor([0], device=dev)
-    with use_backend("triton", fused_linear=linear, fused_swiglu=linear):
+    with use_backend(**wanted):
         pdm_step(feats, w, k, v, start, cos, sin)  # compile the kernels outside the capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
