@@ -513,15 +513,21 @@ def _attention_supports(q, k_cache, v_cache, start, scale):
     hd = q.shape[2]
     if hd != next_pow2(hd):
         return f"the kernel needs a power-of-two head_dim (tl.arange), got {hd}"
-    why = check_kernel_float("k_cache", k_cache)
-    if why:
-        return why
+    return check_kernel_float("k_cache", k_cache) or _attention_layout(q, k_cache, v_cache)
+
+
+def _attention_layout(q, k_cache, v_cache, *, pieces16: bool = False):
+    """None when both kernels' layout needs hold (pieces16: rows read in 16-byte pieces, as the
+    CUDA kernel does), else why not."""
     if q.dtype != k_cache.dtype:
         return f"the kernel needs q in the caches' dtype (q is {q.dtype}, caches {k_cache.dtype})"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         why = last_dim_contiguous(name, t)
         if why:
             return why
+        if pieces16 and (t.data_ptr() % 16 or t.stride(0) % 8 or t.stride(1) % 8):
+            return (f"the CUDA kernel reads {name} in 16-byte pieces: it must start on a 16-byte "
+                    f"boundary with rows a multiple of 8 elements apart")
     if k_cache.stride() != v_cache.stride():
         return (f"the kernel needs k_cache and v_cache with the same strides (got "
                 f"{k_cache.stride()} and {v_cache.stride()})")
@@ -674,16 +680,27 @@ def attention_splits(rows: int, kv_heads: int, S: int, block_n: int, device,
     programs holding keys, kv_heads x used splits, spread over the SMs)."""
     if splits is None:
         splits = 1 if device.type != "cuda" else 64
-    splits = max(1, min(int(splits), triton.cdiv(S, block_n)))
-    chunk = triton.cdiv(triton.cdiv(S, splits), block_n) * block_n
-    return triton.cdiv(S, chunk), chunk
+    return _key_splits(S, block_n, splits)
+
+
+def _key_splits(S: int, unit: int, splits: int) -> tuple[int, int]:
+    """(splits, keys per split): S keys cut into at most `splits` ranges of whole `unit`s."""
+    units = -(-S // unit)
+    chunk = -(-units // max(1, min(int(splits), units))) * unit
+    return -(-S // chunk), chunk
+
+
+def _attention_out(q, k_cache):
+    """The attention's output [R, H * head_dim] in the caches' dtype (poisoned under test)."""
+    H, R, hd = q.shape
+    return _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
 
 
 def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = None):
     """The Triton cache attention (see cache_attention); `splits` forces the key split."""
     H, R, hd = q.shape
     kvh, S, _ = k_cache.shape
-    out = _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
+    out = _attention_out(q, k_cache)
     if R == 0:
         return out
     start = _start_tensor(start, q.device)
@@ -733,19 +750,7 @@ def _attention_cuda_supports(q, k_cache, v_cache, start, scale):
                 f"{k_cache.dtype} (the Triton kernel takes fp32)")
     if hd not in CUDA_ATTENTION_HEAD_DIMS:
         return f"the CUDA kernel is built for head_dim 64 or 128, got {hd}"
-    if q.dtype != k_cache.dtype:
-        return f"the kernel needs q in the caches' dtype (q is {q.dtype}, caches {k_cache.dtype})"
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        why = last_dim_contiguous(name, t)
-        if why:
-            return why
-        if t.data_ptr() % 16 or t.stride(0) % 8 or t.stride(1) % 8:
-            return (f"the CUDA kernel reads {name} in 16-byte pieces: it must start on a 16-byte "
-                    f"boundary with rows a multiple of 8 elements apart")
-    if k_cache.stride() != v_cache.stride():
-        return (f"the kernel needs k_cache and v_cache with the same strides (got "
-                f"{k_cache.stride()} and {v_cache.stride()})")
-    return None
+    return _attention_layout(q, k_cache, v_cache, pieces16=True)
 
 
 def attention_cuda_plan(kv_heads: int, pairs: int, S: int, device,
@@ -753,20 +758,17 @@ def attention_cuda_plan(kv_heads: int, pairs: int, S: int, device,
     """(splits, keys per split) of the CUDA kernel over the cache capacity S (not the position,
     so one graph serves every position): about four blocks per SM when the cache is full, each
     split a whole number of 32-key tiles."""
-    tiles = -(-S // CUDA_ATTENTION_TILE)
     if splits is None:
         blocks_z = -(-pairs // CUDA_ATTENTION_PAIRS)
         splits = round(4 * _cuda.multiprocessors(device) / (kv_heads * blocks_z))
-    splits = max(1, min(int(splits), tiles))
-    chunk = -(-tiles // splits) * CUDA_ATTENTION_TILE
-    return -(-S // chunk), chunk
+    return _key_splits(S, CUDA_ATTENTION_TILE, splits)
 
 
 def attention_cuda_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = None):
     """The CUDA cache attention (see cache_attention); `splits` forces the key split."""
     H, R, hd = q.shape
     kvh, S, _ = k_cache.shape
-    out = _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
+    out = _attention_out(q, k_cache)
     if R == 0:
         return out
     start = _start_tensor(start, q.device)
