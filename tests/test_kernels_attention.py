@@ -158,9 +158,11 @@ def test_triton_half_precision(dtype):
 # (R, start, S, H, KVH, hd) for the CUDA kernel (head_dim 64 / 128): R = 1 at position 0 in a
 # cache shorter than a tile; 36 pairs (the Qwen3 group of 4); no GQA at hd 128 with the chunk
 # ending at the capacity; 68 pairs (two pair blocks of 34, the second seeing further); an odd
-# group of 3; MQA from position 0 (every key causal inside the chunk).
+# group of 3; MQA from position 0 (every key causal inside the chunk); Qwen3-4B's heads (32 over
+# 8 of 128) at the PDM's 9 rows.
 CUDA_SHAPES = [(1, 0, 5, 4, 2, 64), (9, 40, 100, 8, 2, 64), (5, 75, 80, 4, 4, 128),
-               (17, 20, 70, 8, 2, 64), (3, 95, 160, 6, 2, 128), (16, 0, 40, 2, 1, 64)]
+               (17, 20, 70, 8, 2, 64), (3, 95, 160, 6, 2, 128), (16, 0, 40, 2, 1, 64),
+               (9, 150, 200, 32, 8, 128)]
 
 
 @needs_simt

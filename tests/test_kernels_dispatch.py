@@ -193,3 +193,25 @@ def test_gpu_engine_lossless_under_each_backend(backend):
         with use_backend(**{op: backend for op in ops}):
             res = eng.generate(PROMPT, 24)
         assert res.token_ids == ar
+
+
+def test_python_m_spd_kernels_reports_the_picks():
+    """`python -m spd_kernels` lists every op with the backend it would run on each device, and
+    says why when SPD_BACKEND forces one that cannot run here."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, SPD_BACKEND="fused_linear=cuda", TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-m", "spd_kernels", "--json"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    info = json.loads(done.stdout)
+    assert set(info["ops"]) == set(dispatch.OPS) and info["spd_backend_env"] == "fused_linear=cuda"
+    assert info["ops"]["verify_greedy"]["picked"]["cpu"] == "reference"
+    assert "cuda" in info["ops"]["cache_attention"]["on_request_only"]
+    assert "needs CUDA tensors" in info["ops"]["fused_linear"]["picked"]["cpu"]
+    table = subprocess.run([sys.executable, "-m", "spd_kernels"], env=env, capture_output=True,
+                           text=True, timeout=120)
+    assert table.returncode == 0 and "cache_attention" in table.stdout
+    assert "SPD_BACKEND: fused_linear=cuda" in table.stdout
