@@ -210,7 +210,7 @@ def test_python_m_spd_kernels_reports_the_picks():
     assert set(info["ops"]) == set(dispatch.OPS) and info["spd_backend_env"] == "fused_linear=cuda"
     assert info["ops"]["verify_greedy"]["picked"]["cpu"] == "reference"
     assert "cuda" in info["ops"]["cache_attention"]["on_request_only"]
-    assert "needs CUDA tensors" in info["ops"]["fused_linear"]["picked"]["cpu"]
+    assert "need CUDA tensors" in info["ops"]["fused_linear"]["picked"]["cpu"]
     table = subprocess.run([sys.executable, "-m", "spd_kernels"], env=env, capture_output=True,
                            text=True, timeout=120)
     assert table.returncode == 0 and "cache_attention" in table.stdout
