@@ -215,3 +215,38 @@ def test_python_m_spd_kernels_reports_the_picks():
                            text=True, timeout=120)
     assert table.returncode == 0 and "cache_attention" in table.stdout
     assert "SPD_BACKEND: fused_linear=cuda" in table.stdout
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+def test_engine_drafts_through_the_cuda_pdm_step_in_host_emulation():
+    """A bf16 target whose PDM has head_dim 64: every op of the draft step (QKV products, norm /
+    RoPE / append, attention, dense layers, draft head) on the CUDA kernels in the host emulation,
+    with the runtime's own caches, views and positions (40 tokens: the cache outgrows one 32-key
+    tile, so the attention's key splits and their merge run too). The output stays the target's greedy
+    decode (the verifier is the reference), and every draft's logits match the reference step's
+    at the same call, so the kernels compute the step the runtime expects."""
+    from spd.target import TargetModel
+    cpu = make_tiny_target(seed=71, vocab=48, layers=4, hidden=128, heads=2, kv_heads=1)
+    t = TargetModel(cpu.hf.to(torch.bfloat16), None, name=cpu.name)
+    eng = SPDEngine(t, n_stages=3, anchors=[0, 2, 3], lookup=0, warn_untrained=False)
+    assert eng.pdm.config.head_dim == 64 and next(eng.pdm.parameters()).dtype == torch.bfloat16
+    logits = {"reference": [], "cuda": []}
+    step = eng.pdm.step
+
+    def recording(*args):
+        out = step(*args)
+        logits[run].append(out.float().clone())
+        return out
+    eng.pdm.step = recording  # the drafter calls pdm.step: record each draft's logits
+    ar = eng.generate_ar(PROMPT, 40).token_ids
+    run = "reference"
+    ref = eng.generate(PROMPT, 40)
+    pdm_ops = dict(qkv_rope_append="cuda", cache_attention="cuda", fused_linear="cuda",
+                   fused_swiglu="cuda")
+    run = "cuda"
+    with _cuda.simulated(), use_backend(**pdm_ops):
+        res = eng.generate(PROMPT, 40)
+    assert res.token_ids == ar == ref.token_ids
+    assert len(logits["cuda"]) == len(logits["reference"]) > 10
+    for got, want in zip(logits["cuda"], logits["reference"]):
+        torch.testing.assert_close(got, want, rtol=0.03, atol=0.05)
