@@ -222,9 +222,9 @@ def test_engine_drafts_through_the_cuda_pdm_step_in_host_emulation():
     """A bf16 target whose PDM has head_dim 64: every op of the draft step (QKV products, norm /
     RoPE / append, attention, dense layers, draft head) on the CUDA kernels in the host emulation,
     with the runtime's own caches, views and positions (40 tokens: the cache outgrows one 32-key
-    tile, so the attention's key splits and their merge run too). The output stays the target's greedy
-    decode (the verifier is the reference), and every draft's logits match the reference step's
-    at the same call, so the kernels compute the step the runtime expects."""
+    tile, so the attention's key splits and their merge run too). The output stays the target's
+    greedy decode (the verifier is the reference), and every draft's logits match the reference
+    step's at the same call, so the kernels compute the step the runtime expects."""
     from spd.target import TargetModel
     cpu = make_tiny_target(seed=71, vocab=48, layers=4, hidden=128, heads=2, kv_heads=1)
     t = TargetModel(cpu.hf.to(torch.bfloat16), None, name=cpu.name)
@@ -238,8 +238,8 @@ def test_engine_drafts_through_the_cuda_pdm_step_in_host_emulation():
         logits[run].append(out.float().clone())
         return out
     eng.pdm.step = recording  # the drafter calls pdm.step: record each draft's logits
-    ar = eng.generate_ar(PROMPT, 40).token_ids
     run = "reference"
+    ar = eng.generate_ar(PROMPT, 40).token_ids
     ref = eng.generate(PROMPT, 40)
     pdm_ops = dict(qkv_rope_append="cuda", cache_attention="cuda", fused_linear="cuda",
                    fused_swiglu="cuda")
