@@ -11,7 +11,8 @@ cuda_cg, the CUDA kernel's launches as a graph, and cuda_1split(_cg) / cuda_2x_s
 kernel with one K split or twice its plan's (to tune the plan); for the anchor projection
 cuda_mma(_cg), the tensor-core variant (SPD_ANCHOR_VARIANT=mma); for the attention also
 triton_1split and cuda_1split(_cg), the keys not split over programs; for sampling triton_1prog, one program a row
-instead of the split-row plan) it prints the median
+instead of the split-row plan; for every op with a CUDA kernel also cuda_pdl(_cg), the same
+kernels as programmatic dependent launches, SPD_PDL=1) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -51,7 +52,7 @@ import torch
 
 import spd_kernels
 from spd.loading import describe_device
-from spd_kernels import dispatch
+from spd_kernels import _cuda, dispatch
 from spd_kernels.features import anchor_projection_cuda_mma, anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.linear import (cuda_launch, cuda_plan, fused_linear_reference,
@@ -363,6 +364,19 @@ def build_cases(op: str, s: Shape, dtype, device):
             yield case, fns, floor, {"graph": True}
 
 
+def with_programmatic_variant(fns: dict) -> dict:
+    """fns plus cuda_pdl: the cuda entry with every kernel launched as a programmatic dependent
+    launch (a graph of it, cuda_pdl_cg, is captured with the programmatic edges)."""
+    if "cuda" not in fns or not _cuda.built():
+        return fns
+    fn, fargs = fns["cuda"]
+
+    def programmatic(*a):
+        with _cuda.programmatic_launch():
+            return fn(*a)
+    return {**fns, "cuda_pdl": (programmatic, fargs)}
+
+
 def cuda_split_variants(N, K, sets, launch, args) -> dict:
     """The CUDA dense kernel at other K-split counts than its plan's (one split, and twice the
     plan's), for tuning the plan on the GPU: {name: (fn, args)}."""
@@ -433,6 +447,7 @@ def run(args) -> dict:
         s = MODELS[m]
         for op in ops:
             for case, fns, floor_bytes, extra in build_cases(op, s, dtype, device):
+                fns = with_programmatic_variant(fns)
                 entries = dict(fns)
                 if m in compile_models:
                     ref_fn, ref_args = fns["reference"]
@@ -508,7 +523,7 @@ def targets(rows, device) -> list[dict]:
 
     def best(op, model="qwen3-4b", case=None,
              backends=("triton", "cuda", "cuda_graph", "triton_cg", "triton_attn_cg", "cuda_cg",
-                       "cuda_linear_cg", "cuda_mma", "cuda_mma_cg")):
+                       "cuda_linear_cg", "cuda_mma", "cuda_mma_cg", "cuda_pdl", "cuda_pdl_cg")):
         cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
                  and r["backend"] in backends and (case is None or r["case"].startswith(case))]
         return min(cands, key=lambda r: r["us"]) if cands else None
@@ -534,8 +549,9 @@ def targets(rows, device) -> list[dict]:
 
 
 # Kernels registered on request only (not yet timed on a GPU), each against what the automatic
-# choice runs for the same call: (op, the challenger's backends, the incumbent's backends); graph
-# rows stand against graph rows.
+# choice runs for the same call, and the CUDA kernels launched programmatically against the same
+# launched plainly: (op, the challenger's backends, the incumbent's backends); graph rows stand
+# against graph rows.
 CHALLENGES = (
     ("rejection_sample_logits", ("cuda",), ("triton",)),
     ("anchor_projection", ("cuda_mma",), ("cuda",)),
@@ -544,8 +560,9 @@ CHALLENGES = (
     ("fused_swiglu", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
     ("cache_attention", ("cuda_cg", "cuda_1split_cg"), ("triton_cg",)),
     ("qkv_rope_append", ("cuda_cg",), ("triton_cg",)),
-    ("pdm_step", ("cuda_linear_cg", "cuda_cg"), ("triton_cg",)),
-)
+    ("pdm_step", ("cuda_linear_cg", "cuda_cg", "cuda_pdl_cg"), ("triton_cg",)),
+) + tuple(  # programmatic dependent launch (off by default) against the same kernels without it
+    (op, (f"cuda_pdl{g}",), (f"cuda{g}",)) for op in OPS for g in ("", "_cg"))
 
 
 def challengers(rows) -> list[dict]:

@@ -5,7 +5,8 @@
 #   3. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
 #      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is)
 #   4. kernel microbenchmarks at Qwen3-4B shapes (but verify)   -> $OUT/<date>-kernels-<dev>.json
-#      (the dense ops and the PDM step on Triton and on the CUDA kernel, each also as a graph)
+#      (the dense ops and the PDM step on Triton and on the CUDA kernel, each also as a graph,
+#       and the CUDA kernels also as programmatic dependent launches: cuda_pdl(_cg))
 #   5. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
 #   6. verify_greedy, once per CUDA kernel variant (SPD_VERIFY_VARIANT=0, 1, 2) -> verify-variant-*.json
@@ -64,7 +65,8 @@ EOF
 )
     # verify_greedy runs on its own below, once per CUDA kernel variant (a crash there cannot
     # take the other rows with it)
-    KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20 --ops rejection_sample_logits,anchor_projection,truncate_kv,qkv_rope_append,cache_attention,fused_linear,fused_swiglu,pdm_step)
+    # the two open targets first: a step cut off by its time cap keeps the rows it printed
+    KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20 --ops pdm_step,anchor_projection,fused_linear,fused_swiglu,cache_attention,qkv_rope_append,truncate_kv,rejection_sample_logits)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
     KERNEL_TESTS=(tests/test_kernels_*.py)
@@ -112,8 +114,8 @@ show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
 echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
 show gpu-tests.log | tail -n 2
 echo "---- kernel targets"; show bench-kernels.log | grep -E "^target:|ERROR" | cut -c1-240
-echo "---- on request";     show bench-kernels.log | grep -E "^challenger:" | cut -c1-150 | head -n 30
-echo "---- step ops";       show bench-kernels.log | grep -E "anchor_projection .*(cuda|triton)|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 70
+echo "---- on request";     show bench-kernels.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
+echo "---- step ops";       show bench-kernels.log | grep -E "anchor_projection .*(cuda|triton)|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- verify variants"; for vv in 0 1 2; do show verify-variant-$vv.log | grep -E "verify_greedy|ERROR|Error" | cut -c1-120 | sed "s/^/v$vv /"; done
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2

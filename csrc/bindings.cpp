@@ -67,13 +67,19 @@ PYBIND11_MODULE(SPD_MODULE, m) {
         check(spd::simt::selftest(which, ptr<int>(out)), "selftest");
       },
       py::arg("which"), py::arg("out"),
-      "known-answer kernels of the emulation: 0 warp collectives, 1 a deadlock");
+      "known-answer kernels of the emulation: 0 warp collectives, 1 a deadlock, 2 a thread "
+      "that skips pdl_wait()");
 #else
   m.attr("host_emulation") = false;
 #endif
   m.def("device_count", &device_count, "number of CUDA devices; raises when none is usable");
   m.def("runtime_version", &spd::runtime_version, "CUDA runtime version compiled in");
   m.def("verify_greedy_num_blocks", &spd::verify_greedy_num_blocks, py::arg("V"));
+  m.def("set_programmatic_launch", &spd::set_programmatic_launch, py::arg("on"),
+        "programmatic dependent launch for the kernels launched from now on (sm_90+); returns "
+        "the previous setting");
+  m.def("programmatic_launch", &spd::programmatic_launch,
+        "whether kernels are launched as programmatic dependent launches");
 
   m.def(
       "verify_greedy",

@@ -9,16 +9,78 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#define SPD_LAUNCH(kernel, grid, block, smem, stream) kernel<<<grid, block, smem, stream>>>
+// kernel<<<grid, block, smem, stream>>>(args), or the same as a programmatic dependent launch
+// when set_programmatic_launch(true) was called (see Launch below).
+#define SPD_LAUNCH(kernel, grid, block, smem, stream) \
+  ::spd::make_launch(kernel, grid, block, smem, stream)
 #define SPD_DYNAMIC_SHARED(T, name) extern __shared__ T name[]
 #endif
 
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 #include "spd_cuda.h"
 
 namespace spd {
+
+// Programmatic dependent launch (sm_90+). With it on, a kernel may start while the one before it
+// on the stream is still running (once every block of that one has called pdl_trigger()), so its
+// launch and ramp overlap the other's tail. Every kernel of this extension therefore calls
+// pdl_wait() before it reads anything an earlier kernel may have written, and before any store
+// (the earlier kernel may still read a buffer it is about to reuse); only loads of what no kernel
+// writes (weights) and L2 prefetches may come first. Without the launch attribute both are no-ops.
+// The host emulation checks that every thread of every launch reaches pdl_wait().
+__device__ __forceinline__ void pdl_wait() {
+#if defined(SPD_SIMT_HOST)
+  simt::grid_dependency_wait();
+#elif defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Lets the next kernel on the stream launch (it still waits for this one in its pdl_wait()).
+__device__ __forceinline__ void pdl_trigger() {
+#if !defined(SPD_SIMT_HOST) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+#ifndef SPD_SIMT_HOST
+// SPD_LAUNCH(...)(args): a plain launch, or with programmaticStreamSerializationAllowed when the
+// process-wide switch is on. Errors are left for the launcher's cudaGetLastError().
+template <typename... P>
+struct Launch {
+  void (*kernel)(P...);
+  dim3 grid, block;
+  size_t smem;
+  cudaStream_t stream;
+  template <typename... A>
+  void operator()(A&&... args) const {
+    if (!programmatic_launch()) {
+      kernel<<<grid, block, smem, stream>>>(std::forward<A>(args)...);
+      return;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = block;
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cudaLaunchKernelEx(&cfg, kernel, std::forward<A>(args)...);
+  }
+};
+
+template <typename... P>
+Launch<P...> make_launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
+                         cudaStream_t stream) {
+  return Launch<P...>{kernel, grid, block, smem, stream};
+}
+#endif
 
 template <typename T>
 struct Num;

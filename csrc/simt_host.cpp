@@ -90,6 +90,7 @@ struct Fiber {
   dim3 tid;
   int warp = 0, lane = 0;
   bool started = false, done = false;
+  bool waited = false;  // reached grid_dependency_wait()
   std::vector<char> stack;
 };
 
@@ -159,7 +160,7 @@ int run_block(dim3 bidx) {
                  i / (coords.block_dim.x * coords.block_dim.y));
     f.warp = i / 32;
     f.lane = i % 32;
-    f.started = f.done = false;
+    f.started = f.done = f.waited = false;
     f.ctx.prepare(f.stack.data(), f.stack.size(), fiber_main);
   }
   coords.block_idx = bidx;
@@ -186,6 +187,14 @@ int run_block(dim3 bidx) {
       return cudaErrorLaunchFailure;  // the fibers are abandoned; their stacks are reused
     }
   }
+  for (int i = 0; i < n; ++i)
+    if (!blk.fibers[i].waited) {
+      std::fprintf(stderr,
+                   "spd_kernels._spd_simt: thread %d of block (%u, %u, %u) ended without "
+                   "pdl_wait(), which a programmatic launch needs before any memory access\n",
+                   i, bidx.x, bidx.y, bidx.z);
+      return cudaErrorNotPermitted;
+    }
   return cudaSuccess;
 }
 
@@ -197,6 +206,7 @@ uint64_t* warp_slots() { return blk.slots.data() + 32 * blk.current->warp; }
 int lane() { return blk.current->lane; }
 int warp_size() { return std::min(32, blk.threads - 32 * blk.current->warp); }
 void* dynamic_shared() { return blk.smem.data(); }
+void grid_dependency_wait() { blk.current->waited = true; }
 
 int run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
   std::lock_guard<std::mutex> lock(launch_mutex);  // one launch at a time: statics are shared
@@ -288,6 +298,7 @@ namespace {
 
 // out[9 * t + i]: lane t's results of the warp collectives, for 64 threads (two warps).
 void collectives_kernel(int* out) {
+  grid_dependency_wait();
   const int t = threadIdx.x, lane = t & 31;
   int* o = out + 9 * t;
   o[0] = __shfl_xor_sync(0xffffffffu, t, 5);
@@ -307,16 +318,23 @@ void collectives_kernel(int* out) {
 
 // Half of warp 0 waits at __syncthreads, the other half at __syncwarp: neither barrier can open.
 void deadlock_kernel(int* out) {
+  grid_dependency_wait();
   if (threadIdx.x < 16) __syncthreads();
   else if (threadIdx.x < 32) __syncwarp();
   else __syncthreads();
   out[threadIdx.x] = 1;
 }
 
+// Thread 5 ends without the wait every kernel owes a programmatic launch.
+void no_wait_kernel(int* out) {
+  if (threadIdx.x != 5) grid_dependency_wait();
+  out[threadIdx.x] = 2;
+}
+
 }  // namespace
 
 int selftest(int which, int* out) {
-  auto kernel = which == 0 ? collectives_kernel : deadlock_kernel;
+  auto kernel = which == 0 ? collectives_kernel : which == 1 ? deadlock_kernel : no_wait_kernel;
   launch(kernel, 1, 64, 0, nullptr)(out);
   return cudaGetLastError();
 }
@@ -374,6 +392,7 @@ const char* cudaGetErrorName(cudaError_t err) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorNotPermitted: return "cudaErrorNotPermitted";
     default: return "cudaErrorUnknown";
   }
 }
@@ -384,6 +403,7 @@ const char* cudaGetErrorString(cudaError_t err) {
     case cudaErrorInvalidValue: return "invalid argument";
     case cudaErrorInvalidConfiguration: return "invalid configuration argument";
     case cudaErrorLaunchFailure: return "unspecified launch failure (in the host emulation: a deadlock at a barrier)";
+    case cudaErrorNotPermitted: return "operation not permitted (in the host emulation: a kernel thread ended without pdl_wait())";
     default: return "unknown error";
   }
 }

@@ -44,8 +44,11 @@ uint64_t* warp_slots();                      // 32 exchange slots of the caller'
 int lane();
 int warp_size();                             // threads in the caller's warp (32 but the last)
 void* dynamic_shared();                      // the launch's dynamic shared memory
+void grid_dependency_wait();                 // common.cuh's pdl_wait(): marks the thread
 
-// Runs body(block) for every block, each block's threads as fibers. 0 or a cudaError_t value.
+// Runs body(block) for every block, each block's threads as fibers. 0 or a cudaError_t value:
+// cudaErrorNotPermitted when a thread ended without grid_dependency_wait() (every kernel must
+// call pdl_wait(): on a GPU it may be launched programmatically, see common.cuh).
 int run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
 
 template <typename K>

@@ -13,6 +13,11 @@ const char* error_name(int err);
 const char* error_string(int err);
 int runtime_version();
 
+// Programmatic dependent launch for every kernel launched after this call (process-wide; off by
+// default). Returns the previous setting. common.cuh's SPD_LAUNCH reads it.
+bool set_programmatic_launch(bool on);
+bool programmatic_launch();
+
 // Greedy verification: fused RMSNorm + LM-head GEMV + argmax (+ compare), logits never stored.
 // Pass 1 writes per-vocabulary-block maxima to pval/pidx [R, verify_greedy_num_blocks(V)],
 // pass 2 reduces them and writes target [R] (int64) and accepted [R] (bool).
@@ -90,7 +95,8 @@ int fused_linear(const void* x, int64_t stride_x, const void* norm_weight, void*
 #ifdef SPD_SIMT_HOST
 namespace simt {
 // Known-answer kernels of the host emulation (simt_host.cpp): 0 = warp collectives and a block
-// barrier, 64 threads writing out[9 * 64]; 1 = a deadlock (must return cudaErrorLaunchFailure).
+// barrier, 64 threads writing out[9 * 64]; 1 = a deadlock (must return cudaErrorLaunchFailure);
+// 2 = a thread ending without pdl_wait() (must return cudaErrorNotPermitted).
 int selftest(int which, int* out);
 }  // namespace simt
 #endif

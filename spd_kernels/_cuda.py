@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 
 _ext = None
 _error: str | None = None
@@ -19,9 +20,11 @@ def load():
     """The extension module, or None when it is not built / cannot be imported."""
     global _ext, _error, _loaded
     if not _loaded:
+        programmatic = _env_programmatic()  # a bad SPD_PDL raises here, at every call
         _loaded = True
         try:
             _ext = importlib.import_module("spd_kernels._spd_cuda")
+            _ext.set_programmatic_launch(programmatic)
         except ImportError as exc:
             _ext, _error = None, (f"the CUDA extension spd_kernels._spd_cuda is not built ({exc}); "
                                   "reinstall with nvcc on PATH (pip install -e .) and without "
@@ -104,3 +107,38 @@ def stream_of(t) -> int:
         return 0  # the emulation runs synchronously
     import torch
     return torch.cuda.current_stream(t.device).cuda_stream
+
+
+# --- programmatic dependent launch -------------------------------------------------------------
+# On sm_90+ a kernel launched programmatically may start while the one before it on the stream
+# is still running; it waits for that one inside (csrc/common.cuh, pdl_wait), after prefetching
+# its first weights to L2, so back-to-back launches (the PDM step's ~40 in one CUDA graph) lose
+# less time between kernels. Process-wide, for every kernel of the extension; off by default
+# until timed on a GPU (SPD_PDL=1 turns it on at load; graphs keep what was set at capture).
+
+def _env_programmatic() -> bool:
+    raw = os.environ.get("SPD_PDL", "0").strip().lower()
+    if raw not in ("0", "1", "", "false", "true", "off", "on"):
+        raise ValueError(f"SPD_PDL={raw!r}: use 1 (programmatic dependent launch) or 0 (plain)")
+    return raw in ("1", "true", "on")
+
+
+def programmatic_launch_enabled() -> bool:
+    """Whether the extension's kernels are launched programmatically (False when not built)."""
+    mod = load()
+    return bool(mod is not None and mod.programmatic_launch())
+
+
+@contextlib.contextmanager
+def programmatic_launch(on: bool = True):
+    """Inside this block the extension's kernels are (or, with on=False, are not) programmatic
+    dependent launches; a CUDA graph captured inside keeps that. Raises RuntimeError when the
+    extension is not built."""
+    mod = load()  # the real extension also inside simulated(): the emulation runs synchronously
+    if mod is None:
+        raise RuntimeError(_error)
+    old = mod.set_programmatic_launch(bool(on))
+    try:
+        yield
+    finally:
+        mod.set_programmatic_launch(old)

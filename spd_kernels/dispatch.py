@@ -194,6 +194,7 @@ def describe() -> dict:
     return {
         "triton": HAS_TRITON, "triton_interpret": INTERPRET, "cuda_extension": _cuda.built(),
         "cuda_extension_error": _cuda.unavailable_reason(),
+        "programmatic_launch": _cuda.programmatic_launch_enabled(),
         "ops": {op: {"implemented": [b for b in BACKENDS if b in _REGISTRY[op]],
                      "on_request_only": [b for b in BACKENDS if b in _REGISTRY[op]
                                          and not _REGISTRY[op][b].automatic],

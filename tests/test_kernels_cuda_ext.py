@@ -67,6 +67,44 @@ def test_host_emulation_known_answers_and_deadlock():
         sim.selftest(0, out.data_ptr())  # usable after a deadlock
 
 
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+def test_host_emulation_reports_a_thread_that_skips_pdl_wait():
+    """Every kernel may be launched programmatically on a GPU (SPD_PDL=1), where touching memory
+    before pdl_wait() races with the kernel before it. The emulation fails any launch in which a
+    thread ends without reaching pdl_wait(), so every emulated kernel test also checks that."""
+    with _cuda.simulated() as sim:
+        out = torch.full((64,), -1, dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="cudaErrorNotPermitted.*pdl_wait"):
+            sim.selftest(2, out.data_ptr())
+        assert (out == 2).all()  # the threads ran; only the missing wait is reported
+        full = torch.zeros(64 * 9, dtype=torch.int32)  # kept alive: the call takes its address
+        sim.selftest(0, full.data_ptr())  # usable after it
+
+
+@pytest.mark.skipif(not _cuda.built(), reason="the CUDA extension is not built")
+def test_programmatic_launch_switch():
+    """SPD_PDL=1 turns programmatic dependent launch on at load, a bad value is refused by name,
+    and the context manager restores the previous setting."""
+    code = ("from spd_kernels import _cuda\n"
+            "print('ON', _cuda.programmatic_launch_enabled())\n"
+            "with _cuda.programmatic_launch(False):\n"
+            "    print('INSIDE', _cuda.programmatic_launch_enabled())\n"
+            "print('AFTER', _cuda.programmatic_launch_enabled())\n")
+    for value, on in (("1", True), ("0", False), ("on", True)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "SPD_PDL": value}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["ON", str(on), "INSIDE", "False", "AFTER", str(on)]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env={**os.environ, "SPD_PDL": "yes please"}, timeout=120)
+    assert out.returncode != 0 and "SPD_PDL='yes please'" in out.stderr
+    was = _cuda.programmatic_launch_enabled()
+    with _cuda.programmatic_launch():
+        assert _cuda.programmatic_launch_enabled()
+        assert dispatch.describe()["programmatic_launch"]
+    assert _cuda.programmatic_launch_enabled() == was
+
+
 def run_python(code: str) -> subprocess.CompletedProcess:
     """code in a fresh interpreter (a module hidden there stays hidden from this process)."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -85,7 +123,8 @@ def test_simulated_without_the_emulation_says_why():
 
 
 HOST_ONLY = {"anchor_projection_items", "runtime_version", "verify_greedy_num_blocks",
-             "host_emulation"}  # arithmetic on the host, or a constant: no device needed
+             "host_emulation", "programmatic_launch", "set_programmatic_launch"}
+# arithmetic on the host, a constant or a host-side setting: no device needed
 
 
 def _zero_args(fn):

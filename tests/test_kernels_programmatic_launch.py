@@ -1,0 +1,164 @@
+"""Programmatic dependent launch (SPD_PDL=1, `spd_kernels._cuda.programmatic_launch`).
+
+With it on, every kernel of the CUDA extension may start before the kernel ahead of it on the
+stream has finished, and waits for that one (pdl_wait in csrc/common.cuh) before it touches
+memory. A kernel that read or wrote too early would race with its predecessor. The host
+emulation checks that every thread of every kernel reaches the wait (test_kernels_cuda_ext.py);
+on a GPU these tests check that long back-to-back chains of every CUDA op give the same bits with
+and without it, eagerly and replayed from one CUDA graph. Every kernel sums in a fixed order, so
+any difference is a race, not rounding.
+"""
+import pytest
+import torch
+
+from spd.layers import rope_table
+from spd_kernels import (_cuda, anchor_projection, dispatch, pdm_step, rejection_sample_logits,
+                         truncate_kv_, verify_greedy)
+from spd_kernels.pdm import LayerWeights, PDMWeights
+from spd_kernels.testing import SIMT_SKIP_REASON
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+QWEN3_4B = dict(d=2560, H=32, KVH=8, hd=128, inter=9728, vd=32000, V=151936, S=2048, start=1000)
+SMALL = dict(d=64, H=4, KVH=2, hd=64, inter=96, vd=200, V=300, S=80, start=20)
+
+OPS = ("anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu",
+       "verify_greedy", "rejection_sample_logits", "truncate_kv")
+
+
+def _require_cuda_backend(device="cuda"):
+    missing = [op for op in OPS if "cuda" not in dispatch.available(op, device)]
+    if missing:
+        pytest.skip(f"no cuda backend here for {', '.join(missing)}")
+
+
+class Chain:
+    """One draft-rank cycle's worth of kernels (2 PDM layers, 9 rows; Qwen3-4B widths on a GPU),
+    every op on the cuda backend, each consuming what the one before wrote: anchor projection ->
+    PDM step (QKV / RoPE / append, attention, o_proj, SwiGLU, down, head) -> greedy verify of
+    the features -> rejection sampling from the draft logits -> KV truncation with poison."""
+
+    def __init__(self, seed=0, device="cuda", dims=QWEN3_4B):
+        dev, dt = device, torch.bfloat16
+        g = torch.Generator(device=dev).manual_seed(seed)
+        r = lambda *s, sc=1.0: (torch.randn(*s, generator=g, device=dev) * sc).to(dt)
+        one = lambda n: (torch.rand(n, generator=g, device=dev) + 0.5).to(dt)
+        d, H, KVH, hd, inter, vd, V = (dims[k] for k in ("d", "H", "KVH", "hd", "inter", "vd", "V"))
+        L, m, p0 = 2, 5, dims["start"]
+        self.R, self.S, self.p0 = 9, dims["S"], p0
+        self.anchors = r(m, self.R, d)
+        self.types = torch.tensor([4, 4, 4, 4, 4, 3, 2, 1, 0], device=dev)
+        self.proj = [r(d, (e + 1) * d, sc=((e + 1) * d) ** -0.5) for e in range(m)]
+        self.bias = [r(d, sc=0.1) for _ in range(m)]
+        layers = [LayerWeights(one(d), r(H * hd, d, sc=d ** -0.5), r(KVH * hd, d, sc=d ** -0.5),
+                               r(KVH * hd, d, sc=d ** -0.5), one(hd), one(hd),
+                               r(d, H * hd, sc=d ** -0.5), one(d), r(inter, d, sc=d ** -0.5),
+                               r(inter, d, sc=d ** -0.5), r(d, inter, sc=inter ** -0.5))
+                  for _ in range(L)]
+        self.w = PDMWeights(layers, one(d), r(vd, d, sc=d ** -0.5), H, KVH, hd, 1e-6)
+        self.cos, self.sin = (t.to(device=dev, dtype=dt) for t in rope_table(hd, self.S, 1e6))
+        self.k0, self.v0 = r(L, KVH, self.S, hd), r(L, KVH, self.S, hd)
+        self.start = torch.tensor([p0], device=dev)
+        self.head = r(V, d, sc=d ** -0.5)
+        self.final_norm = one(d)
+        self.draft = torch.randint(0, V, (self.R,), generator=g, device=dev)
+        self.q = torch.softmax(torch.randn(1, vd, generator=g, device=dev), -1)
+        self.d2t = torch.arange(vd, device=dev)
+        self.seed = torch.tensor([11], device=dev)
+        self.offset = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.k, self.v = self.k0.clone(), self.v0.clone()
+        self.lengths = torch.empty(L, dtype=torch.int64, device=dev)
+        self.new_lengths = torch.full((L,), p0 + self.R, device=dev)
+        self.reset()
+
+    def reset(self):
+        """The starting state, in place (a captured graph keeps these addresses)."""
+        self.k.copy_(self.k0)
+        self.v.copy_(self.v0)
+        self.lengths.fill_(self.p0 + self.R + 8)  # truncation poisons 8 rows past the chunk
+        self.offset.zero_()
+
+    def __call__(self):
+        feats = anchor_projection(self.anchors, self.types, self.proj, self.bias, backend="cuda")
+        logits = pdm_step(feats, self.w, self.k, self.v, self.start, self.cos, self.sin,
+                          backend="cuda")
+        target, accepted = verify_greedy(feats, self.final_norm, 1e-6, self.head, self.draft,
+                                         backend="cuda")
+        token, taken = rejection_sample_logits(
+            logits[None], self.q, self.d2t, target[-1:] % self.q.shape[1], temperature=0.8,
+            top_k=50, top_p=0.9, philox_seed=self.seed, philox_offset=self.offset,
+            backend="cuda")
+        truncate_kv_(self.lengths, self.new_lengths, [self.k, self.v], poison=True,
+                     backend="cuda")
+        return [feats, logits, target, accepted, token, taken, self.k, self.v, self.lengths]
+
+
+def _run_eagerly(chain, pdl, times):
+    chain.reset()
+    outs = []
+    with _cuda.programmatic_launch(pdl):
+        for _ in range(times):  # back to back on one stream, no sync in between
+            outs.append([t.clone() for t in chain()])
+    if chain.k.is_cuda:
+        torch.cuda.synchronize()
+    return outs
+
+
+def _assert_same_bits(got, want):
+    for step, (a, b) in enumerate(zip(got, want)):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert torch.equal(x.view(torch.uint8) if x.is_floating_point() else x,
+                               y.view(torch.uint8) if y.is_floating_point() else y), (step, i)
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@pytest.mark.skipif(not _cuda.built(), reason="the CUDA extension is not built")
+def test_chain_in_emulation():
+    """The chain below in the host emulation (small widths): every kernel in it reaches its
+    pdl_wait() (the emulation fails the launch otherwise), and the GPU tests' own code runs."""
+    with _cuda.simulated():
+        _require_cuda_backend("cpu")
+        chain = Chain(device="cpu", dims=SMALL)
+        outs = _run_eagerly(chain, True, 2)
+    assert not torch.isnan(outs[-1][1]).any()
+    assert torch.isnan(outs[0][6][:, :, chain.p0 + chain.R:chain.p0 + chain.R + 8]).all()
+    assert (outs[0][8] == chain.p0 + chain.R).all()
+
+
+@gpu
+@needs_gpu
+def test_gpu_every_cuda_op_gives_the_same_bits_with_programmatic_launch():
+    _require_cuda_backend()
+    chain = Chain()
+    plain = _run_eagerly(chain, False, 6)
+    assert not torch.isnan(plain[-1][1]).any()  # the draft logits are real numbers
+    _assert_same_bits(_run_eagerly(chain, True, 6), plain)
+
+
+@gpu
+@needs_gpu
+def test_gpu_graph_captured_with_programmatic_launch_replays_the_same_bits():
+    """The runtime's case: the chain captured once as a CUDA graph with programmatic edges,
+    replayed back to back, against the same replays of a graph captured without them."""
+    _require_cuda_backend()
+    chain = Chain(seed=1)
+    results = {}
+    for pdl in (False, True):
+        with _cuda.programmatic_launch(pdl):
+            chain.reset()
+            chain()  # compile / plan outside the capture
+            torch.cuda.synchronize()
+            chain.reset()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = chain()
+        chain.reset()
+        replays = []
+        for _ in range(8):
+            graph.replay()
+            replays.append([t.clone() for t in outs])
+        torch.cuda.synchronize()
+        results[pdl] = replays
+        del graph
+    _assert_same_bits(results[True], results[False])
+    assert torch.isnan(results[True][0][6][:, :, chain.p0 + chain.R:chain.p0 + chain.R + 8]).all()
