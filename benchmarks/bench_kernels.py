@@ -12,7 +12,8 @@ kernel with one K split or twice its plan's (to tune the plan); for the anchor p
 cuda_mma(_cg), the tensor-core variant (SPD_ANCHOR_VARIANT=mma); for the attention also
 triton_1split and cuda_1split(_cg), the keys not split over programs; for sampling triton_1prog, one program a row
 instead of the split-row plan; for every op with a CUDA kernel also cuda_pdl(_cg), the same
-kernels as programmatic dependent launches, SPD_PDL=1) it prints the median
+kernels as programmatic dependent launches, SPD_PDL=1, and triton_pdl(_cg) for the Triton kernels
+of the PDM step's graph) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -364,17 +365,22 @@ def build_cases(op: str, s: Shape, dtype, device):
             yield case, fns, floor, {"graph": True}
 
 
-def with_programmatic_variant(fns: dict) -> dict:
-    """fns plus cuda_pdl: the cuda entry with every kernel launched as a programmatic dependent
-    launch (a graph of it, cuda_pdl_cg, is captured with the programmatic edges)."""
-    if "cuda" not in fns or not _cuda.built():
-        return fns
-    fn, fargs = fns["cuda"]
+# ops whose Triton kernels take PDL (the PDM step's graph); every CUDA kernel does
+PDL_TRITON_OPS = {"anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear",
+                  "fused_swiglu", "pdm_step"}
 
-    def programmatic(*a):
-        with _cuda.programmatic_launch():
-            return fn(*a)
-    return {**fns, "cuda_pdl": (programmatic, fargs)}
+
+def with_programmatic_variant(op: str, fns: dict) -> dict:
+    """fns plus cuda_pdl / triton_pdl: the cuda / triton entry with its kernels launched as
+    programmatic dependent launches (a graph of it, *_pdl_cg, keeps the programmatic edges)."""
+    def programmatic(fn):
+        def run(*a):
+            with _cuda.programmatic_launch():
+                return fn(*a)
+        return run
+    backends = ("cuda", "triton") if op in PDL_TRITON_OPS else ("cuda",)
+    return {**fns, **{f"{b}_pdl": (programmatic(fns[b][0]), fns[b][1])
+                      for b in backends if b in fns}}
 
 
 def cuda_split_variants(N, K, sets, launch, args) -> dict:
@@ -447,7 +453,7 @@ def run(args) -> dict:
         s = MODELS[m]
         for op in ops:
             for case, fns, floor_bytes, extra in build_cases(op, s, dtype, device):
-                fns = with_programmatic_variant(fns)
+                fns = with_programmatic_variant(op, fns)
                 entries = dict(fns)
                 if m in compile_models:
                     ref_fn, ref_args = fns["reference"]
@@ -456,7 +462,8 @@ def run(args) -> dict:
                     graphed = [("cuda_graph", "reference")] if extra.get("graph_reference",
                                                                          True) else []
                     if "triton" in fns and backend_ready(op, "triton", device) is None:
-                        graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn")]
+                        graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn"),
+                                    ("triton_pdl_cg", "triton_pdl")]
                     if "cuda" in fns and backend_ready(op, "cuda", device) is None:
                         graphed += [(f"{b}_cg", b) for b in fns if b.startswith("cuda")
                                     and not b.startswith("cuda_linear")]
@@ -523,7 +530,8 @@ def targets(rows, device) -> list[dict]:
 
     def best(op, model="qwen3-4b", case=None,
              backends=("triton", "cuda", "cuda_graph", "triton_cg", "triton_attn_cg", "cuda_cg",
-                       "cuda_linear_cg", "cuda_mma", "cuda_mma_cg", "cuda_pdl", "cuda_pdl_cg")):
+                       "cuda_linear_cg", "cuda_mma", "cuda_mma_cg", "cuda_pdl", "cuda_pdl_cg",
+                       "triton_pdl", "triton_pdl_cg")):
         cands = [r for r in rows if r["op"] == op and r["model"] == model and "us" in r
                  and r["backend"] in backends and (case is None or r["case"].startswith(case))]
         return min(cands, key=lambda r: r["us"]) if cands else None
@@ -562,7 +570,8 @@ CHALLENGES = (
     ("qkv_rope_append", ("cuda_cg",), ("triton_cg",)),
     ("pdm_step", ("cuda_linear_cg", "cuda_cg", "cuda_pdl_cg"), ("triton_cg",)),
 ) + tuple(  # programmatic dependent launch (off by default) against the same kernels without it
-    (op, (f"cuda_pdl{g}",), (f"cuda{g}",)) for op in OPS for g in ("", "_cg"))
+    (op, (f"{b}_pdl{g}",), (f"{b}{g}",)) for op in OPS for b in ("cuda", "triton")
+    for g in ("", "_cg"))
 
 
 def challengers(rows) -> list[dict]:

@@ -50,9 +50,8 @@ def print_table(info: dict, out=sys.stdout) -> None:
           f"{' (interpreter: TRITON_INTERPRET=1)' if info['triton_interpret'] else ''}", file=out)
     print(f"CUDA extension: {'built' if info['cuda_extension'] else info['cuda_extension_error']}",
           file=out)
-    if info["cuda_extension"]:
-        print(f"programmatic dependent launch (SPD_PDL): "
-              f"{'on' if info['programmatic_launch'] else 'off'}", file=out)
+    print(f"programmatic dependent launch (SPD_PDL): "
+          f"{'on' if info['programmatic_launch'] else 'off'}", file=out)
     print(f"host emulation of the CUDA kernels (tests): "
           f"{'built' if info['host_emulation_error'] is None else info['host_emulation_error']}",
           file=out)

@@ -20,11 +20,10 @@ def load():
     """The extension module, or None when it is not built / cannot be imported."""
     global _ext, _error, _loaded
     if not _loaded:
-        programmatic = _env_programmatic()  # a bad SPD_PDL raises here, at every call
         _loaded = True
         try:
             _ext = importlib.import_module("spd_kernels._spd_cuda")
-            _ext.set_programmatic_launch(programmatic)
+            _ext.set_programmatic_launch(_programmatic)
         except ImportError as exc:
             _ext, _error = None, (f"the CUDA extension spd_kernels._spd_cuda is not built ({exc}); "
                                   "reinstall with nvcc on PATH (pip install -e .) and without "
@@ -111,10 +110,11 @@ def stream_of(t) -> int:
 
 # --- programmatic dependent launch -------------------------------------------------------------
 # On sm_90+ a kernel launched programmatically may start while the one before it on the stream
-# is still running; it waits for that one inside (csrc/common.cuh, pdl_wait), after prefetching
-# its first weights to L2, so back-to-back launches (the PDM step's ~40 in one CUDA graph) lose
-# less time between kernels. Process-wide, for every kernel of the extension; off by default
-# until timed on a GPU (SPD_PDL=1 turns it on at load; graphs keep what was set at capture).
+# is still running; it waits for that one inside (csrc/common.cuh pdl_wait, the Triton kernels'
+# pdl_enter), so back-to-back launches (the PDM step's 30-40 in one CUDA graph) lose less time
+# between kernels. Process-wide, for the CUDA extension's kernels and the Triton kernels of the
+# PDM step's graph; off by default until timed on a GPU. SPD_PDL=1 turns it on; a CUDA graph
+# keeps what was set when it was captured.
 
 def _env_programmatic() -> bool:
     raw = os.environ.get("SPD_PDL", "0").strip().lower()
@@ -123,22 +123,26 @@ def _env_programmatic() -> bool:
     return raw in ("1", "true", "on")
 
 
+_programmatic = _env_programmatic()  # a bad SPD_PDL stops the import, naming the variable
+
+
 def programmatic_launch_enabled() -> bool:
-    """Whether the extension's kernels are launched programmatically (False when not built)."""
-    mod = load()
-    return bool(mod is not None and mod.programmatic_launch())
+    """Whether kernels are launched as programmatic dependent launches."""
+    return _programmatic
 
 
 @contextlib.contextmanager
 def programmatic_launch(on: bool = True):
-    """Inside this block the extension's kernels are (or, with on=False, are not) programmatic
-    dependent launches; a CUDA graph captured inside keeps that. Raises RuntimeError when the
-    extension is not built."""
+    """Inside this block kernels are (or, with on=False, are not) programmatic dependent
+    launches; a CUDA graph captured inside keeps that."""
+    global _programmatic
+    old, _programmatic = _programmatic, bool(on)
     mod = load()  # the real extension also inside simulated(): the emulation runs synchronously
-    if mod is None:
-        raise RuntimeError(_error)
-    old = mod.set_programmatic_launch(bool(on))
+    if mod is not None:
+        mod.set_programmatic_launch(_programmatic)
     try:
         yield
     finally:
-        mod.set_programmatic_launch(old)
+        _programmatic = old
+        if mod is not None:
+            mod.set_programmatic_launch(old)

@@ -33,6 +33,15 @@ def dtype_code(dtype) -> int:
         raise TypeError(f"unsupported dtype {dtype}: expected float32, bfloat16 or float16") from None
 
 
+def pdl(device) -> bool:
+    """Whether Triton kernels on `device` launch as programmatic dependent launches: the
+    process-wide switch (spd_kernels._cuda.programmatic_launch, SPD_PDL), on a CUDA device,
+    compiled (the interpreter has no griddepcontrol). Kernels that take PDL call pdl_enter(PDL)
+    first and are launched with launch_pdl=PDL."""
+    from spd_kernels import _cuda
+    return _cuda.programmatic_launch_enabled() and not INTERPRET and device.type == "cuda"
+
+
 def next_pow2(x: int) -> int:
     return 1 << max(0, int(x) - 1).bit_length()
 
@@ -64,6 +73,16 @@ if HAS_TRITON:
             return x.to(tl.float16).to(tl.float32)
         else:
             return x
+
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """At a kernel's start: let the next kernel launch, then wait for the one before (as
+        csrc/common.cuh's pdl_trigger / pdl_wait). A no-op unless PDL."""
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
 
     @triton.jit
     def float_key(x):

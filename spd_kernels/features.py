@@ -29,12 +29,12 @@ from typing import Sequence
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, triton, tl
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
 
 if HAS_TRITON:
-    from spd_kernels._triton import round_to
+    from spd_kernels._triton import pdl_enter, round_to
 
 
 def _check(anchors, types, weights, biases):
@@ -165,12 +165,13 @@ if HAS_TRITON:
                        M, R, D, N, W_CODE: tl.constexpr, OUT_CODE: tl.constexpr,
                        FP32_DOT: tl.constexpr, W_ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
                        R_SCAN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """Program (n-block, class): class M-1-pid1 is a type (heaviest first, as programs start in
         grid order), class -1 the rows with no usable projection (NaN). The rows of the class are
         gathered BLOCK_R at a time, so each W_e tile is loaded once per BLOCK_R of them (once in
         all when R <= R_SCAN and at most BLOCK_R rows share the type) and multiplied with all of
         them by tl.dot (fp32 accumulation)."""
+        pdl_enter(PDL)
         pid_n = tl.program_id(0)
         cls = M - 1 - tl.program_id(1)
         ec = tl.maximum(cls, 0)
@@ -255,12 +256,14 @@ def anchor_projection_triton(anchors, types, weights, biases=None):
         block_n, warps, stages = 16, 4, 3
     fp32_dot = INTERPRET or w_dtype == torch.float32 or w_dtype != anchors.dtype
     w_aligned = all(w.data_ptr() % 16 == 0 for w in weights if w is not None)
+    programmatic = pdl(anchors.device)
     _anchor_kernel[(triton.cdiv(n_out, block_n), m + 1)](
         anchors, anchors.stride(0), anchors.stride(1), types, _tables(weights, biases, anchors.device),
         out, out.stride(0), m, rows, d, n_out, W_CODE=dtype_code(w_dtype),
         OUT_CODE=dtype_code(anchors.dtype), FP32_DOT=fp32_dot, W_ALIGNED=w_aligned,
         EVEN_K=d % block_k == 0, R_SCAN=max(16, min(next_pow2(rows), 256)), BLOCK_R=16,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        PDL=programmatic, launch_pdl=programmatic)
     return out
 
 

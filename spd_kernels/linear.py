@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, sm_count, triton,
-                                 tl)
+from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, sm_count,
+                                 triton, tl)
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, last_dim_contiguous
 
 if HAS_TRITON:
-    from spd_kernels._triton import round_to
+    from spd_kernels._triton import pdl_enter, round_to
 
 MAX_KERNEL_ROWS = 64   # past this (a prefill chunk) a GEMM library is the right tool
 CUDA_MAX_ROWS = 16     # the MMA's M: rows of x
@@ -219,9 +219,11 @@ if HAS_TRITON:
                        stride_out, ws_ptr, SET_STRIDE, R, N, K, K_PER, eps,
                        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
                        PARTIAL: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
-                       R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       PDL: tl.constexpr):
         """Program (j, s): output columns j*BLOCK_N.. over K range s*K_PER.. (PARTIAL: store fp32
         partial sums into ws [splits, 1 or 2, R, N]; else apply the epilogue and store out)."""
+        pdl_enter(PDL)
         j = tl.program_id(0)
         s = tl.program_id(1)
         rows = tl.arange(0, R_PAD)
@@ -280,9 +282,10 @@ if HAS_TRITON:
     @triton.jit
     def _reduce_kernel(ws_ptr, SET_STRIDE, res_ptr, stride_res, out_ptr, stride_out, R, N, SPLITS,
                        SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, DT: tl.constexpr,
-                       R_PAD: tl.constexpr, BLOCK_N: tl.constexpr):
+                       R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         """Program j: sums the splits' partials for columns j*BLOCK_N.. in split order, then the
         epilogue."""
+        pdl_enter(PDL)
         j = tl.program_id(0)
         rows = tl.arange(0, R_PAD)
         cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -329,8 +332,10 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
     args = (x, x.stride(0), norm_weight if norm_weight is not None else x, weight,
             w_up if swiglu else weight, res, res.stride(0), out, out.stride(0), ws, set_stride, R,
             N, K, k_per, eps)
+    programmatic = pdl(x.device)
     kw = dict(NORM=norm_weight is not None, PARTIAL=partial,
-              FP32_DOT=x.dtype == torch.float32 or INTERPRET, **flags)
+              FP32_DOT=x.dtype == torch.float32 or INTERPRET, PDL=programmatic,
+              launch_pdl=programmatic, **flags)
     if block_n is None:
         _linear_tuned[lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), splits)](*args, **kw)
         block_n = GPU_BLOCK_N
@@ -340,7 +345,9 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
     if partial:
         _reduce_kernel[(triton.cdiv(N, block_n),)](ws, set_stride, res, res.stride(0), out,
                                                    out.stride(0), R, N, splits, BLOCK_N=block_n,
-                                                   num_warps=1 if INTERPRET else 4, **flags)
+                                                   num_warps=1 if INTERPRET else 4,
+                                                   PDL=programmatic, launch_pdl=programmatic,
+                                                   **flags)
     return out
 
 

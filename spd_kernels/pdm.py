@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton,
+from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, triton,
                                  tl)
 from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
                                 check_values_enabled, last_dim_contiguous)
@@ -56,7 +56,7 @@ from spd_kernels.linear import cuda_launch as linear_cuda_launch
 from spd_kernels.linear import launch as linear_launch
 
 if HAS_TRITON:
-    from spd_kernels._triton import round_to
+    from spd_kernels._triton import pdl_enter, round_to
 
 
 @dataclass
@@ -267,13 +267,15 @@ if HAS_TRITON:
     def _qk_rope_append_kernel(qp_ptr, stride_qp, kp_ptr, stride_kp, vp_ptr, stride_vp, qn_ptr,
                                kn_ptr, cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr, kc_ptr,
                                vc_ptr, T, H, KVH, S, eps,
-                               HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr):
+                               HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr,
+                               PDL: tl.constexpr):
         """Program (t, j) on the projections q [T, H*HD], k, v [T, KVH*HD] (row strides given;
         already rounded to the model dtype, code R): j < H: query head j; then H..H+KVH-1 key
         heads; then value heads.
         Per-head RMSNorm and RoPE in registers, rounded op by op where the reference rounds; q
         goes out, k and v straight into the caches at position start + t (read on the device;
         rows past the cache capacity are dropped)."""
+        pdl_enter(PDL)
         HALF: tl.constexpr = HD // 2
         t = tl.program_id(0)
         j = tl.program_id(1)
@@ -362,12 +364,14 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
         return q
     start = _start_tensor(start, x.device)
     qp, kp, vp = _qkv_products(x, norm_weight, eps, wq, wk, wv, _project)
+    programmatic = pdl(x.device)
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
         qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
         q_norm if q_norm is not None else norm_weight,
         k_norm if k_norm is not None else norm_weight, cos, sin, cos.stride(0), start, q,
         k_cache, v_cache, T, num_heads, num_kv_heads, S, eps, HD=hd,
-        QK_NORM=q_norm is not None, R=dtype_code(x.dtype), num_warps=1 if INTERPRET else 2)
+        QK_NORM=q_norm is not None, R=dtype_code(x.dtype), num_warps=1 if INTERPRET else 2,
+        PDL=programmatic, launch_pdl=programmatic)
     return q
 
 
@@ -561,7 +565,7 @@ if HAS_TRITON:
                                 BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr, OUT: tl.constexpr,
                                 PARTIAL: tl.constexpr, IEEE: tl.constexpr,
-                                UPCAST: tl.constexpr):
+                                UPCAST: tl.constexpr, PDL: tl.constexpr):
         """Program (j, s, mb): kv head j, keys s*CHUNK.., and BLOCK_M (row, query head) pairs
         m = row * G + g of the G query heads sharing j, so every key block is read once for all
         rows and heads and both products run on the tensor cores (tl.dot; fp32 caches in IEEE
@@ -571,6 +575,7 @@ if HAS_TRITON:
         unnormalised output, running max and sum go to the workspace slot
         ((j * SPLITS + s) * M_TOTAL + m) * (HD + 2) for _attention_combine_kernel; splits past
         the block's last position write nothing (the combine never reads them)."""
+        pdl_enter(PDL)
         j = tl.program_id(0)
         sp = tl.program_id(1)
         mb = tl.program_id(2)
@@ -633,12 +638,13 @@ if HAS_TRITON:
     @triton.jit
     def _attention_combine_kernel(ws_ptr, start_ptr, out_ptr, stride_or, R, S, G, SPLITS, CHUNK,
                                   HD: tl.constexpr, HD_PAD: tl.constexpr, BLOCK_S: tl.constexpr,
-                                  OUT: tl.constexpr):
+                                  OUT: tl.constexpr, PDL: tl.constexpr):
         """Program (m, j): merges, for (row, query head) pair m of kv head j, the splits that hold
         its keys (those below its position + 1, found from start on the device), BLOCK_S splits
         a load, in a fixed order (deterministic): rescale each by 2^(m_s - M), sum, divide by the
         summed l, round once. A program per pair, not per block of pairs: the merge is a few
         wide loads, not a serial walk over the splits."""
+        pdl_enter(PDL)
         m = tl.program_id(0)  # pairs on the first grid axis: it takes more than 65535
         j = tl.program_id(1)
         start = tl.load(start_ptr).to(tl.int32)
@@ -715,17 +721,19 @@ def attention_launch(q, k_cache, v_cache, start, scale, *, splits: int | None = 
     scale = hd ** -0.5 if scale is None else scale
     warps = 1 if INTERPRET else 4
     out_code = dtype_code(k_cache.dtype)
+    programmatic = pdl(q.device)
     _cache_attention_kernel[(kvh, n_splits, n_mb)](
         q, q.stride(0), q.stride(1), k_cache, v_cache, k_cache.stride(0), k_cache.stride(1),
         start, out, out.stride(0), ws, R, S, group, n_splits, chunk, scale * 1.4426950408889634,
         HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, BLOCK_N=block_n, OUT=out_code,
         PARTIAL=partial,
-        IEEE=k_cache.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps)
+        IEEE=k_cache.dtype == torch.float32, UPCAST=INTERPRET, num_warps=warps,
+        PDL=programmatic, launch_pdl=programmatic)
     if partial:
         _attention_combine_kernel[(R * group, kvh)](
             ws, start, out, out.stride(0), R, S, group, n_splits, chunk, HD=hd,
             HD_PAD=max(16, hd), BLOCK_S=min(16, next_pow2(n_splits)), OUT=out_code,
-            num_warps=1 if INTERPRET else 2)
+            num_warps=1 if INTERPRET else 2, PDL=programmatic, launch_pdl=programmatic)
     return out
 
 

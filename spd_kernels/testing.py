@@ -81,7 +81,9 @@ def bf16_ulp(x: torch.Tensor) -> torch.Tensor:
 # --- ahead-of-time compilation of the Triton kernels for a GPU target ------------------------------
 
 def _variants():
-    """(name, kernel, signature, constexprs) for the kernel variants the launchers use."""
+    """(name, kernel, signature, constexprs) for the kernel variants the launchers use. The
+    kernels of the PDM step's graph take PDL (programmatic dependent launch); one variant of each
+    compiles with it on, the rest with it off."""
     from spd_kernels import features, kv_cache, linear, pdm, verify
     ptr = lambda t: f"*{t}"
     out = []
@@ -181,10 +183,10 @@ def _variants():
                          D="i32", N="i32", W_CODE="constexpr", OUT_CODE="constexpr",
                          FP32_DOT="constexpr", W_ALIGNED="constexpr", EVEN_K="constexpr",
                          R_SCAN="constexpr", BLOCK_R="constexpr", BLOCK_N="constexpr",
-                         BLOCK_K="constexpr"),
+                         BLOCK_K="constexpr", PDL="constexpr"),
                     dict(W_CODE=w_code, OUT_CODE=1 if dt == "bf16" else 0, FP32_DOT=fp32_dot,
                          W_ALIGNED=even, EVEN_K=even, R_SCAN=r_scan, BLOCK_R=16, BLOCK_N=16,
-                         BLOCK_K=256)))
+                         BLOCK_K=256, PDL=tag == "bf16")))
     for code, dt, hd, qkn in ((1, "bf16", 128, True), (0, "fp32", 64, False)):
         out.append((f"pdm._qk_rope_append_kernel[{dt}-{hd}]", pdm._qk_rope_append_kernel,
                     dict(qp_ptr=ptr(dt), stride_qp="i32", kp_ptr=ptr(dt), stride_kp="i32",
@@ -192,8 +194,8 @@ def _variants():
                          kn_ptr=ptr(dt), cos_ptr=ptr(dt), sin_ptr=ptr(dt), stride_cs="i32",
                          start_ptr="*i64", q_ptr=ptr(dt), kc_ptr=ptr(dt), vc_ptr=ptr(dt),
                          T="i32", H="i32", KVH="i32", S="i32", eps="fp32", HD="constexpr",
-                         QK_NORM="constexpr", R="constexpr"),
-                    dict(HD=hd, QK_NORM=qkn, R=code)))
+                         QK_NORM="constexpr", R="constexpr", PDL="constexpr"),
+                    dict(HD=hd, QK_NORM=qkn, R=code, PDL=code == 1)))
     for code, dt, hd, block_m, block_n, partial in ((1, "bf16", 128, 64, 64, True),
                                                    (1, "bf16", 64, 16, 64, False),
                                                    (1, "bf16", 8, 16, 64, True),
@@ -206,23 +208,23 @@ def _variants():
                          G="i32", SPLITS="i32", CHUNK="i32", scale_log2="fp32",
                          HD="constexpr", HD_PAD="constexpr", BLOCK_M="constexpr",
                          BLOCK_N="constexpr", OUT="constexpr", PARTIAL="constexpr", IEEE="constexpr",
-                         UPCAST="constexpr"),
+                         UPCAST="constexpr", PDL="constexpr"),
                     dict(HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, BLOCK_N=block_n, OUT=code,
-                         PARTIAL=partial, IEEE=code == 0, UPCAST=False)))
+                         PARTIAL=partial, IEEE=code == 0, UPCAST=False, PDL=hd == 128)))
         out.append((f"pdm._attention_combine_kernel[{dt}-{hd}-m{block_m}]",
                     pdm._attention_combine_kernel,
                     dict(ws_ptr="*fp32", start_ptr="*i64", out_ptr=ptr(dt), stride_or="i32",
                          R="i32", S="i32", G="i32", SPLITS="i32", CHUNK="i32",
                          HD="constexpr", HD_PAD="constexpr", BLOCK_S="constexpr",
-                         OUT="constexpr"),
-                    dict(HD=hd, HD_PAD=max(16, hd), BLOCK_S=16, OUT=code)))
+                         OUT="constexpr", PDL="constexpr"),
+                    dict(HD=hd, HD_PAD=max(16, hd), BLOCK_S=16, OUT=code, PDL=hd == 128)))
     lin_sig = lambda dt: dict(
         x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
         res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",
         SET_STRIDE="i32", R="i32", N="i32", K="i32", K_PER="i32", eps="fp32",
         NORM="constexpr", SWIGLU="constexpr", RESIDUAL="constexpr", PARTIAL="constexpr",
         DT="constexpr", FP32_DOT="constexpr", R_PAD="constexpr", BLOCK_N="constexpr",
-        BLOCK_K="constexpr")
+        BLOCK_K="constexpr", PDL="constexpr")
     for tag, dt, code, norm, swiglu, res, partial in (
             ("bf16-residual", "bf16", 1, False, False, True, False),
             ("bf16-residual-split", "bf16", 1, False, False, True, True),
@@ -234,14 +236,15 @@ def _variants():
             out.append((f"linear._linear_kernel[{tag}-{bn}x{bk}]", linear._linear_kernel,
                         lin_sig(dt), dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=res, PARTIAL=partial,
                                           DT=code, FP32_DOT=code == 0, R_PAD=16, BLOCK_N=bn,
-                                          BLOCK_K=bk)))
+                                          BLOCK_K=bk, PDL=tag == "bf16-residual-split")))
     for tag, swiglu, res in (("residual", False, True), ("swiglu", True, False)):
         out.append((f"linear._reduce_kernel[bf16-{tag}]", linear._reduce_kernel,
                     dict(ws_ptr="*fp32", SET_STRIDE="i32", res_ptr="*bf16", stride_res="i32",
                          out_ptr="*bf16", stride_out="i32", R="i32", N="i32", SPLITS="i32",
                          SWIGLU="constexpr", RESIDUAL="constexpr", DT="constexpr",
-                         R_PAD="constexpr", BLOCK_N="constexpr"),
-                    dict(SWIGLU=swiglu, RESIDUAL=res, DT=1, R_PAD=16, BLOCK_N=64)))
+                         R_PAD="constexpr", BLOCK_N="constexpr", PDL="constexpr"),
+                    dict(SWIGLU=swiglu, RESIDUAL=res, DT=1, R_PAD=16, BLOCK_N=64,
+                         PDL=tag == "residual")))
     return out
 
 
@@ -260,7 +263,11 @@ def compile_for_gpu(arch: int = 90) -> dict[str, str]:
         try:
             src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
-            results[name] = "ok" if compiled.asm.get("cubin") else "no cubin"
+            # PDL: the kernel must wait for its predecessor (griddepcontrol.wait), else not
+            waits = "griddepcontrol.wait" in compiled.asm.get("ptx", "")
+            results[name] = ("no cubin" if not compiled.asm.get("cubin") else
+                             f"griddepcontrol.wait {'missing' if not waits else 'without PDL'}"
+                             if waits != bool(constexprs.get("PDL")) else "ok")
         except Exception as exc:  # report every variant, not just the first failure
             results[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
     return results

@@ -81,10 +81,10 @@ def test_host_emulation_reports_a_thread_that_skips_pdl_wait():
         sim.selftest(0, full.data_ptr())  # usable after it
 
 
-@pytest.mark.skipif(not _cuda.built(), reason="the CUDA extension is not built")
 def test_programmatic_launch_switch():
-    """SPD_PDL=1 turns programmatic dependent launch on at load, a bad value is refused by name,
-    and the context manager restores the previous setting."""
+    """SPD_PDL=1 turns programmatic dependent launch on at import, a bad value is refused by
+    name, the context manager restores the previous setting, and the extension (when built)
+    follows the switch."""
     code = ("from spd_kernels import _cuda\n"
             "print('ON', _cuda.programmatic_launch_enabled())\n"
             "with _cuda.programmatic_launch(False):\n"
@@ -99,10 +99,16 @@ def test_programmatic_launch_switch():
                          env={**os.environ, "SPD_PDL": "yes please"}, timeout=120)
     assert out.returncode != 0 and "SPD_PDL='yes please'" in out.stderr
     was = _cuda.programmatic_launch_enabled()
+    ext = _cuda.load()
     with _cuda.programmatic_launch():
         assert _cuda.programmatic_launch_enabled()
         assert dispatch.describe()["programmatic_launch"]
+        assert ext is None or ext.programmatic_launch()
+        with _cuda.programmatic_launch(False):
+            assert ext is None or not ext.programmatic_launch()
+        assert ext is None or ext.programmatic_launch()
     assert _cuda.programmatic_launch_enabled() == was
+    assert ext is None or ext.programmatic_launch() == was
 
 
 def run_python(code: str) -> subprocess.CompletedProcess:

@@ -1,13 +1,17 @@
 """Programmatic dependent launch (SPD_PDL=1, `spd_kernels._cuda.programmatic_launch`).
 
-With it on, every kernel of the CUDA extension may start before the kernel ahead of it on the
-stream has finished, and waits for that one (pdl_wait in csrc/common.cuh) before it touches
-memory. A kernel that read or wrote too early would race with its predecessor. The host
-emulation checks that every thread of every kernel reaches the wait (test_kernels_cuda_ext.py);
-on a GPU these tests check that long back-to-back chains of every CUDA op give the same bits with
-and without it, eagerly and replayed from one CUDA graph. Every kernel sums in a fixed order, so
-any difference is a race, not rounding.
+With it on, every kernel of the CUDA extension, and the Triton kernels of the PDM step's graph,
+may start before the kernel ahead of it on the stream has finished, and waits for that one
+(pdl_wait in csrc/common.cuh, pdl_enter in _triton.py) before it touches memory. A kernel that
+read or wrote too early would race with its predecessor. The host emulation checks that every
+thread of every CUDA kernel reaches the wait (test_kernels_cuda_ext.py), the sm_90 compile check
+that the Triton kernels wait exactly when PDL is set (test_kernels_gpu_compile.py); on a GPU
+these tests check that long back-to-back chains of every op give the same bits with and without
+it, eagerly and replayed from one CUDA graph, on each backend. Every kernel sums in a fixed
+order, so any difference is a race, not rounding.
 """
+from contextlib import nullcontext
+
 import pytest
 import torch
 
@@ -15,8 +19,9 @@ from spd.layers import rope_table
 from spd_kernels import (_cuda, anchor_projection, dispatch, pdm_step, rejection_sample_logits,
                          truncate_kv_, verify_greedy)
 from spd_kernels.pdm import LayerWeights, PDMWeights
-from spd_kernels.testing import SIMT_SKIP_REASON
+from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON
 
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 gpu = pytest.mark.gpu
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 QWEN3_4B = dict(d=2560, H=32, KVH=8, hd=128, inter=9728, vd=32000, V=151936, S=2048, start=1000)
@@ -26,20 +31,20 @@ OPS = ("anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear"
        "verify_greedy", "rejection_sample_logits", "truncate_kv")
 
 
-def _require_cuda_backend(device="cuda"):
-    missing = [op for op in OPS if "cuda" not in dispatch.available(op, device)]
+def _require_backend(backend="cuda", device="cuda"):
+    missing = [op for op in OPS if backend not in dispatch.available(op, device)]
     if missing:
-        pytest.skip(f"no cuda backend here for {', '.join(missing)}")
+        pytest.skip(f"no {backend} backend here for {', '.join(missing)}")
 
 
 class Chain:
     """One draft-rank cycle's worth of kernels (2 PDM layers, 9 rows; Qwen3-4B widths on a GPU),
-    every op on the cuda backend, each consuming what the one before wrote: anchor projection ->
+    every op on one backend, each consuming what the one before wrote: anchor projection ->
     PDM step (QKV / RoPE / append, attention, o_proj, SwiGLU, down, head) -> greedy verify of
     the features -> rejection sampling from the draft logits -> KV truncation with poison."""
 
-    def __init__(self, seed=0, device="cuda", dims=QWEN3_4B):
-        dev, dt = device, torch.bfloat16
+    def __init__(self, seed=0, device="cuda", dims=QWEN3_4B, backend="cuda"):
+        dev, dt, self.backend = device, torch.bfloat16, backend
         g = torch.Generator(device=dev).manual_seed(seed)
         r = lambda *s, sc=1.0: (torch.randn(*s, generator=g, device=dev) * sc).to(dt)
         one = lambda n: (torch.rand(n, generator=g, device=dev) + 0.5).to(dt)
@@ -79,17 +84,18 @@ class Chain:
         self.offset.zero_()
 
     def __call__(self):
-        feats = anchor_projection(self.anchors, self.types, self.proj, self.bias, backend="cuda")
+        feats = anchor_projection(self.anchors, self.types, self.proj, self.bias,
+                                  backend=self.backend)
         logits = pdm_step(feats, self.w, self.k, self.v, self.start, self.cos, self.sin,
-                          backend="cuda")
+                          backend=self.backend)
         target, accepted = verify_greedy(feats, self.final_norm, 1e-6, self.head, self.draft,
-                                         backend="cuda")
+                                         backend=self.backend)
         token, taken = rejection_sample_logits(
             logits[None], self.q, self.d2t, target[-1:] % self.q.shape[1], temperature=0.8,
             top_k=50, top_p=0.9, philox_seed=self.seed, philox_offset=self.offset,
-            backend="cuda")
+            backend=self.backend)
         truncate_kv_(self.lengths, self.new_lengths, [self.k, self.v], poison=True,
-                     backend="cuda")
+                     backend=self.backend)
         return [feats, logits, target, accepted, token, taken, self.k, self.v, self.lengths]
 
 
@@ -111,14 +117,18 @@ def _assert_same_bits(got, want):
                                y.view(torch.uint8) if y.is_floating_point() else y), (step, i)
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
-@pytest.mark.skipif(not _cuda.built(), reason="the CUDA extension is not built")
-def test_chain_in_emulation():
-    """The chain below in the host emulation (small widths): every kernel in it reaches its
-    pdl_wait() (the emulation fails the launch otherwise), and the GPU tests' own code runs."""
-    with _cuda.simulated():
-        _require_cuda_backend("cpu")
-        chain = Chain(device="cpu", dims=SMALL)
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_chain_on_the_cpu(backend):
+    """The chain below at small widths, in the host emulation (cuda: every kernel in it reaches
+    its pdl_wait(), the emulation fails the launch otherwise) or the Triton interpreter (which
+    never launches programmatically), so the GPU tests' own code runs here too."""
+    if backend == "cuda" and SIMT_SKIP_REASON is not None:
+        pytest.skip(str(SIMT_SKIP_REASON))
+    if backend == "triton" and TRITON_DEVICE != "cpu":
+        pytest.skip(TRITON_SKIP_REASON or "the Triton interpreter is not active")
+    with _cuda.simulated() if backend == "cuda" else nullcontext():
+        _require_backend(backend, "cpu")
+        chain = Chain(device="cpu", dims=SMALL, backend=backend)
         outs = _run_eagerly(chain, True, 2)
     assert not torch.isnan(outs[-1][1]).any()
     assert torch.isnan(outs[0][6][:, :, chain.p0 + chain.R:chain.p0 + chain.R + 8]).all()
@@ -127,9 +137,10 @@ def test_chain_in_emulation():
 
 @gpu
 @needs_gpu
-def test_gpu_every_cuda_op_gives_the_same_bits_with_programmatic_launch():
-    _require_cuda_backend()
-    chain = Chain()
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_every_op_gives_the_same_bits_with_programmatic_launch(backend):
+    _require_backend(backend)
+    chain = Chain(backend=backend)
     plain = _run_eagerly(chain, False, 6)
     assert not torch.isnan(plain[-1][1]).any()  # the draft logits are real numbers
     _assert_same_bits(_run_eagerly(chain, True, 6), plain)
@@ -137,11 +148,12 @@ def test_gpu_every_cuda_op_gives_the_same_bits_with_programmatic_launch():
 
 @gpu
 @needs_gpu
-def test_gpu_graph_captured_with_programmatic_launch_replays_the_same_bits():
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_gpu_graph_captured_with_programmatic_launch_replays_the_same_bits(backend):
     """The runtime's case: the chain captured once as a CUDA graph with programmatic edges,
     replayed back to back, against the same replays of a graph captured without them."""
-    _require_cuda_backend()
-    chain = Chain(seed=1)
+    _require_backend(backend)
+    chain = Chain(seed=1, backend=backend)
     results = {}
     for pdl in (False, True):
         with _cuda.programmatic_launch(pdl):
