@@ -23,7 +23,7 @@ def load():
         _loaded = True
         try:
             _ext = importlib.import_module("spd_kernels._spd_cuda")
-            _ext.set_programmatic_launch(_programmatic)
+            _ext.set_programmatic_launch(programmatic_launch_enabled())
         except ImportError as exc:
             _ext, _error = None, (f"the CUDA extension spd_kernels._spd_cuda is not built ({exc}); "
                                   "reinstall with nvcc on PATH (pip install -e .) and without "
@@ -116,18 +116,20 @@ def stream_of(t) -> int:
 # PDM step's graph; off by default until timed on a GPU. SPD_PDL=1 turns it on; a CUDA graph
 # keeps what was set when it was captured.
 
-def _env_programmatic() -> bool:
-    raw = os.environ.get("SPD_PDL", "0").strip().lower()
-    if raw not in ("0", "1", "", "false", "true", "off", "on"):
-        raise ValueError(f"SPD_PDL={raw!r}: use 1 (programmatic dependent launch) or 0 (plain)")
-    return raw in ("1", "true", "on")
-
-
-_programmatic = _env_programmatic()  # a bad SPD_PDL stops the import, naming the variable
+_programmatic: bool | None = None  # None: SPD_PDL not read yet
 
 
 def programmatic_launch_enabled() -> bool:
-    """Whether kernels are launched as programmatic dependent launches."""
+    """Whether kernels are launched as programmatic dependent launches (SPD_PDL, read at the
+    first call; a bad value raises SPDInputError naming it)."""
+    global _programmatic
+    if _programmatic is None:
+        raw = os.environ.get("SPD_PDL", "0").strip().lower()
+        if raw not in ("0", "1", "", "false", "true", "off", "on"):
+            from spd_kernels.checks import SPDInputError
+            raise SPDInputError(f"SPD_PDL={raw!r}: use 1 (programmatic dependent launch) or 0 "
+                                "(plain launches, the default)")
+        _programmatic = raw in ("1", "true", "on")
     return _programmatic
 
 
@@ -136,7 +138,7 @@ def programmatic_launch(on: bool = True):
     """Inside this block kernels are (or, with on=False, are not) programmatic dependent
     launches; a CUDA graph captured inside keeps that."""
     global _programmatic
-    old, _programmatic = _programmatic, bool(on)
+    old, _programmatic = programmatic_launch_enabled(), bool(on)
     mod = load()  # the real extension also inside simulated(): the emulation runs synchronously
     if mod is not None:
         mod.set_programmatic_launch(_programmatic)

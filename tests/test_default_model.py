@@ -107,6 +107,19 @@ def test_cli_errors(capsys, argv, msg):
     assert rc == 2 and msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("var,value,msg", [
+    ("SPD_BACKEND", "foo", "unknown backend 'foo'"),
+    ("SPD_PDL", "maybe", "SPD_PDL='maybe': use 1"),
+])
+def test_cli_bad_environment(capsys, monkeypatch, var, value, msg):
+    """Kernel settings from the environment: a bad value exits 2 with a message naming it."""
+    from spd_kernels import _cuda
+    monkeypatch.setenv(var, value)
+    monkeypatch.setattr(_cuda, "_programmatic", None)  # SPD_PDL is read at the first use
+    rc = main(["generate", "--prompt", "Hi", "--max-new-tokens", "4"])
+    assert rc == 2 and msg in capsys.readouterr().err
+
+
 def test_cli_empty_prompt(capsys):
     assert main(["generate", "--prompt", "", "--max-new-tokens", "4"]) == 2
     assert "prompt is empty" in capsys.readouterr().err

@@ -82,9 +82,9 @@ def test_host_emulation_reports_a_thread_that_skips_pdl_wait():
 
 
 def test_programmatic_launch_switch():
-    """SPD_PDL=1 turns programmatic dependent launch on at import, a bad value is refused by
-    name, the context manager restores the previous setting, and the extension (when built)
-    follows the switch."""
+    """SPD_PDL=1 turns programmatic dependent launch on, a bad value is refused by name (an
+    SPDInputError, so the CLI exits 2 with the message), the context manager restores the
+    previous setting, and the extension (when built) follows the switch."""
     code = ("from spd_kernels import _cuda\n"
             "print('ON', _cuda.programmatic_launch_enabled())\n"
             "with _cuda.programmatic_launch(False):\n"
@@ -97,7 +97,7 @@ def test_programmatic_launch_switch():
         assert out.stdout.split() == ["ON", str(on), "INSIDE", "False", "AFTER", str(on)]
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env={**os.environ, "SPD_PDL": "yes please"}, timeout=120)
-    assert out.returncode != 0 and "SPD_PDL='yes please'" in out.stderr
+    assert out.returncode != 0 and "SPDInputError: SPD_PDL='yes please'" in out.stderr
     was = _cuda.programmatic_launch_enabled()
     ext = _cuda.load()
     with _cuda.programmatic_launch():

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from spd.errors import SPDError
+from spd_kernels import SPDBackendError, _cuda
 
 
 def _add_generate(sub) -> None:
@@ -463,8 +464,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
     try:
+        _cuda.programmatic_launch_enabled()  # a bad SPD_PDL is refused up front, on any device
         return args.func(args)
-    except SPDError as exc:
+    except (SPDError, SPDBackendError) as exc:  # bad input, or a backend forced where it can't run
         print(f"spd: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
