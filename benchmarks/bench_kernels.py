@@ -557,9 +557,9 @@ def targets(rows, device) -> list[dict]:
 
 
 # Kernels registered on request only (not yet timed on a GPU), each against what the automatic
-# choice runs for the same call, and the CUDA kernels launched programmatically against the same
-# launched plainly: (op, the challenger's backends, the incumbent's backends); graph rows stand
-# against graph rows.
+# choice runs for the same call, and the kernels launched programmatically (cuda_pdl,
+# triton_pdl) against the same launched plainly: (op, the challenger's backends, the incumbent's
+# backends); graph rows stand against graph rows.
 CHALLENGES = (
     ("rejection_sample_logits", ("cuda",), ("triton",)),
     ("anchor_projection", ("cuda_mma",), ("cuda",)),
@@ -571,7 +571,7 @@ CHALLENGES = (
     ("pdm_step", ("cuda_linear_cg", "cuda_cg", "cuda_pdl_cg"), ("triton_cg",)),
 ) + tuple(  # programmatic dependent launch (off by default) against the same kernels without it
     (op, (f"{b}_pdl{g}",), (f"{b}{g}",)) for op in OPS for b in ("cuda", "triton")
-    for g in ("", "_cg"))
+    if b == "cuda" or op in PDL_TRITON_OPS for g in ("", "_cg"))
 
 
 def challengers(rows) -> list[dict]:
