@@ -86,8 +86,7 @@ attention_split(const T* __restrict__ q, int64_t sqh, int64_t sqr, const T* __re
                 float* __restrict__ ws, int R, int S, int G, int chunk, int per_block,
                 float scale_log2) {
   __shared__ Tiles<T, HD> sh;
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   constexpr int kRow = Tiles<T, HD>::kRow;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int j = blockIdx.x, split = blockIdx.y;
@@ -247,8 +246,7 @@ __global__ void __launch_bounds__(256)
 attention_combine(const float* __restrict__ ws, const int64_t* __restrict__ start_ptr,
                   T* __restrict__ out, int64_t sor, int R, int S, int G, int HD, int splits,
                   int chunk) {
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int m = blockIdx.x, j = blockIdx.y, d = threadIdx.x;
   const int RG = R * G, r = m / G;
   const int64_t seen = min((int64_t)S, *start_ptr + r + 1);

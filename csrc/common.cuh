@@ -46,6 +46,13 @@ __device__ __forceinline__ void pdl_trigger() {
 #endif
 }
 
+// What every kernel does on entry (after any weight prefetch): let the next kernel launch, then
+// wait for the one before. The Triton kernels' pdl_enter (spd_kernels/_triton.py) is the same.
+__device__ __forceinline__ void pdl_enter() {
+  pdl_trigger();
+  pdl_wait();
+}
+
 #ifndef SPD_SIMT_HOST
 // SPD_LAUNCH(...)(args): a plain launch, or with programmaticStreamSerializationAllowed when the
 // process-wide switch is on. Errors are left for the launcher's cudaGetLastError().

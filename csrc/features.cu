@@ -185,8 +185,7 @@ anchor_kernel(const T* __restrict__ a, int64_t stride_am, int64_t stride_ar, con
               int64_t stride_or, int M, int R, int D, int N, int tiles) {
   __shared__ int s_rows[kThreads];      // rows of this block's class found in one pass
   __shared__ int s_warp_count[kWarps];
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q = blockIdx.x / tiles;
   const int tile = blockIdx.x - q * tiles;
@@ -297,8 +296,7 @@ anchor_mma(const T* __restrict__ a, int64_t stride_am, int64_t stride_ar, const 
            int R, int D, int N, int k_per) {
   __shared__ int s_rows[kMmaThreads];
   __shared__ int s_warp_count[kMmaWarps];
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   int e = 0, split = blockIdx.y;  // this block's work item: split `split` of type e
   for (; e < M; ++e) {
     const int splits = type_splits(e, D, k_per);
@@ -335,8 +333,7 @@ __global__ void __launch_bounds__(256)
 anchor_mma_reduce(const float* __restrict__ ws, const void* types, bool types_i64,
                   const int64_t* __restrict__ table, T* __restrict__ out, int64_t stride_or,
                   int M, int R, int D, int N, int k_per) {
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)R * N) return;
   const int r = (int)(i / N), n = (int)(i % N);

@@ -6,8 +6,7 @@ namespace spd {
 namespace {
 
 __global__ void lengths_kernel(int64_t* lengths, const int64_t* new_lengths, int new_stride, int C) {
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= C) return;
   int64_t n = new_lengths[(int64_t)c * new_stride];
@@ -21,8 +20,7 @@ template <typename U>
 __global__ void poison_kernel(const int64_t* lengths, const int64_t* new_lengths, int new_stride,
                               const int64_t* table, int64_t outer, int64_t S, int64_t inner,
                               U nan_bits) {
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int64_t c = blockIdx.x;
   const int64_t b = blockIdx.y / outer, o = blockIdx.y % outer;
   const int64_t old = lengths[c];

@@ -37,8 +37,7 @@ norm_rows(const T* __restrict__ x, int64_t sx, const T* __restrict__ g, T* __res
           float eps) {
   __shared__ float s_part[8];
   __shared__ float s_rstd;
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int r = blockIdx.x, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const T* xr = x + (int64_t)r * sx;
   float ss = 0.f;
@@ -88,8 +87,7 @@ linear_mma(const T* __restrict__ x, int64_t sx, const T* __restrict__ w0,
         for (int s = 0; s < S; ++s)
 #pragma unroll
           for (int v = 0; v < NV; ++v) prefetch_l2(wrow[s][v] + k_lo + u * kMmaChunk);
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   if (n0 >= N) return;  // the whole warp: no mma is left half-issued
   const bool a_ok = g < R, b_ok = TWO && g + 8 < R;
   const T* xa = x + (int64_t)min(g, R - 1) * sx;
@@ -131,8 +129,7 @@ template <typename T, int S>
 __global__ void __launch_bounds__(256)
 linear_reduce(const float* __restrict__ ws, int splits, const T* __restrict__ res, int64_t sres,
               T* __restrict__ out, int64_t sout, int R, int N) {
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= (int64_t)R * N) return;
   const int r = (int)(i / N), n = (int)(i % N);
@@ -177,8 +174,7 @@ int launch(const void* x, int64_t sx, const void* norm_weight, void* xn, const v
 // the hardware, in the emulation against simt_host.cpp).
 template <typename T>
 __global__ void mma_check(const T* __restrict__ a, const T* __restrict__ b, float* __restrict__ c) {
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int lane = threadIdx.x & 31, g = lane >> 2, q = lane & 3;
   auto pair = [](const T* p) {  // elements p[0] (low half) and p[1]
     uint32_t lo, hi;

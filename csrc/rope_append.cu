@@ -23,8 +23,7 @@ qk_rope_append(const T* __restrict__ qp, int64_t sqp, const T* __restrict__ kp, 
                T* __restrict__ k_cache, T* __restrict__ v_cache, int rows, int H, int KVH, int S,
                int P, int HD, float eps) {
   __shared__ float s_part[4];
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int t = blockIdx.x, j = blockIdx.y, i = threadIdx.x, half = HD / 2;
   const bool mine = i < half;  // threads past HD / 2 only help with the reduction
   const int64_t pos = *start_ptr + t;

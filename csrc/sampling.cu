@@ -300,8 +300,7 @@ __device__ void philox_pair(uint64_t seed, uint64_t counter, float* u0, float* u
 template <typename T, typename Q>
 __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
   __shared__ Shared sh;
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int r = blockIdx.x;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   Row<T, Q> row{static_cast<const T*>(P.x) + (int64_t)r * P.stride_x,

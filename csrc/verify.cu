@@ -149,8 +149,7 @@ greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ 
       }
     }
   }
-  pdl_trigger();
-  pdl_wait();  // the prefetch above reads no kernel's output; everything below may
+  pdl_enter();  // the prefetch above reads no kernel's output; everything below may
 
   // RMSNorm prologue: all warps share the sum of squares of every row.
   float ss[MAXR];
@@ -255,8 +254,7 @@ greedy_reduce(const float* __restrict__ pval, const int* __restrict__ pidx, int 
               const void* draft, bool draft_i64, int64_t* target, bool* accepted) {
   __shared__ float s_v[8];
   __shared__ int s_i[8];
-  pdl_trigger();
-  pdl_wait();
+  pdl_enter();
   const int r = blockIdx.x;
   float b = -FLT_MAX;
   int bi = INT_MAX;

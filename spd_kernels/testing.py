@@ -265,9 +265,12 @@ def compile_for_gpu(arch: int = 90) -> dict[str, str]:
             compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32))
             # PDL: the kernel must wait for its predecessor (griddepcontrol.wait), else not
             waits = "griddepcontrol.wait" in compiled.asm.get("ptx", "")
-            results[name] = ("no cubin" if not compiled.asm.get("cubin") else
-                             f"griddepcontrol.wait {'missing' if not waits else 'without PDL'}"
-                             if waits != bool(constexprs.get("PDL")) else "ok")
+            if not compiled.asm.get("cubin"):
+                results[name] = "no cubin"
+            elif waits != bool(constexprs.get("PDL")):
+                results[name] = f"griddepcontrol.wait {'without PDL' if waits else 'missing'}"
+            else:
+                results[name] = "ok"
         except Exception as exc:  # report every variant, not just the first failure
             results[name] = f"{type(exc).__name__}: {str(exc)[:2000]}"
     return results
