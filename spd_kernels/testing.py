@@ -4,6 +4,8 @@
 - `chi2_pvalue(counts, probs)`: goodness of fit of sampled counts against probabilities.
 - `TRITON_DEVICE`: where the Triton kernels can run in this process ("cpu" under the interpreter,
   "cuda" when compiled for a GPU, None when neither), so one test body covers both.
+- `cuda_context_error()`: why this process's CUDA context is lost to a kernel fault (tests stop
+  using it; benchmarks stop timing in it), None while it works.
 - `SIMT_SKIP_REASON`: None when the CUDA C++ kernels' host emulation (`spd_kernels._spd_simt`) is
   built, so tests can run the cuda backend on CPU tensors inside `_cuda.simulated()`.
 """
@@ -70,6 +72,23 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: float =
     assert (obs[~keep] == 0).all(), "a zero-probability outcome was observed"
     stat = ((obs[keep] - e[keep]) ** 2 / e[keep]).sum().item()
     return chi2_sf(stat, int(keep.sum()) - 1)
+
+
+def cuda_context_error() -> str | None:
+    """Why this process's CUDA context can no longer run anything, or None while it can.
+
+    A kernel fault (illegal or misaligned address, trap, device-side assert) is sticky: every
+    later CUDA call in the process fails with it. Errors that are not (out of memory, a bad launch
+    configuration) surface at their own call and leave the context usable, so a device-wide
+    synchronize that raises means the context is lost. Never initialises CUDA itself."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as exc:  # torch.AcceleratorError is a RuntimeError
+        first = (str(exc).strip().splitlines() or [""])[0]
+        return f"{type(exc).__name__}: {first}"
+    return None
 
 
 def bf16_ulp(x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,12 @@ def make_tiny_target(seed: int = 0, vocab: int = 16, layers: int = 4, hidden: in
     return TargetModel(model, tokenizer=None, name=f"tiny-{model_type}-{seed}")
 
 
+def pytest_configure(config):
+    # on a GPU: a test that faults a kernel fails itself, not every later test (cuda_guard.py)
+    from cuda_guard import CudaContextGuard
+    config.pluginmanager.register(CudaContextGuard(), "spd-cuda-context-guard")
+
+
 @pytest.fixture
 def tiny_target():
     return make_tiny_target()
