@@ -24,7 +24,17 @@ automatic choice runs for the same case ("challenger" lines, JSON `challengers`:
 argues for making it automatic), and checks the issue's targets (Qwen3-4B shapes): verify within 1.2x of reading the
 LM head once; anchor projection within 1.25x of its floor; the PDM step (3 layers, 32k draft
 vocabulary, 9 rows) within 1.5x of its weight-read floor and faster than a 4-layer stage; KV
-truncation under 5 us with no host synchronisation. Run it there with TRITON_INTERPRET unset:
+truncation under 5 us with no host synchronisation.
+
+A kernel never run on a GPU may fault there, and a fault takes the process's CUDA context with
+it: the run then stops, naming the row that lost it (JSON `context_lost`, exit status 3), instead
+of failing every later row with the same error. `--rows on-request` times only the rows of kernels
+the automatic choice does not pick yet (registered on request only, the mma anchor variant,
+programmatic dependent launch), `--rows automatic` the others, so the two can run in separate
+processes; `--merge A.json B.json ... --json-out C.json` joins such runs into one result, targets
+and challengers over all rows (benchmarks/device_session.sh does this, one op per process for the
+on-request rows). The JSON is rewritten after every row, so a run that is killed keeps its rows.
+Run it on a GPU with TRITON_INTERPRET unset:
 
     TRITON_INTERPRET=0 python benchmarks/bench_kernels.py                # GPU: all (compile: Qwen3-4B)
     TRITON_INTERPRET=0 python benchmarks/bench_kernels.py --models qwen3-4b --compile off \
@@ -61,6 +71,7 @@ from spd_kernels.linear import (cuda_launch, cuda_plan, fused_linear_reference,
 from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_cuda_launch, attention_launch,
                              pack_qkv,
                              cache_attention_reference, pdm_step, qkv_rope_append_reference)
+from spd_kernels.testing import cuda_context_error
 from spd_kernels.verify import (_launch_rejection, rejection_sample_logits_reference,
                                 target_to_draft_map, verify_greedy_reference)
 
@@ -411,9 +422,30 @@ def cuda_linear_layers(*args):
 
 # --- running ----------------------------------------------------------------------------------------
 
+# the dispatcher's ops a benchmark op runs (the PDM step runs four of them)
+STEP_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
+
+
+def real_ops(op: str) -> tuple[str, ...]:
+    return STEP_OPS if op == "pdm_step" else (op,)
+
+
+def on_request_row(op: str, backend: str) -> bool:
+    """Whether a row runs a kernel that the automatic choice does not pick yet: one registered on
+    request only (written and checked, not yet timed on a GPU), the tensor-core anchor variant,
+    or programmatic dependent launch (off by default). On a GPU these are the rows most likely to
+    fault, so the device session times them apart from the rest (--rows)."""
+    if "_pdl" in backend or "_mma" in backend:
+        return True
+    if backend in ("reference", "compile", "cuda_graph"):
+        return False
+    if backend.startswith("cuda_linear"):  # the step's dense products on the CUDA kernel
+        return any(dispatch.on_request(o, "cuda") for o in ("fused_linear", "fused_swiglu"))
+    base = "triton" if backend.startswith("triton") else "cuda"
+    return any(dispatch.on_request(o, base) for o in real_ops(op))
+
+
 def backend_ready(op: str, backend: str, device) -> str | None:
-    real_ops = {"pdm_step": ("qkv_rope_append", "cache_attention", "fused_linear",
-                             "fused_swiglu")}.get(op, (op,))
     if backend in ("reference", "compile", "cuda_graph"):
         return None
     if backend.startswith("cuda_linear"):  # the step with Triton attention, CUDA dense products
@@ -426,21 +458,35 @@ def backend_ready(op: str, backend: str, device) -> str | None:
         backend = "triton"
     elif backend.startswith("cuda"):  # cuda_cg: the CUDA kernel's launches as a graph
         backend = "cuda"
-    if any(backend not in dispatch.available(real_op, device) for real_op in real_ops):
+    if any(backend not in dispatch.available(real_op, device) for real_op in real_ops(op)):
         return "not available here"
     if backend == "triton" and device.type == "cpu":
         return "Triton interpreter is not a speed path"
     return None
 
 
-def run(args) -> dict:
+def all_cases(models, ops, dtype, device):
+    """(model, op, case, {backend: (fn, args)}, bytes floor, extra) for every model and op."""
+    for m in models:
+        for op in ops:
+            for case, fns, floor_bytes, extra in build_cases(op, MODELS[m], dtype, device):
+                yield m, op, case, fns, floor_bytes, extra
+
+
+class ContextLost(Exception):
+    """A row faulted a kernel and the process's CUDA context went with it."""
+
+
+def run(args, save=None) -> dict:
+    """Time every (model, op, case, backend) asked for; `save(result)` after each row keeps
+    what was timed if the process is stopped later (the device session caps each step)."""
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     timer = Timer(device, args.iters, args.warmup, flush=not args.no_flush)
     torch.manual_seed(0)
     bw = copy_bandwidth(device, timer)
     print(f"device {describe_device(device)}: copy bandwidth {bw:.1f} GB/s; dtype {dtype}; "
-          f"iters {args.iters}")
+          f"iters {args.iters}; rows {args.rows}")
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     # torch.compile takes tens of seconds per op and shape: by default only one model is compiled
@@ -449,65 +495,104 @@ def run(args) -> dict:
         set() if args.compile == "off" else
         ({"qwen3-4b"} if device.type == "cuda" else {"smollm2-135m"}) & set(models))
     rows = []
-    for m in models:
-        s = MODELS[m]
-        for op in ops:
-            for case, fns, floor_bytes, extra in build_cases(op, s, dtype, device):
-                fns = with_programmatic_variant(op, fns)
-                entries = dict(fns)
-                if m in compile_models:
-                    ref_fn, ref_args = fns["reference"]
-                    entries["compile"] = (torch.compile(ref_fn, dynamic=False), ref_args)
-                if extra.get("graph") and device.type == "cuda":
-                    graphed = [("cuda_graph", "reference")] if extra.get("graph_reference",
-                                                                         True) else []
-                    if "triton" in fns and backend_ready(op, "triton", device) is None:
-                        graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn"),
-                                    ("triton_pdl_cg", "triton_pdl")]
-                    if "cuda" in fns and backend_ready(op, "cuda", device) is None:
-                        graphed += [(f"{b}_cg", b) for b in fns if b.startswith("cuda")
-                                    and not b.startswith("cuda_linear")]
-                    if "cuda_linear" in fns and backend_ready(op, "cuda_linear", device) is None:
-                        graphed.append(("cuda_linear_cg", "cuda_linear"))
-                    for name, src in graphed:
-                        if src not in fns:
-                            continue
-                        try:
-                            entries[name] = graph_of(*fns[src])
-                        except Exception as exc:  # a capture failure is a row, not the end
-                            rows.append(dict(model=m, op=op, case=case, backend=name,
-                                             bytes=floor_bytes,
-                                             error=f"capture: {type(exc).__name__}: {exc}"[:300]))
-                            print(f"  {m} {op} {case} {name}: ERROR {rows[-1]['error']}")
-                for backend, entry in entries.items():
-                    row = dict(model=m, op=op, case=case, backend=backend, bytes=floor_bytes)
-                    why = backend_ready(op, backend, device)
-                    if why is not None:
+    result = dict(meta=meta(args, device, dtype, bw), rows=rows, context_lost=[])
+
+    def wanted(op, backend):
+        return args.rows == "all" or on_request_row(op, backend) == (args.rows == "on-request")
+
+    def keep(row):
+        rows.append(row)
+        if save is not None:
+            save(result)
+
+    def failed(row, error):  # record and go on: one broken backend != no table
+        row["error"] = error[:300]
+        keep(row)
+        print(f"  {row['model']} {row['op']} {row['case']} {row['backend']}: ERROR {row['error']}")
+        lost = cuda_context_error()  # unless the fault took the context with it
+        if lost is not None:
+            raise ContextLost(f"{row['model']} {row['op']} [{row['case']}] {row['backend']}: "
+                              f"{lost}")
+
+    try:
+        for m, op, case, fns, floor_bytes, extra in all_cases(models, ops, dtype, device):
+            fns = with_programmatic_variant(op, fns)
+            entries = dict(fns)
+            if m in compile_models:
+                ref_fn, ref_args = fns["reference"]
+                entries["compile"] = (torch.compile(ref_fn, dynamic=False), ref_args)
+            if extra.get("graph") and device.type == "cuda":
+                graphed = ([("cuda_graph", "reference")] if extra.get("graph_reference", True)
+                           else [])
+                if "triton" in fns and backend_ready(op, "triton", device) is None:
+                    graphed += [("triton_cg", "triton"), ("triton_attn_cg", "triton_attn"),
+                                ("triton_pdl_cg", "triton_pdl")]
+                if "cuda" in fns and backend_ready(op, "cuda", device) is None:
+                    graphed += [(f"{b}_cg", b) for b in fns if b.startswith("cuda")
+                                and not b.startswith("cuda_linear")]
+                if "cuda_linear" in fns and backend_ready(op, "cuda_linear", device) is None:
+                    graphed.append(("cuda_linear_cg", "cuda_linear"))
+                for name, src in graphed:
+                    if src not in fns or not wanted(op, name):
                         continue
-                    fn, fargs = entry
                     try:
-                        t0 = time.perf_counter()
-                        med, best = timer(lambda: fn(*fargs))
-                        row["wall_s"] = round(time.perf_counter() - t0, 3)
-                    except Exception as exc:  # record and go on: one broken backend != no table
-                        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
-                        rows.append(row)
-                        print(f"  {m} {op} {case} {backend}: ERROR {row['error']}")
-                        continue
-                    row.update(us=med, us_min=best, gb_s=floor_bytes / (med * 1e-6) / 1e9)
-                    row["pct_copy_bw"] = 100 * row["gb_s"] / bw
-                    row["floor_us"] = floor_bytes / (bw * 1e9) * 1e6
-                    row["x_floor"] = med / row["floor_us"]
-                    if extra.get("sync_check"):
-                        row["no_host_sync"] = no_host_sync(lambda: fn(*fargs), device)
-                    rows.append(row)
-                    print_row(row)
-                del entries, fns
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-    return dict(meta=meta(args, device, dtype, bw), rows=rows, targets=targets(rows, device),
-                challengers=challengers(rows))
+                        entries[name] = graph_of(*fns[src])
+                    except Exception as exc:  # a capture failure is a row, not the end
+                        failed(dict(model=m, op=op, case=case, backend=name, bytes=floor_bytes),
+                               f"capture: {type(exc).__name__}: {exc}")
+            for backend, entry in entries.items():
+                row = dict(model=m, op=op, case=case, backend=backend, bytes=floor_bytes)
+                if not wanted(op, backend) or backend_ready(op, backend, device):
+                    continue
+                fn, fargs = entry
+                try:
+                    t0 = time.perf_counter()
+                    med, best = timer(lambda: fn(*fargs))
+                    row["wall_s"] = round(time.perf_counter() - t0, 3)
+                except Exception as exc:
+                    failed(row, f"{type(exc).__name__}: {exc}")
+                    continue
+                row.update(us=med, us_min=best, gb_s=floor_bytes / (med * 1e-6) / 1e9)
+                row["pct_copy_bw"] = 100 * row["gb_s"] / bw
+                row["floor_us"] = floor_bytes / (bw * 1e9) * 1e6
+                row["x_floor"] = med / row["floor_us"]
+                if extra.get("sync_check"):
+                    row["no_host_sync"] = no_host_sync(lambda: fn(*fargs), device)
+                keep(row)
+                print_row(row)
+            del entries, fns
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    except ContextLost as exc:
+        result["context_lost"].append(str(exc))
+        print(f"CUDA context lost at {exc}: no later row can be timed in this process")
+    result.update(targets=targets(rows, device.type == "cuda"), challengers=challengers(rows))
+    return result
+
+
+def merge(paths: list[str]) -> dict:
+    """One result from several runs of this script (the device session times the on-request rows
+    in processes of their own, so a faulting kernel costs only its own op's rows): rows
+    concatenated, targets and challengers over all of them. A run stopped early counts with the
+    rows it saved."""
+    parts = []
+    for p in paths:
+        try:
+            parts.append((p, json.loads(Path(p).read_text())))
+        except (OSError, ValueError) as exc:
+            print(f"merge: skipping {p}: {exc}", file=sys.stderr)
+    if not parts:
+        raise SystemExit("merge: none of the files could be read")
+    rows = [r for _, part in parts for r in part["rows"]]
+    on_gpu = any(part["meta"].get("device_type") == "cuda" for _, part in parts)
+    return dict(meta=dict(parts[0][1]["meta"], command=" ".join(sys.argv),
+                          merged_from=[dict(file=Path(p).name, rows=len(part["rows"]),
+                                            command=part["meta"].get("command"),
+                                            complete="targets" in part)
+                                       for p, part in parts]),
+                rows=rows, context_lost=[m for _, part in parts for m in part["context_lost"]],
+                targets=targets(rows, on_gpu), challengers=challengers(rows))
 
 
 def graph_of(fn, fargs):
@@ -524,8 +609,8 @@ def graph_of(fn, fargs):
     return (lambda: graph.replay(), ())
 
 
-def targets(rows, device) -> list[dict]:
-    if device.type != "cuda":
+def targets(rows, on_gpu: bool) -> list[dict]:
+    if not on_gpu:
         return [dict(target="GPU targets", status="not evaluated on CPU")]
 
     def best(op, model="qwen3-4b", case=None,
@@ -604,7 +689,8 @@ def device_tag(device) -> str:
 
 def meta(args, device, dtype, bw) -> dict:
     import triton
-    return dict(date=args.date, device=describe_device(device), platform=platform.platform(),
+    return dict(date=args.date, device=describe_device(device), device_type=device.type,
+                platform=platform.platform(), rows=args.rows,
                 torch=torch.__version__, triton=getattr(triton, "__version__", None),
                 cuda_extension=dispatch.describe()["cuda_extension"], dtype=str(dtype),
                 copy_bandwidth_gb_s=bw, iters=args.iters, warmup=args.warmup,
@@ -626,6 +712,25 @@ def print_row(r):
           f"{r['gb_s']:>9.2f}{r['pct_copy_bw']:>7.1f}{r['x_floor']:>9.2f}{extra}", flush=True)
 
 
+def report(result) -> None:
+    """The targets and the challenger lines, after the table (the device session greps them)."""
+    for lost in result["context_lost"]:
+        print(f"context lost: {lost}")
+    for t in result["targets"]:
+        print("target:", json.dumps(t))
+    for c in result["challengers"]:  # on-request kernels against the automatic choice
+        print(f"challenger: {c['model']} {c['op']} [{c['case']}] {c['challenger']} "
+              f"{c['challenger_us']:.1f} us vs {c['incumbent']} {c['incumbent_us']:.1f} us: "
+              f"{c['speedup']:.2f}x")
+
+
+def write(result, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")  # never a half-written file, even when killed
+    tmp.write_text(json.dumps(result, indent=2))
+    tmp.replace(out)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -636,11 +741,26 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
     ap.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                     help="torch.compile the references (auto: Qwen3-4B on GPU, SmolLM2 on CPU)")
+    ap.add_argument("--rows", default="all", choices=["all", "automatic", "on-request"],
+                    help="on-request: only the rows of kernels the automatic choice does not pick "
+                         "yet (on request only, the mma anchor variant, PDL); automatic: the rest")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
+                    help="time nothing: merge these results of earlier runs into --json-out, "
+                         "with targets and challengers over all their rows")
     ap.add_argument("--no-flush", action="store_true", help="do not flush L2 between calls")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     ap.add_argument("--date", default=str(date.today()))
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    if args.merge:
+        if not args.json_out:
+            ap.error("--merge needs --json-out")
+        result = merge(args.merge)
+        report(result)
+        write(result, Path(args.json_out))
+        print(f"wrote {args.json_out} ({len(result['rows'])} rows from "
+              f"{len(result['meta']['merged_from'])} files)")
+        return 0
     for flag, given, valid in (("--models", args.models, MODELS), ("--ops", args.ops, OPS)):
         unknown = [x.strip() for x in given.split(",") if x.strip() and x.strip() not in valid]
         if unknown:
@@ -654,21 +774,15 @@ def main() -> int:
     if os.environ.get("TRITON_INTERPRET") == "1" and gpu:
         print("TRITON_INTERPRET=1 is set: the Triton backend will be skipped on the GPU",
               file=sys.stderr)
-    print(HEADER)
-    result = run(args)
-    print("-" * len(HEADER))
-    for t in result["targets"]:
-        print("target:", json.dumps(t))
-    for c in result["challengers"]:  # on-request kernels against the automatic choice
-        print(f"challenger: {c['model']} {c['op']} [{c['case']}] {c['challenger']} "
-              f"{c['challenger_us']:.1f} us vs {c['incumbent']} {c['incumbent_us']:.1f} us: "
-              f"{c['speedup']:.2f}x")
     out = Path(args.json_out or Path(__file__).parent / "results" /
                f"{args.date}-kernels-{device_tag(torch.device(args.device))}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
+    print(HEADER)
+    result = run(args, save=lambda partial: write(partial, out))
+    print("-" * len(HEADER))
+    report(result)
+    write(result, out)
     print(f"wrote {out}")
-    return 0
+    return 3 if result["context_lost"] else 0
 
 
 if __name__ == "__main__":

@@ -2,17 +2,27 @@
 # Everything a lent GPU should run, in one call, inside a short device budget:
 #   1. the environment (nvidia-smi, torch, triton)            -> env.txt
 #   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> build.log
-#   3. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
-#      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is)
-#   4. kernel microbenchmarks at Qwen3-4B shapes (but verify)   -> $OUT/<date>-kernels-<dev>.json
-#      (the dense ops and the PDM step on Triton and on the CUDA kernel, each also as a graph,
-#       and the CUDA kernels also as programmatic dependent launches: cuda_pdl(_cg))
-#   5. is drafting hidden? (PDM draft + verify vs one stage,
+#   3. kernel microbenchmarks at Qwen3-4B shapes, the kernels the automatic choice runs (the two
+#      open targets, PDM step and anchor projection, first)  -> bench-automatic.{log,json}
+#   4. the same for the on-request kernels of those two ops (the whole step on the CUDA kernels,
+#      the tensor-core anchor variant, programmatic dependent launch), one process per op
+#                                                               -> bench-on-request-<op>.{log,json}
+#   5. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
+#      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is; a test
+#       that faults a kernel fails alone, tests/cuda_guard.py)
+#   6. the on-request rows of the step's other ops, one process per op
+#   7. 3, 4 and 6 merged, targets and challengers over all rows -> $OUT/<date>-kernels-<dev>.json
+#      (and where a kernel lost the CUDA context: its op once more under compute-sanitizer)
+#   8. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
-#   6. verify_greedy, once per CUDA kernel variant (SPD_VERIFY_VARIANT=0, 1, 2) -> verify-variant-*.json
-#   7. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
-#   8. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
-# The whole run keeps inside SPD_DEVICE_BUDGET seconds (default 520): each step has its own cap
+#   9. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
+#  10. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
+# A kernel never run on a GPU may fault, and a fault takes the process's CUDA context with it: so
+# the on-request rows run apart from the automatic ones and one op per process, and a
+# benchmark stops at a lost context (saying which row lost it) instead of filling its table with
+# the same error. Each benchmark saves its JSON after every row, so a step stopped by its cap
+# keeps its rows too.
+# The whole run keeps inside SPD_DEVICE_BUDGET seconds (default 560): each step has its own cap
 # and is also cut to the time left, so one that hangs cannot eat the others. The device tool
 # brings back at most 8 files, so the logs travel as one $OUT/logs.tar.gz beside the two JSONs
 # and summary.txt; a summary table is printed last. No install is needed: the code runs from
@@ -30,7 +40,7 @@ export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-BUDGET="${SPD_DEVICE_BUDGET:-520}"
+BUDGET="${SPD_DEVICE_BUDGET:-560}"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
 step() {  # step NAME CAP_S LOG CMD...: run CMD for at most min(CAP_S, time left - 25 s)
@@ -38,21 +48,23 @@ step() {  # step NAME CAP_S LOG CMD...: run CMD for at most min(CAP_S, time left
     local left=$((BUDGET - SECONDS - 25)) t0=$SECONDS rc
     local limit=$(( cap < left ? cap : left ))
     if (( limit < 10 )); then
-        printf '%-22s skipped: %ss of the budget left\n' "$name" "$((BUDGET - SECONDS))" \
+        printf '%-26s skipped: %ss of the budget left\n' "$name" "$((BUDGET - SECONDS))" \
             | tee -a "$SUMMARY"
         return
     fi
     timeout -k 5 "$limit" "$@" > "$log" 2>&1
     rc=$?
-    printf '%-22s rc=%-4s %4ss of %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" \
+    printf '%-26s rc=%-4s %4ss of %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" \
         "$(basename "$log")" | tee -a "$SUMMARY"
 }
 
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
     export TRITON_INTERPRET=1 SPD_SKIP_CUDA_BUILD=1
     DEV=cpu
-    KERNEL_ARGS=(--models smollm2-135m --ops verify_greedy,truncate_kv,fused_linear --iters 1 --warmup 0
-                 --compile off)
+    KERNEL_ARGS=(--models smollm2-135m --iters 1 --warmup 0 --compile off)
+    AUTO_OPS=verify_greedy,truncate_kv,fused_linear
+    FIRST_TRIALS=(truncate_kv)
+    MORE_TRIALS=(fused_linear)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
     KERNEL_TESTS=(tests/test_kernels_kv_truncate.py)
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
@@ -63,10 +75,11 @@ name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else "c
 print(next((k for k in ("h200", "h100", "a100", "b200") if k in name), "gpu" if name != "cpu" else "cpu"))
 EOF
 )
-    # verify_greedy runs on its own below, once per CUDA kernel variant (a crash there cannot
-    # take the other rows with it)
-    # the two open targets first: a step cut off by its time cap keeps the rows it printed
-    KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20 --ops pdm_step,anchor_projection,fused_linear,fused_swiglu,cache_attention,qkv_rope_append,truncate_kv,rejection_sample_logits)
+    KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20)
+    # the two open targets first: a step cut off by its time cap keeps the rows it saved
+    AUTO_OPS=pdm_step,anchor_projection,fused_linear,fused_swiglu,cache_attention,qkv_rope_append,truncate_kv,rejection_sample_logits,verify_greedy
+    FIRST_TRIALS=(pdm_step anchor_projection)
+    MORE_TRIALS=(fused_linear fused_swiglu cache_attention qkv_rope_append rejection_sample_logits)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
     KERNEL_TESTS=(tests/test_kernels_*.py)
@@ -83,24 +96,43 @@ print('cuda', torch.cuda.is_available() and torch.cuda.get_device_name())"; } > 
 # both); the GPU tests mostly wait on Triton's compiler, which is CPU work.
 PYTEST_EXTRA=()
 "$PY" -c "import xdist" 2>/dev/null && PYTEST_EXTRA+=(-n "${SPD_TEST_WORKERS:-8}")
-"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout 150)
+# thread method: a test stuck in a CUDA call (a signal cannot interrupt it) ends its worker
+"$PY" -c "import pytest_timeout" 2>/dev/null && PYTEST_EXTRA+=(--timeout 150 --timeout-method thread)
+
+bench_on_request() {  # bench_on_request CAP OP: one op's on-request rows in a process of its own
+    step "on-request-$2" "$1" "$LOGS/bench-on-request-$2.log" "$PY" benchmarks/bench_kernels.py \
+        "${KERNEL_ARGS[@]}" --rows on-request --ops "$2" --json-out "$LOGS/bench-on-request-$2.json"
+}
 
 # the host emulation of the CUDA kernels (spd_kernels._spd_simt) is for machines without a GPU
 SPD_SKIP_SIMT_BUILD=1 step build 150 "$LOGS/build.log" "$PY" setup.py build_ext --inplace
+step bench-automatic 150 "$LOGS/bench-automatic.log" "$PY" benchmarks/bench_kernels.py \
+    "${KERNEL_ARGS[@]}" --rows automatic --ops "$AUTO_OPS" --json-out "$LOGS/bench-automatic.json"
+bench_on_request 90 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
+for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 45 "$op"; done
 step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/test_kernels_*.py \
     tests/test_pdm_graphs.py tests/test_distributed.py
-step bench-kernels 150 "$LOGS/bench-kernels.log" "$PY" benchmarks/bench_kernels.py \
-    "${KERNEL_ARGS[@]}" --json-out "$OUT/$DATE-kernels-$DEV.json"
+for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
+shopt -s nullglob
+BENCH_JSONS=("$LOGS"/bench-*.json)
+shopt -u nullglob
+if (( ${#BENCH_JSONS[@]} )); then
+    step bench-merge 30 "$LOGS/bench-merge.log" "$PY" benchmarks/bench_kernels.py \
+        --merge "${BENCH_JSONS[@]}" --json-out "$OUT/$DATE-kernels-$DEV.json"
+fi
+# Where a kernel lost the context: that op's on-request rows once more, one call each, under
+# compute-sanitizer, which names the kernel, the thread and the address of the bad access.
+LOST_OPS=$(cat "$LOGS"/bench-on-request-*.log 2>/dev/null | awk '/^CUDA context lost at/ {print $6}' \
+           | sort -u | paste -sd, -)
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+if [[ -n "$LOST_OPS" && -n "$SANITIZER" ]]; then
+    step sanitize 90 "$LOGS/sanitize.log" "$SANITIZER" --tool memcheck --print-limit 10 \
+        "$PY" benchmarks/bench_kernels.py "${KERNEL_ARGS[@]}" --rows on-request --ops "$LOST_OPS" \
+        --iters 1 --warmup 0 --no-flush --json-out "$LOGS/sanitize.json"
+fi
 step draft-hiding 100 "$LOGS/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
     "${HIDING_ARGS[@]}" --json-out "$OUT/$DATE-draft-hiding-$DEV.json"
-if [[ -z "${SPD_DEVICE_SMOKE:-}" ]]; then  # the greedy-verify CUDA kernel's other shapes
-    for vv in 0 1 2; do  # (SPD_VERIFY_VARIANT is read once per process)
-        step "verify-variant-$vv" 40 "$LOGS/verify-variant-$vv.log" env SPD_VERIFY_VARIANT=$vv \
-            "$PY" benchmarks/bench_kernels.py --models qwen3-4b --ops verify_greedy \
-            --compile off --iters 20 --json-out "$LOGS/verify-variant-$vv.json"
-    done
-fi
 step kernel-tests 150 "$LOGS/kernel-tests.log" "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" "${KERNEL_TESTS[@]}"
 
@@ -113,10 +145,12 @@ tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
 echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
 show gpu-tests.log | tail -n 2
-echo "---- kernel targets"; show bench-kernels.log | grep -E "^target:|ERROR" | cut -c1-240
-echo "---- on request";     show bench-kernels.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
-echo "---- step ops";       show bench-kernels.log | grep -E "anchor_projection .*(cuda|triton)|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
-echo "---- verify variants"; for vv in 0 1 2; do show verify-variant-$vv.log | grep -E "verify_greedy|ERROR|Error" | cut -c1-120 | sed "s/^/v$vv /"; done
+benches() { tar -xzOf "$OUT/logs.tar.gz" --wildcards 'logs/bench-*.log' 2>/dev/null; }
+echo "---- kernel targets"; show bench-merge.log | grep -E "^(target|context lost):" | cut -c1-240
+benches | grep -E "ERROR|^CUDA context lost" | cut -c1-240 | head -n 20
+[[ -n "$LOST_OPS" ]] && { echo "---- sanitizer ($LOST_OPS)"; show sanitize.log | grep -E "^=========" | cut -c1-200 | head -n 30; }
+echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
+echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"

@@ -188,6 +188,12 @@ def available(op: str, device) -> list[str]:
     return [b for b in BACKENDS if b in _REGISTRY[op] and backend_unavailable(b, device) is None]
 
 
+def on_request(op: str, backend: str) -> bool:
+    """Whether `op`'s `backend` kernel runs only when asked for (registered automatic=False)."""
+    impl = _REGISTRY[op].get(backend)
+    return impl is not None and not impl.automatic
+
+
 def describe() -> dict:
     """What is registered and available, for logs and benchmarks."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -196,7 +202,6 @@ def describe() -> dict:
         "cuda_extension_error": _cuda.unavailable_reason(),
         "programmatic_launch": _cuda.programmatic_launch_enabled(),
         "ops": {op: {"implemented": [b for b in BACKENDS if b in _REGISTRY[op]],
-                     "on_request_only": [b for b in BACKENDS if b in _REGISTRY[op]
-                                         and not _REGISTRY[op][b].automatic],
+                     "on_request_only": [b for b in BACKENDS if on_request(op, b)],
                      **{str(d): available(op, d) for d in devices}} for op in OPS},
     }
