@@ -29,6 +29,12 @@ CSRC = "csrc"
 CU_SOURCES = ["verify.cu", "sampling.cu", "linear.cu", "rope_append.cu", "attention.cu",
               "kv_cache.cu", "features.cu", "runtime.cu"]
 SIMT_ONLY = ["simt_host.h", "simt_host.cpp"]  # the host emulation, in _spd_simt only
+# SPD_SIMT_SANITIZE=1: the emulation alone, with AddressSanitizer and the alignment check, so an
+# out-of-bounds or misaligned access in a kernel stops the process (tests/sanitize_emulation.sh
+# loads it with the sanitizer runtimes preloaded). The fibers' stacks are switched by hand, which
+# AddressSanitizer's stack checks do not follow: only heap, global and alignment checks.
+SANITIZE = os.environ.get("SPD_SIMT_SANITIZE", "0") == "1"
+SANITIZER_FLAGS = ["-fsanitize=address,alignment", "-fno-sanitize-recover=all"]
 
 
 def _say(msg: str) -> None:
@@ -91,7 +97,8 @@ class BuildExt(build_ext):
             return super().build_extension(ext)
         nvcc = _find_nvcc()
         simt = ext.name == "spd_kernels._spd_simt"
-        tmp = Path(self.build_temp) / ("simt" if simt else "cuda")
+        tmp = Path(self.build_temp) / (("simt-sanitized" if SANITIZE else "simt") if simt
+                                       else "cuda")
         tmp.mkdir(parents=True, exist_ok=True)
         headers = [h for h in list((ROOT / CSRC).glob("*.h")) + list((ROOT / CSRC).glob("*.cuh"))
                    if simt or h.name not in SIMT_ONLY]  # nvcc never includes the emulation
@@ -102,6 +109,10 @@ class BuildExt(build_ext):
                     # CUDA code reads 16-byte loads as bf16 pairs; g++ -O2 would assume no alias
                     "-fno-strict-aliasing",
                     f"-I{_cuda_include(nvcc)}", "-Wno-unknown-pragmas"]
+            if SANITIZE:
+                base += [*SANITIZER_FLAGS, "--param", "asan-stack=0", "-fno-omit-frame-pointer",
+                         "-g"]
+                ext.extra_link_args = [*ext.extra_link_args, *SANITIZER_FLAGS]
             sources = CU_SOURCES + [n for n in SIMT_ONLY if n.endswith(".cpp")]
         else:
             base = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", f"-I{ROOT / CSRC}",
@@ -144,19 +155,21 @@ def _extensions() -> list[Extension]:
         return []
     depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["spd_cuda.h", "common.cuh", "mma_stream.cuh"]]
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
-    exts = [Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
-                      include_dirs=[pybind11.get_include(), CSRC], language="c++",
-                      extra_compile_args=flags, depends=depends)]
+    cuda = Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
+                     include_dirs=[pybind11.get_include(), CSRC], language="c++",
+                     extra_compile_args=flags, depends=depends)
+    # The same kernels on the host, for tests on machines without a GPU (csrc/simt_host.h).
+    simt = Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
+                     include_dirs=[pybind11.get_include(), CSRC], language="c++",
+                     extra_compile_args=flags,
+                     depends=depends + [f"{CSRC}/{n}" for n in SIMT_ONLY + ["bindings.cpp"]])
+    if SANITIZE:
+        _say("SPD_SIMT_SANITIZE=1: building the host emulation alone, with sanitizers")
+        return [simt]
     if os.environ.get("SPD_SKIP_SIMT_BUILD", "0") == "1":  # e.g. on a GPU machine, to save time
         _say("SPD_SKIP_SIMT_BUILD=1: not building the host emulation spd_kernels._spd_simt")
-    else:
-        # The same kernels on the host, for tests on machines without a GPU (csrc/simt_host.h).
-        exts.append(Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
-                              include_dirs=[pybind11.get_include(), CSRC], language="c++",
-                              extra_compile_args=flags,
-                              depends=depends + [f"{CSRC}/{n}" for n in
-                                                 SIMT_ONLY + ["bindings.cpp"]]))
-    return exts
+        return [cuda]
+    return [cuda, simt]
 
 
 setup(

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
+import sys
 
 _ext = None
 _error: str | None = None
@@ -56,9 +58,21 @@ def simulating() -> bool:
 
 
 def _load_simt():
-    """(the host emulation module, None) or (None, why it is not there)."""
+    """(the host emulation module, None) or (None, why it is not there). SPD_SIMT_LIBRARY names
+    another build of it to load instead (the sanitized one: tests/sanitize_emulation.sh)."""
+    name, path = "spd_kernels._spd_simt", os.environ.get("SPD_SIMT_LIBRARY")
+    if path and name not in sys.modules:
+        try:
+            spec = importlib.util.spec_from_file_location(name, path)
+            if spec is None or not os.path.isfile(path):
+                raise ImportError("not an extension module file")
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            sys.modules[name] = mod
+        except ImportError as exc:
+            return None, f"SPD_SIMT_LIBRARY={path} could not be loaded ({exc})"
     try:
-        return importlib.import_module("spd_kernels._spd_simt"), None
+        return importlib.import_module(name), None
     except ImportError as exc:
         return None, (f"spd_kernels._spd_simt is not built ({exc}): it is built with the CUDA "
                       "extension when nvcc and the CUDA headers are present and neither "

@@ -128,6 +128,19 @@ def test_simulated_without_the_emulation_says_why():
     assert "ERR spd_kernels._spd_simt is not built" in out.stdout, out.stderr
 
 
+def test_simt_library_override_that_cannot_load_says_so(tmp_path, monkeypatch):
+    bogus = tmp_path / "_spd_simt.so"
+    bogus.write_text("not a shared object")
+    for path in (tmp_path / "missing.so", bogus):
+        monkeypatch.setenv("SPD_SIMT_LIBRARY", str(path))
+        out = run_python("from spd_kernels import _cuda\n"
+                         "try:\n"
+                         "    with _cuda.simulated(): pass\n"
+                         "except ImportError as e:\n"
+                         "    print('ERR', e)\n")
+        assert f"ERR SPD_SIMT_LIBRARY={path} could not be loaded" in out.stdout, out.stderr
+
+
 HOST_ONLY = {"anchor_projection_items", "runtime_version", "verify_greedy_num_blocks",
              "host_emulation", "programmatic_launch", "set_programmatic_launch"}
 # arithmetic on the host, a constant or a host-side setting: no device needed
