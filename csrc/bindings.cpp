@@ -69,6 +69,9 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       py::arg("which"), py::arg("out"),
       "known-answer kernels of the emulation: 0 warp collectives, 1 a deadlock, 2 a thread "
       "that skips pdl_wait()");
+  m.def("set_multiprocessors", &spd::simt::set_multiprocessors, py::arg("n"),
+        "the emulated device's multiprocessor count, which launch plans read (n >= 1); returns "
+        "the previous one");
 #else
   m.attr("host_emulation") = false;
 #endif

@@ -18,6 +18,14 @@
 
 #include <cstdint>
 #include <type_traits>
+
+namespace spd {
+#ifdef SPD_SIMT_HOST
+constexpr bool kHostEmulation = true;   // compiled for the host emulation (simt_host.h)
+#else
+constexpr bool kHostEmulation = false;
+#endif
+}  // namespace spd
 #include <utility>
 
 #include "spd_cuda.h"

@@ -22,7 +22,9 @@ namespace {
 constexpr size_t kStack = 256 * 1024;
 constexpr int kMaxThreads = 1024;
 constexpr size_t kMaxDynamicSmem = 227 * 1024;  // H100/H200 opt-in limit
-constexpr int kSMs = 3;  // emulated multiprocessors: persistent grids get 3 or 6 blocks, not 1
+// Emulated multiprocessors: persistent grids get 3 or 6 blocks, not 1. set_multiprocessors()
+// changes it (132 plans the launches as on an H100 / H200).
+int g_sms = 3;
 
 // Switching between fibers. On x86-64 a few instructions save the callee-saved registers and
 // swap stacks (swapcontext would also make a signal-mask system call on every switch, which
@@ -333,6 +335,12 @@ void no_wait_kernel(int* out) {
 
 }  // namespace
 
+int set_multiprocessors(int n) {
+  const int old = g_sms;
+  if (n >= 1) g_sms = n;
+  return old;
+}
+
 int selftest(int which, int* out) {
   auto kernel = which == 0 ? collectives_kernel : which == 1 ? deadlock_kernel : no_wait_kernel;
   launch(kernel, 1, 64, 0, nullptr)(out);
@@ -365,7 +373,7 @@ cudaError_t cudaGetDevice(int* device) {
 
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int) {
   switch (attr) {
-    case cudaDevAttrMultiProcessorCount: *value = spd::simt::kSMs; break;
+    case cudaDevAttrMultiProcessorCount: *value = spd::simt::g_sms; break;
     case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = (int)spd::simt::kMaxDynamicSmem; break;
     case cudaDevAttrWarpSize: *value = 32; break;
     default: return cudaErrorInvalidValue;

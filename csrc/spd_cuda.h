@@ -98,6 +98,9 @@ namespace simt {
 // barrier, 64 threads writing out[9 * 64]; 1 = a deadlock (must return cudaErrorLaunchFailure);
 // 2 = a thread ending without pdl_wait() (must return cudaErrorNotPermitted).
 int selftest(int which, int* out);
+// The emulated device's multiprocessor count (3 unless set; cudaDevAttrMultiProcessorCount reads
+// it), so launch plans sized for a large GPU can run in the emulation; returns the previous one.
+int set_multiprocessors(int n);
 }  // namespace simt
 #endif
 

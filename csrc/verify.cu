@@ -302,7 +302,10 @@ int resident_blocks(K kernel, size_t smem, std::atomic<unsigned long long>* cach
   int dev = 0;
   if ((*err = cudaGetDevice(&dev)) != cudaSuccess) return 0;
   const unsigned long long key = (unsigned long long)(smem + 1) << 32;
-  if (dev < kMaxDevices) {
+  // The emulated device's SM count can change between calls (simulated(multiprocessors=...)):
+  // no cache there.
+  const bool cached = dev < kMaxDevices && !kHostEmulation;
+  if (cached) {
     const unsigned long long c = cache[dev].load(std::memory_order_relaxed);
     if ((c >> 32) << 32 == key) return (int)(c & 0xffffffffu);
   }
@@ -314,7 +317,7 @@ int resident_blocks(K kernel, size_t smem, std::atomic<unsigned long long>* cach
           cudaSuccess)
     return 0;
   const int n = max(1, per_sm) * max(1, sms);
-  if (dev < kMaxDevices) cache[dev].store(key | (unsigned)n, std::memory_order_relaxed);
+  if (cached) cache[dev].store(key | (unsigned)n, std::memory_order_relaxed);
   return n;
 }
 

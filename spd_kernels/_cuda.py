@@ -85,23 +85,31 @@ def simt_unavailable_reason() -> str | None:
 
 
 @contextlib.contextmanager
-def simulated():
+def simulated(multiprocessors: int | None = None):
     """Inside this block the cuda backend runs the same CUDA C++ kernels in the host emulation
     (`spd_kernels._spd_simt`, csrc/simt_host.h) on CPU tensors: the tests' way of checking the
     kernels on machines without a GPU. Slow (every CUDA thread is a fiber) and not thread-safe:
-    for small test shapes only. Raises ImportError when the emulation was not built."""
-    global _simt
+    for small test shapes only. `multiprocessors` sets the emulated device's SM count (default
+    3), which the launch plans read: 132 runs the plans of an H100 / H200. Raises ImportError
+    when the emulation was not built."""
+    global _simt, _emulated_sms
     mod, why = _load_simt()
     if mod is None:
         raise ImportError(why)
-    old, _simt = _simt, mod
+    if multiprocessors is not None and multiprocessors < 1:
+        raise ValueError(f"multiprocessors must be >= 1, got {multiprocessors}")
+    old, old_sms = _simt, _emulated_sms
+    _simt, _emulated_sms = mod, multiprocessors or EMULATED_SMS
+    mod.set_multiprocessors(_emulated_sms)
     try:
         yield mod
     finally:
-        _simt = old
+        _simt, _emulated_sms = old, old_sms
+        mod.set_multiprocessors(old_sms)
 
 
-EMULATED_SMS = 3  # the emulated device's multiprocessors (kSMs in csrc/simt_host.cpp)
+EMULATED_SMS = 3  # the emulated device's multiprocessors by default (g_sms in csrc/simt_host.cpp)
+_emulated_sms = EMULATED_SMS
 MMA_CHUNK = 32    # K columns per warp step of the tensor-core kernels (kMmaChunk, mma_stream.cuh)
 
 
@@ -111,7 +119,7 @@ def multiprocessors(device) -> int:
     if device.type == "cuda":
         import torch
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return EMULATED_SMS
+    return _emulated_sms
 
 
 def stream_of(t) -> int:

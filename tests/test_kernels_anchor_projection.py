@@ -204,14 +204,15 @@ def test_cuda_kernel_in_host_emulation_strided_cases(m, rows, d, d_out):
 
 @needs_simt
 @pytest.mark.parametrize("name", list(SHARED_TYPES))
-@pytest.mark.parametrize("k_per", [None, 128])  # the plan's splits, and many small ones
+# the plan's splits on 3 SMs and on an H200's 132, and many small ones
+@pytest.mark.parametrize("k_per,sms", [(None, None), (None, 132), (128, None)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_mma_kernel_in_host_emulation(name, k_per, dtype):
+def test_cuda_mma_kernel_in_host_emulation(name, k_per, sms, dtype):
     """The tensor-core variant: rows grouped by type (more than 16: two MMA passes; more than a
     scan pass), each type's K cut into splits reduced in order with the bias; the scratch of
     partial sums is poisoned too. D = 200: a split ends inside an anchor's columns."""
     fn = lambda *a: anchor_projection_cuda_mma(*a, k_per=k_per)
-    with _cuda.simulated():
+    with _cuda.simulated(sms):
         check_shared_types(fn, name, 200, 41, dtype, "cpu")
 
 

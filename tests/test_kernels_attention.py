@@ -168,15 +168,16 @@ CUDA_SHAPES = [(1, 0, 5, 4, 2, 64), (9, 40, 100, 8, 2, 64), (5, 75, 80, 4, 4, 12
 @needs_simt
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("R,start,S,H,KVH,hd", CUDA_SHAPES)
-@pytest.mark.parametrize("splits", [1, 3, None])
-def test_cuda_kernel_matches_reference_in_emulation(dtype, R, start, S, H, KVH, hd, splits):
+@pytest.mark.parametrize("splits,sms", [(1, None), (3, None), (None, None), (None, 132)])
+def test_cuda_kernel_matches_reference_in_emulation(dtype, R, start, S, H, KVH, hd, splits, sms):
     """One split (the block normalises; several 32-key tiles when S is long), three, and the
-    plan's own (the combine merges the splits holding each row's keys); the cache past the chunk
-    is NaN and the output and workspace poisoned, in both sentinel sets (same bits)."""
+    plan's own on 3 SMs and on an H200's 132 (a split per tile, most holding no key of a row; the
+    combine merges the splits holding each row's keys); the cache past the chunk is NaN and the
+    output and workspace poisoned, in both sentinel sets (same bits)."""
     q, k, v = make_case(R, start, S, H, KVH, hd, dtype, "cpu", seed=R * S + hd + (splits or 0))
     q[:, R // 2] *= 8  # a peaky row: its maximum moves between tiles and splits
     start_t = torch.tensor([start])
-    with _cuda.simulated():
+    with _cuda.simulated(sms):
         with poisoned_outputs("a"):
             out = pdm.attention_cuda_launch(q, k, v, start_t, None, splits=splits)
         with poisoned_outputs("b"):

@@ -46,6 +46,26 @@ def test_host_emulation_built_when_nvcc_is_present():
 
 
 @pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+def test_emulated_multiprocessor_count_reaches_both_plans():
+    """simulated(multiprocessors=n) sets the SM count the Python launchers plan with and the one
+    the kernels' C++ launchers read (set_multiprocessors returns the count it replaces), and
+    restores both on exit, nested too."""
+    cpu = torch.device("cpu")
+    with _cuda.simulated(multiprocessors=132) as sim:
+        assert _cuda.multiprocessors(cpu) == 132 and sim.set_multiprocessors(132) == 132
+        with _cuda.simulated():
+            assert _cuda.multiprocessors(cpu) == _cuda.EMULATED_SMS
+            assert sim.set_multiprocessors(_cuda.EMULATED_SMS) == _cuda.EMULATED_SMS
+        assert _cuda.multiprocessors(cpu) == 132 and sim.set_multiprocessors(132) == 132
+    with _cuda.simulated() as sim:
+        assert sim.set_multiprocessors(_cuda.EMULATED_SMS) == _cuda.EMULATED_SMS
+    assert _cuda.multiprocessors(cpu) == _cuda.EMULATED_SMS
+    with pytest.raises(ValueError, match="multiprocessors"):
+        with _cuda.simulated(multiprocessors=0):
+            pass
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 def test_host_emulation_known_answers_and_deadlock():
     """The emulation is the CPU oracle of the CUDA kernels, so it is checked itself: warp
     shuffles, ballot, match, reduce and a block barrier on 64 threads against their CUDA

@@ -144,12 +144,13 @@ CUDA_SHAPES = [(1, 48, 40), (9, 104, 70), (5, 256, 300), (16, 32, 17), (12, 520,
 @needs_simt
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("R,K,N", CUDA_SHAPES)
-@pytest.mark.parametrize("split_k", [1, 3, None])
-def test_cuda_kernel_matches_reference_in_emulation(dtype, R, K, N, split_k):
+@pytest.mark.parametrize("split_k,sms", [(1, None), (3, None), (None, None), (None, 132)])
+def test_cuda_kernel_matches_reference_in_emulation(dtype, R, K, N, split_k, sms):
     """Every epilogue (plain, norm + residual, norm + SwiGLU) with one split, three, and the
-    plan's own choice; outputs and scratch (normed rows, partial sums) poisoned."""
+    plan's own choice, on the emulated device's 3 SMs and on an H200's 132 (a split per chunk of
+    K); outputs and scratch (normed rows, partial sums) poisoned."""
     a = make(R, K, N, dtype, "cpu", seed=R * K + N)
-    with _cuda.simulated(), poisoned_outputs("a"):
+    with _cuda.simulated(sms), poisoned_outputs("a"):
         plain = cuda_launch(a["x"], a["w"], split_k=split_k)
         normed = cuda_launch(a["x"], a["w"], None, a["g"], 1e-6, a["res"], split_k=split_k)
         swiglu = cuda_launch(a["x"], a["w"], a["w2"], a["g"], 1e-6, split_k=split_k)

@@ -307,7 +307,8 @@ def random_step_weights(d, H, KVH, hd, inter, vd, L, dtype, device, seed=3):
 
 
 @pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
-def test_pdm_step_with_the_cuda_kernels_in_emulation():
+@pytest.mark.parametrize("sms", [None, 132])  # the emulated device's plans, and an H200's
+def test_pdm_step_with_the_cuda_kernels_in_emulation(sms):
     """The step with every op on the CUDA kernels (QKV products, norm / RoPE / append, attention,
     o_proj, SwiGLU MLP, down, LM head; host emulation, bf16) matches the reference step: the
     kernels' strides, views (the head takes x[-1:], the attention q from the QKV step) and
@@ -320,7 +321,7 @@ def test_pdm_step_with_the_cuda_kernels_in_emulation():
     for start, rows in ((0, 9), (9, 5), (12, 1)):
         feats = r(rows, d)
         want = pdm_step(feats, w, *caches["reference"], start, cos, sin, backend="reference")
-        with _cuda.simulated(), poisoned_outputs("a"):
+        with _cuda.simulated(sms), poisoned_outputs("a"):
             got = pdm_step(feats, w, *caches["cuda"], start, cos, sin, backend="cuda")
         torch.testing.assert_close(got, want, rtol=0.03, atol=0.05)
         for c, ref in zip(caches["cuda"], caches["reference"]):

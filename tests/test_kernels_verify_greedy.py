@@ -168,6 +168,16 @@ def test_cuda_kernel_in_host_emulation(R, D, V, dtype):
 
 
 @needs_simt
+@pytest.mark.parametrize("R,D,V", [(1, 32, 100), (3, 45, 257), (6, 96, 131)])
+def test_cuda_kernel_with_an_h200_sized_grid(R, D, V):
+    """The persistent grid as sized on an H200's 132 SMs: far more blocks than vocabulary rows,
+    most of them with nothing to do."""
+    args = make_inputs(R, D, V, torch.bfloat16, "cpu", seed=R * 1000 + D + 1)
+    with _cuda.simulated(multiprocessors=132):
+        check_against_reference(*args, backend="cuda", exact=False)
+
+
+@needs_simt
 def test_cuda_kernel_in_host_emulation_strides_ties_and_empty():
     hidden, norm, head, drafts = make_inputs(3, 40, 90, torch.float32, "cpu", seed=7, strided=True)
     spaced = torch.stack([drafts, drafts], 1).reshape(-1)[::2]
