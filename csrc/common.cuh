@@ -18,19 +18,17 @@
 
 #include <cstdint>
 #include <type_traits>
-
-namespace spd {
-#ifdef SPD_SIMT_HOST
-constexpr bool kHostEmulation = true;   // compiled for the host emulation (simt_host.h)
-#else
-constexpr bool kHostEmulation = false;
-#endif
-}  // namespace spd
 #include <utility>
 
 #include "spd_cuda.h"
 
 namespace spd {
+
+#ifdef SPD_SIMT_HOST
+constexpr bool kHostEmulation = true;  // compiled for the host emulation (simt_host.h)
+#else
+constexpr bool kHostEmulation = false;
+#endif
 
 // Programmatic dependent launch (sm_90+). With it on, a kernel may start while the one before it
 // on the stream is still running (once every block of that one has called pdl_trigger()), so its

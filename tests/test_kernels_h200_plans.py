@@ -10,7 +10,7 @@ from spd_kernels.features import (anchor_projection_cuda, anchor_projection_cuda
                                   anchor_projection_reference)
 from spd_kernels.linear import cuda_launch, fused_linear_reference, fused_swiglu_reference
 from spd_kernels.testing import SIMT_SKIP_REASON, poisoned_outputs
-from spd_kernels.verify import final_logits, verify_greedy_reference
+from spd_kernels.verify import final_logits
 
 pytestmark = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
@@ -33,7 +33,8 @@ def rand(g, *shape, scale=1.0):
 ])
 def test_dense_kernel_at_qwen3_4b_shapes(what, R, K, N):
     g = torch.Generator().manual_seed(K + N)
-    x, w, w2 = rand(g, R, K, scale=2.0), rand(g, N, K, scale=K ** -0.5), rand(g, N, K, scale=K ** -0.5)
+    x = rand(g, R, K, scale=2.0)
+    w, w2 = rand(g, N, K, scale=K ** -0.5), rand(g, N, K, scale=K ** -0.5)
     norm = (torch.rand(K, generator=g) + 0.5).to(torch.bfloat16)
     res = rand(g, R, N)
     if what.startswith("norm + gate"):
@@ -69,13 +70,13 @@ def test_attention_kernel_at_qwen3_4b_heads_and_a_4k_cache():
 
 
 def test_verify_kernel_at_the_qwen3_4b_vocabulary():
+    """The persistent grid of an H200 (every SM's resident blocks) over 151,936 rows."""
     g = torch.Generator().manual_seed(11)
     hidden = rand(g, 1, HIDDEN, scale=2.0)
     norm = (torch.rand(HIDDEN, generator=g) + 0.5).to(torch.bfloat16)
     head = rand(g, VOCAB, HIDDEN, scale=HIDDEN ** -0.5)
     logits = final_logits(hidden, norm, 1e-6, head).float()
     for draft in (logits.argmax(-1), torch.tensor([5])):  # accepted, rejected
-        ref_t, ref_ok = verify_greedy_reference(hidden, norm, 1e-6, head, draft)
         with _cuda.simulated(H200_SMS), poisoned_outputs("a"):
             t, ok = verify_greedy(hidden, norm, 1e-6, head, draft, backend="cuda")
         best = logits.max(-1).values
@@ -86,7 +87,7 @@ def test_verify_kernel_at_the_qwen3_4b_vocabulary():
 
 @pytest.mark.parametrize("variant", ["ffma", "mma"])
 def test_anchor_projection_at_qwen3_4b_width(variant):
-    """The staircase of 9 in-flight rows over 5 anchors (types 4, 4, 3, 3, 2, 2, 1, 1, 0), every
+    """The staircase of 9 in-flight rows over 5 anchors (types 4, 3, 3, 2, 2, 1, 1, 0, 0), every
     type's weights [2560, (e + 1) * 2560] read in place through a weight table."""
     g = torch.Generator().manual_seed(13)
     m = 5
