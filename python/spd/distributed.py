@@ -412,19 +412,31 @@ class Runtime:
         forced = self.config.stage_through_host
         return forced if forced is not None else (tensor.is_cuda and self.backend == "gloo")
 
+    @staticmethod
+    def _post(op, tensor, peer: int, group, tag: int, what: str):
+        """dist.isend / dist.irecv. gloo raises at posting too when the pair's connection is
+        already gone (the peer died): that is a CommError about the peer, like a failed wait,
+        not this rank's own failure."""
+        try:
+            return op(tensor, peer, group=group, tag=tag)
+        except RuntimeError as exc:
+            raise CommError(peer, what, exc) from exc
+
     def irecv(self, tensor, src: int, tag: int):
         group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
         if self._through_host(tensor):
             self.host_staged += 1
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
-            return _StagedRecv(dist.irecv(host, src, group=group, tag=tag), host, tensor)
-        return dist.irecv(tensor, src, group=group, tag=tag)
+            return _StagedRecv(self._post(dist.irecv, host, src, group, tag, "posting a receive"),
+                               host, tensor)
+        return self._post(dist.irecv, tensor, src, group, tag, "posting a receive")
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
         group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
         if self._through_host(tensor):
             tensor = tensor.to("cpu", copy=True)
-        self._outgoing.append((dist.isend(tensor, dst, group=group, tag=tag), dst, tensor, epoch))
+        work = self._post(dist.isend, tensor, dst, group, tag, "posting a send")
+        self._outgoing.append((work, dst, tensor, epoch))
 
     def flush_sends(self, before: int | None = None) -> None:
         """Wait for the sends of epochs (cycles) < before (all when None). Waiting one cycle
