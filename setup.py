@@ -21,7 +21,7 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
@@ -173,10 +173,12 @@ def _extensions() -> list[Extension]:
 
 
 setup(
-    packages=["spd", "spd_kernels"],
+    packages=(find_packages("python", include=["spd", "spd.*"])
+              + find_packages(".", include=["spd_kernels", "spd_kernels.*"])),
     package_dir={"spd": "python/spd", "spd_kernels": "spd_kernels"},
-    # Trained PDMs shipped for the default model (int8, a few MB each).
-    package_data={"spd": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors"]},
+    # Trained PDMs shipped for the default model (int8, a few MB each); py.typed: PEP 561.
+    package_data={"spd": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors", "py.typed"],
+                  "spd_kernels": ["py.typed"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExt},
 )

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from spd import SPDEngine
-from spd.cli import encode_prompt
-from spd.drafters import ReferenceDrafter
-from spd.loading import describe_device, load_target
+from spd.cli.main import encode_prompt
+from spd.draft.drafters import ReferenceDrafter
+from spd.model.loading import describe_device, load_target
 
 PROMPTS = [
     "Explain in detail how a CPU cache works.",

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 from spd import SPDEngine
-from spd.cli import encode_prompt
-from spd.distributed import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
-from spd.launch import launch_local
-from spd.loading import load_target
+from spd.cli.main import encode_prompt
+from spd.distributed.runtime import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
+from spd.distributed.launch import launch_local
+from spd.model.loading import load_target
 
 PROMPTS = [
     "Explain in detail how a CPU cache works.",
@@ -45,7 +45,7 @@ def tiny_model_dir() -> str:
     """A random 4-layer, hidden-64 Llama with the default model's tokenizer (built once in
     $SPD_CACHE): its stage forwards take well under a millisecond, so a cycle is almost all
     communication and control."""
-    from spd.loading import cache_dir, save_tiny_random_llama
+    from spd.model.loading import cache_dir, save_tiny_random_llama
 
     folder = cache_dir() / "models" / "tiny-random-llama"
     if not (folder / "config.json").exists():

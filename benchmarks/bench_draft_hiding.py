@@ -4,13 +4,13 @@ SPD hides drafting when the draft rank finishes its cycle no later than the slow
 times the runtime's own code paths (not kernel microbenchmarks) on a target of a given shape with
 random weights, at a context of --context tokens already cached:
 
-  stage   spd.target.Stage.forward of one row through the largest stage of the default split
+  stage   spd.model.target.Stage.forward of one row through the largest stage of the default split
           (ceil(L / n) layers), what every stage rank does each cycle;
-  draft   spd.drafters.PDMDrafter.draft at fill n: anchor projection of the n+1 staircase rows,
+  draft   spd.draft.drafters.PDMDrafter.draft at fill n: anchor projection of the n+1 staircase rows,
           the PDM's L_s layers over them, the draft LM head and argmax (draft vocabulary
           --draft-vocab, MLP width --pdm-intermediate, default the target's); on a GPU both
-          eagerly and as the CUDA-graph replay the runtime uses there (spd.pdm_graphs);
-  verify  spd.cycle.verify, greedy: final norm + the target's LM head + argmax + compare, which
+          eagerly and as the CUDA-graph replay the runtime uses there (spd.draft.graphs);
+  verify  spd.runtime.sequence.verify, greedy: final norm + the target's LM head + argmax + compare, which
           the draft rank also runs every cycle (it holds the verifier).
 
 The draft is hidden when draft + verify <= stage (the draft rank's whole cycle behind a stage).
@@ -35,13 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import MODELS, Timer, device_tag  # noqa: E402
 
-from spd.cycle import verify  # noqa: E402
-from spd.drafters import PDMDrafter  # noqa: E402
-from spd.loading import describe_device  # noqa: E402
-from spd.engine import SamplingParams  # noqa: E402
-from spd.partition import DepthLayout  # noqa: E402
-from spd.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
-from spd.target import Stage, TargetModel  # noqa: E402
+from spd.runtime.sequence import verify  # noqa: E402
+from spd.draft.drafters import PDMDrafter  # noqa: E402
+from spd.model.loading import describe_device  # noqa: E402
+from spd.runtime.engine import SamplingParams  # noqa: E402
+from spd.model.partition import DepthLayout  # noqa: E402
+from spd.draft.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd.model.target import Stage, TargetModel  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

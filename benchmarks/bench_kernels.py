@@ -62,7 +62,7 @@ import logging
 import torch
 
 import spd_kernels
-from spd.loading import describe_device
+from spd.model.loading import describe_device
 from spd_kernels import _cuda, dispatch
 from spd_kernels.features import anchor_projection_cuda_mma, anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
@@ -200,7 +200,7 @@ def layer_bytes(lw: LayerWeights) -> int:
 
 
 def rope(s: Shape, dtype, device):
-    from spd.layers import rope_table  # the runtime's table; any Llama-style table would do
+    from spd.model.layers import rope_table  # the runtime's table; any Llama-style table would do
     return rope_table(s.head_dim, CACHE_CAPACITY, 1e6, device=device, dtype=dtype)
 
 

@@ -17,10 +17,10 @@ import time
 from datetime import date
 from pathlib import Path
 
-from spd.engine import SamplingParams, SPDEngine
-from spd.evaluate import collect_sets, run_eval
-from spd.loading import describe_device, load_target
-from spd.pdm import read_pdm_config
+from spd.runtime.engine import SamplingParams, SPDEngine
+from spd.evaluation.evaluate import collect_sets, run_eval
+from spd.model.loading import describe_device, load_target
+from spd.draft.pdm import read_pdm_config
 
 
 def describe(folder) -> dict:

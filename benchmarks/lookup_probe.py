@@ -8,7 +8,7 @@ steady-state estimate S = n / (1 + (1 - a)(n - 1)) (each rejection costs n - 1 r
 The estimate ignores that a better drafter changes which drafts get judged; `spd eval --lookup K`
 measures the real figure. Choose K on prompts you do not report (e.g. --offset 5 --limit 5).
 It also prints, per match length, how often the lookup was right where it disagreed with the
-PDM: the table `spd.lookup.TRUST` gates on (re-measure it for another target or n).
+PDM: the table `spd.draft.lookup.TRUST` gates on (re-measure it for another target or n).
 
     python benchmarks/lookup_probe.py --stages 4 --offset 5 --limit 5 --json-out probe.json
 """
@@ -20,12 +20,12 @@ import time
 
 import torch
 
-import spd.cycle as cycle
-from spd.drafters import top_probability
-from spd.engine import SamplingParams, SPDEngine
-from spd.evaluate import collect_sets, encode_question
-from spd.loading import describe_device, load_target
-from spd.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
+import spd.runtime.sequence as cycle
+from spd.draft.drafters import top_probability
+from spd.runtime.engine import SamplingParams, SPDEngine
+from spd.evaluation.evaluate import collect_sets, encode_question
+from spd.model.loading import describe_device, load_target
+from spd.draft.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
 
 
 class _Recorder:
@@ -80,7 +80,7 @@ def score(judged: list[dict], n: int, rules: dict) -> dict:
 
 def calibrate(judged: list[dict]) -> dict:
     """Per match length: how often the lookup's token was right where it differed from the
-    PDM's (what spd.lookup.TRUST holds for the default model)."""
+    PDM's (what spd.draft.lookup.TRUST holds for the default model)."""
     out = {}
     for k in range(1, MAX_LEN + 1):
         d = [j for j in judged if j["match"] == k and j["lookup"] != j["pdm"]]
@@ -132,7 +132,7 @@ def main() -> None:
     rules.update({f"lookup, match >= {k}": (lambda k: lambda j: j["match"] >= k)(k)
                   for k in range(1, 5)})
     # what the decode loop does: a match of >= DEFAULT_MIN_LEN tokens, gated by the PDM's
-    # confidence against spd.lookup.TRUST
+    # confidence against spd.draft.lookup.TRUST
     rules["gated (shipped)"] = lambda j: (j["match"] >= DEFAULT_MIN_LEN
                                           and j["p"] < NgramLookup.trust(j["match"]))
     report = {"stages": args.stages, "pdm": engine.pdm_source, "offset": args.offset,
@@ -148,7 +148,7 @@ def main() -> None:
         print(f"{rule:<22}" + "".join(
             f"{r[rule]['acceptance']:>12.3f} S~{r[rule]['S_estimate']:>5.2f}   "
             for r in report["rules"].values()))
-    print("lookup hit rate where it disagreed with the PDM (spd.lookup.TRUST), by match length:")
+    print("lookup hit rate where it disagreed with the PDM (spd.draft.lookup.TRUST), by match length:")
     for k, c in report["trust"].items():
         print(f"  {k}: {c['hit_rate']:.2f} of {c['drafts']}  "
               f"(TRUST {NgramLookup.trust(int(k)):.2f})")

@@ -17,7 +17,7 @@ def make_tiny_target(seed: int = 0, vocab: int = 16, layers: int = 4, hidden: in
     """A random Llama/Qwen3 target with peaky next-token distributions (head weights scaled)."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
 
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
     cfg = cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
@@ -47,7 +47,7 @@ def tiny_target():
 
 @pytest.fixture(scope="session")
 def default_target():
-    from spd.loading import load_target
+    from spd.model.loading import load_target
     return load_target(None)
 
 

@@ -4,13 +4,13 @@ import json
 import pytest
 import torch
 
-from spd.cli import main
+from spd.cli.main import main
 
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    from spd.distill import extract_features
-    from spd.loading import load_target, save_tiny_random_llama
+    from spd.train.distill import extract_features
+    from spd.model.loading import load_target, save_tiny_random_llama
     root = tmp_path_factory.mktemp("cli-train")
     model_dir = save_tiny_random_llama(root / "model")
     t = load_target(str(model_dir))
@@ -89,7 +89,7 @@ def test_train_with_fill_and_argmax_weights(tiny_setup, tmp_path):
 def test_fill_level_sampling_follows_the_weights():
     import random
     from spd.errors import SPDError
-    from spd.trainer import TrainConfig, sample_fill
+    from spd.train.trainer import TrainConfig, sample_fill
     rng = random.Random(0)
     cfg = TrainConfig(fill_weights=[4, 2, 1, 1])
     counts = [0] * 5
@@ -110,8 +110,8 @@ def test_fill_level_sampling_follows_the_weights():
 
 
 def test_train_on_extra_feature_folders(tiny_setup, tmp_path):
-    from spd.distill import extract_features
-    from spd.loading import load_target
+    from spd.train.distill import extract_features
+    from spd.model.loading import load_target
     model_dir, _ = tiny_setup
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 500, (24,), generator=g).tolist() for _ in range(6)]

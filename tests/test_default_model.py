@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from spd import SPDEngine
-from spd.cli import encode_prompt, main
-from spd.drafters import ReferenceDrafter
-from spd.lookup import DEFAULT_MIN_LEN
+from spd.cli.main import encode_prompt, main
+from spd.draft.drafters import ReferenceDrafter
+from spd.draft.lookup import DEFAULT_MIN_LEN
 
 pytestmark = pytest.mark.slow
 
@@ -150,7 +150,7 @@ def test_cli_eval_two_prompts_writes_json(tmp_path, capsys):
 
 def _shipped(method: str) -> list:
     """(folder name, config) of every drafter shipped in python/spd/checkpoints for `method`."""
-    from spd.pdm import SHIPPED_DIR
+    from spd.draft.pdm import SHIPPED_DIR
     out = []
     for path in sorted(SHIPPED_DIR.glob("*/config.json")):
         c = json.loads(path.read_text())
@@ -180,7 +180,7 @@ def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cf
 @pytest.mark.parametrize("name,cfg", _shipped("ppsd"))
 def test_shipped_ppsd_drafter_is_lossless(default_target, references, name, cfg):
     """The PPSD baseline's drafters (first-stage features, post-step) decode exactly."""
-    from spd.pdm import SHIPPED_DIR
+    from spd.draft.pdm import SHIPPED_DIR
     eng = SPDEngine(default_target, n_stages=cfg["n_stages"], pdm=SHIPPED_DIR / name)
     assert list(eng.layout.anchors) == cfg["anchors"] and eng.drafter.post_step
     accepted = 0
@@ -193,7 +193,7 @@ def test_shipped_ppsd_drafter_is_lossless(default_target, references, name, cfg)
 
 @pytest.mark.parametrize("name,cfg", _shipped("eagle3"))
 def test_shipped_eagle3_head_is_picked_and_lossless(default_target, references, name, cfg):
-    from spd.eagle_decode import EagleDecoder
+    from spd.baselines.eagle_decode import EagleDecoder
     dec = EagleDecoder(default_target)
     assert dec.head_source.endswith(name)
     tokens = rounds = 0

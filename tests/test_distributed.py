@@ -25,14 +25,14 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd.cli import encode_prompt, main
-from spd.distributed import (DistConfig, GenerateRequest, RankFailedError, SpeculationPolicy,
+from spd.cli.main import encode_prompt, main
+from spd.distributed.runtime import (DistConfig, GenerateRequest, RankFailedError, SpeculationPolicy,
                              check_handshake, parse_fault, run_forever, run_requests)
-from spd.drafters import ReferenceDrafter
+from spd.draft.drafters import ReferenceDrafter
 from spd.errors import SPDError
-from spd.launch import launch_local
-from spd.pdm import PipelineDraftModule
-from spd.target import TargetModel
+from spd.distributed.launch import launch_local
+from spd.draft.pdm import PipelineDraftModule
+from spd.model.target import TargetModel
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 PY = sys.executable
@@ -350,13 +350,13 @@ def test_bad_distributed_options(capsys):
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Llama with the default model's tokenizer, as a local HF folder (fast to load)."""
-    from spd.loading import save_tiny_random_llama
+    from spd.model.loading import save_tiny_random_llama
     folder = save_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama"))
     return str(folder)
 
 
 def _single_process(model_dir: str, n: int, prompt: str, max_new: int) -> list[int]:
-    from spd.loading import load_target
+    from spd.model.loading import load_target
     t = load_target(model_dir)
     ids = encode_prompt(t.tokenizer, prompt, True)
     return SPDEngine(t, n_stages=n).generate(ids, max_new).token_ids
@@ -413,7 +413,7 @@ def test_torchrun_killed_rank_on_other_node_stops_both_nodes(tiny_model_dir):
 _RANK_SCRIPT = """
 import json, sys, time
 from datetime import timedelta
-from spd.distributed import CommError, DistConfig, Runtime
+from spd.distributed.runtime import CommError, DistConfig, Runtime
 port, rank, world, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 rt = Runtime(rank, world, DistConfig(n_stages=world - 1, fault_timeout=1.0), "127.0.0.1", port)
 print("ready", flush=True)
@@ -446,7 +446,7 @@ def test_sigterm_marks_the_rank_and_ends_it_even_inside_a_blocking_call():
     """torchrun stops a node's other ranks with SIGTERM when one fails. A rank blocked in C++
     (gloo, the store) runs no Python handler, so its watchdog acts: it marks the store and the
     process ends with status 143 at once."""
-    from spd.distributed import EXIT_TERMINATED
+    from spd.distributed.runtime import EXIT_TERMINATED
     master, store = _test_store()
     proc = _rank_process(master.port, 1, 3, "block")
     try:

@@ -8,13 +8,13 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd.distill import FeatureSet, extract_features
-from spd.eagle import EagleHead, find_eagle, find_shipped_eagle
-from spd.eagle_decode import EagleDecoder
-from spd.eagle_train import EagleDistiller, EagleTrainConfig, train_eagle
+from spd.train.distill import FeatureSet, extract_features
+from spd.baselines.eagle import EagleHead, find_eagle, find_shipped_eagle
+from spd.baselines.eagle_decode import EagleDecoder
+from spd.baselines.eagle_train import EagleDistiller, EagleTrainConfig, train_eagle
 from spd.errors import SPDError
-from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule
+from spd.model.partition import DepthLayout
+from spd.draft.pdm import PipelineDraftModule
 from spd_kernels import filtered_probs
 from spd_kernels.testing import chi2_pvalue
 
@@ -348,8 +348,8 @@ def test_trained_head_drafts_better_and_stays_exact(tiny_features, trained, tmp_
         bad_alpha += bad.stats.alpha
     assert good_alpha > 1.2 * bad_alpha, (good_alpha, bad_alpha)
     # A head shipped in the package's checkpoint folder is found by fingerprint.
-    import spd.eagle
-    monkeypatch.setattr(spd.eagle, "SHIPPED_DIR", tmp_path)
+    import spd.baselines.eagle
+    monkeypatch.setattr(spd.baselines.eagle, "SHIPPED_DIR", tmp_path)
     assert find_shipped_eagle(t) is None
     EagleHead.load(out, t).save(tmp_path / "tiny-eagle", storage="int8")
     assert find_shipped_eagle(t) == tmp_path / "tiny-eagle"

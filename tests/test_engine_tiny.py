@@ -4,10 +4,10 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd.drafters import PDMDrafter, ReferenceDrafter
+from spd.draft.drafters import PDMDrafter, ReferenceDrafter
 from spd.errors import SPDError
-from spd.pdm import PipelineDraftModule
-from spd.target import Stage
+from spd.draft.pdm import PipelineDraftModule
+from spd.model.target import Stage
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 

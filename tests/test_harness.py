@@ -1,16 +1,16 @@
-"""The comparison grid (spd.harness), its cost model and report, on a tiny random target."""
+"""The comparison grid (spd.evaluation.grid), its cost model and report, on a tiny random target."""
 import json
 
 import pytest
 import torch
 
 from conftest import make_tiny_target
-from spd.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
-from spd.distill import FeatureSet, extract_features
+from spd.evaluation.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
+from spd.train.distill import FeatureSet, extract_features
 from spd.errors import SPDError
-from spd.harness import GridSpec, plan_cells, run_grid
-from spd.report import markdown, write_report
-from spd.trainer import TrainConfig, train
+from spd.evaluation.grid import GridSpec, plan_cells, run_grid
+from spd.evaluation.report import markdown, write_report
+from spd.train.trainer import TrainConfig, train
 
 VOCAB = 40
 
@@ -44,7 +44,7 @@ def trained(tmp_path_factory):
     train(t, feats, TrainConfig(anchors=[0, 2], pdm_layers=1, features="post-step",
                                 method="ppsd", **common),
           root / "ckpt" / "ppsd-n2", progress=False)
-    from spd.eagle import EagleHead
+    from spd.baselines.eagle import EagleHead
     EagleHead.untrained(t, draft_steps=3).save(root / "ckpt" / "eagle3")
     return t, root / "ckpt"
 
@@ -71,7 +71,7 @@ def test_plan_puts_ar_first_and_covers_the_grid(trained):
 
 
 def test_grid_lookup_reaches_the_pipeline_drafters(trained):
-    from spd.harness import Cell, _Decoders
+    from spd.evaluation.grid import Cell, _Decoders
     t, ckpt = trained
     assert "lookup" not in _spec(ckpt).settings()  # off by default: grids stored before resume
     spec = _spec(ckpt, lookup=2)
@@ -116,8 +116,8 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
 
     # Resume: every cell is finished, so nothing decodes again; a skipped cell is tried again
     # (its drafter may exist now).
-    from spd.engine import SPDEngine
-    import spd.harness as harness
+    from spd.runtime.engine import SPDEngine
+    import spd.evaluation.grid as harness
     tried = []
     real_get = harness._Decoders.get
 
@@ -151,8 +151,8 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
 def test_recost_applies_to_every_cell(trained, tmp_path, monkeypatch):
     """A re-measured cost model changes every adjusted speedup in the report, never the counts."""
     t, ckpt = trained
-    import spd.harness as harness
-    from spd.report import _rows_by_config
+    import spd.evaluation.grid as harness
+    from spd.evaluation.report import _rows_by_config
     fixed = Costs(device="cpu", context=16, reps=1, forward_s=0.010, head_s=0.001,
                   stage_s={"2": [0.004, 0.004]}, chunk_s={})
     monkeypatch.setattr(harness, "measure_costs", lambda *a, **k: Costs(**fixed.as_dict()))
@@ -171,7 +171,7 @@ def test_recost_applies_to_every_cell(trained, tmp_path, monkeypatch):
 
 def test_grid_refuses_an_output_that_differs_from_ar(trained, tmp_path, monkeypatch):
     t, ckpt = trained
-    from spd.engine import SPDEngine
+    from spd.runtime.engine import SPDEngine
     real = SPDEngine.generate
 
     def corrupt(self, *a, **k):
@@ -223,7 +223,7 @@ def test_measure_costs_times_every_piece():
 
 
 def test_cli_grid_flags_are_checked(tmp_path, capsys):
-    from spd.cli import main
+    from spd.cli.main import main
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"question_id": 1, "turns": ["hi"]}) + "\n")
     assert main(["eval", "--prompts", str(q), "--stages", "2,4"]) == 2

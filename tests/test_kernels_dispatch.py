@@ -182,7 +182,7 @@ def test_gpu_engine_lossless_under_each_backend(backend, programmatic):
     """On a GPU, greedy SPD with verify / truncation (poisoned) / anchor projection on `backend`
     (also as programmatic dependent launches, SPD_PDL=1) reproduces
     autoregressive decoding (reference backends) token for token."""
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
     ops = ("verify_greedy", "truncate_kv", "anchor_projection")
     if any(backend not in dispatch.available(op, "cuda") for op in ops):
         pytest.skip(f"{backend} backend not available for CUDA tensors here")
@@ -227,7 +227,7 @@ def test_engine_drafts_through_the_cuda_pdm_step_in_host_emulation():
     tile, so the attention's key splits and their merge run too). The output stays the target's
     greedy decode (the verifier is the reference), and every draft's logits match the reference
     step's at the same call, so the kernels compute the step the runtime expects."""
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
     cpu = make_tiny_target(seed=71, vocab=48, layers=4, hidden=128, heads=2, kv_heads=1)
     t = TargetModel(cpu.hf.to(torch.bfloat16), None, name=cpu.name)
     eng = SPDEngine(t, n_stages=3, anchors=[0, 2, 3], lookup=0, warn_untrained=False)

@@ -1,12 +1,12 @@
 """PDM decoder step: the fused RMSNorm + QKV + q/k norm + RoPE + cache-append kernel against its
 reference, the plain-tensor step (with cache_attention, tests/test_kernels_attention.py) against
-spd.layers, and the runtime's PipelineDraftModule.step running it bit for bit."""
+spd.model.layers, and the runtime's PipelineDraftModule.step running it bit for bit."""
 import pytest
 import torch
 
 from conftest import make_tiny_target
 from spd import SPDEngine
-from spd.layers import decoder_layer_step, rope_table
+from spd.model.layers import decoder_layer_step, rope_table
 from spd_kernels import SPDInputError, _cuda, dispatch, pdm_step, qkv_rope_append, use_backend
 from spd_kernels import pdm
 from spd_kernels.pdm import LayerWeights, PDMWeights
@@ -193,7 +193,7 @@ def test_checks_and_library_op():
 
 
 def layers_step(pdm, feats, start, cache):
-    """The runtime's PDM step as spd.layers computes it (PipelineDraftModule.step before it ran
+    """The runtime's PDM step as spd.model.layers computes it (PipelineDraftModule.step before it ran
     spd_kernels.pdm_step): the specification pdm_step must keep bit for bit on the reference."""
     c = pdm.config
     rows = feats.shape[0]
@@ -220,7 +220,7 @@ CHUNKS = ((0, 6), (6, 3), (8, 2), (9, 1))  # prefill, then crop-and-recompute ch
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 @pytest.mark.parametrize("device_start", [False, True])
 def test_pdm_step_matches_the_runtime_layers(backend, device_start):
-    """pdm_step (qkv_rope_append + cache_attention per layer) against spd.layers; bit for bit on
+    """pdm_step (qkv_rope_append + cache_attention per layer) against spd.model.layers; bit for bit on
     the reference backend with a host start, within fp32 rounding otherwise."""
     if backend == "triton" and TRITON_DEVICE != "cpu":
         pytest.skip(TRITON_SKIP_REASON)
@@ -270,7 +270,7 @@ def test_pdm_step_with_every_op_forced_to_triton():
 
 
 def test_runtime_step_routes_through_pdm_step_bit_for_bit():
-    """PipelineDraftModule.step runs spd_kernels.pdm_step and keeps spd.layers' results exactly
+    """PipelineDraftModule.step runs spd_kernels.pdm_step and keeps spd.model.layers' results exactly
     (CPU, reference backend), also after its parameters are replaced."""
     pdm = tiny_pdm(seed=7)
     c = pdm.config

@@ -15,7 +15,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from spd.layers import rope_table
+from spd.model.layers import rope_table
 from spd_kernels import (_cuda, anchor_projection, dispatch, pdm_step, rejection_sample_logits,
                          truncate_kv_, verify_greedy)
 from spd_kernels.pdm import LayerWeights, PDMWeights

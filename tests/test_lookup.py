@@ -1,4 +1,4 @@
-"""Context lookup (spd.lookup): the index against a brute-force search, and decoding with it
+"""Context lookup (spd.draft.lookup): the index against a brute-force search, and decoding with it
 stays exactly the target's while its drafts are used."""
 import random
 
@@ -7,8 +7,8 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SPDEngine
-from spd.drafters import PDMDrafter
-from spd.lookup import DEFAULT_MIN_LEN, TRUST, NgramLookup
+from spd.draft.drafters import PDMDrafter
+from spd.draft.lookup import DEFAULT_MIN_LEN, TRUST, NgramLookup
 
 
 def brute_force(committed, context, min_len, max_len):

@@ -1,7 +1,7 @@
 import pytest
 
 from spd.errors import SPDError
-from spd.partition import DepthLayout, check_anchors, default_anchors, parse_split, partition_layers
+from spd.model.partition import DepthLayout, check_anchors, default_anchors, parse_split, partition_layers
 
 
 def test_uniform_split_larger_first():

@@ -1,11 +1,11 @@
-"""The PDM draft step as CUDA-graph replays (spd.pdm_graphs): same logits as the eager step."""
+"""The PDM draft step as CUDA-graph replays (spd.draft.graphs): same logits as the eager step."""
 import pytest
 import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd.drafters import PDMDrafter, ReferenceDrafter
-from spd.pdm_graphs import graphs_enabled
+from spd.draft.drafters import PDMDrafter, ReferenceDrafter
+from spd.draft.graphs import graphs_enabled
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -46,7 +46,7 @@ def test_graphs_only_on_cuda(tiny_target, monkeypatch):
 def test_gpu_graph_replays_match_eager_step(n):
     """Every draft call of a decode with rollbacks (rows 1..n+1, moving positions): the replayed
     graph's logits equal the eager step's, and the decode stays lossless."""
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
     cpu = make_tiny_target(seed=60 + n, vocab=64, layers=4)
     t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
     eng = SPDEngine(t, n_stages=n, anchors=[0, 2, 3], debug_poison=True)
@@ -69,7 +69,7 @@ def test_gpu_graph_replays_match_eager_step(n):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_graphed_sampling_is_lossless_and_reproducible():
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
     cpu = make_tiny_target(seed=71, vocab=64, layers=4)
     t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
     eng = SPDEngine(t, n_stages=3, anchors=[0, 2, 3])

@@ -14,7 +14,7 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd.pdm import PipelineDraftModule
+from spd.draft.pdm import PipelineDraftModule
 from spd_kernels import filtered_probs
 from spd_kernels.testing import chi2_pvalue as chi2_test
 
@@ -55,7 +55,7 @@ def test_sampled_tokens_follow_target(n, sp, lookup):
         pdm.lm_head.weight.mul_(30.0)
     eng = SPDEngine(t, n_stages=n, pdm=pdm, lookup=lookup)
     if lookup:
-        # The gate (spd.lookup.TRUST) compares the PDM's confidence with the match's hit rate;
+        # The gate (spd.draft.lookup.TRUST) compares the PDM's confidence with the match's hit rate;
         # a confidence drawn at random, independent of the target, keeps the output exact and
         # makes both sides of the gate occur: 1-token matches win about half the time, longer
         # ones always.

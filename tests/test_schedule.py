@@ -1,7 +1,7 @@
 """The pipeline state machine on its own: staircase depths, fill, accept, reject, refill."""
 import random
 
-from spd.schedule import PipelineSchedule
+from spd.runtime.schedule import PipelineSchedule
 
 
 def run(n, decisions, prompt_len=5):

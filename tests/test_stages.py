@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_target
-from spd.partition import partition_layers
-from spd.target import Stage
+from spd.model.partition import partition_layers
+from spd.model.target import Stage
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
@@ -54,7 +54,7 @@ def test_cache_overflow_and_gap_are_errors():
 
 
 def test_fingerprint_ignores_load_dtype_but_not_weights():
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
     t = make_tiny_target(seed=3)
     bf16 = TargetModel(make_tiny_target(seed=3).hf.to(torch.bfloat16), None)
     assert bf16.fingerprint() == t.fingerprint()

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from conftest import make_tiny_target
-from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule
-from spd.schedule import PipelineSchedule
-from spd.train_layout import training_layout
+from spd.model.partition import DepthLayout
+from spd.draft.pdm import PipelineDraftModule
+from spd.runtime.schedule import PipelineSchedule
+from spd.train.layout import training_layout
 
 
 def inference_views(n, prompt_len, decisions):
@@ -86,7 +86,7 @@ def test_training_forward_equals_incremental_inference(fill, shift):
 def test_layer_on_selected_rows_equals_the_full_layer_at_those_rows():
     """The training forward's last layer computes only the loss rows: that must be the full
     layer's output at those rows (every row still a key), and fail if a row is mixed up."""
-    from spd.layers import decoder_layer_step
+    from spd.model.layers import decoder_layer_step
     n = 3
     t = make_tiny_target(seed=5, vocab=24, layers=6, hidden=32)
     lay = DepthLayout.build(6, n, None, [0, 2, 4, 5])

@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from conftest import make_tiny_target
-from spd.datasets import iter_conversations, load_question_file
-from spd.distill import FeatureSet, extract_features
+from spd.data.datasets import iter_conversations, load_question_file
+from spd.train.distill import FeatureSet, extract_features
 from spd.errors import SPDError
-from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule
-from spd.trainer import TrainConfig, build_draft_vocab, train
+from spd.model.partition import DepthLayout
+from spd.draft.pdm import PipelineDraftModule
+from spd.train.trainer import TrainConfig, build_draft_vocab, train
 
 ANCHORS = [0, 2, 3]
 
@@ -101,7 +101,7 @@ def test_interrupted_run_resumes_exactly(tiny_features, tmp_path, monkeypatch):
     t, fs, _ = tiny_features
     cfg = dict(save_every=25)
     train(t, fs, _cfg(**cfg), tmp_path / "whole", progress=False, storage="fp32")
-    import spd.trainer as trainer
+    import spd.train.trainer as trainer
     real_save = torch.save
 
     def save_then_stop(obj, path, *a, **k):
@@ -178,7 +178,7 @@ def test_question_file_errors(tmp_path):
 
 
 def test_sequences_are_built_once(tmp_path):
-    from spd.distill import cached_sequences
+    from spd.train.distill import cached_sequences
     calls = []
 
     def build():
@@ -193,7 +193,7 @@ def test_sequences_are_built_once(tmp_path):
 def test_crop_takes_one_consistent_window(tiny_features):
     import random
 
-    from spd.trainer import crop
+    from spd.train.trainer import crop
     _, fs, seqs = tiny_features
     item = fs.items[10]
     w = crop(item, 7, random.Random(1))
@@ -208,7 +208,7 @@ def test_crop_takes_one_consistent_window(tiny_features):
 
 @pytest.fixture(scope="module")
 def tiny_hf_target(tmp_path_factory):
-    from spd.loading import load_target, save_tiny_random_llama
+    from spd.model.loading import load_target, save_tiny_random_llama
     return load_target(str(save_tiny_random_llama(tmp_path_factory.mktemp("distill") / "m")))
 
 
@@ -225,7 +225,7 @@ def test_self_distill_is_the_targets_greedy_response(tiny_hf_target, dtype):
     given), whatever the left padding of its batch; the target itself is never cast."""
     import copy
 
-    from spd.distill import _prompt_ids, self_distill
+    from spd.train.distill import _prompt_ids, self_distill
     t = tiny_hf_target
     before = {k: v.clone() for k, v in t.hf.state_dict().items()}
     prompts = ["Hi", "Name three rivers in Europe, please.", "What is 2+2?"]
@@ -314,7 +314,7 @@ def second(a: int,
 
 
 def test_python_function_prompts(tmp_path):
-    from spd.datasets import CODE_INSTRUCTIONS, humaneval_function_names, python_function_prompts
+    from spd.data.datasets import CODE_INSTRUCTIONS, humaneval_function_names, python_function_prompts
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(CODE_MODULE)
     (tmp_path / "tests").mkdir()
@@ -351,8 +351,8 @@ def test_code_prompts_join_the_self_distilled_data(tiny_hf_target, monkeypatch):
     ShareGPT prompts, and refuses to take more than the pool holds."""
     import random
 
-    import spd.datasets as ds
-    from spd.distill import _prompt_ids, build_sequences
+    import spd.data.datasets as ds
+    from spd.train.distill import _prompt_ids, build_sequences
     pool = [f"Implement f{i}.\n\n```python\ndef f{i}(x):\n    \"\"\"Doc {i}.\"\"\"\n```"
             for i in range(6)]
     roots = {"pkgA": [f"A{i}" for i in range(3)], "pkgB": ["B0"]}
@@ -396,7 +396,7 @@ def test_code_prompts_join_the_self_distilled_data(tiny_hf_target, monkeypatch):
 def test_warm_start_into_a_deeper_pdm_computes_the_same(tiny_features, tmp_path):
     """A PDM with more layers than its --init-from source starts as the identity in the new
     layers: its drafts equal the source's until training moves them."""
-    from spd.trainer import init_pdm, warm_start
+    from spd.train.trainer import init_pdm, warm_start
     t, fs, _ = tiny_features
     train(t, fs, _cfg(steps=4), tmp_path / "one", progress=False, storage="fp32")
     lay = DepthLayout.build(4, 2, None, ANCHORS)
@@ -419,7 +419,7 @@ def test_argmax_weight_adds_the_argmax_cross_entropy(tiny_features):
     """loss = KL + w * CE(target argmax) over the positions whose argmax the draft vocabulary
     holds; kl_only (what evaluation reports) leaves the extra term out."""
     import torch.nn.functional as F
-    from spd.trainer import Distiller, init_pdm
+    from spd.train.trainer import Distiller, init_pdm
     t, fs, _ = tiny_features
     lay = DepthLayout.build(4, 2, None, ANCHORS)
     vocab = build_draft_vocab(fs.argmax_counts(t.vocab_size), 8)  # some argmaxes fall outside
@@ -452,8 +452,8 @@ def test_bf16_training_follows_fp32():
     """bf16 autocast changes the arithmetic of the loss, not what is learnt: from the same start,
     the first step's loss and gradient agree with fp32 to within a few percent (and differ, so
     autocast is really on)."""
-    from spd.train_loop import resolve_precision
-    from spd.trainer import Distiller, init_pdm
+    from spd.train.loop import resolve_precision
+    from spd.train.trainer import Distiller, init_pdm
     t = make_tiny_target(seed=7, vocab=40, layers=4, hidden=64, head_scale=6.0)
     lay = DepthLayout.build(4, 2, None, ANCHORS)
     g = torch.Generator().manual_seed(1)

@@ -5,8 +5,8 @@ Public entry points:
     SPDEngine(target, n_stages=4)  -> .generate(prompt_ids, ...) / .generate_ar(...)
 """
 from spd.errors import SPDError
-from spd.loading import load_target
-from spd.engine import GenerationResult, SamplingParams, SPDEngine
+from spd.model.loading import load_target
+from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
 
 __all__ = ["GenerationResult", "SPDEngine", "SPDError", "SamplingParams", "load_target"]
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """The evaluation grid's report: a markdown table shaped like the paper's Table 2, and plots.
 
-Reads the state `spd.harness.run_grid` keeps (`grid.json`). Per method configuration and
+Reads the state `spd.evaluation.grid.run_grid` keeps (`grid.json`). Per method configuration and
 dataset: theoretical speedup, draft-cost-adjusted speedup (cost model, measured on the run's
 device) and, where the run measures something real, the decode tokens/s ratio over AR. Plots:
 speedup against n per method, and acceptance by draft position.
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spd.cost_model import Costs
-from spd.evaluate import add_totals
-from spd.harness import METHODS, derived
+from spd.evaluation.cost_model import Costs
+from spd.evaluation.evaluate import add_totals
+from spd.evaluation.grid import METHODS, derived
 
 OVERALL = "overall"
 

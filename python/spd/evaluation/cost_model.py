@@ -32,8 +32,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from spd.partition import DepthLayout
-from spd.target import Stage
+from spd.model.partition import DepthLayout
+from spd.model.target import Stage
 
 
 @dataclass

@@ -9,9 +9,9 @@ import hashlib
 
 import torch
 
-from spd.cache import KVCache
+from spd.model.cache import KVCache
 from spd.errors import SPDError
-from spd.layers import decoder_layer_step
+from spd.model.layers import decoder_layer_step
 
 
 class TargetModel:

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from spd.partition import DepthLayout
+from spd.model.partition import DepthLayout
 
 
 @dataclass

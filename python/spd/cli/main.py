@@ -41,7 +41,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
-    from spd.launch import add_distributed_args
+    from spd.distributed.launch import add_distributed_args
     add_distributed_args(p)
     _add_lookup_arg(p)
     p.set_defaults(func=cmd_generate)
@@ -87,13 +87,13 @@ class _Streamer:
 
 
 def cmd_generate(args) -> int:
-    from spd.launch import cmd_generate_distributed, wants_distributed
+    from spd.distributed.launch import cmd_generate_distributed, wants_distributed
     if wants_distributed(args):
         return cmd_generate_distributed(args)
     import torch
 
-    from spd.engine import SamplingParams, SPDEngine
-    from spd.loading import load_target
+    from spd.runtime.engine import SamplingParams, SPDEngine
+    from spd.model.loading import load_target
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 1:
@@ -125,7 +125,7 @@ def cmd_generate(args) -> int:
 
 
 def _add_lookup_arg(p) -> None:
-    from spd.lookup import DEFAULT_MIN_LEN
+    from spd.draft.lookup import DEFAULT_MIN_LEN
     p.add_argument("--lookup", type=int, default=None, metavar="K",
                    help="when the last K or more tokens occurred earlier in the text, draft the "
                         "token that followed them there instead of the PDM's guess, unless the "
@@ -136,7 +136,7 @@ def _add_lookup_arg(p) -> None:
 
 def _check_lookup(k: int | None, default: int | None = None) -> int:
     if k is None:
-        from spd.lookup import DEFAULT_MIN_LEN
+        from spd.draft.lookup import DEFAULT_MIN_LEN
         return DEFAULT_MIN_LEN if default is None else default
     if k < 0:
         raise SPDError(f"--lookup is a match length (0: off), got {k}")
@@ -236,12 +236,12 @@ def _add_train(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from spd.assets import cache_dir
-    from spd.distill import FeatureSet, build_sequences, cached_sequences, extract_features
-    from spd.loading import load_target
-    from spd.partition import DepthLayout, default_anchors
-    from spd.train_loop import resolve_precision
-    from spd.trainer import TrainConfig, check_fill_weights, train
+    from spd.data.assets import cache_dir
+    from spd.train.distill import FeatureSet, build_sequences, cached_sequences, extract_features
+    from spd.model.loading import load_target
+    from spd.model.partition import DepthLayout, default_anchors
+    from spd.train.loop import resolve_precision
+    from spd.train.trainer import TrainConfig, check_fill_weights, train
 
     if args.steps < 1 or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
@@ -271,7 +271,7 @@ def cmd_train(args) -> int:
     feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
     if args.method == "eagle3":
-        from spd.eagle import default_feature_layers
+        from spd.baselines.eagle import default_feature_layers
         feat_anchors = sorted(set(feat_anchors) | set(default_feature_layers(target.num_layers)))
     meta = Path(feat_dir) / "meta.json"
     if not meta.exists() or _unfinished(meta):
@@ -303,8 +303,8 @@ def cmd_train(args) -> int:
 
 def _train_eagle(args, target, features, precision: str) -> int:
     """`spd train --method eagle3`: the EAGLE-3-style head on the same data and vocabulary."""
-    from spd.eagle import DEFAULT_DRAFT_STEPS
-    from spd.eagle_train import EagleTrainConfig, train_eagle
+    from spd.baselines.eagle import DEFAULT_DRAFT_STEPS
+    from spd.baselines.eagle_train import EagleTrainConfig, train_eagle
     if args.init_from or args.pdm_layers or args.feature_timing:
         raise SPDError("--init-from, --pdm-layers and --feature-timing are PDM options; the "
                        "eagle3 head has one layer and drafts in a chain")
@@ -383,8 +383,8 @@ def _parse_floats(text, what):
 
 
 def cmd_eval(args) -> int:
-    from spd.evaluate import collect_sets
-    from spd.loading import load_target
+    from spd.evaluation.evaluate import collect_sets
+    from spd.model.loading import load_target
 
     stages = _parse_ints(args.stages, "--stages")
     temps = _parse_floats(args.temperature, "--temperature")
@@ -396,8 +396,8 @@ def cmd_eval(args) -> int:
     sets = collect_sets(names, args.prompts, args.limit)
     if args.methods:
         return _eval_grid(args, sets, stages, temps)
-    from spd.engine import SamplingParams, SPDEngine
-    from spd.evaluate import format_table, run_eval, write_json
+    from spd.runtime.engine import SamplingParams, SPDEngine
+    from spd.evaluation.evaluate import format_table, run_eval, write_json
     sampling = SamplingParams(temps[0], args.top_k, args.top_p, args.seed)
     check = sampling.greedy if args.check is None else args.check
     if check and not sampling.greedy:
@@ -419,9 +419,9 @@ def cmd_eval(args) -> int:
 
 
 def _eval_grid(args, sets, stages, temps) -> int:
-    from spd.harness import GridSpec, run_grid
-    from spd.loading import load_target
-    from spd.report import markdown, write_report
+    from spd.evaluation.grid import GridSpec, run_grid
+    from spd.model.loading import load_target
+    from spd.evaluation.report import markdown, write_report
 
     if args.pdm or args.split or args.anchors or args.json_out:
         raise SPDError("--pdm, --split, --anchors and --json-out belong to a single run; the "

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from spd.errors import SPDError
-from spd.target import Stage
+from spd.model.target import Stage
 
 META = "meta.json"
 
@@ -103,7 +103,7 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
     it. The code pool is the shuffled standard-library prompts followed by the shuffled prompts
     of `code_roots`, so adding roots leaves the standard-library part (and what a skip passes
     over in it) as it was."""
-    from spd.datasets import (contains_eval_prompt, eval_prompt_keys, humaneval_function_names,
+    from spd.data.datasets import (contains_eval_prompt, eval_prompt_keys, humaneval_function_names,
                               iter_sharegpt, python_function_prompts)
 
     tok = target.tokenizer

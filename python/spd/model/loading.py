@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from spd.assets import cache_dir, extract_wheel_member, log
+from spd.data.assets import cache_dir, extract_wheel_member, log
 from spd.errors import SPDError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -87,7 +87,7 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from spd.target import TargetModel
+    from spd.model.target import TargetModel
 
     from transformers.utils import logging as hf_logging
 

@@ -3,7 +3,7 @@
 `run_grid` decodes every prompt of every dataset with every method configuration at every
 temperature, checks each greedy output against the autoregressive one (a mismatch is an error:
 every method here is lossless), and keeps the results in `<out>/grid.json` after every cell, so a
-run that stops resumes where it was (finished cells are skipped). `spd.report` turns that file
+run that stops resumes where it was (finished cells are skipped). `spd.evaluation.report` turns that file
 into the markdown report and the plots.
 
 Cells: `ar` and `eagle3` run once per dataset and temperature (one device, no stages); `pp`,
@@ -24,12 +24,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spd.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
-from spd.engine import SamplingParams, SPDEngine
+from spd.evaluation.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
+from spd.runtime.engine import SamplingParams, SPDEngine
 from spd.errors import SPDError
-from spd.evaluate import add_totals, encode_question, result_row
-from spd.partition import DepthLayout
-from spd.pdm import SHIPPED_DIR, find_shipped_pdm
+from spd.evaluation.evaluate import add_totals, encode_question, result_row
+from spd.model.partition import DepthLayout
+from spd.draft.pdm import SHIPPED_DIR, find_shipped_pdm
 
 METHODS = ("ar", "pp", "eagle3", "ppsd", "spd")
 GRID_FILE = "grid.json"
@@ -139,8 +139,8 @@ class _Decoders:
         if cell.method in ("ar", "pp"):
             return SPDEngine(t, n_stages=1), "none"
         if cell.method == "eagle3":
-            from spd.eagle import find_eagle
-            from spd.eagle_decode import EagleDecoder
+            from spd.baselines.eagle import find_eagle
+            from spd.baselines.eagle_decode import EagleDecoder
             head = find_eagle(t, search=self.search)
             if head is None:
                 return None, ("no trained EAGLE-3 head for this target: train one with "

@@ -14,12 +14,12 @@ from typing import Callable
 
 import torch
 
-from spd.cycle import PhaseTimer, SequenceDecode, check_prompt, pick
-from spd.drafters import PDMDrafter
-from spd.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
-from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
-from spd.target import Stage, TargetModel
+from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
+from spd.draft.drafters import PDMDrafter
+from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
+from spd.model.partition import DepthLayout
+from spd.draft.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
+from spd.model.target import Stage, TargetModel
 from spd_kernels.sampling import check_sampling_params
 
 
@@ -46,7 +46,7 @@ class DecodeStats:
     K: int = 0                 # decode cycles (target forwards for the AR path), refills included
     drafts_judged: int = 0
     drafts_accepted: int = 0
-    lookup_judged: int = 0     # of those, drafts the context lookup proposed (spd.lookup)
+    lookup_judged: int = 0     # of those, drafts the context lookup proposed (spd.draft.lookup)
     lookup_accepted: int = 0
     draft_calls: int = 0       # drafter invocations (their time is phase_s["draft"])
     new_tokens: int = 0        # all new tokens returned, the prefill's first token included
@@ -114,7 +114,7 @@ class SPDEngine:
     pdm: a PipelineDraftModule, a checkpoint folder, "untrained", or None for the checkpoint
     shipped for this target and layout (an untrained PDM if there is none: exact output, many
     rejections, and a warning says so). lookup: shortest context match the drafter uses in
-    place of the PDM's guess (spd.lookup; 0: the PDM alone); `engine.drafter.lookup` changes it.
+    place of the PDM's guess (spd.draft.lookup; 0: the PDM alone); `engine.drafter.lookup` changes it.
     """
 
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,

@@ -15,7 +15,7 @@ Training-time test (`forward_ttt`) unrolls that chain over every position at onc
 sees exactly what inference shows the head (tests/test_eagle.py checks this against the chain).
 
 A checkpoint is a folder with `config.json` ("method": "eagle3", the target's fingerprint, the
-feature layers, sizes) and `model.safetensors`, stored like a PDM's (spd.pdm).
+feature layers, sizes) and `model.safetensors`, stored like a PDM's (spd.draft.pdm).
 """
 from __future__ import annotations
 
@@ -26,11 +26,11 @@ import torch
 from torch import nn
 
 from spd.errors import SPDError
-from spd.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
-from spd.partition import default_anchors
-from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
+from spd.model.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
+from spd.model.partition import default_anchors
+from spd.draft.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
     load_weights, read_config
-from spd.pdm import SHIPPED_DIR, _Layer
+from spd.draft.pdm import SHIPPED_DIR, _Layer
 
 METHOD = "eagle3"
 DEFAULT_DRAFT_STEPS = 5
@@ -185,7 +185,7 @@ class EagleHead(nn.Module, SavedDrafter):
 
     # --- inference ------------------------------------------------------------------------
     def new_cache(self, capacity: int, poison: bool = False):
-        from spd.cache import KVCache
+        from spd.model.cache import KVCache
         w = self.lm_head.weight
         c = self.config
         return KVCache(1, c.num_kv_heads, c.head_dim, capacity, w.device, w.dtype,

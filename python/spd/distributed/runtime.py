@@ -13,7 +13,7 @@ model) would lengthen the slowest stage every cycle instead of running while the
 otherwise idle waiting for the pipeline. The last stage therefore sends its final hidden state
 (one row) with its anchor states, and rank 0 applies norm + LM head.
 
-One cycle, as `SPDEngine.generate` runs it (both drive the same `spd.cycle.SequenceDecode`:
+One cycle, as `SPDEngine.generate` runs it (both drive the same `spd.runtime.sequence.SequenceDecode`:
 same schedule, same draw order of the generator, so greedy tokens, N and K and seeded samples are
 identical):
   rank 0: send control (window start/count, truncation, token entering stage 0) to every stage;
@@ -63,14 +63,14 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from spd.cycle import PhaseTimer, SequenceDecode, check_prompt
-from spd.drafters import ReferenceDrafter
-from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
+from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt
+from spd.draft.drafters import ReferenceDrafter
+from spd.runtime.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
 from spd.errors import SPDError
-from spd.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
-from spd.partition import DepthLayout
-from spd.schedule import PipelineSchedule
-from spd.target import Stage
+from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
+from spd.model.partition import DepthLayout
+from spd.runtime.schedule import PipelineSchedule
+from spd.model.target import Stage
 
 DRAFT_RANK = 0
 # Hidden states and snaps alternate between two tags by cycle parity, so that a receive for this
@@ -117,7 +117,7 @@ class DistConfig:
     # Announce the next cycle before the current draft is judged: "auto" (while recent drafts
     # are mostly accepted), "on" or "off" (see SpeculationPolicy).
     speculative_control: str = "auto"
-    # Context lookup's shortest match (spd.lookup; 0: the PDM alone).
+    # Context lookup's shortest match (spd.draft.lookup; 0: the PDM alone).
     lookup: int = DEFAULT_LOOKUP
 
     @property
@@ -1073,7 +1073,7 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
         if config.target_factory is not None:
             target = config.target_factory(rank)
         else:
-            from spd.loading import load_target
+            from spd.model.loading import load_target
             target = load_target(config.model, device=device)
         layout = DepthLayout.build(target.num_layers, config.n_stages, config.split,
                                    config.anchors)

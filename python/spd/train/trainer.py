@@ -21,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from spd.errors import SPDError
-from spd.partition import DepthLayout
-from spd.pdm import PipelineDraftModule, pdm_config_for
-from spd.train_layout import training_layout
-from spd.train_loop import STATE, crop, run_loop
+from spd.model.partition import DepthLayout
+from spd.draft.pdm import PipelineDraftModule, pdm_config_for
+from spd.train.layout import training_layout
+from spd.train.loop import STATE, crop, run_loop
 
 
 
@@ -133,7 +133,7 @@ def warm_start(pdm, folder) -> list[str]:
     another n start from a trained one. Decoder layers the source lacks (a deeper PDM) keep
     init_pdm's zeroed output projections: they start as the identity, and the warm-started PDM
     first computes what the source did. Returns the names copied."""
-    from spd.checkpoint import WEIGHTS_NAME, read_weights
+    from spd.draft.checkpoint import WEIGHTS_NAME, read_weights
     if not (Path(folder) / WEIGHTS_NAME).exists():
         raise SPDError(f"--init-from {folder}: no {WEIGHTS_NAME} there")
     source = read_weights(folder)

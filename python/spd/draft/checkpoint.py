@@ -35,7 +35,7 @@ class SavedDrafter:
         return _head_from_target(self)
 
     def save(self, folder, storage: str = "fp32") -> None:
-        """storage: fp32, fp16 or int8 (see spd.checkpoint)."""
+        """storage: fp32, fp16 or int8 (see spd.draft.checkpoint)."""
         save_drafter(self, folder, storage)
 
 

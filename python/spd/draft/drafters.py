@@ -13,7 +13,7 @@ import torch
 from spd_kernels import filtered_probs, sample_from_probs
 from spd_kernels.verify import scatter_draft_probs
 
-from spd.pdm_graphs import PDMStepGraphs, graphs_enabled
+from spd.draft.graphs import PDMStepGraphs, graphs_enabled
 
 
 @dataclass
@@ -36,7 +36,7 @@ def top_probability(logits: torch.Tensor) -> torch.Tensor:
 
 class PDMDrafter:
     """The PDM's guess each cycle. `lookup` (>= 1: the shortest match) lets the decode loop put
-    the context lookup's token in its place when the text repeats itself (spd.lookup); 0: off."""
+    the context lookup's token in its place when the text repeats itself (spd.draft.lookup); 0: off."""
     name = "pdm"
 
     def __init__(self, pdm, cuda_graphs: bool = True, lookup: int = 0):
@@ -47,7 +47,7 @@ class PDMDrafter:
         self.cache = None
         self.post_step = pdm.config.features == "post-step"
         self.cuda_graphs = cuda_graphs
-        self.graphs = None  # spd.pdm_graphs.PDMStepGraphs on a GPU: the draft step as replays
+        self.graphs = None  # spd.draft.graphs.PDMStepGraphs on a GPU: the draft step as replays
 
     def begin(self, capacity: int, vocab_size: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:

@@ -19,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from spd.eagle import EagleHead, check_compatible, find_shipped_eagle
-from spd.cycle import PhaseTimer, check_prompt, pick
-from spd.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
+from spd.baselines.eagle import EagleHead, check_compatible, find_shipped_eagle
+from spd.runtime.sequence import PhaseTimer, check_prompt, pick
+from spd.runtime.engine import DecodeStats, GenerationResult, SamplingParams, SPDEngine
 from spd.errors import SPDError
-from spd.target import Stage, TargetModel
+from spd.model.target import Stage, TargetModel
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 from spd_kernels.verify import scatter_draft_probs
 
@@ -59,7 +59,7 @@ class EagleDecoder:
             raise SPDError(f"draft_steps must be a positive integer, got {steps}")
         self.draft_steps = int(steps)
         self.debug_poison = debug_poison
-        # Prompt checks and the target's own pick come from spd.cycle and the autoregressive
+        # Prompt checks and the target's own pick come from spd.runtime.sequence and the autoregressive
         # reference from the one-stage engine, so both paths share conventions exactly.
         self._ar = SPDEngine(target, n_stages=1, debug_poison=debug_poison)
         self._stage: Stage | None = None

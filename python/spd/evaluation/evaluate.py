@@ -12,15 +12,15 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spd.datasets import load_dataset, load_question_file
-from spd.engine import SamplingParams
+from spd.data.datasets import load_dataset, load_question_file
+from spd.runtime.engine import SamplingParams
 from spd.errors import SPDError
-from spd.loading import describe_device
+from spd.model.loading import describe_device
 
 
 def encode_question(tokenizer, question: dict) -> list[int]:
     """A question's first turn in the chat template: what every evaluation decodes."""
-    from spd.cli import encode_prompt
+    from spd.cli.main import encode_prompt
     return encode_prompt(tokenizer, question["turns"][0], chat=True)
 
 
@@ -64,7 +64,7 @@ def summarise(rows: list[dict], n: int) -> dict:
             "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
             "decode_tok_s": t["N"] / t["decode_s"] if t["decode_s"] else 0.0,
             "draft_vocab_coverage": in_vocab / t["new_tokens"] if t["new_tokens"] else 0.0,
-            # judged drafts that came from the context lookup (spd.lookup), and their acceptance
+            # judged drafts that came from the context lookup (spd.draft.lookup), and their acceptance
             "lookup_share": t["lookup_judged"] / t["judged"] if t["judged"] else 0.0,
             "lookup_acceptance": (t["lookup_accepted"] / t["lookup_judged"]
                                   if t["lookup_judged"] else 0.0)}

@@ -1,0 +1,1 @@
+"""Files the project reads: wheels shipped on PyPI, the default-model cache, prompt sets, ShareGPT."""

@@ -1,0 +1,1 @@
+"""The distributed runtime: n stage ranks and one draft rank on torch.distributed."""

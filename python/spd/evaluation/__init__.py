@@ -1,0 +1,1 @@
+"""Evaluation: per-dataset runs, the comparison grid, the cost model and the report."""

@@ -1,0 +1,1 @@
+"""The target model: loading, stages and their partition, decoder layers, KV caches."""

@@ -1,0 +1,1 @@
+"""Decoding one sequence: the shared types, the pipeline schedule, the sequence decode, the engine."""

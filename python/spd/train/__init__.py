@@ -1,0 +1,1 @@
+"""PDM training: distillation data and the feature cache, the training layout, the loop."""
