@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from spd import SPDEngine
-from spd.cli.main import encode_prompt
+from spd.model.prompt import encode_prompt
 from spd.draft.drafters import ReferenceDrafter
 from spd.model.loading import describe_device, load_target
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from spd import SPDEngine
-from spd.cli.main import encode_prompt
+from spd.model.prompt import encode_prompt
 from spd.distributed.runtime import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
 from spd.distributed.launch import launch_local
 from spd.model.loading import load_target

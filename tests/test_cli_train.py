@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from spd.cli.main import main
+from spd.cli import main
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from spd import SPDEngine
-from spd.cli.main import encode_prompt, main
+from spd.cli import main
+from spd.model.prompt import encode_prompt
 from spd.draft.drafters import ReferenceDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN
 

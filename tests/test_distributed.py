@@ -25,7 +25,8 @@ import torch
 
 from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
-from spd.cli.main import encode_prompt, main
+from spd.cli import main
+from spd.model.prompt import encode_prompt
 from spd.distributed.runtime import (DistConfig, GenerateRequest, RankFailedError, SpeculationPolicy,
                              check_handshake, parse_fault, run_forever, run_requests)
 from spd.draft.drafters import ReferenceDrafter

@@ -223,7 +223,7 @@ def test_measure_costs_times_every_piece():
 
 
 def test_cli_grid_flags_are_checked(tmp_path, capsys):
-    from spd.cli.main import main
+    from spd.cli import main
     q = tmp_path / "q.jsonl"
     q.write_text(json.dumps({"question_id": 1, "turns": ["hi"]}) + "\n")
     assert main(["eval", "--prompts", str(q), "--stages", "2,4"]) == 2

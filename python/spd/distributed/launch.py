@@ -1,4 +1,4 @@
-"""Starting the distributed runtime: local self-launch, torchrun, and the CLI glue.
+"""Starting the distributed runtime: local self-launch and torchrun.
 
   python -m spd generate --distributed --stages N ...     spawns N + 1 local ranks (this module)
   torchrun --nproc-per-node N+1 -m spd generate ...       one rank per torchrun worker
@@ -10,16 +10,14 @@ through their watchdogs (bounded by the fault timeout) and kills what is left. R
 fork server that exits with the launcher, and die with it (PR_SET_PDEATHSIG), so a killed
 launcher leaves no orphans.
 
-This module imports only the standard library at import time (the CLI imports it for its flags).
+This module imports only the standard library at import time (the CLI imports it).
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import sys
 import time
-from functools import partial
 
 from spd.errors import SPDError
 
@@ -259,94 +257,3 @@ def run_torchrun(config, job) -> int:
                     is_master=(not agent_store and rank == 0), prefix=prefix,
                     local_rank=local_rank,
                     local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-
-
-# --- CLI glue ------------------------------------------------------------------------------------
-def add_distributed_args(p) -> None:
-    g = p.add_argument_group("distributed runtime (n stage ranks + 1 draft rank)")
-    g.add_argument("--distributed", action="store_true",
-                   help="run one process per stage plus a draft rank (spawned locally; under "
-                        "torchrun this is automatic)")
-    g.add_argument("--master-addr", default="127.0.0.1",
-                   help="address of the rendezvous store for --distributed (default 127.0.0.1)")
-    g.add_argument("--master-port", type=int, default=0,
-                   help="port of the rendezvous store for --distributed (default 0: a free one)")
-    g.add_argument("--fault-timeout", type=float, default=10.0,
-                   help="seconds after which a silent rank is declared dead (default 10)")
-    g.add_argument("--comm-timeout", type=float, default=300.0,
-                   help="bound in seconds of any single wait inside a generation (default 300)")
-    g.add_argument("--backend", choices=("nccl", "gloo"), default=None,
-                   help="data transport between ranks (default: nccl on CUDA devices, gloo "
-                        "otherwise); gloo with --device cuda stages tensors through host memory, "
-                        "so every rank may share one GPU")
-    g.add_argument("--speculative-control", choices=("auto", "on", "off"), default="auto",
-                   help="announce each cycle before the previous draft is judged, so the stages "
-                        "start it while the draft rank verifies (a rejection makes them redo it): "
-                        "auto (default) while recent drafts are mostly accepted, on, or off")
-
-
-def wants_distributed(args) -> bool:
-    return bool(getattr(args, "distributed", False)) or under_torchrun()
-
-
-def config_from_args(args):
-    from spd.cli.main import _check_lookup, _parse_ints
-    from spd.distributed.runtime import DistConfig, parse_fault
-
-    if args.mode == "ar":
-        raise SPDError("--mode ar is single-process only: drop --distributed (or torchrun)")
-    return DistConfig(n_stages=args.stages, split=_parse_ints(args.split, "--split"),
-                      anchors=_parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
-                      pdm_layers=args.pdm_layers, model=args.model, device=args.device,
-                      fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
-                      speculative_control=getattr(args, "speculative_control", "auto"),
-                      backend=getattr(args, "backend", None),
-                      lookup=_check_lookup(getattr(args, "lookup", None)),
-                      fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
-
-
-def cli_job(opts: dict, engine):
-    """Rank 0's job for `generate`: encode, decode (streaming or --json), print."""
-    from spd.cli.main import _Streamer, encode_prompt
-    from spd.runtime.engine import SamplingParams
-
-    target = engine.target
-    sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
-    prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"])
-    if getattr(engine.engine, "pdm_source", "untrained" if opts["pdm"] is None else "") \
-            == "untrained":
-        print("[spd] warning: no trained PDM for this target and layout; using an untrained one. "
-              "Output is still exactly the target's, but most drafts are rejected, so decoding "
-              "is slow.", file=sys.stderr)
-    streamer = None if opts["json"] else _Streamer(target.tokenizer)
-    result = engine.generate(prompt_ids, opts["max_new_tokens"], sampling, on_token=streamer)
-    text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-    st = result.stats
-    if opts["json"]:
-        print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": st.as_dict()}))
-    else:
-        print()
-        print(f"[spd] {st.summary()} prefill={st.prefill_s * 1000:.0f} ms")
-    sys.stdout.flush()
-    return {"token_ids": result.token_ids}
-
-
-def cmd_generate_distributed(args) -> int:
-    from spd.distributed.runtime import RankFailedError
-
-    if args.max_new_tokens < 1:
-        raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.prompt:
-        raise SPDError("the prompt is empty: pass --prompt TEXT")
-    config = config_from_args(args)
-    opts = {k: getattr(args, k) for k in ("prompt", "chat", "temperature", "top_k", "top_p",
-                                          "seed", "max_new_tokens", "json", "pdm")}
-    job = partial(cli_job, opts)
-    if under_torchrun():
-        return run_torchrun(config, job)
-    try:
-        launch_local(config, job, master_addr=args.master_addr, master_port=args.master_port)
-    except RankFailedError as exc:
-        print(f"spd: error: {exc}", file=sys.stderr)
-        return 1
-    return 0

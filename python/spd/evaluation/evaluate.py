@@ -20,7 +20,7 @@ from spd.model.loading import describe_device
 
 def encode_question(tokenizer, question: dict) -> list[int]:
     """A question's first turn in the chat template: what every evaluation decodes."""
-    from spd.cli.main import encode_prompt
+    from spd.model.prompt import encode_prompt
     return encode_prompt(tokenizer, question["turns"][0], chat=True)
 
 

@@ -1,0 +1,91 @@
+"""Pieces every subcommand shares: list parsing, the lookup flag, the model/layout flags, the
+streamed and JSON output of a generation."""
+from __future__ import annotations
+
+import json
+import sys
+
+from spd.errors import SPDError
+
+def parse_ints(text, what):
+    if text is None:
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise SPDError(f"{what} must be comma-separated integers, got '{text}'") from exc
+
+
+def parse_floats(text, what):
+    try:
+        return [float(x) for x in str(text).split(",") if x.strip()]
+    except ValueError as exc:
+        raise SPDError(f"{what} must be comma-separated numbers, got '{text}'") from exc
+
+
+def add_lookup_arg(p) -> None:
+    from spd.draft.lookup import DEFAULT_MIN_LEN
+    p.add_argument("--lookup", type=int, default=None, metavar="K",
+                   help="when the last K or more tokens occurred earlier in the text, draft the "
+                        "token that followed them there instead of the PDM's guess, unless the "
+                        "PDM is surer than such a match tends to be right (output is "
+                        f"unchanged; 0: the PDM alone; default {DEFAULT_MIN_LEN}, and 0 in the "
+                        "--methods grid, which compares the drafters themselves)")
+
+
+def check_lookup(k: int | None, default: int | None = None) -> int:
+    if k is None:
+        from spd.draft.lookup import DEFAULT_MIN_LEN
+        return DEFAULT_MIN_LEN if default is None else default
+    if k < 0:
+        raise SPDError(f"--lookup is a match length (0: off), got {k}")
+    return k
+
+
+def add_model_layout_args(p) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages n")
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7")
+    p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
+    p.add_argument("--device", default="cpu")
+
+
+class Streamer:
+    """Prints text as tokens arrive (decoding the whole suffix keeps multi-token characters right)."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+        self.ids: list[int] = []
+        self.shown = ""
+
+    def __call__(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tok.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+            return
+        sys.stdout.write(text[len(self.shown):])
+        sys.stdout.flush()
+        self.shown = text
+
+
+
+def print_generation(tokenizer, result, as_json: bool) -> None:
+    """The end of `generate`: one JSON object, or a newline after the streamed text and the
+    summary line."""
+    text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    st = result.stats
+    if as_json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": st.as_dict()}))
+    else:
+        print()
+        print(f"[spd] {st.summary()} prefill={st.prefill_s * 1000:.0f} ms")
+    sys.stdout.flush()
+
+
+def warn_untrained_pdm(detail: bool = True) -> None:
+    """Printed when no trained PDM matches the target and layout (output stays exact)."""
+    msg = "[spd] warning: no trained PDM for this target and layout; using an untrained one"
+    if detail:
+        msg += (". Output is still exactly the target's, but most drafts are rejected, so "
+                "decoding is slow.")
+    print(msg, file=sys.stderr)

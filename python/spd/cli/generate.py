@@ -1,0 +1,156 @@
+"""`spd generate`: decode one prompt in one process, or over n + 1 ranks (--distributed, torchrun)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from functools import partial
+
+from spd.cli.common import (Streamer, add_lookup_arg, check_lookup, parse_ints, print_generation,
+                            warn_untrained_pdm)
+from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
+from spd.errors import SPDError
+from spd.model.prompt import encode_prompt
+
+def add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="decode one prompt with SPD (or autoregressively)",
+                       description="Decode one prompt with speculative pipeline decoding. The "
+                       "output is exactly the target's own (greedy or sampled).")
+    p.add_argument("--prompt", required=True, help="the prompt text")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face folder (Llama/Qwen2/Qwen3); default: "
+                        "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
+    p.add_argument("--pdm", default=None,
+                   help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
+                        "for this target and n, else an untrained PDM)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages n (1 = autoregressive)")
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
+    p.add_argument("--anchors", default=None,
+                   help="anchor hidden-state indices, e.g. 0,8,15,23,29 (default: 0, L/4, L/2, "
+                        "3L/4, L-1)")
+    p.add_argument("--pdm-layers", type=int, default=None,
+                   help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
+    p.add_argument("--mode", choices=("spd", "ar"), default="spd",
+                   help="spd (default) or ar: plain autoregressive decoding on the same stages")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template (default: on)")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, stats) instead of streaming")
+    add_distributed_args(p)
+    add_lookup_arg(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    if wants_distributed(args):
+        return cmd_generate_distributed(args)
+    import torch
+
+    from spd.runtime.engine import SamplingParams, SPDEngine
+    from spd.model.loading import load_target
+
+    sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
+    if args.max_new_tokens < 1:
+        raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SPDError("--device cuda was requested but no CUDA device is available")
+    target = load_target(args.model, device=args.device)
+    n = 1 if args.mode == "ar" else args.stages
+    engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
+                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
+                       pdm_layers=args.pdm_layers, warn_untrained=False,
+                       lookup=check_lookup(args.lookup))
+    if engine.pdm_source == "untrained":
+        warn_untrained_pdm()
+    prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
+    streamer = None if args.json else Streamer(target.tokenizer)
+    result = engine.generate(prompt_ids, args.max_new_tokens, sampling, on_token=streamer)
+    print_generation(target.tokenizer, result, args.json)
+    return 0
+
+
+# --- distributed ---------------------------------------------------------------------------------
+def add_distributed_args(p) -> None:
+    g = p.add_argument_group("distributed runtime (n stage ranks + 1 draft rank)")
+    g.add_argument("--distributed", action="store_true",
+                   help="run one process per stage plus a draft rank (spawned locally; under "
+                        "torchrun this is automatic)")
+    g.add_argument("--master-addr", default="127.0.0.1",
+                   help="address of the rendezvous store for --distributed (default 127.0.0.1)")
+    g.add_argument("--master-port", type=int, default=0,
+                   help="port of the rendezvous store for --distributed (default 0: a free one)")
+    g.add_argument("--fault-timeout", type=float, default=10.0,
+                   help="seconds after which a silent rank is declared dead (default 10)")
+    g.add_argument("--comm-timeout", type=float, default=300.0,
+                   help="bound in seconds of any single wait inside a generation (default 300)")
+    g.add_argument("--backend", choices=("nccl", "gloo"), default=None,
+                   help="data transport between ranks (default: nccl on CUDA devices, gloo "
+                        "otherwise); gloo with --device cuda stages tensors through host memory, "
+                        "so every rank may share one GPU")
+    g.add_argument("--speculative-control", choices=("auto", "on", "off"), default="auto",
+                   help="announce each cycle before the previous draft is judged, so the stages "
+                        "start it while the draft rank verifies (a rejection makes them redo it): "
+                        "auto (default) while recent drafts are mostly accepted, on, or off")
+
+
+def wants_distributed(args) -> bool:
+    return bool(getattr(args, "distributed", False)) or under_torchrun()
+
+
+def config_from_args(args):
+    from spd.distributed.runtime import DistConfig, parse_fault
+
+    if args.mode == "ar":
+        raise SPDError("--mode ar is single-process only: drop --distributed (or torchrun)")
+    return DistConfig(n_stages=args.stages, split=parse_ints(args.split, "--split"),
+                      anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
+                      pdm_layers=args.pdm_layers, model=args.model, device=args.device,
+                      fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
+                      speculative_control=getattr(args, "speculative_control", "auto"),
+                      backend=getattr(args, "backend", None),
+                      lookup=check_lookup(getattr(args, "lookup", None)),
+                      fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
+
+
+def cli_job(opts: dict, engine):
+    """Rank 0's job for `generate`: encode, decode (streaming or --json), print."""
+    from spd.runtime.engine import SamplingParams
+
+    target = engine.target
+    sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
+    prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"])
+    if getattr(engine.engine, "pdm_source", "untrained" if opts["pdm"] is None else "") \
+            == "untrained":
+        warn_untrained_pdm()
+    streamer = None if opts["json"] else Streamer(target.tokenizer)
+    result = engine.generate(prompt_ids, opts["max_new_tokens"], sampling, on_token=streamer)
+    print_generation(target.tokenizer, result, opts["json"])
+    return {"token_ids": result.token_ids}
+
+
+def cmd_generate_distributed(args) -> int:
+    from spd.distributed.runtime import RankFailedError
+
+    if args.max_new_tokens < 1:
+        raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if not args.prompt:
+        raise SPDError("the prompt is empty: pass --prompt TEXT")
+    config = config_from_args(args)
+    opts = {k: getattr(args, k) for k in ("prompt", "chat", "temperature", "top_k", "top_p",
+                                          "seed", "max_new_tokens", "json", "pdm")}
+    job = partial(cli_job, opts)
+    if under_torchrun():
+        return run_torchrun(config, job)
+    try:
+        launch_local(config, job, master_addr=args.master_addr, master_port=args.master_port)
+    except RankFailedError as exc:
+        print(f"spd: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
