@@ -38,7 +38,7 @@ from bench_kernels import MODELS, Timer, device_tag  # noqa: E402
 from spd.runtime.sequence import verify  # noqa: E402
 from spd.draft.drafters import PDMDrafter  # noqa: E402
 from spd.model.loading import describe_device  # noqa: E402
-from spd.runtime.engine import SamplingParams  # noqa: E402
+from spd.runtime.types import SamplingParams  # noqa: E402
 from spd.model.partition import DepthLayout  # noqa: E402
 from spd.draft.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd.model.target import Stage, TargetModel  # noqa: E402

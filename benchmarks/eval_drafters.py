@@ -17,7 +17,9 @@ import time
 from datetime import date
 from pathlib import Path
 
-from spd.runtime.engine import SamplingParams, SPDEngine
+from spd.runtime.engine import SPDEngine
+
+from spd.runtime.types import SamplingParams
 from spd.evaluation.evaluate import collect_sets, run_eval
 from spd.model.loading import describe_device, load_target
 from spd.draft.pdm import read_pdm_config

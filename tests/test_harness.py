@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from conftest import make_tiny_target
-from spd.evaluation.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
+from spd.evaluation.cost_model import Costs, measure_costs
+from spd.evaluation.methods import adjusted_speedup, devices_used
 from spd.train.distill import FeatureSet, extract_features
 from spd.errors import SPDError
 from spd.evaluation.grid import GridSpec, plan_cells, run_grid

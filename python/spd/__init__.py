@@ -6,7 +6,8 @@ Public entry points:
 """
 from spd.errors import SPDError
 from spd.model.loading import load_target
-from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
+from spd.runtime.engine import SPDEngine
+from spd.runtime.types import GenerationResult, SamplingParams
 
 __all__ = ["GenerationResult", "SPDEngine", "SPDError", "SamplingParams", "load_target"]
 __version__ = "0.1.0"

@@ -71,7 +71,8 @@ def cmd_eval(args) -> int:
     sets = collect_sets(names, args.prompts, args.limit)
     if args.methods:
         return _eval_grid(args, sets, stages, temps)
-    from spd.runtime.engine import SamplingParams, SPDEngine
+    from spd.runtime.engine import SPDEngine
+    from spd.runtime.types import SamplingParams
     from spd.evaluation.evaluate import format_table, run_eval, write_json
     sampling = SamplingParams(temps[0], args.top_k, args.top_p, args.seed)
     check = sampling.greedy if args.check is None else args.check

@@ -52,7 +52,8 @@ def cmd_generate(args) -> int:
         return cmd_generate_distributed(args)
     import torch
 
-    from spd.runtime.engine import SamplingParams, SPDEngine
+    from spd.runtime.engine import SPDEngine
+    from spd.runtime.types import SamplingParams
     from spd.model.loading import load_target
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
@@ -120,7 +121,7 @@ def config_from_args(args):
 
 def cli_job(opts: dict, engine):
     """Rank 0's job for `generate`: encode, decode (streaming or --json), print."""
-    from spd.runtime.engine import SamplingParams
+    from spd.runtime.types import SamplingParams
 
     target = engine.target
     sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])

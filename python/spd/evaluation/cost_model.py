@@ -117,28 +117,4 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
     return costs
 
 
-def adjusted_speedup(method: str, costs: Costs, *, n: int = 1, s_theory: float = 1.0,
-                     draft_s: float = 0.0, draft_steps: int = 0) -> float:
-    """Draft-cost-adjusted speedup over AR on one device (module docstring)."""
-    t_fwd = costs.forward_s
-    if method == "ar":
-        return 1.0
-    if method == "pp":
-        return t_fwd / (sum(costs.stage_s[str(n)]) + costs.head_s)
-    if method == "spd":
-        cycle = max(costs.slowest_stage(n), draft_s + costs.head_s)
-        return s_theory / n * t_fwd / cycle
-    if method == "ppsd":
-        return s_theory / n * t_fwd / (costs.slowest_stage(n) + draft_s)
-    if method == "eagle3":
-        return s_theory * t_fwd / (draft_steps * draft_s + costs.chunk_s[str(draft_steps + 1)])
-    raise ValueError(f"unknown method {method}")
-
-
-def devices_used(method: str, n: int) -> int:
-    """Devices each method occupies: SPD adds a draft rank to its n stage ranks; PPSD drafts on
-    its first stage's device; PP uses the n stage ranks; AR and EAGLE-3 one device."""
-    return {"ar": 1, "eagle3": 1, "pp": n, "ppsd": n, "spd": n + 1}[method]
-
-
-__all__ = ["Costs", "adjusted_speedup", "devices_used", "measure_costs"]
+__all__ = ["Costs", "measure_costs"]

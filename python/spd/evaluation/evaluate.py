@@ -13,7 +13,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from spd.data.datasets import load_dataset, load_question_file
-from spd.runtime.engine import SamplingParams
+from spd.runtime import metrics
+from spd.runtime.types import SamplingParams
 from spd.errors import SPDError
 from spd.model.loading import describe_device
 
@@ -58,16 +59,15 @@ def add_totals(rows: list[dict]) -> dict:
 def summarise(rows: list[dict], n: int) -> dict:
     t = add_totals(rows)
     in_vocab = sum(r["in_vocab"] for r in rows)
-    alpha = t["N"] / t["K"] if t["K"] else 0.0
-    return {"prompts": t["prompts"], "n": n, "N": t["N"], "K": t["K"], "alpha": alpha,
-            "theoretical_speedup": alpha * n,
-            "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
-            "decode_tok_s": t["N"] / t["decode_s"] if t["decode_s"] else 0.0,
-            "draft_vocab_coverage": in_vocab / t["new_tokens"] if t["new_tokens"] else 0.0,
+    return {"prompts": t["prompts"], "n": n, "N": t["N"], "K": t["K"],
+            "alpha": metrics.alpha(t["N"], t["K"]),
+            "theoretical_speedup": metrics.theoretical_speedup(t["N"], t["K"], n),
+            "acceptance_rate": metrics.rate(t["accepted"], t["judged"]),
+            "decode_tok_s": metrics.tokens_per_s(t["N"], t["decode_s"]),
+            "draft_vocab_coverage": metrics.rate(in_vocab, t["new_tokens"]),
             # judged drafts that came from the context lookup (spd.draft.lookup), and their acceptance
-            "lookup_share": t["lookup_judged"] / t["judged"] if t["judged"] else 0.0,
-            "lookup_acceptance": (t["lookup_accepted"] / t["lookup_judged"]
-                                  if t["lookup_judged"] else 0.0)}
+            "lookup_share": metrics.rate(t["lookup_judged"], t["judged"]),
+            "lookup_acceptance": metrics.rate(t["lookup_accepted"], t["lookup_judged"])}
 
 
 def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling: SamplingParams,

@@ -24,18 +24,18 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spd.evaluation.cost_model import Costs, adjusted_speedup, devices_used, measure_costs
-from spd.runtime.engine import SamplingParams, SPDEngine
 from spd.errors import SPDError
+from spd.evaluation import methods
+from spd.evaluation.cost_model import Costs, measure_costs
 from spd.evaluation.evaluate import add_totals, encode_question, result_row
-from spd.model.partition import DepthLayout
-from spd.draft.pdm import SHIPPED_DIR, find_shipped_pdm
+from spd.evaluation.methods import NAMES as METHODS
+from spd.runtime import metrics
+from spd.runtime.types import SamplingParams
 
-METHODS = ("ar", "pp", "eagle3", "ppsd", "spd")
 GRID_FILE = "grid.json"
 # Every method's tokens/s is measured in this one process, but only single-device methods run
-# here as they would be deployed; the pipelined ones run their stages one after another.
-MEASURED_FOR_REAL = ("ar", "eagle3")
+# here as they would be deployed (Method.measured_for_real); the pipelined ones run their
+# stages one after another.
 
 
 @dataclass
@@ -88,11 +88,7 @@ class Cell:
     @property
     def config(self) -> str:
         """The method configuration, the row label of the report."""
-        if self.method in ("ar", "eagle3"):
-            return self.method
-        if self.method == "spd":
-            return f"spd n={self.n} L_s={self.pdm_layers}"
-        return f"{self.method} n={self.n}"
+        return methods.get(self.method).config(self.n, self.pdm_layers)
 
     @property
     def key(self) -> str:
@@ -102,20 +98,20 @@ class Cell:
 def plan_cells(spec: GridSpec) -> list[Cell]:
     """Every cell, AR first (the greedy checks need its outputs)."""
     cells = []
-    order = ["ar"] + [m for m in METHODS if m != "ar"]
-    need_ar = True  # AR is the reference of every check and of measured ratios
-    for method in order:
-        if method not in spec.methods and not (method == "ar" and need_ar):
+    # The reference (AR) always runs, first: every check and measured ratio compares with it.
+    order = sorted(methods.METHODS.values(), key=lambda m: not m.is_reference)
+    for m in order:
+        if m.name not in spec.methods and not m.is_reference:
             continue
         for temp in spec.temperatures:
             for ds in spec.datasets:
-                if method in ("ar", "eagle3"):
-                    cells.append(Cell(method, 1, None, ds, temp))
-                elif method == "spd":
-                    cells += [Cell(method, n, ls, ds, temp) for n in spec.stages
+                if not m.staged:
+                    cells.append(Cell(m.name, 1, None, ds, temp))
+                elif m.per_depth:
+                    cells += [Cell(m.name, n, ls, ds, temp) for n in spec.stages
                               for ls in spec.pdm_layers]
                 else:
-                    cells += [Cell(method, n, None, ds, temp) for n in spec.stages]
+                    cells += [Cell(m.name, n, None, ds, temp) for n in spec.stages]
     return cells
 
 
@@ -124,7 +120,7 @@ class _Decoders:
 
     def __init__(self, target, spec: GridSpec):
         self.target = target
-        self.search = [SHIPPED_DIR, *map(Path, spec.checkpoint_dirs)]
+        self.search = methods.checkpoint_search(spec.checkpoint_dirs)
         self.lookup = spec.lookup
         self._cache = {}
 
@@ -135,59 +131,34 @@ class _Decoders:
         return self._cache[key]
 
     def _build(self, cell: Cell):
-        t = self.target
-        if cell.method in ("ar", "pp"):
-            return SPDEngine(t, n_stages=1), "none"
-        if cell.method == "eagle3":
-            from spd.baselines.eagle import find_eagle
-            from spd.baselines.eagle_decode import EagleDecoder
-            head = find_eagle(t, search=self.search)
-            if head is None:
-                return None, ("no trained EAGLE-3 head for this target: train one with "
-                              "`python -m spd train --method eagle3 --out DIR` and pass "
-                              "--checkpoint-dir")
-            return EagleDecoder(t, head=head), str(head)
-        layout = DepthLayout.build(t.num_layers, cell.n)
-        if cell.method == "ppsd":
-            layout = DepthLayout.build(t.num_layers, cell.n, anchors=[0, layout.split[0]])
-        path = find_shipped_pdm(t, layout, num_layers=cell.pdm_layers, method=cell.method,
-                                search=self.search)
-        if path is None:
-            what = (f"--pdm-layers {cell.pdm_layers}" if cell.method == "spd"
-                    else "--method ppsd")
-            return None, (f"no trained {cell.method} drafter for n={cell.n}"
-                          f"{f', L_s={cell.pdm_layers}' if cell.pdm_layers else ''}: train one "
-                          f"with `python -m spd train --stages {cell.n} {what} --out DIR` and "
-                          "pass --checkpoint-dir")
-        return SPDEngine(t, n_stages=cell.n, split=layout.split, anchors=list(layout.anchors),
-                         pdm=path, lookup=self.lookup), str(path)
+        return methods.get(cell.method).build(self.target, cell.n, cell.pdm_layers, self.search,
+                                              self.lookup)
 
 
 def _tok_s(totals: dict) -> float:
-    return totals["N"] / totals["decode_s"] if totals["decode_s"] else 0.0
+    return metrics.tokens_per_s(totals["N"], totals["decode_s"])
 
 
 def derived(cell: dict, costs: Costs, ar_totals: dict | None) -> dict:
     """Speedups of one cell's totals: theoretical, draft-cost-adjusted, per device, and the
     measured tokens/s over AR's (`ar_totals`: the AR cell's totals on the same prompts)."""
-    method, n = cell["method"], cell["n"]
+    method, n = methods.get(cell["method"]), cell["n"]
     t = cell["totals"]
-    alpha = t["N"] / t["K"] if t["K"] else 0.0
     # S_theory = alpha * n: tokens per target-forward-equivalent (EAGLE: tokens per round)
-    s_theory = alpha * n
-    draft_s = t["draft_s"] / t["draft_calls"] if t["draft_calls"] else 0.0
-    adj = adjusted_speedup(method, costs, n=n, s_theory=s_theory, draft_s=draft_s,
-                           draft_steps=cell.get("draft_steps", 0))
-    devices = devices_used(method, n)
+    alpha = metrics.alpha(t["N"], t["K"])
+    s_theory = metrics.theoretical_speedup(t["N"], t["K"], n)
+    draft_s = metrics.rate(t["draft_s"], t["draft_calls"])
+    adj = method.adjusted(costs, n, s_theory, draft_s, cell.get("draft_steps", 0))
+    devices = method.devices(n)
     tok_s = _tok_s(t)
     measured = None
-    if method == "ar":
+    if method.is_reference:
         measured = 1.0
-    elif method in MEASURED_FOR_REAL and ar_totals and _tok_s(ar_totals):
+    elif method.measured_for_real and ar_totals and _tok_s(ar_totals):
         measured = tok_s / _tok_s(ar_totals)
     return {"alpha": alpha, "theoretical_speedup": s_theory, "adjusted_speedup": adj,
             "devices": devices, "adjusted_speedup_per_device": adj / devices,
-            "acceptance_rate": t["accepted"] / t["judged"] if t["judged"] else 0.0,
+            "acceptance_rate": metrics.rate(t["accepted"], t["judged"]),
             "draft_ms": draft_s * 1e3, "decode_tok_s": tok_s, "measured_ratio": measured}
 
 
@@ -238,7 +209,8 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     costs = Costs.from_dict(state["costs"])
     # Finished cells are kept; skipped ones (no drafter then) are tried again.
     todo = [c for c in cells if "skipped" in state["cells"].get(c.key, {"skipped": ""})]
-    units = sum(len(spec.datasets[c.dataset]) for c in todo if c.method != "pp")
+    units = sum(len(spec.datasets[c.dataset]) for c in todo
+                if not methods.get(c.method).derived_from_reference)
     bar = tqdm(total=units, desc="eval grid", unit="prompt", disable=not progress)
     for cell in todo:
         bar.set_postfix_str(cell.key)
@@ -252,8 +224,9 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
               bar) -> dict:
     ref_key = f"{cell.dataset} | T={cell.temperature:g}"
     record = asdict(cell) | {"config": cell.config}
+    method = methods.get(cell.method)
     ar_cell = state["cells"].get(Cell("ar", 1, None, cell.dataset, cell.temperature).key)
-    if cell.method == "pp":  # same computation as AR: counts follow from the AR cell
+    if method.derived_from_reference:  # same computation as AR: counts follow from the AR cell
         t = dict(ar_cell["totals"])
         t.update(K=t["N"] * cell.n, judged=0, accepted=0, by_position={}, draft_s=0.0,
                  draft_calls=0)
@@ -263,14 +236,14 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
         if decoder is None:
             return record | {"skipped": source}
         record["source"] = source
-        if cell.method == "eagle3":
+        if hasattr(decoder, "draft_steps"):  # chain drafters: tokens drafted per round
             record["draft_steps"] = decoder.draft_steps
         reference = state["reference"].setdefault(ref_key, {})
         rows = []
         for i, q in enumerate(spec.datasets[cell.dataset]):
             sampling = SamplingParams(temperature=cell.temperature, seed=spec.seed + i)
             ids = encode_question(decoders.target.tokenizer, q)
-            if cell.method == "ar":
+            if method.is_reference:
                 res = decoder.generate_ar(ids, spec.max_new_tokens, sampling)
                 reference[str(q["id"])] = res.token_ids
             else:
@@ -282,7 +255,7 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
             rows.append(result_row(q, res) | {"id": str(q["id"])})  # grid.json keys ids as text
             bar.update(1)
         record.update(totals=add_totals(rows), per_prompt=rows,
-                      checked_against_ar=cell.temperature == 0 and cell.method != "ar")
+                      checked_against_ar=cell.temperature == 0 and not method.is_reference)
     record["derived"] = derived(record, costs, ar_cell["totals"] if ar_cell else None)
     record["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     return record

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from spd.evaluation.cost_model import Costs
 from spd.evaluation.evaluate import add_totals
+from spd.evaluation import methods
 from spd.evaluation.grid import METHODS, derived
 
 OVERALL = "overall"
@@ -154,8 +155,9 @@ def plots(state: dict, out_dir) -> list[Path]:
             if OVERALL not in by_ds:
                 continue
             c = by_ds[OVERALL]
-            label = c["method"] + (f" L_s={c['pdm_layers']}" if c["method"] == "spd" else "")
-            if c["method"] in ("ar", "eagle3"):
+            m = methods.get(c["method"])
+            label = c["method"] + (f" L_s={c['pdm_layers']}" if m.per_depth else "")
+            if not m.staged:
                 flat.append((label, c["derived"]))
             else:
                 series.setdefault(label, []).append((c["n"], c["derived"]))
@@ -169,8 +171,8 @@ def plots(state: dict, out_dir) -> list[Path]:
         for label, d in flat:
             line = ax.axhline(d["theoretical_speedup"], linestyle="-", alpha=0.6,
                               label=f"{label} (theory)",
-                              color="gray" if label == "ar" else None)
-            if label != "ar":
+                              color="gray" if methods.get(label).is_reference else None)
+            if not methods.get(label).is_reference:
                 ax.axhline(d["adjusted_speedup"], linestyle="--", color=line.get_color(),
                            alpha=0.6, label=f"{label} (draft-cost adjusted)")
         _finish(ax, "pipeline stages n", "speedup over AR",

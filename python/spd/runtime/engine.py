@@ -9,103 +9,17 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
-from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 
 from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
+from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.model.partition import DepthLayout
 from spd.draft.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
 from spd.model.target import Stage, TargetModel
-from spd_kernels.sampling import check_sampling_params
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self):
-        check_sampling_params(self.temperature, self.top_k, self.top_p)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-
-@dataclass
-class DecodeStats:
-    mode: str
-    n: int
-    N: int = 0                 # tokens committed by decode cycles (the prefill's token excluded)
-    K: int = 0                 # decode cycles (target forwards for the AR path), refills included
-    drafts_judged: int = 0
-    drafts_accepted: int = 0
-    lookup_judged: int = 0     # of those, drafts the context lookup proposed (spd.draft.lookup)
-    lookup_accepted: int = 0
-    draft_calls: int = 0       # drafter invocations (their time is phase_s["draft"])
-    new_tokens: int = 0        # all new tokens returned, the prefill's first token included
-    prefill_s: float = 0.0
-    decode_s: float = 0.0
-    phase_s: dict = field(default_factory=dict)  # seconds per phase (draft, stage_i, verify, ...)
-    # Judged and accepted drafts by draft position: SPD counts the tokens in flight when the
-    # draft was made (how far it looks past the newest fully computed token); chain drafters
-    # (EAGLE-3) count the step in the chain. {position: [judged, accepted]}
-    by_position: dict = field(default_factory=dict)
-
-    def count_draft(self, position: int, accepted: bool, lookup: bool = False) -> None:
-        """One judged draft at draft position `position` (1-based); `lookup`: the context
-        lookup proposed it."""
-        self.drafts_judged += 1
-        self.drafts_accepted += int(accepted)
-        self.lookup_judged += int(lookup)
-        self.lookup_accepted += int(lookup and accepted)
-        cell = self.by_position.setdefault(int(position), [0, 0])
-        cell[0] += 1
-        cell[1] += int(accepted)
-
-    @property
-    def alpha(self) -> float:
-        return self.N / self.K if self.K else 0.0
-
-    @property
-    def theoretical_speedup(self) -> float:
-        return self.alpha * self.n
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.drafts_accepted / self.drafts_judged if self.drafts_judged else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.N / self.decode_s if self.decode_s > 0 else 0.0
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["phase_s"] = dict(self.phase_s)
-        d["by_position"] = {str(k): list(v) for k, v in sorted(self.by_position.items())}
-        d["phase_s"]["control"] = max(0.0, self.decode_s - sum(self.phase_s.values()))
-        d.update(alpha=self.alpha, theoretical_speedup=self.theoretical_speedup,
-                 acceptance_rate=self.acceptance_rate, decode_tok_s=self.decode_tok_s)
-        return d
-
-    def summary(self) -> str:
-        return (f"mode={self.mode} n={self.n} N={self.N} K={self.K} alpha={self.alpha:.3f} "
-                f"S_theory={self.theoretical_speedup:.2f} accept={self.acceptance_rate:.2f} "
-                f"decode={self.decode_tok_s:.1f} tok/s"
-                + (f" lookup={self.lookup_accepted}/{self.lookup_judged}"
-                   if self.lookup_judged else ""))
-
-
-@dataclass
-class GenerationResult:
-    token_ids: list[int]   # new tokens only
-    stats: DecodeStats
 
 
 class SPDEngine:

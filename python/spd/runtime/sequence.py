@@ -6,7 +6,7 @@ the `PipelineSchedule`, the draft distributions and fill levels awaiting judgeme
 generator, the stats and the output. The engines own only the transport: how stage forwards run
 and how anchor states arrive in `anchors`, and how target caches are truncated after a rollback.
 
-A cycle, as both engines drive it (DESIGN section 1, "One cycle"):
+A cycle, as both engines drive it (README, "How a cycle works"):
 
     draft = dec.draft(0)                      # pre-step features, while the stages run
     ... every (stage, position) in dec.sched.stage_work() runs its next stage ...
@@ -33,11 +33,11 @@ from spd.draft.drafters import Draft
 from spd.errors import SPDError
 from spd.draft.lookup import NgramLookup
 from spd.runtime.schedule import PipelineSchedule
+from spd.runtime.types import DecodeStats, SamplingParams
 from spd_kernels import (filtered_probs, rejection_sample_logits, sample_from_probs,
                          verify_greedy)
 
-if TYPE_CHECKING:  # engine.py imports this module
-    from spd.runtime.engine import DecodeStats, SamplingParams
+if TYPE_CHECKING:
     from spd.model.partition import DepthLayout
     from spd.model.target import TargetModel
 

@@ -1,4 +1,4 @@
-"""PDM training by distillation from the frozen target (DESIGN section 1, "Training").
+"""PDM training by distillation from the frozen target (docs/training.md).
 
 Every step takes sequences of cached target features, samples a fill level per sequence (full
 with probability `full_fill_prob`, else uniform in 1..n-1; or from `fill_weights`, one weight per

@@ -1,0 +1,146 @@
+"""The decoding methods the comparison grid runs, each described once.
+
+Terms (`spd.evaluation.cost_model` measures the times):
+  t_fwd   one full target forward at one row (what AR pays per token)
+  t_s     the slowest of the n stages; t_head the final norm + LM head
+  t_draft one drafter call (measured inside the method's own decoding)
+  S       the theoretical speedup alpha * n (EAGLE-3: tokens per verification round)
+
+A `Method` says how the grid lays out its cells (once per device count n, per PDM depth),
+how many devices it occupies, its draft-cost-adjusted speedup over AR on one device, and how to
+build its decoder. The grid and the report branch on these fields, never on the name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from spd.errors import SPDError
+from spd.evaluation.cost_model import Costs
+from spd.model.partition import DepthLayout
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    staged: bool                     # one cell per stage count n (else one device, n = 1)
+    per_depth: bool                  # one cell per PDM depth L_s as well
+    measured_for_real: bool          # this process runs it as deployed: its tok/s ratio counts
+    devices: Callable[[int], int]    # devices occupied at n stages
+    # (costs, n, S, t_draft, draft steps) -> draft-cost-adjusted speedup over AR
+    adjusted: Callable[[Costs, int, float, float, int], float]
+    # (target, n, L_s, search folders, lookup) -> (decoder or None, source or why skipped)
+    build: Callable
+    is_reference: bool = False       # AR: the outputs every greedy check compares with
+    derived_from_reference: bool = False  # PP: computes exactly what AR does, counts follow
+
+    def config(self, n: int, pdm_layers: int | None) -> str:
+        """The row label of the report for one configuration."""
+        if not self.staged:
+            return self.name
+        if self.per_depth:
+            return f"{self.name} n={n} L_s={pdm_layers}"
+        return f"{self.name} n={n}"
+
+
+def _build_plain(target, n, pdm_layers, search, lookup):
+    from spd.runtime.engine import SPDEngine
+    return SPDEngine(target, n_stages=1), "none"
+
+
+def _build_eagle(target, n, pdm_layers, search, lookup):
+    from spd.baselines.eagle import find_eagle
+    from spd.baselines.eagle_decode import EagleDecoder
+    head = find_eagle(target, search=search)
+    if head is None:
+        return None, ("no trained EAGLE-3 head for this target: train one with "
+                      "`python -m spd train --method eagle3 --out DIR` and pass "
+                      "--checkpoint-dir")
+    return EagleDecoder(target, head=head), str(head)
+
+
+def _pdm_builder(method: str, first_stage_only: bool):
+    """SPD and PPSD both decode with a PDM; PPSD's sees only anchors 0 and the first stage's
+    output (the PPSD baseline as a PDM configuration)."""
+    def build(target, n, pdm_layers, search, lookup):
+        from spd.draft.pdm import find_shipped_pdm
+        from spd.runtime.engine import SPDEngine
+        layout = DepthLayout.build(target.num_layers, n)
+        if first_stage_only:
+            layout = DepthLayout.build(target.num_layers, n, anchors=[0, layout.split[0]])
+        path = find_shipped_pdm(target, layout, num_layers=pdm_layers, method=method,
+                                search=search)
+        if path is None:
+            what = f"--pdm-layers {pdm_layers}" if pdm_layers else f"--method {method}"
+            return None, (f"no trained {method} drafter for n={n}"
+                          f"{f', L_s={pdm_layers}' if pdm_layers else ''}: train one "
+                          f"with `python -m spd train --stages {n} {what} --out DIR` and "
+                          "pass --checkpoint-dir")
+        return SPDEngine(target, n_stages=n, split=layout.split, anchors=list(layout.anchors),
+                         pdm=path, lookup=lookup), str(path)
+    return build
+
+
+def _adjusted_pp(c: Costs, n, s, draft_s, steps):
+    return c.forward_s / (sum(c.stage_s[str(n)]) + c.head_s)
+
+
+def _adjusted_spd(c: Costs, n, s, draft_s, steps):
+    # drafting and verify run on the draft rank, beside the stages: hidden unless slower
+    return s / n * c.forward_s / max(c.slowest_stage(n), draft_s + c.head_s)
+
+
+def _adjusted_ppsd(c: Costs, n, s, draft_s, steps):
+    # PPSD drafts after each step on the first stage's device: on the critical path
+    return s / n * c.forward_s / (c.slowest_stage(n) + draft_s)
+
+
+def _adjusted_eagle(c: Costs, n, s, draft_s, steps):
+    # a round: `steps` chained drafts, then one verification chunk of steps + 1 tokens
+    return s * c.forward_s / (steps * draft_s + c.chunk_s[str(steps + 1)])
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("ar", staged=False, per_depth=False, measured_for_real=True, devices=lambda n: 1,
+           adjusted=lambda *a: 1.0, build=_build_plain, is_reference=True),
+    Method("pp", staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
+           adjusted=_adjusted_pp, build=_build_plain, derived_from_reference=True),
+    Method("eagle3", staged=False, per_depth=False, measured_for_real=True,
+           devices=lambda n: 1, adjusted=_adjusted_eagle, build=_build_eagle),
+    Method("ppsd", staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
+           adjusted=_adjusted_ppsd, build=_pdm_builder("ppsd", first_stage_only=True)),
+    Method("spd", staged=True, per_depth=True, measured_for_real=False,
+           devices=lambda n: n + 1, adjusted=_adjusted_spd,
+           build=_pdm_builder("spd", first_stage_only=False)),
+)}
+NAMES = tuple(METHODS)
+
+
+def get(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise SPDError(f"unknown method {name!r}: choose from {', '.join(NAMES)}") from None
+
+
+def adjusted_speedup(method: str, costs: Costs, *, n: int = 1, s_theory: float = 1.0,
+                     draft_s: float = 0.0, draft_steps: int = 0) -> float:
+    """Draft-cost-adjusted speedup over AR on one device (the terms above)."""
+    return get(method).adjusted(costs, n, s_theory, draft_s, draft_steps)
+
+
+def devices_used(method: str, n: int) -> int:
+    """Devices each method occupies: SPD adds a draft rank to its n stage ranks; PPSD drafts on
+    its first stage's device; PP uses the n stage ranks; AR and EAGLE-3 one device."""
+    return get(method).devices(n)
+
+
+def checkpoint_search(extra_dirs) -> list[Path]:
+    """Folders searched for drafters: the shipped checkpoints, then `extra_dirs`."""
+    from spd.draft.pdm import SHIPPED_DIR
+    return [SHIPPED_DIR, *map(Path, extra_dirs)]
+
+
+__all__ = ["METHODS", "Method", "NAMES", "adjusted_speedup", "checkpoint_search",
+           "devices_used", "get"]
