@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from functools import partial
 
 from spd.cli.common import (Streamer, add_lookup_arg, check_lookup, parse_ints, print_generation,
                             warn_untrained_pdm)
 from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
+from spd import env
 from spd.errors import SPDError
 from spd.model.prompt import encode_prompt
 
@@ -116,7 +116,7 @@ def config_from_args(args):
                       speculative_control=getattr(args, "speculative_control", "auto"),
                       backend=getattr(args, "backend", None),
                       lookup=check_lookup(getattr(args, "lookup", None)),
-                      fault=parse_fault(os.environ.get("SPD_FAULT_INJECT")))
+                      fault=parse_fault(env.fault_injection()))
 
 
 def cli_job(opts: dict, engine):

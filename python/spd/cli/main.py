@@ -4,20 +4,47 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from functools import partial
 
 from spd.cli import eval as eval_cmd
 from spd.cli import generate, train
 from spd.errors import SPDError
+from spd.version import __version__
 from spd_kernels import SPDBackendError, _cuda
 
 
+class HelpFormatter(argparse.HelpFormatter):
+    """--help shows each option's default, unless its help text already says it."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if ("default" in text.lower() or action.default is None or action.default is False
+                or action.default == argparse.SUPPRESS or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _document_defaults(parser: argparse.ArgumentParser) -> None:
+    """argparse prints nothing for an option without help text: give those their default."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _document_defaults(sub)
+        elif action.help is None and action.option_strings and action.default is not None:
+            action.help = "default: %(default)s"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m spd",
+    parser = argparse.ArgumentParser(prog="python -m spd", formatter_class=HelpFormatter,
                                      description="Speculative Pipeline Decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"spd {__version__}")
+    sub = parser.add_subparsers(
+        dest="command", required=True,
+        parser_class=partial(argparse.ArgumentParser, formatter_class=HelpFormatter))
     generate.add_generate(sub)
     train.add_train(sub)
     eval_cmd.add_eval(sub)
+    _document_defaults(parser)
     return parser
 
 

@@ -5,17 +5,17 @@ nothing is installed, so the packages' own dependencies never matter.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
+from spd import env
 from spd.errors import SPDError
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("SPD_CACHE", Path.home() / ".cache" / "spd")).expanduser()
+    return env.cache_dir()
 
 
 def log(msg: str) -> None:

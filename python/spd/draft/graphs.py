@@ -17,17 +17,17 @@ and runs eagerly from then on: slower, never wrong.
 """
 from __future__ import annotations
 
-import os
 import warnings
 
 import torch
 
+from spd import env
 from spd_kernels import pdm_step
 
 
 def graphs_enabled(device: torch.device) -> bool:
     """CUDA graphs for the draft step: on CUDA devices unless SPD_CUDA_GRAPHS=0."""
-    return device.type == "cuda" and os.environ.get("SPD_CUDA_GRAPHS", "1") != "0"
+    return device.type == "cuda" and env.cuda_graphs_enabled()
 
 
 class _Entry:

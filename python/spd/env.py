@@ -1,0 +1,58 @@
+"""Every SPD_* environment variable, read and documented in one place (docs/environment.md).
+
+The runtime reads its variables through the functions here; the kernels read theirs through
+`spd_kernels.env` (that package imports without this one); build-time variables are read by
+setup.py and the scripts, before anything is installed, and are listed here only.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from spd_kernels.env import VARIABLES as KERNEL_VARIABLES
+from spd_kernels.env import Var
+
+CACHE = Var("SPD_CACHE", str(Path.home() / ".cache" / "spd"), "where the default model, "
+            "downloaded wheels and feature caches live", "spd.data.assets")
+CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the PDM's draft step eagerly on a GPU instead "
+                  "of replaying it as CUDA graphs", "spd.draft.graphs")
+FAULT_INJECT = Var("SPD_FAULT_INJECT", "", "tests only: make a distributed rank fail on purpose "
+                   "(rank=2,cycle=5,action=kill)", "spd.cli.generate")
+
+BUILD_VARIABLES = (
+    Var("SPD_CUDA_ARCHS", "90", "CUDA architectures the extension is compiled for, e.g. 80;90",
+        "setup.py"),
+    Var("SPD_SIMT_SANITIZE", "0", "1: build the host emulation alone with AddressSanitizer and "
+        "the alignment check", "setup.py, tests/sanitize_emulation.sh"),
+    Var("SPD_CI_VENV", ".venv", "the virtual environment .ci/run creates", ".ci/run"),
+    Var("SPD_DATE", "$(date +%F)", "date in the names of the device session's result files",
+        "benchmarks/device_session.sh"),
+    Var("SPD_DEVICE_BUDGET", "560", "seconds the device session may spend",
+        "benchmarks/device_session.sh"),
+    Var("SPD_DEVICE_SMOKE", "", "set: a tiny CPU run that checks the device script itself",
+        "benchmarks/device_session.sh"),
+    Var("SPD_TEST_WORKERS", "8", "pytest-xdist workers of the device session's GPU tests",
+        "benchmarks/device_session.sh"),
+)
+
+RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT)
+VARIABLES = RUNTIME_VARIABLES + KERNEL_VARIABLES + BUILD_VARIABLES
+
+
+def cache_dir() -> Path:
+    return Path(CACHE.get()).expanduser()
+
+
+def cuda_graphs_enabled() -> bool:
+    return CUDA_GRAPHS.get() != "0"
+
+
+def fault_injection() -> str | None:
+    return FAULT_INJECT.get() or None
+
+
+def table() -> str:
+    """The variables as a markdown table (docs/environment.md is checked against it)."""
+    rows = ["| variable | default | read by | what it does |", "| --- | --- | --- | --- |"]
+    rows += [f"| `{v.name}` | `{v.default or '(unset)'}` | {v.read_by} | {v.doc} |"
+             for v in VARIABLES]
+    return "\n".join(rows)
