@@ -5,10 +5,10 @@ Public entry points:
     SPDEngine(target, n_stages=4)  -> .generate(prompt_ids, ...) / .generate_ar(...)
 """
 from spd.errors import SPDError
-from spd.version import __version__
 from spd.model.loading import load_target
 from spd.runtime.engine import SPDEngine
 from spd.runtime.types import GenerationResult, SamplingParams
+from spd.version import __version__
 
 __all__ = ["GenerationResult", "SPDEngine", "SPDError", "SamplingParams", "__version__",
            "load_target"]

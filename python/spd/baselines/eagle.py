@@ -25,12 +25,18 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from spd.draft.checkpoint import (
+    CONFIG_NAME,
+    SavedDrafter,
+    check_target,
+    find_checkpoint,
+    load_weights,
+    read_config,
+)
+from spd.draft.pdm import SHIPPED_DIR, _Layer
 from spd.errors import SPDError
 from spd.model.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
 from spd.model.partition import default_anchors
-from spd.draft.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
-    load_weights, read_config
-from spd.draft.pdm import SHIPPED_DIR, _Layer
 
 METHOD = "eagle3"
 DEFAULT_DRAFT_STEPS = 5
@@ -225,6 +231,7 @@ class EagleHead(nn.Module, SavedDrafter):
         pos = torch.arange(R, device=g.device)
         attn = self.layer.self_attn
         keys, values, out = [], [], []
+        prev = g  # replaced by each step's output before it is read (from step 2 on)
         for j in range(1, steps + 1):
             if j > 1:  # feed the previous step's output one position back
                 g = torch.cat([torch.zeros_like(prev[:1]), prev[:-1]], dim=0)

@@ -20,11 +20,11 @@ from typing import Callable
 import torch
 
 from spd.baselines.eagle import EagleHead, check_compatible, find_shipped_eagle
-from spd.runtime.sequence import PhaseTimer, check_prompt, pick
-from spd.runtime.engine import SPDEngine
-from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 from spd.errors import SPDError
 from spd.model.target import Stage, TargetModel
+from spd.runtime.engine import SPDEngine
+from spd.runtime.sequence import PhaseTimer, check_prompt, pick
+from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 from spd_kernels.verify import scatter_draft_probs
 

@@ -16,8 +16,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from spd.baselines.eagle import (DEFAULT_DRAFT_STEPS, EagleHead, check_feature_layers,
-                       default_feature_layers)
+from spd.baselines.eagle import (
+    DEFAULT_DRAFT_STEPS,
+    EagleHead,
+    check_feature_layers,
+    default_feature_layers,
+)
 from spd.errors import SPDError
 from spd.train.loop import crop, run_loop
 from spd.train.trainer import build_draft_vocab

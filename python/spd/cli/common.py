@@ -7,6 +7,7 @@ import sys
 
 from spd.errors import SPDError
 
+
 def parse_ints(text, what):
     if text is None:
         return None

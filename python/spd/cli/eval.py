@@ -5,9 +5,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from spd.cli.common import (add_lookup_arg, check_lookup, parse_floats, parse_ints,
-                            warn_untrained_pdm)
+from spd.cli.common import (
+    add_lookup_arg,
+    check_lookup,
+    parse_floats,
+    parse_ints,
+    warn_untrained_pdm,
+)
 from spd.errors import SPDError
+
 
 def add_eval(sub) -> None:
     p = sub.add_parser(
@@ -71,9 +77,9 @@ def cmd_eval(args) -> int:
     sets = collect_sets(names, args.prompts, args.limit)
     if args.methods:
         return _eval_grid(args, sets, stages, temps)
+    from spd.evaluation.evaluate import format_table, run_eval, write_json
     from spd.runtime.engine import SPDEngine
     from spd.runtime.types import SamplingParams
-    from spd.evaluation.evaluate import format_table, run_eval, write_json
     sampling = SamplingParams(temps[0], args.top_k, args.top_p, args.seed)
     check = sampling.greedy if args.check is None else args.check
     if check and not sampling.greedy:
@@ -95,8 +101,8 @@ def cmd_eval(args) -> int:
 
 def _eval_grid(args, sets, stages, temps) -> int:
     from spd.evaluation.grid import GridSpec, run_grid
-    from spd.model.loading import load_target
     from spd.evaluation.report import markdown, write_report
+    from spd.model.loading import load_target
 
     if args.pdm or args.split or args.anchors or args.json_out:
         raise SPDError("--pdm, --split, --anchors and --json-out belong to a single run; the "

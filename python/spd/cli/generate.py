@@ -5,12 +5,19 @@ import argparse
 import sys
 from functools import partial
 
-from spd.cli.common import (Streamer, add_lookup_arg, check_lookup, parse_ints, print_generation,
-                            warn_untrained_pdm)
-from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 from spd import env
+from spd.cli.common import (
+    Streamer,
+    add_lookup_arg,
+    check_lookup,
+    parse_ints,
+    print_generation,
+    warn_untrained_pdm,
+)
+from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 from spd.errors import SPDError
 from spd.model.prompt import encode_prompt
+
 
 def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode one prompt with SPD (or autoregressively)",
@@ -52,9 +59,9 @@ def cmd_generate(args) -> int:
         return cmd_generate_distributed(args)
     import torch
 
+    from spd.model.loading import load_target
     from spd.runtime.engine import SPDEngine
     from spd.runtime.types import SamplingParams
-    from spd.model.loading import load_target
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.max_new_tokens < 1:

@@ -94,9 +94,9 @@ def cmd_train(args) -> int:
     import torch
 
     from spd.data.assets import cache_dir
-    from spd.train.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.model.loading import load_target
     from spd.model.partition import DepthLayout, default_anchors
+    from spd.train.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.train.loop import resolve_precision
     from spd.train.trainer import TrainConfig, check_fill_weights, train
 

@@ -140,5 +140,5 @@ def read_config(folder, what: str) -> dict:
     return json.loads((folder / CONFIG_NAME).read_text())
 
 
-__all__ = ["CONFIG_NAME", "SavedDrafter", "check_target", "find_checkpoint", "WEIGHTS_NAME", "dequantise", "load_weights", "read_config",
-           "read_weights", "save_drafter"]
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "SavedDrafter", "check_target", "dequantise",
+           "find_checkpoint", "load_weights", "read_config", "read_weights", "save_drafter"]

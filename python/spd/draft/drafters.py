@@ -10,10 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from spd.draft.graphs import PDMStepGraphs, graphs_enabled
 from spd_kernels import filtered_probs, sample_from_probs
 from spd_kernels.verify import scatter_draft_probs
-
-from spd.draft.graphs import PDMStepGraphs, graphs_enabled
 
 
 @dataclass

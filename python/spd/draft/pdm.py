@@ -16,8 +16,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from spd.draft.checkpoint import CONFIG_NAME, SavedDrafter, check_target, find_checkpoint, \
-    load_weights, read_config
+from spd.draft.checkpoint import (
+    CONFIG_NAME,
+    SavedDrafter,
+    check_target,
+    find_checkpoint,
+    load_weights,
+    read_config,
+)
 from spd.errors import SPDError
 from spd.model.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.model.partition import DepthLayout

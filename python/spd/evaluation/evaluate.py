@@ -13,10 +13,10 @@ from pathlib import Path
 from tqdm import tqdm
 
 from spd.data.datasets import load_dataset, load_question_file
-from spd.runtime import metrics
-from spd.runtime.types import SamplingParams
 from spd.errors import SPDError
 from spd.model.loading import describe_device
+from spd.runtime import metrics
+from spd.runtime.types import SamplingParams
 
 
 def encode_question(tokenizer, question: dict) -> list[int]:
@@ -141,4 +141,5 @@ def write_json(report: dict, path) -> None:
     Path(path).write_text(json.dumps(report, indent=1))
 
 
-__all__ = ["add_totals", "collect_sets", "encode_question", "result_row", "format_table", "run_eval", "summarise", "write_json"]
+__all__ = ["add_totals", "collect_sets", "encode_question", "format_table", "result_row",
+           "run_eval", "summarise", "write_json"]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from spd.evaluation import methods
 from spd.evaluation.cost_model import Costs
 from spd.evaluation.evaluate import add_totals
-from spd.evaluation import methods
 from spd.evaluation.grid import METHODS, derived
 
 OVERALL = "overall"

@@ -86,10 +86,9 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
     """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     from spd.model.target import TargetModel
-
-    from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # keep load-time progress bars and notices off the terminal
     hf_logging.disable_progress_bar()

@@ -9,8 +9,8 @@ import hashlib
 
 import torch
 
-from spd.model.cache import KVCache
 from spd.errors import SPDError
+from spd.model.cache import KVCache
 from spd.model.layers import decoder_layer_step
 
 

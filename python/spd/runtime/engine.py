@@ -13,13 +13,13 @@ from typing import Callable
 
 import torch
 
-from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
-from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
-from spd.model.partition import DepthLayout
 from spd.draft.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
+from spd.model.partition import DepthLayout
 from spd.model.target import Stage, TargetModel
+from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
+from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 
 
 class SPDEngine:

@@ -30,12 +30,11 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from spd.draft.drafters import Draft
-from spd.errors import SPDError
 from spd.draft.lookup import NgramLookup
+from spd.errors import SPDError
 from spd.runtime.schedule import PipelineSchedule
 from spd.runtime.types import DecodeStats, SamplingParams
-from spd_kernels import (filtered_probs, rejection_sample_logits, sample_from_probs,
-                         verify_greedy)
+from spd_kernels import filtered_probs, rejection_sample_logits, sample_from_probs, verify_greedy
 
 if TYPE_CHECKING:
     from spd.model.partition import DepthLayout

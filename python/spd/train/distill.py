@@ -103,8 +103,13 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
     it. The code pool is the shuffled standard-library prompts followed by the shuffled prompts
     of `code_roots`, so adding roots leaves the standard-library part (and what a skip passes
     over in it) as it was."""
-    from spd.data.datasets import (contains_eval_prompt, eval_prompt_keys, humaneval_function_names,
-                              iter_sharegpt, python_function_prompts)
+    from spd.data.datasets import (
+        contains_eval_prompt,
+        eval_prompt_keys,
+        humaneval_function_names,
+        iter_sharegpt,
+        python_function_prompts,
+    )
 
     tok = target.tokenizer
     convs = []

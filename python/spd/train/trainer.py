@@ -20,12 +20,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from spd.draft.pdm import PipelineDraftModule, pdm_config_for
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
-from spd.draft.pdm import PipelineDraftModule, pdm_config_for
 from spd.train.layout import training_layout
 from spd.train.loop import STATE, crop, run_loop
-
 
 
 @dataclass
