@@ -11,18 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import sys
 import time
-from datetime import date
-from pathlib import Path
 
 import torch
+from harness import Table, run_meta, write_json
 
 from spd import SPDEngine
-from spd.model.prompt import encode_prompt
 from spd.draft.drafters import ReferenceDrafter
 from spd.model.loading import describe_device, load_target
+from spd.model.prompt import encode_prompt
+from spd.runtime import metrics
 
 PROMPTS = [
     "Explain in detail how a CPU cache works.",
@@ -95,8 +93,8 @@ def main() -> int:
             t2 = time.perf_counter()
         hf_tokens += out.shape[1] - len(ids) - 1
         hf_s += (t1 - t0) - (t2 - t1)
-    hf_tok_s = hf_tokens / hf_s
-    ar_tok_s = ar["N"] / ar["decode_s"]
+    hf_tok_s = metrics.tokens_per_s(hf_tokens, hf_s)
+    ar_tok_s = metrics.tokens_per_s(ar["N"], ar["decode_s"])
     rows.append(dict(method="hf-generate", n=1, decode_tok_s=hf_tok_s))
     rows.append(dict(method="ar (same stages)", n=1, N=ar["N"], K=ar["K"], alpha=1.0,
                      theoretical_speedup=1.0, decode_tok_s=ar_tok_s, phase_s=ar["phase_s"]))
@@ -112,37 +110,32 @@ def main() -> int:
             agg = run_method(lambda ids: eng.generate(ids, m, drafter=make(ids, next(counter))),
                              ids_list)
             assert agg["outputs"] == refs, f"{name} n={n}: output differs from autoregressive"
-            alpha = agg["N"] / agg["K"]
-            rows.append(dict(method=name, n=n, N=agg["N"], K=agg["K"], alpha=alpha,
-                             theoretical_speedup=alpha * n,
-                             acceptance_rate=agg["accepted"] / max(1, agg["judged"]),
-                             decode_tok_s=agg["N"] / agg["decode_s"],
+            rows.append(dict(method=name, n=n, N=agg["N"], K=agg["K"],
+                             alpha=metrics.alpha(agg["N"], agg["K"]),
+                             theoretical_speedup=metrics.theoretical_speedup(agg["N"], agg["K"], n),
+                             acceptance_rate=metrics.rate(agg["accepted"], agg["judged"]),
+                             decode_tok_s=metrics.tokens_per_s(agg["N"], agg["decode_s"]),
                              cycle_ms=1000 * agg["decode_s"] / agg["K"],
                              phase_s=agg["phase_s"]))
 
     print(f"\nSingle-process engine, {target.name}, {len(ids_list)} prompts x {m} new tokens, "
           + describe_device("cpu"))
-    hdr = f"{'method':<20}{'n':>3}{'N':>6}{'K':>6}{'alpha':>8}{'S_theory':>10}{'tok/s':>8}" \
-          f"{'vs AR':>7}{'vs HF':>7}{'cycle ms':>10}"
-    print(hdr)
-    print("-" * len(hdr))
+    table = Table([("method", "<20"), ("n", ">3"), ("N", ">6"), ("K", ">6"), ("alpha", ">8.3f"),
+                   ("theoretical_speedup", ">10.2f", "S_theory"), ("decode_tok_s", ">8.1f", "tok/s"),
+                   ("vs_ar", ">7.2f", "vs AR"), ("vs_hf", ">7.2f", "vs HF"),
+                   ("cycle_ms", ">10.2f", "cycle ms")])
+    table.print_header()
     for r in rows:
-        print(f"{r['method']:<20}{r['n']:>3}{r.get('N', ''):>6}{r.get('K', ''):>6}"
-              f"{r.get('alpha', float('nan')):>8.3f}{r.get('theoretical_speedup', float('nan')):>10.2f}"
-              f"{r['decode_tok_s']:>8.1f}{r['decode_tok_s'] / ar_tok_s:>7.2f}"
-              f"{r['decode_tok_s'] / hf_tok_s:>7.2f}{r.get('cycle_ms', float('nan')):>10.2f}")
+        r.update(vs_ar=r["decode_tok_s"] / ar_tok_s, vs_hf=r["decode_tok_s"] / hf_tok_s)
+        table.print(r)
     print("\nWhere a cycle's time goes (ms per cycle):")
     for r in rows:
         if "phase_s" in r and r["method"].startswith("spd"):
             parts = "  ".join(f"{k}={1000 * v / r['K']:.2f}" for k, v in sorted(r["phase_s"].items()))
             print(f"  {r['method']:<20} n={r['n']}: {parts}")
     if args.json_out:
-        meta = dict(date=str(date.today()), device="cpu", platform=platform.platform(),
-                    torch=torch.__version__, threads=torch.get_num_threads(), model=target.name,
-                    prompts=prompts, max_new_tokens=m, command=" ".join(sys.argv))
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"\nwrote {args.json_out}")
+        write_json(args.json_out, run_meta("cpu", model=target.name, prompts=prompts,
+                                           max_new_tokens=m), rows=rows)
     return 0
 
 

@@ -11,18 +11,17 @@ feature timing, steps, held-out top-1 at the end). Prints a markdown table and w
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
-from datetime import date
 from pathlib import Path
 
-from spd.runtime.engine import SPDEngine
+from harness import run_meta, write_json
 
-from spd.runtime.types import SamplingParams
-from spd.evaluation.evaluate import collect_sets, run_eval
-from spd.model.loading import describe_device, load_target
 from spd.draft.pdm import read_pdm_config
+from spd.evaluation.evaluate import collect_sets, run_eval
+from spd.model.loading import load_target
+from spd.runtime.engine import SPDEngine
+from spd.runtime.types import SamplingParams
 
 
 def describe(folder) -> dict:
@@ -94,12 +93,9 @@ def main(argv=None) -> int:
     table = "\n".join(lines)
     print(table)
     if args.json_out:
-        out = {"date": date.today().isoformat(), "device": describe_device("cpu"),
-               "command": "python " + " ".join(sys.argv), "limit": args.limit, "max_new_tokens": args.max_new_tokens, "rows": rows,
-               "table": table}
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.json_out}")
+        write_json(args.json_out, run_meta("cpu", limit=args.limit,
+                                           max_new_tokens=args.max_new_tokens),
+                   rows=rows, table=table)
     return 0
 
 
