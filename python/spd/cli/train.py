@@ -93,6 +93,7 @@ def add_train(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
+    from spd.baselines import ppsd
     from spd.data.assets import cache_dir
     from spd.model.loading import load_target
     from spd.model.partition import DepthLayout, default_anchors
@@ -109,8 +110,8 @@ def cmd_train(args) -> int:
     precision = resolve_precision(args.precision, target.device)
     anchors = parse_ints(args.anchors, "--anchors")
     split = parse_ints(args.split, "--split")
-    if args.method == "ppsd" and anchors is None:  # PPSD sees the first stage's output only
-        anchors = [0, DepthLayout.build(target.num_layers, args.stages, split).split[0]]
+    if args.method == ppsd.NAME and anchors is None:  # PPSD sees the first stage's output only
+        anchors = ppsd.anchors(target.num_layers, args.stages, split)
     layout = DepthLayout.build(target.num_layers, args.stages, split, anchors)
     fill_weights = None  # checked before any data is built
     if args.fill_weights is not None:
@@ -142,9 +143,10 @@ def cmd_train(args) -> int:
     if args.method == "eagle3":
         return _train_eagle(args, target, features, precision)
     if args.feature_timing is None:
-        args.feature_timing = "post-step" if args.method == "ppsd" else "pre-step"
+        args.feature_timing = ppsd.FEATURE_TIMING if args.method == ppsd.NAME else "pre-step"
     cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
-                      pdm_layers=args.pdm_layers or (1 if args.method == "ppsd" else 2),
+                      pdm_layers=args.pdm_layers or (ppsd.PDM_LAYERS if args.method == ppsd.NAME
+                                                     else 2),
                       method=args.method, init_from=args.init_from,
                       intermediate_size=args.intermediate_size or 768,
                       draft_vocab_size=args.draft_vocab_size, steps=args.steps,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from spd.baselines import ppsd
 from spd.errors import SPDError
 from spd.evaluation.cost_model import Costs
 from spd.model.partition import DepthLayout
@@ -60,15 +61,12 @@ def _build_eagle(target, n, pdm_layers, search, lookup):
     return EagleDecoder(target, head=head), str(head)
 
 
-def _pdm_builder(method: str, first_stage_only: bool):
-    """SPD and PPSD both decode with a PDM; PPSD's sees only anchors 0 and the first stage's
-    output (the PPSD baseline as a PDM configuration)."""
+def _pdm_builder(method: str, layout_of: Callable):
+    """SPD and PPSD both decode with a PDM (PPSD is a PDM configuration: spd.baselines.ppsd)."""
     def build(target, n, pdm_layers, search, lookup):
         from spd.draft.pdm import find_shipped_pdm
         from spd.runtime.engine import SPDEngine
-        layout = DepthLayout.build(target.num_layers, n)
-        if first_stage_only:
-            layout = DepthLayout.build(target.num_layers, n, anchors=[0, layout.split[0]])
+        layout = layout_of(target.num_layers, n)
         path = find_shipped_pdm(target, layout, num_layers=pdm_layers, method=method,
                                 search=search)
         if path is None:
@@ -109,10 +107,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("eagle3", staged=False, per_depth=False, measured_for_real=True,
            devices=lambda n: 1, adjusted=_adjusted_eagle, build=_build_eagle),
     Method("ppsd", staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
-           adjusted=_adjusted_ppsd, build=_pdm_builder("ppsd", first_stage_only=True)),
+           adjusted=_adjusted_ppsd, build=_pdm_builder("ppsd", ppsd.layout)),
     Method("spd", staged=True, per_depth=True, measured_for_real=False,
            devices=lambda n: n + 1, adjusted=_adjusted_spd,
-           build=_pdm_builder("spd", first_stage_only=False)),
+           build=_pdm_builder("spd", DepthLayout.build)),
 )}
 NAMES = tuple(METHODS)
 
