@@ -25,7 +25,6 @@ Prints a table and writes JSON (default benchmarks/results/<date>-draft-hiding-<
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from datetime import date
 from pathlib import Path
@@ -33,15 +32,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_kernels import MODELS, Timer, device_tag  # noqa: E402
+from bench_kernels import MODELS  # noqa: E402
+from harness import RESULTS, Timer, device_tag, run_meta, write_json  # noqa: E402
 
-from spd.runtime.sequence import verify  # noqa: E402
 from spd.draft.drafters import PDMDrafter  # noqa: E402
-from spd.model.loading import describe_device  # noqa: E402
-from spd.runtime.types import SamplingParams  # noqa: E402
-from spd.model.partition import DepthLayout  # noqa: E402
 from spd.draft.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
+from spd.model.loading import describe_device  # noqa: E402
+from spd.model.partition import DepthLayout  # noqa: E402
 from spd.model.target import Stage, TargetModel  # noqa: E402
+from spd.runtime.sequence import verify  # noqa: E402
+from spd.runtime.types import SamplingParams  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -190,14 +190,10 @@ def main() -> int:
                       f"{r['draft_over_stage']:>13.2f}{r['rank0_over_stage']:>22.2f}  "
                       f"{'yes' if r['rank0_hidden'] else 'draft only' if r['draft_hidden'] else 'no'}",
                       flush=True)
-    out = Path(args.json_out or Path(__file__).parent / "results" /
-               f"{args.date}-draft-hiding-{device_tag(device)}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(dict(
-        date=args.date, device=describe_device(device), dtype=str(dtype), model=vars(shape),
-        draft_vocab=args.draft_vocab, context=args.context, iters=timer.iters,
-        command=" ".join(sys.argv), rows=rows), indent=1))
-    print(f"wrote {out}")
+    out = args.json_out or RESULTS / f"{args.date}-draft-hiding-{device_tag(device)}.json"
+    write_json(out, run_meta(device, date=args.date, dtype=str(dtype), model=vars(shape),
+                             draft_vocab=args.draft_vocab, context=args.context,
+                             iters=timer.iters), rows=rows)
     return 0
 
 

@@ -86,12 +86,13 @@ def _commit() -> str | None:
 
 
 def run_meta(device="cpu", **extra) -> dict:
-    """The metadata every result file carries, plus `extra`."""
+    """The metadata every result file carries, plus `extra` (which may override a field, e.g.
+    the date a device session names its files with)."""
     return dict(date=str(date.today()), device=describe_device(device),
                 device_type=torch.device(device).type, platform=platform.platform(),
                 cores=os.cpu_count(), threads=torch.get_num_threads(),
                 load_avg=list(os.getloadavg()), torch=torch.__version__, commit=_commit(),
-                command="python " + " ".join(sys.argv), **extra)
+                command="python " + " ".join(sys.argv)) | extra
 
 
 def write_json(path, meta: dict, **payload) -> Path:
