@@ -17,22 +17,19 @@ is the number this benchmark is for.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import sys
 import time
-from datetime import date
 from functools import partial
-from pathlib import Path
 
 import torch
+from harness import run_meta, write_json
 
 from spd import SPDEngine
-from spd.model.prompt import encode_prompt
-from spd.distributed.runtime import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
 from spd.distributed.launch import launch_local
+from spd.distributed.runtime import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
 from spd.model.loading import load_target
+from spd.model.prompt import encode_prompt
 
 PROMPTS = [
     "Explain in detail how a CPU cache works.",
@@ -166,14 +163,9 @@ def main() -> int:
             parts = "  ".join(f"{k}={v:.2f}" for k, v in sorted(ph.items()))
             print(f"  {r['method']:<14} {r['control']:<9} n={r['n']} {rank}: {parts}")
     if args.json_out:
-        meta = dict(date=str(date.today()), device="cpu", cores=os.cpu_count(),
-                    threads=args.threads, load_avg=os.getloadavg(),
-                    platform=platform.platform(), torch=torch.__version__, model=target.name,
-                    prompts=prompts, max_new_tokens=m, ar_tok_s=ar_tok_s,
-                    command=" ".join(sys.argv))
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-        print(f"\nwrote {args.json_out}")
+        write_json(args.json_out, run_meta("cpu", rank_threads=args.threads, model=target.name,
+                                           prompts=prompts, max_new_tokens=m, ar_tok_s=ar_tok_s),
+                   rows=rows)
     return 0
 
 
