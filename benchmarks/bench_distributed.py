@@ -26,8 +26,9 @@ import torch
 from harness import run_meta, write_json
 
 from spd import SPDEngine
+from spd.distributed.config import SPECULATION_MODES, DistConfig, GenerateRequest
 from spd.distributed.launch import launch_local
-from spd.distributed.runtime import SPECULATION_MODES, DistConfig, GenerateRequest, run_requests
+from spd.distributed.rank import run_requests
 from spd.model.loading import load_target
 from spd.model.prompt import encode_prompt
 

@@ -27,8 +27,10 @@ from conftest import make_tiny_target
 from spd import SamplingParams, SPDEngine
 from spd.cli import main
 from spd.model.prompt import encode_prompt
-from spd.distributed.runtime import (DistConfig, GenerateRequest, RankFailedError, SpeculationPolicy,
-                             check_handshake, parse_fault, run_forever, run_requests)
+from spd.distributed.config import DistConfig, GenerateRequest, SpeculationPolicy, parse_fault
+from spd.distributed.faults import RankFailedError
+from spd.distributed.handshake import check_handshake
+from spd.distributed.rank import run_forever, run_requests
 from spd.draft.drafters import ReferenceDrafter
 from spd.errors import SPDError
 from spd.distributed.launch import launch_local
@@ -414,7 +416,8 @@ def test_torchrun_killed_rank_on_other_node_stops_both_nodes(tiny_model_dir):
 _RANK_SCRIPT = """
 import json, sys, time
 from datetime import timedelta
-from spd.distributed.runtime import CommError, DistConfig, Runtime
+from spd.distributed.config import DistConfig
+from spd.distributed.transport import CommError, Runtime
 port, rank, world, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 rt = Runtime(rank, world, DistConfig(n_stages=world - 1, fault_timeout=1.0), "127.0.0.1", port)
 print("ready", flush=True)
@@ -447,7 +450,7 @@ def test_sigterm_marks_the_rank_and_ends_it_even_inside_a_blocking_call():
     """torchrun stops a node's other ranks with SIGTERM when one fails. A rank blocked in C++
     (gloo, the store) runs no Python handler, so its watchdog acts: it marks the store and the
     process ends with status 143 at once."""
-    from spd.distributed.runtime import EXIT_TERMINATED
+    from spd.distributed.faults import EXIT_TERMINATED
     master, store = _test_store()
     proc = _rank_process(master.port, 1, 3, "block")
     try:

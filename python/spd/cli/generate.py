@@ -112,7 +112,7 @@ def wants_distributed(args) -> bool:
 
 
 def config_from_args(args):
-    from spd.distributed.runtime import DistConfig, parse_fault
+    from spd.distributed.config import DistConfig, parse_fault
 
     if args.mode == "ar":
         raise SPDError("--mode ar is single-process only: drop --distributed (or torchrun)")
@@ -143,7 +143,7 @@ def cli_job(opts: dict, engine):
 
 
 def cmd_generate_distributed(args) -> int:
-    from spd.distributed.runtime import RankFailedError
+    from spd.distributed.faults import RankFailedError
 
     if args.max_new_tokens < 1:
         raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")

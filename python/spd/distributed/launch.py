@@ -46,7 +46,7 @@ def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid):
     _set_pdeathsig()
     if os.getppid() != parent or not _pid_alive(launcher_pid):  # gone before prctl took effect
         os._exit(1)
-    from spd.distributed.runtime import run_rank
+    from spd.distributed.rank import run_rank
 
     def sink(result):
         conn.send(("result", result))
@@ -81,7 +81,7 @@ def _pid_alive(pid: int) -> bool:
 def _open_store(host: str, port: int, timeout_s: float):
     import torch.distributed as dist
 
-    from spd.distributed.runtime import _td
+    from spd.distributed.transport import _td
     try:
         return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
                              timeout=_td(timeout_s))
@@ -95,7 +95,7 @@ def _open_store(host: str, port: int, timeout_s: float):
 
 
 def _exit_reason(code: int) -> tuple[str, str]:
-    from spd.distributed.runtime import EXIT_TERMINATED
+    from spd.distributed.faults import EXIT_TERMINATED
     if code == EXIT_TERMINATED:  # a rank's own SIGTERM handler (it marks the store, then leaves)
         return "killed", "stopped by SIGTERM"
     if code < 0:
@@ -112,13 +112,13 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     """Run `job(engine)` on rank 0 of n + 1 local ranks; return its result.
 
     Raises SPDError for bad input (a busy port, a mismatch between ranks, a bad prompt) and
-    spd.distributed.runtime.RankFailedError when a rank fails; every rank is gone when this returns.
+    spd.distributed.faults.RankFailedError when a rank fails; every rank is gone when this returns.
     `on_spawn({rank: pid})` is called once the ranks are started; `timeout` bounds the whole run.
     """
     import multiprocessing as mp
     from multiprocessing.connection import wait as mp_wait
 
-    from spd.distributed.runtime import RankFailedError, read_failure, write_failure
+    from spd.distributed.faults import RankFailedError, read_failure, write_failure
 
     config.validate()
     world = config.world_size
@@ -131,7 +131,7 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     # Ranks fork from a fork server that imported torch once (per launcher process), instead of
     # n + 1 interpreters importing it each: seconds per launch on a small machine.
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["spd.distributed.runtime"])
+    ctx.set_forkserver_preload(["spd.distributed.rank"])
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -235,7 +235,7 @@ def _reap(procs: dict, grace: float) -> None:
 # --- torchrun -----------------------------------------------------------------------------------
 def run_torchrun(config, job) -> int:
     """This process is one torchrun worker: run its rank; return the exit status."""
-    from spd.distributed.runtime import run_rank
+    from spd.distributed.rank import run_rank
 
     config.validate()
     try:

@@ -1,7 +1,7 @@
 """One sequence's speculative pipeline decode, independent of where the stages run.
 
 `SequenceDecode` holds what the single-process engine (`spd.runtime.engine`) and rank 0 of the
-distributed runtime (`spd.distributed.runtime`) share for one sequence: the token and anchor buffers,
+distributed runtime (`spd.distributed.draft_rank`) share for one sequence: the token and anchor buffers,
 the `PipelineSchedule`, the draft distributions and fill levels awaiting judgement, the
 generator, the stats and the output. The engines own only the transport: how stage forwards run
 and how anchor states arrive in `anchors`, and how target caches are truncated after a rollback.

@@ -1,0 +1,139 @@
+"""One rank's whole life: device, target, handshake, its role's loop, and how it exits.
+Also the rank-0 jobs tests and benchmarks run (run_requests, run_forever)."""
+from __future__ import annotations
+
+import sys
+import traceback
+from typing import Callable
+
+import torch
+
+from spd.distributed.config import DRAFT_RANK, DistConfig, GenerateRequest
+from spd.distributed.draft_rank import DistributedSPDEngine
+from spd.distributed.faults import EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_OK
+from spd.distributed.handshake import check_handshake, exchange_info, rank_info
+from spd.distributed.stage_rank import StageWorker
+from spd.distributed.transport import CommError, Runtime
+from spd.draft.drafters import ReferenceDrafter
+from spd.errors import SPDError
+from spd.model.partition import DepthLayout
+from spd.runtime.engine import GenerationResult, SPDEngine
+
+
+def run_requests(requests: list[GenerateRequest], engine: DistributedSPDEngine,
+                 progress=None) -> list[GenerationResult]:
+    """A rank-0 job: run the requests in order (tests, benchmarks). `progress` (an Event) is set
+    after the first token."""
+    results = []
+
+    def tick(_tok):
+        if progress is not None and not progress.is_set():
+            progress.set()
+    for req in requests:
+        drafter = None
+        if req.reference is not None:
+            drafter = ReferenceDrafter(req.reference, req.reference_accuracy, req.reference_seed)
+        results.append(engine.generate(req.prompt_ids, req.max_new_tokens, req.sampling,
+                                       drafter=drafter, on_token=tick))
+    return results
+
+
+def run_forever(request: GenerateRequest, engine: DistributedSPDEngine, progress=None,
+                limit: int = 10_000):
+    """A rank-0 job that keeps generating (fault tests kill a rank while it runs)."""
+    for _ in range(limit):
+        run_requests([request], engine, progress)
+    return None
+
+
+# --- one rank's whole life ---------------------------------------------------------------------
+def _drop_unused_layers(target, keep: range) -> None:
+    """Free the decoder layers this rank does not run (their weights move to the meta device)."""
+    for lid in range(target.num_layers):
+        if lid not in keep:
+            target.layers[lid].to("meta")
+
+
+def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:
+    if config.device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise SPDError("--device cuda was requested but no CUDA device is available")
+        backend = config.backend or "nccl"
+        if backend == "nccl" and config.device == "cuda" and \
+                torch.cuda.device_count() < local_world:
+            raise SPDError(f"NCCL needs one GPU per rank: {local_world} ranks on this node but "
+                           f"{torch.cuda.device_count()} GPU(s); use more nodes or GPUs, or fewer "
+                           "stages")
+        if config.device == "cuda":
+            dev = f"cuda:{local_rank % torch.cuda.device_count()}"
+        else:
+            dev = config.device
+        torch.cuda.set_device(torch.device(dev))
+        return dev
+    return config.device
+
+
+def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, host: str,
+             port: int, *, is_master: bool = False, prefix: str = "spd/", local_rank: int = 0,
+             local_world: int | None = None, result_sink: Callable | None = None) -> int:
+    """Everything one rank does; returns its exit status (failures are reported in the store)."""
+    rt = None
+    try:
+        if world != config.world_size:
+            raise SPDError(f"{world} ranks were started but --stages {config.n_stages} needs "
+                           f"{config.world_size} ({config.n_stages} stage ranks + 1 draft rank)")
+        rt = Runtime(rank, world, config, host, port, is_master=is_master, prefix=prefix)
+        if config.threads:
+            torch.set_num_threads(int(config.threads))
+        device = _rank_device(config, local_rank, local_world or world)
+        if config.target_factory is not None:
+            target = config.target_factory(rank)
+        else:
+            from spd.model.loading import load_target
+            target = load_target(config.model, device=device)
+        layout = DepthLayout.build(target.num_layers, config.n_stages, config.split,
+                                   config.anchors)
+        target.fingerprint()
+        engine = None
+        if rank == DRAFT_RANK:
+            engine = SPDEngine(target, n_stages=config.n_stages, split=config.split,
+                               anchors=config.anchors, pdm=config.pdm,
+                               pdm_layers=config.pdm_layers, warn_untrained=False,
+                               lookup=config.lookup)
+        check_handshake(exchange_info(rt, rank_info(rank, world, config, target, layout)))
+        _drop_unused_layers(target, range(0) if rank == DRAFT_RANK else layout.stages[rank - 1])
+        rt.init_groups(torch.device(target.device))
+        if rank == DRAFT_RANK:
+            deng = DistributedSPDEngine(rt, engine)
+            result = job(deng) if job is not None else None
+            deng.shutdown()
+            if result_sink is not None:
+                result_sink(result)
+        else:
+            StageWorker(rt, target, layout).serve()
+        rt.finish()
+        rt.close_groups()
+        return EXIT_OK
+    except SPDError as exc:
+        if rt is None:
+            raise
+        rt.report("input", str(exc))
+        rt.exit_now(EXIT_INPUT, f"error: {exc}")
+    except CommError as exc:
+        if rt is None:
+            raise
+        # Usually a symptom: the peer died or failed (see blame_after_comm_error).
+        rt.stop_for(rt.blame_after_comm_error(exc, min(1.0, config.fault_timeout)))
+    except KeyboardInterrupt:
+        if rt is None:
+            raise
+        rt.report("interrupted", "interrupted (Ctrl-C)")
+        rt.exit_now(EXIT_INTERRUPTED, None)
+    except BaseException as exc:  # noqa: BLE001 - any error: record it, then leave
+        if rt is None:
+            raise
+        tb = traceback.format_exc()
+        rt.report("error", f"{type(exc).__name__}: {exc}")
+        print(tb, file=sys.stderr)
+        rt.exit_now(EXIT_ERROR, f"failed: {type(exc).__name__}: {exc}")
+    return EXIT_ERROR  # not reached: exit_now leaves the process

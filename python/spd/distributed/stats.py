@@ -1,0 +1,67 @@
+"""What rank 0 reports about a distributed generation: the per-cycle breakdown of every rank."""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from spd.distributed.config import DRAFT_RANK, role_of
+from spd.distributed.transport import Runtime
+from spd.runtime.engine import DecodeStats
+
+
+@dataclass
+class DistributedDecodeStats(DecodeStats):
+    distributed: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        d = self.distributed
+        extra = ""
+        if d:
+            extra = (f" ranks={d['world_size']} cycle={d['cycle_ms']['median']:.2f} ms "
+                     f"overhead={d['overhead_ms']['median']:.2f} ms")
+        return super().summary() + extra
+
+
+def _summary(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": 0.0, "median": 0.0, "p90": 0.0}
+    srt = sorted(xs)
+    return {"mean": statistics.fmean(xs), "median": statistics.median(xs),
+            "p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))]}
+
+
+def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: list[float],
+              stage_stats: list[dict]) -> dict:
+    """Per-cycle breakdown: each rank's phases, stage forwards, waits, and the overhead.
+
+    overhead of a cycle = its wall time on rank 0 minus the longest computation that had to fit
+    in it (the draft or the slowest stage forward of that cycle): communication, control,
+    verification and rollback, i.e. what n devices could not hide.
+    """
+    K = len(cycle_s)
+    ms = 1e3
+    per_cycle = lambda total: total / K * ms if K else 0.0  # noqa: E731
+    overhead, comm = [], []
+    verify_total = stats.phase_s.get("verify", 0.0) + stats.phase_s.get("rollback", 0.0)
+    for c in range(K):
+        slowest = max([st["forward_s"][c] for st in stage_stats if c < len(st["forward_s"])]
+                      + [draft_s[c]])
+        overhead.append((cycle_s[c] - slowest) * ms)
+    verify_per_cycle = per_cycle(verify_total)
+    comm = [o - verify_per_cycle for o in overhead]
+    ranks = [{"rank": 0, "role": role_of(0),
+              "phase_ms_per_cycle": {k: per_cycle(v) for k, v in stats.phase_s.items()}}]
+    for st in stage_stats:
+        worked = [f for f in st["forward_s"] if f > 0]
+        ranks.append({"rank": st["rank"], "role": st["role"], "layers": st["layers"],
+                      "cycles_worked": len(worked),
+                      "forward_ms": _summary([f * ms for f in worked]),
+                      "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
+                      "prefill_ms": st["prefill_s"] * ms})
+    return {"world_size": rt.world, "backend": rt.backend, "draft_rank": DRAFT_RANK,
+            "cycles": K, "cycle_ms": _summary([c * ms for c in cycle_s]),
+            "draft_ms": _summary([d * ms for d in draft_s]),
+            "overhead_ms": _summary(overhead),
+            "comm_control_ms": _summary(comm),
+            "verify_rollback_ms_per_cycle": verify_per_cycle,
+            "ranks": ranks}

@@ -1,0 +1,137 @@
+"""Point-to-point transport: the stores, the process groups, sends and receives with host staging."""
+from __future__ import annotations
+
+import datetime
+import threading
+
+import torch
+import torch.distributed as dist
+
+from spd.distributed.config import DistConfig, role_of
+from spd.distributed.faults import FaultHandling, _Watchdog, short_error
+from spd.distributed.protocol import TAG_CTRL
+from spd.errors import SPDError
+
+
+def _td(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(seconds))
+
+
+class CommError(RuntimeError):
+    """A point-to-point wait failed (peer gone, or no message within the op timeout)."""
+
+    def __init__(self, peer: int, what: str, cause: BaseException):
+        self.peer, self.what, self.cause = peer, what, short_error(cause)
+        super().__init__(f"{what} with rank {peer} ({role_of(peer)}) failed: {self.cause}")
+
+
+# --- per-process runtime: stores, heartbeat watchdog, communication helpers --------------------
+class Runtime(FaultHandling):
+    def __init__(self, rank: int, world: int, config: DistConfig, host: str, port: int,
+                 is_master: bool = False, prefix: str = "spd/"):
+        self.rank, self.world, self.config = rank, world, config
+        self.op_timeout = _td(config.op_timeout)
+        self._exit_lock = threading.Lock()
+        self._exiting = False
+        timeout = _td(max(config.op_timeout, 30.0))
+        # Two clients: the watchdog must never queue behind a blocking wait of the main thread.
+        self.raw_store = dist.TCPStore(host, port, is_master=is_master, timeout=timeout,
+                                       wait_for_workers=False)
+        self.store = dist.PrefixStore(prefix, self.raw_store)
+        self.wd_store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
+                                                               timeout=timeout))
+        self.pg_store = dist.PrefixStore(prefix + "pg/", self.raw_store)
+        for r in range(world):
+            self.store.add(f"hb/{r}", 0)
+        self.store.add(f"hb/{rank}", 1)
+        self._term_fd = self._catch_sigterm()
+        self.watchdog = _Watchdog(self)
+        self.watchdog.start()
+        self.data_group = None
+        self.ctrl_group = None
+        self.backend = None
+        self._outgoing: list[tuple] = []
+        self.host_staged = 0  # receives that went through a host buffer
+
+
+    # process group ---------------------------------------------------------------------------
+    def init_groups(self, device: torch.device) -> None:
+        backend = self.config.backend or ("nccl" if device.type == "cuda" else "gloo")
+        if backend == "nccl" and not dist.is_nccl_available():
+            raise SPDError("NCCL is not available in this torch build: pass backend gloo")
+        if not dist.is_gloo_available():
+            raise SPDError("this torch build has no gloo backend (needed for the control plane)")
+        dist.init_process_group(backend, store=self.pg_store, rank=self.rank,
+                                world_size=self.world, timeout=self.op_timeout)
+        self.backend = backend
+        self.data_group = dist.group.WORLD
+        # Control messages are host integers: keep them on gloo even when data moves over NCCL.
+        self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else self.data_group
+
+    def close_groups(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    # point to point --------------------------------------------------------------------------
+    def wait(self, work, peer: int, what: str) -> None:
+        try:
+            work.wait(self.op_timeout)
+        except Exception as exc:
+            raise CommError(peer, what, exc) from exc
+
+    def _through_host(self, tensor) -> bool:
+        """gloo moves host memory only: device tensors go through a host copy."""
+        forced = self.config.stage_through_host
+        return forced if forced is not None else (tensor.is_cuda and self.backend == "gloo")
+
+    @staticmethod
+    def _post(op, tensor, peer: int, group, tag: int, what: str):
+        """dist.isend / dist.irecv. gloo raises at posting too when the pair's connection is
+        already gone (the peer died): that is a CommError about the peer, like a failed wait,
+        not this rank's own failure."""
+        try:
+            return op(tensor, peer, group=group, tag=tag)
+        except RuntimeError as exc:
+            raise CommError(peer, what, exc) from exc
+
+    def irecv(self, tensor, src: int, tag: int):
+        group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        if self._through_host(tensor):
+            self.host_staged += 1
+            host = torch.empty(tensor.shape, dtype=tensor.dtype)
+            return _StagedRecv(self._post(dist.irecv, host, src, group, tag, "posting a receive"),
+                               host, tensor)
+        return self._post(dist.irecv, tensor, src, group, tag, "posting a receive")
+
+    def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
+        group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        if self._through_host(tensor):
+            tensor = tensor.to("cpu", copy=True)
+        work = self._post(dist.isend, tensor, dst, group, tag, "posting a send")
+        self._outgoing.append((work, dst, tensor, epoch))
+
+    def flush_sends(self, before: int | None = None) -> None:
+        """Wait for the sends of epochs (cycles) < before (all when None). Waiting one cycle
+        late keeps these waits off the critical path; parity tags keep at most one send per
+        (peer, tag) outstanding."""
+        keep = []
+        for item in self._outgoing:
+            if before is None or item[3] < before:
+                self.wait(item[0], item[1], "completion of a send")
+            else:
+                keep.append(item)
+        self._outgoing = keep
+
+
+class _StagedRecv:
+    """A receive of a device tensor through a host buffer (gloo moves host memory only): the
+    copy to the device happens when it is waited for. This is what lets every rank share one
+    GPU with --backend gloo (tests, single-GPU machines); NCCL moves device memory itself."""
+
+    def __init__(self, work, host: torch.Tensor, device_tensor: torch.Tensor):
+        self.work, self.host, self.device_tensor = work, host, device_tensor
+
+    def wait(self, timeout=None) -> bool:
+        ok = self.work.wait(timeout) if timeout is not None else self.work.wait()
+        self.device_tensor.copy_(self.host)
+        return ok
