@@ -4,14 +4,15 @@ from __future__ import annotations
 import json
 import time
 from contextlib import nullcontext
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import Enum
 from typing import Callable
 
 import torch
 
 from spd.distributed.config import SpeculationPolicy
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import OP_CYCLE, OP_STOP, TAG_CTRL, TAG_SNAP
+from spd.distributed.protocol import ControlMessage, Op, ctrl_tag, snap_tag
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
@@ -60,6 +61,22 @@ class DraftRankStreams:
                     x.record_stream(self.main)
 
 
+class SnapState(Enum):
+    POSTED = "posted"        # its receive is posted; the rows go into the anchor buffer
+    DISCARD = "discard"      # work of a cycle announced ahead and then redone: receive, drop
+    RECEIVED = "received"    # received (and stored, unless discarded): nothing left to do
+
+
+@dataclass
+class SnapRecv:
+    """One stage's snap message of one cycle that rank 0 has posted a receive for."""
+    stage: int
+    pos: int            # the first position its rows belong to
+    buf: torch.Tensor   # (rows of the stage, positions, hidden): anchors, then the last output
+    work: object        # the posted receive
+    state: SnapState = SnapState.POSTED
+
+
 class DistributedSPDEngine:
     """Rank 0's side of the distributed engine: `generate` has `SPDEngine.generate`'s contract."""
 
@@ -85,21 +102,23 @@ class DistributedSPDEngine:
     def shutdown(self) -> None:
         self._request({"op": "shutdown"})
 
-    def _send_ctrl(self, values: list[int]) -> None:
-        rt, cycle = self.rt, values[1]
-        rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
+    def _send_ctrl(self, msg: ControlMessage) -> None:
+        rt = self.rt
+        rt.flush_sends(before=msg.cycle - 1)  # the stages posted those receives long ago
         self._ctrl_seq += 1
         for s in range(self.n):
-            rt.isend(torch.tensor(values, dtype=torch.int64), s + 1,
-                     TAG_CTRL + self._ctrl_seq % 2, cycle)
+            rt.isend(msg.to_tensor(), s + 1, ctrl_tag(self._ctrl_seq), msg.cycle)
 
-    def _announce(self, cycle: int, sched: PipelineSchedule, trunc: int, token: int) -> list:
+    def _announce(self, cycle: int, sched: PipelineSchedule, truncate_to: int | None,
+                  token: int) -> list[SnapRecv]:
         """Send cycle `cycle`'s control message for window `sched` and post receives for the
         snaps its work will send."""
-        self._send_ctrl([OP_CYCLE, cycle, sched.start, sched.count, trunc, token])
+        self._send_ctrl(ControlMessage(Op.CYCLE, cycle, sched.start, sched.count, truncate_to,
+                                       token))
         return self._post_snaps(sorted(sched.stage_work()), cycle)
 
-    def _post_snaps(self, work: list[tuple[int, int]], cycle: int, rows: int = 1) -> list:
+    def _post_snaps(self, work: list[tuple[int, int]], cycle: int,
+                    rows: int = 1) -> list[SnapRecv]:
         """Post receives for the snaps of (stage, first position) pairs; rows per position."""
         t = self.target
         out = []
@@ -107,18 +126,20 @@ class DistributedSPDEngine:
             if self.snap_rows[s]:
                 buf = torch.empty(self.snap_rows[s], rows, t.hidden_size, dtype=t.dtype,
                                   device=t.device)
-                out.append((s, pos, buf, self.rt.irecv(buf, s + 1, TAG_SNAP + cycle % 2)))
+                out.append(SnapRecv(s, pos, buf, self.rt.irecv(buf, s + 1, snap_tag(cycle))))
         return out
 
-    def _take_snap(self, item, anchors) -> None:
-        s, pos, buf, work = item
-        if work is None:  # already received and stored
+    def _take_snap(self, item: SnapRecv, anchors) -> None:
+        """Wait for a snap message and store its anchor rows (once; a discarded one is dropped)."""
+        if item.state is SnapState.RECEIVED:
             return
-        self.rt.wait(work, s + 1, "anchor states")
-        if pos < 0:  # work of a cycle announced ahead and then redone: received, discarded
-            return
-        for i, j in enumerate(self.snap_slots[s]):
-            anchors[j, pos:pos + buf.shape[1]] = buf[i]
+        self.rt.wait(item.work, item.stage + 1, "anchor states")
+        keep = item.state is SnapState.POSTED
+        item.state = SnapState.RECEIVED
+        if keep:
+            rows = item.buf.shape[1]
+            for i, j in enumerate(self.snap_slots[item.stage]):
+                anchors[j, item.pos:item.pos + rows] = item.buf[i]
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,
@@ -143,10 +164,10 @@ class DistributedSPDEngine:
         anchors[0, :prompt_len] = t.embed_tokens(ids)
         for item in snaps:
             self._take_snap(item, anchors)
-        dec.start(snaps[-1][2][-1][-1:], t0)
-        pending: list = []   # last cycle's snaps still to receive (pre-step features)
-        trunc = -1           # the committed length every stage truncates to next cycle
-        announced = None     # snaps of the next cycle, announced before its draft was judged
+        dec.start(snaps[-1].buf[-1][-1:], t0)
+        pending: list[SnapRecv] = []  # last cycle's snaps still to receive (pre-step features)
+        trunc: int | None = None  # the committed length every stage truncates to next cycle
+        announced: list[SnapRecv] | None = None  # next cycle's, sent before its draft was judged
         policy = SpeculationPolicy(rt.config.speculative_control)
         spec = {"announced": 0, "redone": 0}
         cycle_s: list[float] = []
@@ -161,7 +182,7 @@ class DistributedSPDEngine:
                 token = int(dec.tokens[sched.newest])
                 with timer("control_send"), streams.receiving():
                     current = self._announce(stats.K, sched, trunc, token)
-                trunc = -1
+                trunc = None
             else:  # announced last cycle on an optimistic accept, which held
                 current, announced = announced, None
             with timer("wait_snaps"), streams.receiving():
@@ -173,8 +194,7 @@ class DistributedSPDEngine:
             if dec.post_step:
                 with timer("wait_stage"), streams.receiving():
                     for item in current:
-                        self._take_snap(item, anchors)
-                current = [item[:3] + (None,) for item in current]  # received already
+                        self._take_snap(item, anchors)  # marks them received
             with streams.drafting():
                 draft = dec.draft(1 if dec.post_step else 0)
             streams.after_draft(draft)
@@ -192,16 +212,16 @@ class DistributedSPDEngine:
                     nxt.accept()
                     token = int(draft.token)  # on the default stream, which waited for it
                     with timer("control_send"), streams.receiving():
-                        ahead = self._announce(stats.K + 1, nxt, -1, token)
+                        ahead = self._announce(stats.K + 1, nxt, None, token)
                     spec["announced"] += 1
                 # 3. The oldest token leaves the last stage; its row judges the next token.
                 last = current[-1]
-                assert last[0] == n - 1
+                assert last.stage == n - 1
                 with timer("wait_stage"), streams.receiving():
                     self._take_snap(last, anchors)
-                streams.after_receive(last[2])
+                streams.after_receive(last.buf)
                 pending = current[:-1]
-                accepted, token = dec.judge(last[2][-1])
+                accepted, token = dec.judge(last.buf[-1])
                 policy.record(accepted)
                 # 4. On rejection every stage truncates at the start of the next cycle.
                 rollback_to = dec.commit(accepted, token, draft)
@@ -211,12 +231,14 @@ class DistributedSPDEngine:
                     if accepted and not dec.done:
                         announced = ahead
                     else:  # its snaps still arrive: receive and drop them
-                        pending += [(s, -1, buf, work) for s, _, buf, work in ahead]
+                        for item in ahead:
+                            item.state = SnapState.DISCARD
+                        pending += ahead
                         spec["redone"] += int(not dec.done)
             cycle_s.append(time.perf_counter() - tc)
         dec.finish()
         # Stop: every stage leaves its loop; drain what is still in flight.
-        self._send_ctrl([OP_STOP, stats.K + 1, 0, 0, -1, 0])
+        self._send_ctrl(ControlMessage.stop(stats.K + 1))
         with streams.receiving():
             for item in pending:
                 self._take_snap(item, anchors)

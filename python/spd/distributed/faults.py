@@ -85,10 +85,19 @@ def short_error(exc: BaseException) -> str:
 
 
 class FaultHandling:
-    """Runtime's failure handling: reporting, leaving, SIGTERM, blame. Expects the attributes
-    Runtime sets up: rank, config, store, watchdog, _term_fd, _exit_lock, _exiting."""
+    """Runtime's failure handling: heartbeat, reporting, leaving, SIGTERM, blame. Runtime sets
+    rank, world, config, store and wd_store, then calls `_start_fault_handling`."""
 
-    # failure handling ------------------------------------------------------------------------
+    def _start_fault_handling(self) -> None:
+        self._exit_lock = threading.Lock()
+        self._exiting = False
+        for r in range(self.world):
+            self.store.add(f"hb/{r}", 0)
+        self.store.add(f"hb/{self.rank}", 1)
+        self._term_fd = self._catch_sigterm()
+        self.watchdog = _Watchdog(self)
+        self.watchdog.start()
+
     def report(self, kind: str, error: str, rank: int | None = None) -> dict:
         return write_failure(self.store, self.rank if rank is None else rank, kind, error,
                              self.rank)

@@ -37,7 +37,7 @@ def pdm_digest(pdm) -> str | None:
 
 
 def rank_info(rank: int, world: int, config: DistConfig, target, layout: DepthLayout) -> dict:
-    from spd import __version__
+    from spd.version import __version__
     return {"rank": rank, "world_size": world, "spd_version": __version__,
             "n_stages": layout.n, "stage_split": layout.split, "anchors": list(layout.anchors),
             "target_fingerprint": target.fingerprint(), "target_name": target.name,

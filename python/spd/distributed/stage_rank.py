@@ -3,17 +3,24 @@ from __future__ import annotations
 
 import json
 import time
+from typing import NamedTuple
 
 import torch
 
 from spd.distributed.config import DRAFT_RANK, role_of
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import CTRL_FIELDS, OP_STOP, TAG_CTRL, TAG_HIDDEN, TAG_SNAP
+from spd.distributed.protocol import ControlMessage, Op, ctrl_tag, hidden_tag, snap_tag
 from spd.distributed.transport import Runtime, _td
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
 from spd.runtime.sequence import PhaseTimer
+
+
+class InputRecv(NamedTuple):
+    """The previous stage's output, a receive posted one cycle before this stage needs it."""
+    work: object
+    buf: torch.Tensor
 
 
 class StageWorker:
@@ -51,9 +58,9 @@ class StageWorker:
 
     def _send(self, out, snap, cycle: int) -> None:
         if snap is not None:
-            self.rt.isend(snap, DRAFT_RANK, TAG_SNAP + cycle % 2, cycle)
+            self.rt.isend(snap, DRAFT_RANK, snap_tag(cycle), cycle)
         if not self.last:
-            self.rt.isend(out.contiguous(), self.next, TAG_HIDDEN + cycle % 2, cycle)
+            self.rt.isend(out.contiguous(), self.next, hidden_tag(cycle), cycle)
 
     @torch.no_grad()
     def run(self, gen: int, req: dict) -> None:
@@ -65,16 +72,16 @@ class StageWorker:
             self.stage = Stage(t, self.s, self.layout.stages[self.s], cap)
         self.stage.cache.truncate(0)
         d, dev = t.hidden_size, t.device
-        ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)
+        ctrl = ControlMessage.buffer()
         seq = 1  # control messages alternate tags by their sequence number (a cycle may be redone)
-        ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + seq % 2)
+        ctrl_work = rt.irecv(ctrl, DRAFT_RANK, ctrl_tag(seq))
         # Prefill: the whole prompt through this stage as one chunk.
         t0 = time.perf_counter()
         if self.first:
             h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=dev))
         else:
             h = torch.empty(int(req["prompt_len"]), d, dtype=t.dtype, device=dev)
-            rt.wait(rt.irecv(h, self.prev, TAG_HIDDEN), self.prev, "prefill input")
+            rt.wait(rt.irecv(h, self.prev, hidden_tag(0)), self.prev, "prefill input")
         out, snap = self._forward(h, 0)
         self._send(out, snap, 0)
         rt.flush_sends()
@@ -82,40 +89,41 @@ class StageWorker:
         fwd: list[float] = []  # per cycle (of a redone cycle, the attempt that counted)
         wasted = 0.0
         last_cycle = 0
-        pending = None  # (work, buffer): the previous stage's output of the last cycle
+        pending: InputRecv | None = None  # the previous stage's output of the last cycle
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
         while True:
             with timer("wait_ctrl"):
                 rt.wait(ctrl_work, DRAFT_RANK, "control message")
-            op, cycle, start, count, trunc, token = ctrl.tolist()
-            if op == OP_STOP:
+            msg = ControlMessage.from_tensor(ctrl)
+            if msg.op is Op.STOP:
                 break
-            ctrl = torch.empty(CTRL_FIELDS, dtype=torch.int64)  # the next one, posted ahead
+            cycle = msg.cycle
+            ctrl = ControlMessage.buffer()  # the next one, posted ahead
             seq += 1
-            ctrl_work = rt.irecv(ctrl, DRAFT_RANK, TAG_CTRL + seq % 2)
+            ctrl_work = rt.irecv(ctrl, DRAFT_RANK, ctrl_tag(seq))
             redo = cycle == last_cycle  # rank 0 announced this cycle on an optimistic accept
             last_cycle = cycle          # and the draft was rejected: the same cycle, redone
             if fault and cycle == fault["cycle"]:
                 inject_fault(fault)
             incoming = None  # the previous stage works this cycle: its output is ours next cycle
-            if not self.first and self.s - 1 < count:
+            if not self.first and msg.works(self.s - 1):
                 buf = torch.empty(1, d, dtype=t.dtype, device=dev)
-                incoming = (rt.irecv(buf, self.prev, TAG_HIDDEN + cycle % 2), buf)
-            if trunc >= 0:
+                incoming = InputRecv(rt.irecv(buf, self.prev, hidden_tag(cycle)), buf)
+            if msg.truncate_to is not None:
                 with timer("rollback"):
-                    self.stage.cache.truncate(trunc)
-            if self.s < count:
-                pos = start + count - 1 - self.s
+                    self.stage.cache.truncate(msg.truncate_to)
+            if msg.works(self.s):
+                pos = msg.position(self.s)
                 if self.first:
-                    h = t.embed_tokens(torch.tensor([token], dtype=torch.int64, device=dev))
+                    h = t.embed_tokens(torch.tensor([msg.token], dtype=torch.int64, device=dev))
                 else:
                     if pending is None:
                         raise SPDError(f"internal: stage {self.s} has work at cycle {cycle} but "
                                        "no input was announced")
                     with timer("wait_input"):
-                        rt.wait(pending[0], self.prev, "hidden state")
-                    h = pending[1]
+                        rt.wait(pending.work, self.prev, "hidden state")
+                    h = pending.buf
                 tf = time.perf_counter()
                 out, snap = self._forward(h, pos)
                 took = time.perf_counter() - tf
@@ -125,7 +133,7 @@ class StageWorker:
                 took = 0.0
                 if pending is not None:  # dropped by a rollback: receive it and discard it
                     with timer("wait_input"):
-                        rt.wait(pending[0], self.prev, "hidden state")
+                        rt.wait(pending.work, self.prev, "hidden state")
             if redo:  # the first attempt's forward was wasted work
                 wasted += fwd[-1]
                 fwd[-1] = took
@@ -136,7 +144,7 @@ class StageWorker:
                 rt.flush_sends(before=cycle)
         decode_s = time.perf_counter() - t_dec
         if pending is not None:
-            rt.wait(pending[0], self.prev, "hidden state")
+            rt.wait(pending.work, self.prev, "hidden state")
         rt.flush_sends()
         phases["forward"] = sum(fwd)
         phases["forward_redone"] = wasted

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import datetime
-import threading
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from spd.distributed.config import DistConfig, role_of
-from spd.distributed.faults import FaultHandling, _Watchdog, short_error
-from spd.distributed.protocol import TAG_CTRL
+from spd.distributed.faults import FaultHandling, short_error
+from spd.distributed.protocol import is_ctrl_tag
 from spd.errors import SPDError
 
 
@@ -25,14 +25,22 @@ class CommError(RuntimeError):
         super().__init__(f"{what} with rank {peer} ({role_of(peer)}) failed: {self.cause}")
 
 
-# --- per-process runtime: stores, heartbeat watchdog, communication helpers --------------------
+class _PendingSend(NamedTuple):
+    """A posted send, waited for once its epoch is old (see Runtime.flush_sends)."""
+    work: object
+    peer: int
+    tensor: torch.Tensor  # kept alive until the send completes
+    epoch: int
+
+
 class Runtime(FaultHandling):
+    """One rank's runtime: the stores, its failure handling (FaultHandling) and the process
+    groups, with waits that turn a peer's failure into CommError."""
+
     def __init__(self, rank: int, world: int, config: DistConfig, host: str, port: int,
                  is_master: bool = False, prefix: str = "spd/"):
         self.rank, self.world, self.config = rank, world, config
         self.op_timeout = _td(config.op_timeout)
-        self._exit_lock = threading.Lock()
-        self._exiting = False
         timeout = _td(max(config.op_timeout, 30.0))
         # Two clients: the watchdog must never queue behind a blocking wait of the main thread.
         self.raw_store = dist.TCPStore(host, port, is_master=is_master, timeout=timeout,
@@ -41,18 +49,12 @@ class Runtime(FaultHandling):
         self.wd_store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
                                                                timeout=timeout))
         self.pg_store = dist.PrefixStore(prefix + "pg/", self.raw_store)
-        for r in range(world):
-            self.store.add(f"hb/{r}", 0)
-        self.store.add(f"hb/{rank}", 1)
-        self._term_fd = self._catch_sigterm()
-        self.watchdog = _Watchdog(self)
-        self.watchdog.start()
+        self._start_fault_handling()
         self.data_group = None
         self.ctrl_group = None
         self.backend = None
-        self._outgoing: list[tuple] = []
+        self._outgoing: list[_PendingSend] = []
         self.host_staged = 0  # receives that went through a host buffer
-
 
     # process group ---------------------------------------------------------------------------
     def init_groups(self, device: torch.device) -> None:
@@ -95,7 +97,7 @@ class Runtime(FaultHandling):
             raise CommError(peer, what, exc) from exc
 
     def irecv(self, tensor, src: int, tag: int):
-        group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        group = self.ctrl_group if is_ctrl_tag(tag) else self.data_group
         if self._through_host(tensor):
             self.host_staged += 1
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -104,11 +106,11 @@ class Runtime(FaultHandling):
         return self._post(dist.irecv, tensor, src, group, tag, "posting a receive")
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
-        group = self.ctrl_group if tag in (TAG_CTRL, TAG_CTRL + 1) else self.data_group
+        group = self.ctrl_group if is_ctrl_tag(tag) else self.data_group
         if self._through_host(tensor):
             tensor = tensor.to("cpu", copy=True)
         work = self._post(dist.isend, tensor, dst, group, tag, "posting a send")
-        self._outgoing.append((work, dst, tensor, epoch))
+        self._outgoing.append(_PendingSend(work, dst, tensor, epoch))
 
     def flush_sends(self, before: int | None = None) -> None:
         """Wait for the sends of epochs (cycles) < before (all when None). Waiting one cycle
@@ -116,8 +118,8 @@ class Runtime(FaultHandling):
         (peer, tag) outstanding."""
         keep = []
         for item in self._outgoing:
-            if before is None or item[3] < before:
-                self.wait(item[0], item[1], "completion of a send")
+            if before is None or item.epoch < before:
+                self.wait(item.work, item.peer, "completion of a send")
             else:
                 keep.append(item)
         self._outgoing = keep
