@@ -112,7 +112,7 @@ bench_on_request 90 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL varia
 for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 45 "$op"; done
 step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/test_kernels_*.py \
-    tests/test_pdm_graphs.py tests/test_distributed.py
+    tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
 BENCH_JSONS=("$LOGS"/bench-*.json)

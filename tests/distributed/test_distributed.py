@@ -39,7 +39,7 @@ from spd.model.target import TargetModel
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 PY = sys.executable
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny_factory(seed: int, rank: int, odd_rank: int | None = None):
