@@ -39,5 +39,10 @@ SKIP_CUDA_BUILD = Var("SPD_SKIP_CUDA_BUILD", "0", "1: setup.py builds no CUDA ex
 SKIP_SIMT_BUILD = Var("SPD_SKIP_SIMT_BUILD", "0", "1: setup.py builds no host emulation",
                       "setup.py, spd_kernels._cuda")
 
+# Read by the CUDA C++ itself (getenv, once per process), listed here so it is documented.
+VERIFY_VARIANT = Var("SPD_VERIFY_VARIANT", "0", "greedy verify's CUDA load shape: 0 = 2 rows x 4 "
+                     "chunks in flight per lane (timed on the H200); 1 and 2 the other shapes",
+                     "csrc/kernels/verify.cu (getenv)")
+
 VARIABLES = (BACKEND, PDL, ANCHOR_VARIANT, CHECK_VALUES, SIMT_LIBRARY, SKIP_CUDA_BUILD,
-             SKIP_SIMT_BUILD)
+             SKIP_SIMT_BUILD, VERIFY_VARIANT)

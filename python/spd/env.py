@@ -11,7 +11,7 @@ from pathlib import Path
 from spd_kernels.env import VARIABLES as KERNEL_VARIABLES
 from spd_kernels.env import Var
 
-CACHE = Var("SPD_CACHE", str(Path.home() / ".cache" / "spd"), "where the default model, "
+CACHE = Var("SPD_CACHE", "~/.cache/spd", "where the default model, "
             "downloaded wheels and feature caches live", "spd.data.assets")
 CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the PDM's draft step eagerly on a GPU instead "
                   "of replaying it as CUDA graphs", "spd.draft.graphs")
