@@ -3,9 +3,10 @@
 `spd_kernels/` (the ops) sits at the top level so other runtimes can vendor it; the runtime
 package `spd` lives in `python/spd`.
 
-The CUDA C++ kernels in `csrc/kernels/` become the extension `spd_kernels._spd_cuda`: nvcc compiles the .cu
-files (sm_90 code plus compute_90 PTX, so newer GPUs JIT it; SPD_CUDA_ARCHS="80;90" changes the
-list), the host compiler compiles the pybind11 bindings, and the CUDA runtime is linked statically.
+The CUDA C++ kernels in `csrc/kernels/` become the extension `spd_kernels._spd_cuda`: nvcc
+compiles the .cu files (sm_90 code plus compute_90 PTX, so newer GPUs JIT it;
+SPD_CUDA_ARCHS="80;90" changes the list), the host compiler compiles the pybind11 bindings, and
+the CUDA runtime is linked statically.
 It does not use torch's C++ API (so it builds against a CPU-only torch too). The same sources,
 compiled as host C++ against a fiber emulation of CUDA threads (csrc/emulation/simt_host.h), become
 `spd_kernels._spd_simt`, which lets the tests run the CUDA kernels on machines without a GPU.
@@ -92,7 +93,7 @@ class BuildExt(build_ext):
     """Compiles the kernel sources into objects (in parallel, skipped when up to date), then links
     them into the pybind11 extension with the default toolchain:
       _spd_cuda: csrc/kernels/*.cu with nvcc, the CUDA runtime linked statically;
-      _spd_simt: the same .cu files as host C++ (SPD_SIMT_HOST, csrc/emulation/simt_host.h) plus the fiber
+      _spd_simt: the same .cu files as host C++ (SPD_SIMT_HOST, csrc/emulation/) plus the fiber
                  scheduler, so tests run the kernels on a CPU; no CUDA runtime."""
 
     def build_extension(self, ext):

@@ -33,7 +33,7 @@ def test_extension_built_when_nvcc_is_present():
 
 
 def test_host_emulation_built_when_nvcc_is_present():
-    """The same kernel sources compiled for the CPU (csrc/emulation/simt_host.h): the cuda backend's tests
+    """The same kernel sources compiled for the CPU (csrc/emulation/): the cuda backend's tests
     run on every machine with the toolkit, GPU or not."""
     if os.environ.get("SPD_SKIP_CUDA_BUILD") == "1" or not nvcc_present():
         pytest.skip("no nvcc (or SPD_SKIP_CUDA_BUILD=1): the emulation is not expected")
