@@ -338,7 +338,8 @@ PYBIND11_MODULE(SPD_MODULE, m) {
 
   m.def(
       "kv_truncate",
-      [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream) {
+      [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream,
+         int64_t lengths_numel, int64_t new_lengths_numel) {
         require_device();
         SPD_BINDING("kv_truncate");
         if (C > 0) {
@@ -346,13 +347,23 @@ PYBIND11_MODULE(SPD_MODULE, m) {
                     "new_stride: expected 1 (a length per cache) or 0 (one for all), got ",
                     new_stride);
           SPD_CHECK_PTR(lengths); SPD_CHECK_PTR(new_lengths);
+          // The buffers' element counts, when the caller gives them (-1: not given), so a C
+          // past the end of either is refused instead of read and written.
+          if (lengths_numel >= 0)
+            SPD_CHECK(lengths_numel >= C, "lengths: expected at least C=", C,
+                      " int64 elements, got ", lengths_numel);
+          const int64_t need = new_stride == 1 ? C : 1;
+          if (new_lengths_numel >= 0)
+            SPD_CHECK(new_lengths_numel >= need, "new_lengths: expected at least ", need,
+                      " int64 elements, got ", new_lengths_numel);
         }
         check(spd::kv_truncate(ptr<int64_t>(lengths), ptr<const int64_t>(new_lengths), new_stride,
                                C, ptr<void>(stream)),
               "kv_truncate");
       },
       py::arg("lengths"), py::arg("new_lengths"), py::arg("new_stride"), py::arg("C"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("stream"), py::arg("lengths_numel") = -1, py::arg("new_lengths_numel") = -1,
+      py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "kv_poison",

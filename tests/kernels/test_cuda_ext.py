@@ -336,6 +336,26 @@ def test_binding_refuses_a_bad_argument_by_name(binding, arg, bad, message):
 
 
 @pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+def test_kv_truncate_refuses_buffers_smaller_than_C():
+    """Given the element counts (as kv_cache.py passes them), a C past the end of lengths or
+    new_lengths is refused by name; the valid call still truncates."""
+    lengths = torch.full((4,), 9, dtype=torch.int64)
+    new = torch.tensor([3, 12, -1, 5], dtype=torch.int64)
+    with _cuda.simulated() as sim:
+        with pytest.raises(ValueError, match=r"kv_truncate: lengths: expected at least C=5 int64 "
+                                             r"elements, got 4"):
+            sim.kv_truncate(lengths.data_ptr(), new.data_ptr(), 1, 5, 0, lengths_numel=4,
+                            new_lengths_numel=8)
+        with pytest.raises(ValueError, match=r"kv_truncate: new_lengths: expected at least 4 "
+                                             r"int64 elements, got 3"):
+            sim.kv_truncate(lengths.data_ptr(), new.data_ptr(), 1, 4, 0, lengths_numel=4,
+                            new_lengths_numel=3)
+        sim.kv_truncate(lengths.data_ptr(), new.data_ptr(), 1, 4, 0, lengths_numel=4,
+                        new_lengths_numel=4)
+    assert lengths.tolist() == [3, 9, 0, 5]
+
+
+@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 def test_checks_pass_empty_launches_through():
     """No rows launch nothing, so their other sizes are not checked (unchanged behaviour)."""
     with _cuda.simulated() as sim:
