@@ -3,11 +3,12 @@
 `spd_kernels/` (the ops) sits at the top level so other runtimes can vendor it; the runtime
 package `spd` lives in `python/spd`.
 
-The CUDA C++ kernels in `csrc/` become the extension `spd_kernels._spd_cuda`: nvcc compiles the .cu
-files (sm_90 code plus compute_90 PTX, so newer GPUs JIT it; SPD_CUDA_ARCHS="80;90" changes the
-list), the host compiler compiles the pybind11 bindings, and the CUDA runtime is linked statically.
+The CUDA C++ kernels in `csrc/kernels/` become the extension `spd_kernels._spd_cuda`: nvcc
+compiles the .cu files (sm_90 code plus compute_90 PTX, so newer GPUs JIT it;
+SPD_CUDA_ARCHS="80;90" changes the list), the host compiler compiles the pybind11 bindings, and
+the CUDA runtime is linked statically.
 It does not use torch's C++ API (so it builds against a CPU-only torch too). The same sources,
-compiled as host C++ against a fiber emulation of CUDA threads (csrc/simt_host.h), become
+compiled as host C++ against a fiber emulation of CUDA threads (csrc/emulation/simt_host.h), become
 `spd_kernels._spd_simt`, which lets the tests run the CUDA kernels on machines without a GPU.
 Both are skipped, with a message, when nvcc is not found or SPD_SKIP_CUDA_BUILD=1; the package
 works without them (reference and Triton backends).
@@ -26,9 +27,12 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = Path(__file__).resolve().parent
 CSRC = "csrc"
-CU_SOURCES = ["verify.cu", "sampling.cu", "linear.cu", "rope_append.cu", "attention.cu",
-              "kv_cache.cu", "features.cu", "runtime.cu"]
-SIMT_ONLY = ["simt_host.h", "simt_host.cpp"]  # the host emulation, in _spd_simt only
+KERNELS = f"{CSRC}/kernels"      # the .cu kernels and their headers (spd_cuda.h, *.cuh)
+BINDINGS = f"{CSRC}/bindings"    # the pybind11 modules
+EMULATION = f"{CSRC}/emulation"  # the host emulation of CUDA threads, in _spd_simt only
+# Every kernel source is compiled, so a new op needs no change here.
+CU_SOURCES = sorted(p.name for p in (ROOT / KERNELS).glob("*.cu"))
+SIMT_ONLY = ["simt_host.h", "simt_host.cpp"]  # in EMULATION
 # SPD_SIMT_SANITIZE=1: the emulation alone, with AddressSanitizer and the alignment check, so an
 # out-of-bounds or misaligned access in a kernel stops the process (tests/sanitize_emulation.sh
 # loads it with the sanitizer runtimes preloaded). The fibers' stacks are switched by hand, which
@@ -88,8 +92,8 @@ def _gencode_flags() -> list[str]:
 class BuildExt(build_ext):
     """Compiles the kernel sources into objects (in parallel, skipped when up to date), then links
     them into the pybind11 extension with the default toolchain:
-      _spd_cuda: csrc/*.cu with nvcc, the CUDA runtime linked statically;
-      _spd_simt: the same .cu files as host C++ (SPD_SIMT_HOST, csrc/simt_host.h) plus the fiber
+      _spd_cuda: csrc/kernels/*.cu with nvcc, the CUDA runtime linked statically;
+      _spd_simt: the same .cu files as host C++ (SPD_SIMT_HOST, csrc/emulation/) plus the fiber
                  scheduler, so tests run the kernels on a CPU; no CUDA runtime."""
 
     def build_extension(self, ext):
@@ -100,12 +104,14 @@ class BuildExt(build_ext):
         tmp = Path(self.build_temp) / (("simt-sanitized" if SANITIZE else "simt") if simt
                                        else "cuda")
         tmp.mkdir(parents=True, exist_ok=True)
-        headers = [h for h in list((ROOT / CSRC).glob("*.h")) + list((ROOT / CSRC).glob("*.cuh"))
-                   if simt or h.name not in SIMT_ONLY]  # nvcc never includes the emulation
+        headers = [*(ROOT / KERNELS).glob("*.h"), *(ROOT / KERNELS).glob("*.cuh")]
+        if simt:  # nvcc never includes the emulation
+            headers += [ROOT / EMULATION / n for n in SIMT_ONLY if n.endswith(".h")]
         newest_header = max((h.stat().st_mtime for h in headers), default=0.0)
         if simt:
             cxx = os.environ.get("CXX") or shutil.which("c++") or "g++"
-            base = [cxx, "-O2", "-std=c++17", "-fPIC", "-DSPD_SIMT_HOST", f"-I{ROOT / CSRC}",
+            base = [cxx, "-O2", "-std=c++17", "-fPIC", "-DSPD_SIMT_HOST", f"-I{ROOT / KERNELS}",
+                    f"-I{ROOT / EMULATION}",
                     # CUDA code reads 16-byte loads as bf16 pairs; g++ -O2 would assume no alias
                     "-fno-strict-aliasing",
                     f"-I{_cuda_include(nvcc)}", "-Wno-unknown-pragmas"]
@@ -113,14 +119,16 @@ class BuildExt(build_ext):
                 base += [*SANITIZER_FLAGS, "--param", "asan-stack=0", "-fno-omit-frame-pointer",
                          "-g"]
                 ext.extra_link_args = [*ext.extra_link_args, *SANITIZER_FLAGS]
-            sources = CU_SOURCES + [n for n in SIMT_ONLY if n.endswith(".cpp")]
+            sources = [f"{KERNELS}/{n}" for n in CU_SOURCES] + [
+                f"{EMULATION}/{n}" for n in SIMT_ONLY if n.endswith(".cpp")]
         else:
-            base = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", f"-I{ROOT / CSRC}",
+            base = [nvcc, "-O3", "-std=c++17", "-Xcompiler", "-fPIC", f"-I{ROOT / KERNELS}",
                     *_gencode_flags()]
-            sources = CU_SOURCES
+            sources = [f"{KERNELS}/{n}" for n in CU_SOURCES]
 
-        def compile_one(name: str) -> str:
-            src = ROOT / CSRC / name
+        def compile_one(rel: str) -> str:
+            src = ROOT / rel
+            name = src.name
             obj = tmp / (name + ".o")
             if (obj.exists() and obj.stat().st_mtime >= src.stat().st_mtime
                     and obj.stat().st_mtime >= newest_header):
@@ -153,16 +161,22 @@ def _extensions() -> list[Extension]:
     except ImportError:
         _say("pybind11 is not installed: not building the CUDA extension spd_kernels._spd_cuda")
         return []
-    depends = [f"{CSRC}/{n}" for n in CU_SOURCES + ["spd_cuda.h", "common.cuh", "mma_stream.cuh"]]
+    kernel_files = sorted(p.name for p in (ROOT / KERNELS).iterdir()
+                          if p.suffix in (".cu", ".cuh", ".h"))
+    depends = [f"{KERNELS}/{n}" for n in kernel_files] + [
+        f"{BINDINGS}/{p.name}" for p in sorted((ROOT / BINDINGS).glob("*.h"))]
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
-    cuda = Extension("spd_kernels._spd_cuda", sources=[f"{CSRC}/bindings.cpp"],
-                     include_dirs=[pybind11.get_include(), CSRC], language="c++",
+    # bindings/ for its own headers, kernels/ for spd_cuda.h
+    includes = [pybind11.get_include(), BINDINGS, KERNELS]
+    cuda = Extension("spd_kernels._spd_cuda", sources=[f"{BINDINGS}/bindings.cpp"],
+                     include_dirs=includes, language="c++",
                      extra_compile_args=flags, depends=depends)
-    # The same kernels on the host, for tests on machines without a GPU (csrc/simt_host.h).
-    simt = Extension("spd_kernels._spd_simt", sources=[f"{CSRC}/bindings_simt.cpp"],
-                     include_dirs=[pybind11.get_include(), CSRC], language="c++",
+    # The same kernels on the host, for tests on machines without a GPU (csrc/emulation).
+    simt = Extension("spd_kernels._spd_simt", sources=[f"{BINDINGS}/bindings_simt.cpp"],
+                     include_dirs=includes, language="c++",
                      extra_compile_args=flags,
-                     depends=depends + [f"{CSRC}/{n}" for n in SIMT_ONLY + ["bindings.cpp"]])
+                     depends=depends + [f"{EMULATION}/{n}" for n in SIMT_ONLY]
+                     + [f"{BINDINGS}/bindings.cpp"])
     if SANITIZE:
         _say("SPD_SIMT_SANITIZE=1: building the host emulation alone, with sanitizers")
         return [simt]

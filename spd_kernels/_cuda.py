@@ -87,7 +87,7 @@ def simt_unavailable_reason() -> str | None:
 @contextlib.contextmanager
 def simulated(multiprocessors: int | None = None):
     """Inside this block the cuda backend runs the same CUDA C++ kernels in the host emulation
-    (`spd_kernels._spd_simt`, csrc/simt_host.h) on CPU tensors: the tests' way of checking the
+    (`spd_kernels._spd_simt`, csrc/emulation/) on CPU tensors: the tests' way of checking the
     kernels on machines without a GPU. Slow (every CUDA thread is a fiber) and not thread-safe:
     for small test shapes only. `multiprocessors` sets the emulated device's SM count (default
     3), which the launch plans read: 132 runs the plans of an H100 / H200. Raises ImportError
@@ -108,7 +108,7 @@ def simulated(multiprocessors: int | None = None):
         mod.set_multiprocessors(old_sms)
 
 
-EMULATED_SMS = 3  # the emulated device's multiprocessors by default (g_sms in csrc/simt_host.cpp)
+EMULATED_SMS = 3  # the emulated device's SMs by default (g_sms, csrc/emulation/simt_host.cpp)
 _emulated_sms = EMULATED_SMS
 MMA_CHUNK = 32    # K columns per warp step of the tensor-core kernels (kMmaChunk, mma_stream.cuh)
 

@@ -184,5 +184,6 @@ def truncate_kv_cuda(lengths, new_lengths, buffers, seq_dim, poison):
         ext.kv_poison(lengths.data_ptr(), new_lengths.data_ptr(), new_stride,
                       _pointer_table(buffers).data_ptr(), len(buffers), C, outer, S, inner,
                       dtype_code(buffers[0].dtype), stream)
-    ext.kv_truncate(lengths.data_ptr(), new_lengths.data_ptr(), new_stride, C, stream)
+    ext.kv_truncate(lengths.data_ptr(), new_lengths.data_ptr(), new_stride, C, stream,
+                    lengths_numel=lengths.numel(), new_lengths_numel=new_lengths.numel())
     return lengths

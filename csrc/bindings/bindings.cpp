@@ -3,13 +3,16 @@
 // Every tensor argument is a raw device address (Python int, e.g. tensor.data_ptr()) and the
 // stream is a raw cudaStream_t (torch.cuda.current_stream().cuda_stream), so this module does not
 // depend on torch's C++ API or ABI. Shapes, dtypes and value ranges are checked in Python
-// (spd_kernels/*.py); here a missing device or a CUDA error becomes a RuntimeError naming it.
+// (spd_kernels/*.py), and again here before any launch (checks.h: a wrong stride, dimension or
+// dtype code is a ValueError naming the argument, not an out-of-bounds access); a missing device
+// or a CUDA error becomes a RuntimeError naming it.
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 
+#include "checks.h"
 #include "spd_cuda.h"
 
 // The same bindings build two modules: _spd_cuda (the kernels compiled by nvcc) and _spd_simt
@@ -20,6 +23,8 @@
 #define SPD_STR2(x) #x
 #define SPD_STR(x) SPD_STR2(x)
 #define SPD_MODULE_NAME "spd_kernels." SPD_STR(SPD_MODULE)
+// The name checks.h puts in its messages.
+#define SPD_BINDING(fn) static constexpr const char* SPD_FN = SPD_MODULE_NAME "." fn
 
 namespace py = pybind11;
 
@@ -91,6 +96,17 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t target, uintptr_t accepted, int R, int D, int V, float eps, int dtype,
          uintptr_t stream) {
         require_device();
+        SPD_BINDING("verify_greedy");
+        if (R > 0) {  // R == 0 launches nothing
+          SPD_CHECK_GE(D, 1, "a row of hidden");
+          SPD_CHECK_GE(V, 1, "rows of weight");
+          SPD_CHECK_DTYPE(dtype, 0, 2);
+          if (R > 1) SPD_CHECK_GE(stride_h, D, "D: rows of hidden must not overlap");
+          if (V > 1) SPD_CHECK_GE(stride_w, D, "D: rows of weight must not overlap");
+          SPD_CHECK_PTR(hidden); SPD_CHECK_PTR(norm_weight); SPD_CHECK_PTR(weight);
+          SPD_CHECK_PTR(draft); SPD_CHECK_PTR(pval); SPD_CHECK_PTR(pidx);
+          SPD_CHECK_PTR(target); SPD_CHECK_PTR(accepted);
+        }
         check(spd::verify_greedy(ptr<const void>(hidden), stride_h, ptr<const void>(norm_weight),
                                  ptr<const void>(weight), stride_w, ptr<const void>(draft),
                                  draft_i64, ptr<float>(pval), ptr<int>(pidx), ptr<int64_t>(target),
@@ -110,6 +126,24 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t seed, uintptr_t offset, uintptr_t out_tok, uintptr_t out_acc, int R, int V,
          float temperature, int top_k, float top_p, bool from_logits, uintptr_t stream) {
         require_device();
+        SPD_BINDING("rejection_sample");
+        if (R > 0) {
+          SPD_CHECK_GE(V, 1, "a row of x");
+          SPD_CHECK_DTYPE(x_dtype, 0, 2);
+          SPD_CHECK_DTYPE(q_dtype, 0, 2);
+          if (R > 1) SPD_CHECK_GE(stride_x, V, "V: rows of x must not overlap");
+          if (R > 1) SPD_CHECK_GE(stride_q, 1, "rows of q");
+          SPD_CHECK_PTR(x); SPD_CHECK_PTR(q); SPD_CHECK_PTR(tok);
+          SPD_CHECK_PTR(out_tok); SPD_CHECK_PTR(out_acc);
+          if (u != 0) {
+            if (R > 1) SPD_CHECK_GE(stride_u, 2, "two uniforms per row of u");
+          } else {
+            SPD_CHECK(seed != 0 && offset != 0,
+                      "seed, offset: expected both buffers when u is null, got seed=", seed,
+                      " offset=", offset);
+          }
+          SPD_CHECK_GE(top_k, 0, "0 is no top-k");
+        }
         check(spd::rejection_sample(ptr<const void>(x), stride_x, x_dtype, ptr<const void>(q),
                                     stride_q, q_dtype, ptr<const int>(t2d), ptr<const void>(tok),
                                     tok_i64, ptr<const float>(u), stride_u,
@@ -129,6 +163,9 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       "mma_selftest",
       [](uintptr_t a, uintptr_t b, uintptr_t c, int dtype, uintptr_t stream) {
         require_device();
+        SPD_BINDING("mma_selftest");
+        SPD_CHECK_DTYPE(dtype, 1, 2);
+        SPD_CHECK_PTR(a); SPD_CHECK_PTR(b); SPD_CHECK_PTR(c);
         check(spd::mma_selftest(ptr<const void>(a), ptr<const void>(b), ptr<float>(c), dtype,
                                 ptr<void>(stream)),
               "mma_selftest");
@@ -143,6 +180,22 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t table, uintptr_t out, int64_t stride_or, uintptr_t ws, int M, int R, int D,
          int N, int k_per, int dtype, uintptr_t stream) {
         require_device();
+        SPD_BINDING("anchor_projection_mma");
+        if (R > 0 && N > 0) {
+          SPD_CHECK_GE(M, 1, "anchor types");
+          SPD_CHECK_GE(D, 1, "a row of anchors");
+          if (R > 1) SPD_CHECK_GE(stride_ar, D, "D: rows of anchors must not overlap");
+          if (M > 1) SPD_CHECK_GE(stride_am, D, "D: anchors of two types must not overlap");
+          if (R > 1) SPD_CHECK_GE(stride_or, N, "N: rows of out must not overlap");
+          SPD_CHECK_PTR(anchors); SPD_CHECK_PTR(types); SPD_CHECK_PTR(table); SPD_CHECK_PTR(out);
+          SPD_CHECK_DTYPE(dtype, 1, 2);  // tensor cores: 16-bit only
+          SPD_CHECK(D % 8 == 0, "D: expected a multiple of 8 (16-byte rows), got ", D);
+          SPD_CHECK(k_per > 0 && k_per % 32 == 0,
+                    "k_per: expected a positive multiple of 32 (the mma chunk), got ", k_per);
+          SPD_CHECK(spd::anchor_projection_items(M, D, k_per) > 0,
+                    "k_per: expected a split with at most 2^31 work items, got ", k_per);
+          SPD_CHECK_PTR(ws);
+        }
         check(spd::anchor_projection_mma(ptr<const void>(anchors), stride_am, stride_ar,
                                          ptr<const void>(types), types_i64,
                                          ptr<const int64_t>(table), ptr<void>(out), stride_or,
@@ -162,6 +215,26 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t ws, int R, int N, int K, int splits, int k_per, float eps, int dtype,
          uintptr_t stream) {
         require_device();
+        SPD_BINDING("fused_linear");
+        if (R > 0 && N > 0) {
+          SPD_CHECK(R <= 16, "R: expected at most 16 rows, got ", R);
+          SPD_CHECK(K > 0 && K % 8 == 0, "K: expected a positive multiple of 8, got ", K);
+          SPD_CHECK_DTYPE(dtype, 1, 2);  // tensor cores: 16-bit only
+          if (R > 1) SPD_CHECK_GE(stride_x, K, "K: rows of x must not overlap");
+          if (R > 1) SPD_CHECK_GE(stride_out, N, "N: rows of out must not overlap");
+          if (R > 1 && residual != 0) SPD_CHECK_GE(stride_res, N, "N: rows of residual");
+          SPD_CHECK(k_per > 0 && k_per % 32 == 0,
+                    "k_per: expected a positive multiple of 32 (the mma chunk), got ", k_per);
+          SPD_CHECK(splits >= 1 && (int64_t)splits * k_per >= K &&
+                        (int64_t)(splits - 1) * k_per < K,
+                    "splits: expected the splits of k_per=", k_per, " columns to cover K=", K,
+                    " with none empty, got ", splits);
+          SPD_CHECK(splits == 1 || ws != 0, "ws: expected a workspace with splits=", splits,
+                    ", got null");
+          SPD_CHECK(norm_weight == 0 || xn != 0,
+                    "xn: expected a buffer for the normed rows (norm_weight given), got null");
+          SPD_CHECK_PTR(x); SPD_CHECK_PTR(w0); SPD_CHECK_PTR(out);
+        }
         check(spd::fused_linear(ptr<const void>(x), stride_x, ptr<const void>(norm_weight),
                                 ptr<void>(xn), ptr<const void>(w0), ptr<const void>(w1),
                                 ptr<const void>(residual), stride_res, ptr<void>(out), stride_out,
@@ -183,6 +256,28 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t v_cache, int rows, int H, int KVH, int S, int P, int HD, float eps, int dtype,
          uintptr_t stream) {
         require_device();
+        SPD_BINDING("rope_append");
+        if (rows > 0) {
+          SPD_CHECK(H >= 1 && KVH >= 1, "H, KVH: expected positive head counts, got H=", H,
+                    " KVH=", KVH);
+          SPD_CHECK(HD > 0 && HD % 2 == 0 && HD <= 256,
+                    "HD: expected an even head size of at most 256, got ", HD);
+          SPD_CHECK_GE(S, 1, "cache slots");
+          SPD_CHECK_GE(P, 1, "rows of the RoPE tables");
+          SPD_CHECK_DTYPE(dtype, 1, 2);
+          if (rows > 1) {
+            SPD_CHECK_GE(stride_qp, (int64_t)H * HD, "H * HD: rows of qp must not overlap");
+            SPD_CHECK_GE(stride_kp, (int64_t)KVH * HD, "KVH * HD: rows of kp must not overlap");
+            SPD_CHECK_GE(stride_vp, (int64_t)KVH * HD, "KVH * HD: rows of vp must not overlap");
+          }
+          if (P > 1) SPD_CHECK_GE(stride_cs, HD, "HD: rows of cos / sin must not overlap");
+          SPD_CHECK((q_norm == 0) == (k_norm == 0),
+                    "q_norm, k_norm: expected both or neither, got q_norm=", q_norm,
+                    " k_norm=", k_norm);
+          SPD_CHECK_PTR(qp); SPD_CHECK_PTR(kp); SPD_CHECK_PTR(vp); SPD_CHECK_PTR(cos);
+          SPD_CHECK_PTR(sin); SPD_CHECK_PTR(start); SPD_CHECK_PTR(q_out);
+          SPD_CHECK_PTR(k_cache); SPD_CHECK_PTR(v_cache);
+        }
         check(spd::rope_append(ptr<const void>(qp), stride_qp, ptr<const void>(kp), stride_kp,
                                ptr<const void>(vp), stride_vp, ptr<const void>(q_norm),
                                ptr<const void>(k_norm), ptr<const void>(cos),
@@ -205,6 +300,29 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t ws, int H, int R, int KVH, int S, int HD, int splits, int chunk,
          float scale_log2, int dtype, uintptr_t stream) {
         require_device();
+        SPD_BINDING("cache_attention");
+        if (R > 0) {
+          SPD_CHECK(KVH >= 1 && H >= KVH && H % KVH == 0,
+                    "H: expected a multiple of KVH=", KVH, ", got ", H);
+          SPD_CHECK(HD == 64 || HD == 128, "HD: expected 64 or 128, got ", HD);
+          SPD_CHECK_GE(S, 1, "cache slots");
+          SPD_CHECK_DTYPE(dtype, 1, 2);
+          if (R > 1) SPD_CHECK_GE(stride_qr, HD, "HD: rows of q must not overlap");
+          if (H > 1) SPD_CHECK_GE(stride_qh, HD, "HD: heads of q must not overlap");
+          if (S > 1) SPD_CHECK_GE(stride_cs, HD, "HD: cache slots must not overlap");
+          if (KVH > 1) SPD_CHECK_GE(stride_ch, HD, "HD: cache heads must not overlap");
+          if (R > 1) SPD_CHECK_GE(stride_or, (int64_t)H * HD, "H * HD: rows of out");
+          SPD_CHECK(chunk > 0 && chunk % 32 == 0,
+                    "chunk: expected a positive multiple of 32, got ", chunk);
+          SPD_CHECK(splits >= 1 && (int64_t)splits * chunk >= S &&
+                        (int64_t)(splits - 1) * chunk < S,
+                    "splits: expected the splits of chunk=", chunk, " keys to cover S=", S,
+                    " with none empty, got ", splits);
+          SPD_CHECK(splits == 1 || ws != 0, "ws: expected a workspace with splits=", splits,
+                    ", got null");
+          SPD_CHECK_PTR(q); SPD_CHECK_PTR(k); SPD_CHECK_PTR(v); SPD_CHECK_PTR(start);
+          SPD_CHECK_PTR(out);
+        }
         check(spd::cache_attention(ptr<const void>(q), stride_qh, stride_qr, ptr<const void>(k),
                                    ptr<const void>(v), stride_ch, stride_cs,
                                    ptr<const int64_t>(start), ptr<void>(out), stride_or,
@@ -220,20 +338,51 @@ PYBIND11_MODULE(SPD_MODULE, m) {
 
   m.def(
       "kv_truncate",
-      [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream) {
+      [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, int C, uintptr_t stream,
+         int64_t lengths_numel, int64_t new_lengths_numel) {
         require_device();
+        SPD_BINDING("kv_truncate");
+        if (C > 0) {
+          SPD_CHECK(new_stride == 0 || new_stride == 1,
+                    "new_stride: expected 1 (a length per cache) or 0 (one for all), got ",
+                    new_stride);
+          SPD_CHECK_PTR(lengths); SPD_CHECK_PTR(new_lengths);
+          // The buffers' element counts, when the caller gives them (-1: not given), so a C
+          // past the end of either is refused instead of read and written.
+          if (lengths_numel >= 0)
+            SPD_CHECK(lengths_numel >= C, "lengths: expected at least C=", C,
+                      " int64 elements, got ", lengths_numel);
+          const int64_t need = new_stride == 1 ? C : 1;
+          if (new_lengths_numel >= 0)
+            SPD_CHECK(new_lengths_numel >= need, "new_lengths: expected at least ", need,
+                      " int64 elements, got ", new_lengths_numel);
+        }
         check(spd::kv_truncate(ptr<int64_t>(lengths), ptr<const int64_t>(new_lengths), new_stride,
                                C, ptr<void>(stream)),
               "kv_truncate");
       },
       py::arg("lengths"), py::arg("new_lengths"), py::arg("new_stride"), py::arg("C"),
-      py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+      py::arg("stream"), py::arg("lengths_numel") = -1, py::arg("new_lengths_numel") = -1,
+      py::call_guard<py::gil_scoped_release>());
 
   m.def(
       "kv_poison",
       [](uintptr_t lengths, uintptr_t new_lengths, int new_stride, uintptr_t table, int n_buffers,
          int C, int64_t outer, int64_t S, int64_t inner, int dtype, uintptr_t stream) {
         require_device();
+        SPD_BINDING("kv_poison");
+        if (C > 0) {
+          SPD_CHECK(new_stride == 0 || new_stride == 1,
+                    "new_stride: expected 1 (a length per cache) or 0 (one for all), got ",
+                    new_stride);
+          SPD_CHECK_PTR(lengths); SPD_CHECK_PTR(new_lengths);
+          SPD_CHECK_GE(n_buffers, 1, "buffers in table");
+          SPD_CHECK(outer >= 1 && S >= 1 && inner >= 1,
+                    "outer, S, inner: expected a positive layout, got ", outer, ", ", S, ", ",
+                    inner);
+          SPD_CHECK_DTYPE(dtype, 0, 2);
+          SPD_CHECK_PTR(table);
+        }
         check(spd::kv_poison(ptr<const int64_t>(lengths), ptr<const int64_t>(new_lengths),
                              new_stride, ptr<const int64_t>(table), n_buffers, C, outer, S, inner,
                              dtype, ptr<void>(stream)),
@@ -249,6 +398,16 @@ PYBIND11_MODULE(SPD_MODULE, m) {
          uintptr_t table, uintptr_t out, int64_t stride_or, int M, int R, int D, int N, int dtype,
          bool vectorized, uintptr_t stream) {
         require_device();
+        SPD_BINDING("anchor_projection");
+        if (R > 0 && N > 0) {
+          SPD_CHECK_GE(M, 1, "anchor types");
+          SPD_CHECK_GE(D, 1, "a row of anchors");
+          if (R > 1) SPD_CHECK_GE(stride_ar, D, "D: rows of anchors must not overlap");
+          if (M > 1) SPD_CHECK_GE(stride_am, D, "D: anchors of two types must not overlap");
+          if (R > 1) SPD_CHECK_GE(stride_or, N, "N: rows of out must not overlap");
+          SPD_CHECK_PTR(anchors); SPD_CHECK_PTR(types); SPD_CHECK_PTR(table); SPD_CHECK_PTR(out);
+          SPD_CHECK_DTYPE(dtype, 0, 2);
+        }
         check(spd::anchor_projection(ptr<const void>(anchors), stride_am, stride_ar,
                                      ptr<const void>(types), types_i64, ptr<const int64_t>(table),
                                      ptr<void>(out), stride_or, M, R, D, N, dtype, vectorized,
