@@ -79,6 +79,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
                  backend: str | None = None) -> torch.Tensor:
     """x [R, K] -> [R, N]: residual + rms_norm(x, norm_weight, eps) @ weight.T, weight [N, K].
     norm_weight None: no normalisation; residual None: no residual. Result in x's dtype."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.fused_linear(x, weight, norm_weight, float(eps), residual)
     _check_common(x, norm_weight, [("weight", weight)])
     if residual is not None:
         check_tensor("residual", residual, dim=2, floating=True, device=x.device)
@@ -93,6 +95,8 @@ def fused_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_gate:
                  w_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """x [R, K] -> [R, I]: silu(h @ w_gate.T) * (h @ w_up.T), h = rms_norm(x, norm_weight, eps);
     w_gate and w_up [I, K]. Result in x's dtype."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.fused_swiglu(x, norm_weight, float(eps), w_gate, w_up)
     _check_common(x, norm_weight, [("w_gate", w_gate), ("w_up", w_up)])
     if w_gate.shape != w_up.shape:
         raise SPDInputError(f"w_gate and w_up must have one shape, got {tuple(w_gate.shape)} and "

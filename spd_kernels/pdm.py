@@ -206,6 +206,12 @@ def qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, s
     per-head q/k RMSNorm when q_norm/k_norm are given, RoPE from the full tables cos/sin
     [P, head_dim] at those positions). Writes the rows' k (with RoPE) and v into k_cache/v_cache
     [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        if not isinstance(start, torch.Tensor):
+            start = torch.tensor(int(start), dtype=torch.int64, device=x.device)
+        return torch.ops.spd.qkv_rope_append(x, norm_weight, float(eps), wq, wk, wv, q_norm,
+                                             k_norm, cos, sin, start, k_cache, v_cache,
+                                             int(num_heads), int(num_kv_heads))
     _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
                num_heads, num_kv_heads)
     return dispatch.call("qkv_rope_append", x.device, x, norm_weight, float(eps), wq, wk, wv,
@@ -467,6 +473,11 @@ def cache_attention(q, k_cache, v_cache, start, scale=None, *, backend=None) -> 
 
     Returns [R, H * head_dim] in the caches' dtype (heads concatenated, ready for o_proj).
     """
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        if not isinstance(start, torch.Tensor):
+            start = torch.tensor(int(start), dtype=torch.int64, device=q.device)
+        return torch.ops.spd.cache_attention(q, k_cache, v_cache, start,
+                                             None if scale is None else float(scale))
     _check_attention(q, k_cache, v_cache, start, scale)
     if not isinstance(start, torch.Tensor):
         start = int(start)

@@ -65,7 +65,8 @@ def _check_heads(hidden, norm_weight, lm_head_weight):
     if norm_weight.shape[0] != d or lm_head_weight.shape[1] != d:
         raise SPDInputError(f"hidden size mismatch: hidden {d}, norm {norm_weight.shape[0]}, "
                             f"lm_head {lm_head_weight.shape[1]}")
-    normed = torch.result_type(norm_weight, hidden)
+    # both are dimensioned tensors here, so result_type == promote_types (traceable)
+    normed = torch.promote_types(norm_weight.dtype, hidden.dtype)
     if normed != lm_head_weight.dtype:
         raise SPDInputError(f"the normed hidden state has dtype {normed} (from hidden "
                             f"{hidden.dtype} and norm_weight {norm_weight.dtype}) but lm_head_weight "
@@ -82,6 +83,9 @@ def verify_greedy(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                   lm_head_weight: torch.Tensor, draft_tokens: torch.Tensor, *,
                   backend: str | None = None):
     """hidden [R, d], draft_tokens [R] -> (target argmax [R] int64, accepted [R] bool)."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.verify_greedy(hidden, norm_weight, float(eps), lm_head_weight,
+                                           draft_tokens)
     _check_heads(hidden, norm_weight, lm_head_weight)
     check_tensor("draft_tokens", draft_tokens, dim=1, device=hidden.device)
     check_integer("draft_tokens", draft_tokens)
@@ -152,6 +156,8 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
     draw. Returns (token [R] int64, accepted [R] bool): token is the draft where accepted, else
     the residual sample.
     """
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.rejection_sample(target_probs, draft_probs, draft_tokens, uniforms)
     _check_rejection(target_probs, draft_probs, draft_tokens, uniforms)
     return dispatch.call("rejection_sample", target_probs.device, target_probs, draft_probs,
                          draft_tokens, uniforms, backend=backend)
@@ -272,6 +278,10 @@ def rejection_sample_logits(target_logits: torch.Tensor, draft_probs: torch.Tens
     tensors of one element; the offset advances by R per call, so a captured CUDA graph draws new
     numbers on every replay). Returns (token [R] int64, accepted [R] bool).
     """
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.rejection_sample_logits(
+            target_logits, draft_probs, draft_to_target, draft_tokens, uniforms, philox_seed,
+            philox_offset, float(temperature), int(top_k), float(top_p))
     _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
                             temperature, top_k, top_p, philox_seed, philox_offset)
     return dispatch.call("rejection_sample_logits", target_logits.device, target_logits,
