@@ -311,5 +311,13 @@ from spd_kernels.verify.cuda import (_cuda_greedy_supports,
                                      rejection_sample_logits_cuda,
                                      verify_greedy_cuda)  # noqa: E402,F401
 
+if HAS_TRITON:  # the kernels by name too: spd_kernels.testing compiles each for sm_90
+    from spd_kernels.verify.triton_greedy import (_greedy_partial_kernel,  # noqa: F401
+                                                  _greedy_reduce_kernel)
+    from spd_kernels.verify.triton_rejection import _rejection_kernel  # noqa: F401
+    from spd_kernels.verify.triton_split import (_radix_hist_kernel,  # noqa: F401
+                                                 _radix_select_kernel, _split_finish_kernel,
+                                                 _split_residual_kernel, _split_stats_kernel)
+
 __all__ = ["filtered_probs", "final_logits", "rejection_sample", "rejection_sample_logits",
            "scatter_draft_probs", "target_to_draft_map", "verify_greedy"]
