@@ -66,7 +66,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     FIRST_TRIALS=(truncate_kv)
     MORE_TRIALS=(fused_linear)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
-    KERNEL_TESTS=(tests/test_kernels_kv_truncate.py)
+    KERNEL_TESTS=(tests/kernels/test_kv_truncate.py)
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
 else
     DEV=$("$PY" - <<'EOF'
@@ -82,7 +82,7 @@ EOF
     MORE_TRIALS=(fused_linear fused_swiglu cache_attention qkv_rope_append rejection_sample_logits)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
-    KERNEL_TESTS=(tests/test_kernels_*.py)
+    KERNEL_TESTS=(tests/kernels/test_*.py)
     COMPILE_ARGS=(--models qwen3-4b --ops verify_greedy,anchor_projection,truncate_kv,fused_swiglu
                   --compile on --iters 20)
 fi
@@ -111,7 +111,7 @@ step bench-automatic 150 "$LOGS/bench-automatic.log" "$PY" benchmarks/bench_kern
 bench_on_request 90 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
 for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 45 "$op"; done
 step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
-    "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/test_kernels_*.py \
+    "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/kernels/test_*.py \
     tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob

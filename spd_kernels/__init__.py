@@ -7,6 +7,8 @@ backend can be swapped in behind them without touching the engine. The ops are a
 with torch.library as `torch.ops.spd.*` (with fake implementations) for torch.compile and other
 runtimes.
 """
+from importlib import metadata as _metadata
+
 from spd_kernels.checks import SPDInputError
 from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
@@ -16,6 +18,11 @@ from spd_kernels.pdm import cache_attention, pdm_step, qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
 from spd_kernels import library  # noqa: F401  (registers torch.ops.spd.*)
+
+try:
+    __version__ = _metadata.version("spd")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0.1.0"
 
 __all__ = [
     "SPDBackendError",

@@ -132,7 +132,7 @@ def stream_of(t) -> int:
 
 # --- programmatic dependent launch -------------------------------------------------------------
 # On sm_90+ a kernel launched programmatically may start while the one before it on the stream
-# is still running; it waits for that one inside (csrc/common.cuh pdl_wait, the Triton kernels'
+# is still running; it waits for that one inside (csrc/kernels/common.cuh pdl_wait, the Triton kernels'
 # pdl_enter), so back-to-back launches (the PDM step's 30-40 in one CUDA graph) lose less time
 # between kernels. Process-wide, for the CUDA extension's kernels and the Triton kernels of the
 # PDM step's graph; off by default until timed on a GPU. SPD_PDL=1 turns it on; a CUDA graph

@@ -79,7 +79,7 @@ if HAS_TRITON:
     @triton.jit
     def pdl_enter(PDL: tl.constexpr):
         """At a kernel's start: let the next kernel launch, then wait for the one before (as
-        csrc/common.cuh's pdl_trigger / pdl_wait). A no-op unless PDL."""
+        csrc/kernels/common.cuh's pdl_trigger / pdl_wait). A no-op unless PDL."""
         if PDL:
             gdc_launch_dependents()
             gdc_wait()

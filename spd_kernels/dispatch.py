@@ -31,8 +31,9 @@ from spd_kernels import _cuda
 from spd_kernels._triton import HAS_TRITON, INTERPRET
 
 BACKENDS = ("cuda", "triton", "reference")
-OPS = ("verify_greedy", "rejection_sample", "rejection_sample_logits", "truncate_kv",
-       "anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
+# The one list of dispatched ops (benchmarks/bench_kernels.py derives its op list from it).
+OPS = ("verify_greedy", "rejection_sample", "rejection_sample_logits", "anchor_projection",
+       "truncate_kv", "qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
 
 
 class SPDBackendError(RuntimeError):

@@ -13,9 +13,9 @@ Backends (see spd_kernels.dispatch):
              a time), accumulating sum_j W_{e,j} h_{b_j}[r] in fp32, reading the anchors in place
              through their strides (the concat is never built) and rounding once at the end. One
              more program class writes the NaN rows (below).
-  cuda       the same plan in C++ (csrc/features.cu). SPD_ANCHOR_VARIANT=mma (bf16 / fp16)
+  cuda       the same plan in C++ (csrc/kernels/features.cu). SPD_ANCHOR_VARIANT=mma (bf16 / fp16)
              takes a tensor-core kernel instead: blocks of (64 columns, type and K split), each
-             split an equal share of the weights, rows through mma.m16n8k16 (csrc/mma_stream.cuh),
+             split an equal share of the weights, rows through mma.m16n8k16 (csrc/kernels/mma_stream.cuh),
              partial sums reduced in order with the bias by a second launch. Not timed on a GPU
              yet, so not the default.
 On device tensors the kernels write NaN for a row whose type is out of range or has no weight
@@ -86,6 +86,9 @@ def anchor_projection(anchors: torch.Tensor, types: torch.Tensor,
     """
     weights = list(weights)
     biases = None if biases is None else list(biases)
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.anchor_projection(anchors, types, weights,
+                                               biases or [None] * len(weights))
     _check(anchors, types, weights, biases)
     return dispatch.call("anchor_projection", anchors.device, anchors, types, weights, biases,
                          backend=backend)
@@ -319,7 +322,7 @@ def mma_plan(m: int, d: int, n_out: int, device, k_per: int | None = None) -> tu
 
 
 def anchor_projection_cuda_mma(anchors, types, weights, biases=None, *, k_per=None):
-    """The tensor-core kernel (bf16 / fp16, 16-byte aligned rows): see csrc/features.cu."""
+    """The tensor-core kernel (bf16 / fp16, 16-byte aligned rows): see csrc/kernels/features.cu."""
     if not _mma_ok(anchors, weights):
         raise SPDInputError("the tensor-core anchor kernel needs bf16 / fp16 anchors and weights "
                             "with rows on 16-byte boundaries (D and the strides multiples of 8)")

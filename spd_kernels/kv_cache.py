@@ -9,7 +9,7 @@ Backends (see spd_kernels.dispatch):
   triton     one launch updates the lengths of every layer; new lengths are read on the device,
              so no host synchronisation and CUDA-graph safe. With poison, one launch before it
              NaNs rows [new, old) of every layer of every buffer (a table of buffer pointers).
-  cuda       the same two kernels in C++ (csrc/kv_cache.cu).
+  cuda       the same two kernels in C++ (csrc/kernels/kv_cache.cu).
 The kernels clamp negative new lengths to 0 (the reference raises; on device tensors that value
 check needs a host sync, so it runs only with SPD_CHECK_VALUES=1).
 """
@@ -55,6 +55,9 @@ def truncate_kv_(lengths: torch.Tensor, new_lengths: torch.Tensor,
     sequence axis at `seq_dim` and the cache axis first) are set to NaN.
     """
     buffers = tuple(buffers)
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        torch.ops.spd.truncate_kv_(lengths, new_lengths, list(buffers), seq_dim, poison)
+        return lengths
     _check(lengths, new_lengths, buffers, seq_dim, poison)
     dispatch.call("truncate_kv", lengths.device, lengths, new_lengths, buffers, seq_dim, poison,
                   backend=backend)

@@ -16,7 +16,7 @@ graphs use torch.ops.spd.*.
     torch.ops.spd.truncate_kv_(lengths, new_lengths, buffers, seq_dim, poison) -> ()
         mutates lengths (and buffers when poison)
     torch.ops.spd.anchor_projection(anchors, types, weights, biases) -> features [R, d_out]
-        (biases: one slot per type, None where there is none)
+        (biases: one slot per type, None where there is none; a list has no schema default)
     torch.ops.spd.qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin,
         start, k_cache, v_cache, num_heads, num_kv_heads) -> q [H, T, hd]; mutates the caches
     torch.ops.spd.cache_attention(q, k_cache, v_cache, start, scale) -> [R, H * hd]
@@ -24,6 +24,11 @@ graphs use torch.ops.spd.*.
     torch.ops.spd.fused_linear(x, weight, norm_weight, eps, residual) -> [R, N]
         (residual + rms_norm(x) @ weight.T; norm_weight / residual may be None)
     torch.ops.spd.fused_swiglu(x, norm_weight, eps, w_gate, w_up) -> [R, I]
+
+The schemas carry the Python functions' defaults (None / int / float / bool), so optional
+arguments may be left out: torch.ops.spd.fused_linear(x, w, norm_weight=nw, eps=1e-6).
+Under torch.compile the Python functions call these ops (opaque to Dynamo, so the host-side
+checks and the dispatcher never break the graph); the `backend=` keyword then does not apply.
 """
 from __future__ import annotations
 
@@ -66,9 +71,10 @@ def _(target_probs, draft_probs, draft_tokens, uniforms):
 @torch.library.custom_op(f"{LIB}::rejection_sample_logits", mutates_args=("philox_offset",))
 def rejection_sample_logits_op(target_logits: Tensor, draft_probs: Tensor,
                                draft_to_target: Tensor, draft_tokens: Tensor,
-                               uniforms: Optional[Tensor], philox_seed: Optional[Tensor],
-                               philox_offset: Optional[Tensor], temperature: float, top_k: int,
-                               top_p: float) -> tuple[Tensor, Tensor]:
+                               uniforms: Optional[Tensor] = None,
+                               philox_seed: Optional[Tensor] = None,
+                               philox_offset: Optional[Tensor] = None, temperature: float = 1.0,
+                               top_k: int = 0, top_p: float = 1.0) -> tuple[Tensor, Tensor]:
     return verify.rejection_sample_logits(
         target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
         temperature=temperature, top_k=top_k, top_p=top_p, philox_seed=philox_seed,
@@ -76,21 +82,21 @@ def rejection_sample_logits_op(target_logits: Tensor, draft_probs: Tensor,
 
 
 @rejection_sample_logits_op.register_fake
-def _(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms, philox_seed,
-      philox_offset, temperature, top_k, top_p):
+def _(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms=None, philox_seed=None,
+      philox_offset=None, temperature=1.0, top_k=0, top_p=1.0):
     rows = target_logits.shape[0]
     return (target_logits.new_empty(rows, dtype=torch.int64),
             target_logits.new_empty(rows, dtype=torch.bool))
 
 
 @torch.library.custom_op(f"{LIB}::truncate_kv_", mutates_args=("lengths", "buffers"))
-def truncate_kv_op(lengths: Tensor, new_lengths: Tensor, buffers: list[Tensor], seq_dim: int,
-                   poison: bool) -> None:
+def truncate_kv_op(lengths: Tensor, new_lengths: Tensor, buffers: list[Tensor],
+                   seq_dim: int = -2, poison: bool = False) -> None:
     kv_cache.truncate_kv_(lengths, new_lengths, buffers, seq_dim=seq_dim, poison=poison)
 
 
 @truncate_kv_op.register_fake
-def _(lengths, new_lengths, buffers, seq_dim, poison):
+def _(lengths, new_lengths, buffers, seq_dim=-2, poison=False):
     return None
 
 
@@ -124,23 +130,23 @@ def _(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
 
 @torch.library.custom_op(f"{LIB}::cache_attention", mutates_args=())
 def cache_attention_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, start: Tensor,
-                       scale: Optional[float]) -> Tensor:
+                       scale: Optional[float] = None) -> Tensor:
     return pdm.cache_attention(q, k_cache, v_cache, start, scale)
 
 
 @cache_attention_op.register_fake
-def _(q, k_cache, v_cache, start, scale):
+def _(q, k_cache, v_cache, start, scale=None):
     return q.new_empty(q.shape[1], q.shape[0] * q.shape[2], dtype=k_cache.dtype)
 
 
 @torch.library.custom_op(f"{LIB}::fused_linear", mutates_args=())
-def fused_linear_op(x: Tensor, weight: Tensor, norm_weight: Optional[Tensor], eps: float,
-                    residual: Optional[Tensor]) -> Tensor:
+def fused_linear_op(x: Tensor, weight: Tensor, norm_weight: Optional[Tensor] = None,
+                    eps: float = 1e-6, residual: Optional[Tensor] = None) -> Tensor:
     return linear.fused_linear(x, weight, norm_weight=norm_weight, eps=eps, residual=residual)
 
 
 @fused_linear_op.register_fake
-def _(x, weight, norm_weight, eps, residual):
+def _(x, weight, norm_weight=None, eps=1e-6, residual=None):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 

@@ -11,7 +11,7 @@ Op `fused_linear(x, weight, norm_weight=None, eps, residual=None)`:
 Op `fused_swiglu(x, norm_weight, eps, w_gate, w_up)`:
     silu(h @ w_gate.T) * (h @ w_up.T) with h = rms_norm(x), in x's dtype.
 
-  reference  torch, exactly what spd.layers computes (rms_norm: fp32 statistics, rounded to the
+  reference  torch, exactly what spd.model.layers computes (rms_norm: fp32 statistics, rounded to the
              model dtype before the weight), so the runtime's step is unchanged bit for bit.
   triton     grid (output blocks, K splits). Program (j, s) holds the [rows, BLOCK_N] fp32
              accumulator(s) for output columns j*BLOCK_N.. and sums its share of K with tl.dot
@@ -21,7 +21,7 @@ Op `fused_swiglu(x, norm_weight, eps, w_gate, w_up)`:
              idle) partial sums go to an fp32 workspace and a second launch reduces them in a
              fixed order (deterministic) and applies the epilogue. Intermediates are rounded to
              the model dtype where the reference rounds.
-  cuda       csrc/linear.cu, bf16 / fp16 and at most 16 rows: tensor-core mma with the rows of x
+  cuda       csrc/kernels/linear.cu, bf16 / fp16 and at most 16 rows: tensor-core mma with the rows of x
              as the MMA's 16 rows, each weight byte loaded once straight into the fragments
              (16-byte loads, a whole batch in flight per lane); the norm is a first launch, K
              splits (to fill the GPU at 2560 output columns) a last one, in a fixed order.
@@ -49,7 +49,7 @@ CUDA_MIN_CHUNKS = 4    # K chunks per split at least: fewer and the partial sums
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """As spd.layers.RMSNorm: fp32 statistics, result in the input dtype times the weight."""
+    """As spd.model.layers.RMSNorm: fp32 statistics, result in the input dtype times the weight."""
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -79,6 +79,8 @@ def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Te
                  backend: str | None = None) -> torch.Tensor:
     """x [R, K] -> [R, N]: residual + rms_norm(x, norm_weight, eps) @ weight.T, weight [N, K].
     norm_weight None: no normalisation; residual None: no residual. Result in x's dtype."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.fused_linear(x, weight, norm_weight, float(eps), residual)
     _check_common(x, norm_weight, [("weight", weight)])
     if residual is not None:
         check_tensor("residual", residual, dim=2, floating=True, device=x.device)
@@ -93,6 +95,8 @@ def fused_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_gate:
                  w_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
     """x [R, K] -> [R, I]: silu(h @ w_gate.T) * (h @ w_up.T), h = rms_norm(x, norm_weight, eps);
     w_gate and w_up [I, K]. Result in x's dtype."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.fused_swiglu(x, norm_weight, float(eps), w_gate, w_up)
     _check_common(x, norm_weight, [("w_gate", w_gate), ("w_up", w_up)])
     if w_gate.shape != w_up.shape:
         raise SPDInputError(f"w_gate and w_up must have one shape, got {tuple(w_gate.shape)} and "
@@ -374,7 +378,7 @@ def _swiglu_cuda_supports(*args):
 
 
 def cuda_plan(N: int, K: int, sets: int, device, split_k: int | None = None) -> tuple[int, int]:
-    """(splits, K columns per split) for csrc/linear.cu: about three blocks per SM in all."""
+    """(splits, K columns per split) for csrc/kernels/linear.cu: about three blocks per SM in all."""
     chunks = -(-K // _cuda.MMA_CHUNK)
     if split_k is None:
         col_blocks = -(-N // (CUDA_COLUMNS // sets))

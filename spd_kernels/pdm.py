@@ -1,25 +1,25 @@
 """The PDM decoder step as plain tensors, and its fused pieces.
 
 `pdm_step` is the draft module's forward for a chunk of rows against its KV cache (what
-`spd.pdm.PipelineDraftModule.step` computes), written over plain weight tensors so kernels can
+`spd.draft.pdm.PipelineDraftModule.step` computes), written over plain weight tensors so kernels can
 replace its parts and a CUDA graph can capture it: per layer RMSNorm + QKV + q/k norm + RoPE +
 cache append, causal GQA attention over the cache, output projection + residual, RMSNorm + SwiGLU
 MLP + residual; then the final norm and the LM head over the draft vocabulary for the last row.
 The position `start` may be a device tensor, so nothing in the step needs the host.
 
 Op `qkv_rope_append` (dispatched, see spd_kernels.dispatch):
-  reference  torch, mirroring spd.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
+  reference  torch, mirroring spd.model.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
   triton     the q, k and v projections through fused_linear (RMSNorm fused, each weight tile
              read once for all rows; on a GPU whichever backend fused_linear's dispatch picks,
              in the interpreter its Triton kernel), then one launch, program (row, head), applies
              the per-head RMSNorm and RoPE in registers and writes q out or k/v straight into the
              cache at position start + row (read on the device; rows past the capacity dropped).
-  cuda       the products on fused_linear's tensor-core CUDA kernel, then csrc/rope_append.cu, a
+  cuda       the products on fused_linear's tensor-core CUDA kernel, then csrc/kernels/rope_append.cu, a
              block per (row, head), for the same per-head work (bf16 / fp16, <= 16 rows). On
              request only until a GPU has timed it.
 Op `cache_attention` (dispatched):
   reference  torch. With an int `start`: SDPA over cache rows [0, start + R) with the causal
-             chunk mask, exactly spd.layers' attention. With a tensor `start`: the mask over the
+             chunk mask, exactly spd.model.layers' attention. With a tensor `start`: the mask over the
              whole cache is built on the device (no host read), fp32 math.
   triton     program (kv head, key split, block of (row, query head) pairs): every key block is
              read once for all rows and the G = H / KVH heads sharing it, both products on the
@@ -29,7 +29,7 @@ Op `cache_attention` (dispatched):
              graphs replay anywhere, and a second launch merges the splits that hold keys in a
              fixed order. One rounding to the cache dtype. Output [R, H * head_dim], ready for
              o_proj.
-  cuda       csrc/attention.cu, bf16 / fp16, head_dim 64 or 128: block (kv head, key split, up
+  cuda       csrc/kernels/attention.cu, bf16 / fp16, head_dim 64 or 128: block (kv head, key split, up
              to 64 pairs), 32-key tiles through shared memory (the next tile's loads in flight),
              scores on tensor cores with the q and K pieces as fragments as loaded, online softmax
              a warp per pair, P V in fp32 FMAs; the same split-and-merge plan as Triton's.
@@ -76,7 +76,7 @@ class LayerWeights:
 
     @classmethod
     def from_module(cls, layer) -> "LayerWeights":
-        """From a layer with Llama/Qwen3 attribute names (spd.pdm's layers, HF layers)."""
+        """From a layer with Llama/Qwen3 attribute names (spd.draft.pdm's layers, HF layers)."""
         a, m = layer.self_attn, layer.mlp
         qn = getattr(a, "q_norm", None)
         kn = getattr(a, "k_norm", None)
@@ -206,6 +206,12 @@ def qkv_rope_append(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, s
     per-head q/k RMSNorm when q_norm/k_norm are given, RoPE from the full tables cos/sin
     [P, head_dim] at those positions). Writes the rows' k (with RoPE) and v into k_cache/v_cache
     [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        if not isinstance(start, torch.Tensor):
+            start = torch.tensor(int(start), dtype=torch.int64, device=x.device)
+        return torch.ops.spd.qkv_rope_append(x, norm_weight, float(eps), wq, wk, wv, q_norm,
+                                             k_norm, cos, sin, start, k_cache, v_cache,
+                                             int(num_heads), int(num_kv_heads))
     _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
                num_heads, num_kv_heads)
     return dispatch.call("qkv_rope_append", x.device, x, norm_weight, float(eps), wq, wk, wv,
@@ -411,7 +417,7 @@ def _project_cuda(x, w, norm_weight, eps):
 def qkv_rope_append_cuda(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
                          k_cache, v_cache, num_heads, num_kv_heads):
     # The products on linear.cu's tensor-core kernel (packed into one when the weights lie back
-    # to back), then csrc/rope_append.cu, a block per (row, head): per-head norm, RoPE, append.
+    # to back), then csrc/kernels/rope_append.cu, a block per (row, head): per-head norm, RoPE, append.
     T = x.shape[0]
     kvh, S, hd = k_cache.shape
     q = _alloc.empty(num_heads, T, hd, dtype=x.dtype, device=x.device)
@@ -467,6 +473,11 @@ def cache_attention(q, k_cache, v_cache, start, scale=None, *, backend=None) -> 
 
     Returns [R, H * head_dim] in the caches' dtype (heads concatenated, ready for o_proj).
     """
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        if not isinstance(start, torch.Tensor):
+            start = torch.tensor(int(start), dtype=torch.int64, device=q.device)
+        return torch.ops.spd.cache_attention(q, k_cache, v_cache, start,
+                                             None if scale is None else float(scale))
     _check_attention(q, k_cache, v_cache, start, scale)
     if not isinstance(start, torch.Tensor):
         start = int(start)
@@ -478,7 +489,7 @@ def cache_attention(q, k_cache, v_cache, start, scale=None, *, backend=None) -> 
 @dispatch.register("cache_attention", "reference")
 def cache_attention_reference(q, k_cache, v_cache, start, scale):
     """Two paths with the same result (up to rounding):
-    - start an int: exactly spd.layers.attention_step's attention (SDPA over cache rows
+    - start an int: exactly spd.model.layers.attention_step's attention (SDPA over cache rows
       [0, start + R) with the causal chunk mask), so the runtime's PDM step is unchanged bit for
       bit on the reference backend;
     - start a tensor: the mask over all S cache positions is built on the device (no .item()),
@@ -743,7 +754,7 @@ def cache_attention_triton(q, k_cache, v_cache, start, scale):
 
 
 # ------------------------------------------------------------------------------------------------
-# cache_attention on the CUDA kernel (csrc/attention.cu)
+# cache_attention on the CUDA kernel (csrc/kernels/attention.cu)
 # ------------------------------------------------------------------------------------------------
 
 CUDA_ATTENTION_TILE = 32             # keys per tile (kTile in attention.cu)

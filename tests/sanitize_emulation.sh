@@ -69,4 +69,4 @@ PYEOF
 
 # --capture=sys: a report goes to file descriptor 2 just before the process aborts, and pytest's
 # fd capture would swallow it. Python's own allocations are not checked (no leak check either).
-"$PY" -m pytest -q --capture=sys -p no:cacheprovider tests/test_kernels_*.py tests/kernels/test_*.py -k "cuda or emulation"
+"$PY" -m pytest -q --capture=sys -p no:cacheprovider tests/kernels/test_*.py -k "cuda or emulation"

@@ -2,10 +2,11 @@
 
 With it on, every kernel of the CUDA extension, and the Triton kernels of the PDM step's graph,
 may start before the kernel ahead of it on the stream has finished, and waits for that one
-(pdl_wait in csrc/common.cuh, pdl_enter in _triton.py) before it touches memory. A kernel that
+(pdl_wait in csrc/kernels/common.cuh, pdl_enter in _triton.py) before it touches memory. A kernel that
 read or wrote too early would race with its predecessor. The host emulation checks that every
-thread of every CUDA kernel reaches the wait (test_kernels_cuda_ext.py), the sm_90 compile check
-that the Triton kernels wait exactly when PDL is set (test_kernels_gpu_compile.py); on a GPU
+thread of every CUDA kernel reaches the wait (tests/test_kernels_cuda_ext.py), the sm_90
+compile check that the Triton kernels wait exactly when PDL is set
+(tests/kernels/test_gpu_compile.py); on a GPU
 these tests check that long back-to-back chains of every op give the same bits with and without
 it, eagerly and replayed from one CUDA graph, on each backend. Every kernel sums in a fixed
 order, so any difference is a race, not rounding.

@@ -1,5 +1,5 @@
 """PDM decoder step: the fused RMSNorm + QKV + q/k norm + RoPE + cache-append kernel against its
-reference, the plain-tensor step (with cache_attention, tests/test_kernels_attention.py) against
+reference, the plain-tensor step (with cache_attention, tests/kernels/test_attention.py) against
 spd.model.layers, and the runtime's PipelineDraftModule.step running it bit for bit."""
 import pytest
 import torch

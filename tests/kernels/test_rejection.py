@@ -142,7 +142,7 @@ def test_philox_kernel_follows_target_distribution(case):
         check_philox_distribution(case, "triton", "cuda", 200000, 0.8, 10, 0.95)
 
 
-# --- the CUDA kernel (csrc/sampling.cu) in the host emulation (CPU) ---------------------------------
+# --- the CUDA kernel (csrc/kernels/sampling.cu) in the host emulation (CPU) ---------------------------------
 
 @needs_simt
 @pytest.mark.parametrize("R,V", [(1, 10), (5, 37), (8, 300), (3, 1000)])
@@ -225,7 +225,7 @@ def test_cuda_philox_kernel_follows_target_distribution(case):
 @needs_simt
 @needs_triton
 def test_cuda_and_triton_draw_the_same_philox_numbers():
-    """csrc/sampling.cu reproduces Triton's Philox-4x32-10 stream and uniform mapping, so the two
+    """csrc/kernels/sampling.cu reproduces Triton's Philox-4x32-10 stream and uniform mapping, so the two
     backends sample the same tokens from the same seed and offset."""
     logits, q, d2t, tok, _ = logits_case(16, 64, 32, seed=3, device="cpu")
     q = q.clone()

@@ -1,5 +1,5 @@
 """fused_linear / fused_swiglu (the dense part of the PDM step): the Triton kernel and the CUDA
-kernel (csrc/linear.cu, run in the host emulation on CPU) against their reference on fresh random
+kernel (csrc/kernels/linear.cu, run in the host emulation on CPU) against their reference on fresh random
 inputs, outputs and scratch poisoned first, with and without the fused RMSNorm and residual, with
 the K dimension split over programs (partial sums reduced by a last launch)."""
 import pytest

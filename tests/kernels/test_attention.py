@@ -1,5 +1,5 @@
 """cache_attention: a chunk of R rows attending causally (GQA) to a KV cache that already holds
-them, the position read from a device tensor. Triton kernel and the CUDA kernel (csrc/attention.cu,
+them, the position read from a device tensor. Triton kernel and the CUDA kernel (csrc/kernels/attention.cu,
 in the host emulation on CPU) against the reference (both of its paths: host int start, device
 tensor start), the reference against a per-row loop, errors."""
 import math

@@ -2,7 +2,7 @@
 
 The Triton kernel runs in the interpreter on CPU (TRITON_INTERPRET=1, set by conftest) or compiled
 on a GPU; the CUDA kernel on a GPU (tests marked `gpu`) and, on CPU tensors, in its host emulation
-(`_cuda.simulated()`, the same csrc/verify.cu compiled with csrc/simt_host.h). fp32 must match exactly; in bf16 /
+(`_cuda.simulated()`, the same csrc/kernels/verify.cu compiled with csrc/emulation/simt_host.h). fp32 must match exactly; in bf16 /
 fp16 the kernel rounds like the reference, and any disagreement must be a near-tie of the
 reference logits (fp32 accumulation order differs).
 """
@@ -195,8 +195,8 @@ def test_cuda_kernel_in_host_emulation_strides_ties_and_empty():
 @pytest.mark.parametrize("variant", ["1", "2"])
 def test_cuda_kernel_load_shapes_in_host_emulation(variant):
     """SPD_VERIFY_VARIANT is read once per process: the other two load shapes in a subprocess."""
-    code = ("import torch, sys; sys.path.insert(0, 'tests')\n"
-            "from test_kernels_verify_greedy import make_inputs, check_against_reference\n"
+    code = ("import torch, sys; sys.path.insert(0, 'tests/kernels')\n"
+            "from test_verify_greedy import make_inputs, check_against_reference\n"
             "from spd_kernels import _cuda\n"
             "for R, D, V in [(1, 64, 100), (9, 32, 77)]:\n"
             "    for dt in (torch.float32, torch.bfloat16):\n"
@@ -205,7 +205,7 @@ def test_cuda_kernel_load_shapes_in_host_emulation(variant):
             "            check_against_reference(*args, backend='cuda', exact=dt == torch.float32)\n"
             "print('OK')\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         cwd=Path(__file__).resolve().parents[1], timeout=300,
+                         cwd=Path(__file__).resolve().parents[2], timeout=300,
                          env={**os.environ, "SPD_VERIFY_VARIANT": variant})
     assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 

@@ -1,0 +1,323 @@
+"""Verification of drafted tokens against the target's final hidden states.
+
+Greedy: a draft is accepted iff it equals argmax of the target logits. Sampling: exact
+speculative rejection sampling (accept x ~ q with probability min(1, p(x)/q(x)); on rejection
+draw from the normalised residual max(p - q, 0)), which makes the output distributed exactly as
+p. The draft distribution q lives on the reduced draft vocabulary and is scattered to target ids
+through `draft_to_target`; it is zero elsewhere.
+
+Backends (see spd_kernels.dispatch):
+  verify_greedy            reference | triton (fused RMSNorm + LM-head GEMV + argmax + compare,
+                           vocabulary split over programs, partial maxima reduced by a second
+                           launch; the logits never reach memory) | cuda (same plan in C++)
+  rejection_sample         reference | triton (p and q given on target ids) | cuda
+  rejection_sample_logits  reference | triton (temperature / top-k / top-p computed in the kernel
+                           from the target logits; q on the draft vocabulary, mapped to target ids;
+                           uniforms given, or Philox with seed and offset in device tensors) |
+                           cuda (csrc/kernels/sampling.cu: one launch, one block per row for every pass;
+                           the same Philox stream as the Triton kernels)
+
+Two Triton plans for the rejection samplers: one program per row (thresholds by bisection over
+the row), and on a GPU from 16k entries a row a split-row plan: chunks of the row in parallel
+programs (stats; top-k / top-p thresholds by radix select; residual masses), then one program per
+row for the accept test and the draw inside the chunk that holds it.
+
+The kernels reproduce the reference's roundings (normed hidden state and logits rounded to the
+model dtype, argmax ties to the lowest id), so greedy verification agrees with the reference
+except where two logits differ by less than the fp32 accumulation error.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from spd_kernels import _alloc, _cuda, dispatch
+from spd_kernels._triton import HAS_TRITON, dtype_code, next_pow2, INTERPRET, triton, tl
+from spd_kernels.checks import (SPDInputError, check_integer, check_kernel_float, check_tensor,
+                                check_values_enabled, last_dim_contiguous)
+from spd_kernels.sampling import check_sampling_params, filtered_probs, sample_from_probs
+
+if HAS_TRITON:
+    from triton.language.random import uint_to_uniform_float
+
+    from spd_kernels._triton import float_key, round_to
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference
+# ------------------------------------------------------------------------------------------------
+
+def final_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """RMSNorm (computed in fp32, as Llama/Qwen do) then the LM head: [R, d] -> [R, V]."""
+    h = hidden.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    h = norm_weight * h.to(hidden.dtype)
+    return torch.nn.functional.linear(h, lm_head_weight)
+
+
+def _check_heads(hidden, norm_weight, lm_head_weight):
+    check_tensor("hidden", hidden, dim=2, floating=True)
+    check_tensor("norm_weight", norm_weight, dim=1, floating=True, device=hidden.device)
+    check_tensor("lm_head_weight", lm_head_weight, dim=2, floating=True, device=hidden.device)
+    d = hidden.shape[1]
+    if norm_weight.shape[0] != d or lm_head_weight.shape[1] != d:
+        raise SPDInputError(f"hidden size mismatch: hidden {d}, norm {norm_weight.shape[0]}, "
+                            f"lm_head {lm_head_weight.shape[1]}")
+    # both are dimensioned tensors here, so result_type == promote_types (traceable)
+    normed = torch.promote_types(norm_weight.dtype, hidden.dtype)
+    if normed != lm_head_weight.dtype:
+        raise SPDInputError(f"the normed hidden state has dtype {normed} (from hidden "
+                            f"{hidden.dtype} and norm_weight {norm_weight.dtype}) but lm_head_weight "
+                            f"has dtype {lm_head_weight.dtype}")
+
+
+@dispatch.register("verify_greedy", "reference")
+def verify_greedy_reference(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+    target = final_logits(hidden, norm_weight, eps, lm_head_weight).argmax(-1)
+    return target, target == draft_tokens.long()
+
+
+def verify_greedy(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                  lm_head_weight: torch.Tensor, draft_tokens: torch.Tensor, *,
+                  backend: str | None = None):
+    """hidden [R, d], draft_tokens [R] -> (target argmax [R] int64, accepted [R] bool)."""
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.verify_greedy(hidden, norm_weight, float(eps), lm_head_weight,
+                                           draft_tokens)
+    _check_heads(hidden, norm_weight, lm_head_weight)
+    check_tensor("draft_tokens", draft_tokens, dim=1, device=hidden.device)
+    check_integer("draft_tokens", draft_tokens)
+    if draft_tokens.shape[0] != hidden.shape[0]:
+        raise SPDInputError(f"{draft_tokens.shape[0]} draft tokens for {hidden.shape[0]} rows")
+    if not (eps >= 0.0):
+        raise SPDInputError(f"eps must be >= 0, got {eps}")
+    return dispatch.call("verify_greedy", hidden.device, hidden, norm_weight, float(eps),
+                         lm_head_weight, draft_tokens, backend=backend)
+
+
+def scatter_draft_probs(draft_probs: torch.Tensor, draft_to_target: torch.Tensor,
+                        vocab_size: int) -> torch.Tensor:
+    """q on the draft vocabulary [R, Vd] -> q on target ids [R, V] (zero outside the mapping)."""
+    check_tensor("draft_to_target", draft_to_target, dim=1, device=draft_probs.device)
+    if draft_to_target.shape[0] != draft_probs.shape[-1]:
+        raise SPDInputError(f"draft_to_target maps {draft_to_target.shape[0]} ids but draft_probs "
+                            f"has {draft_probs.shape[-1]} columns")
+    if draft_to_target.numel() and (int(draft_to_target.min()) < 0
+                                    or int(draft_to_target.max()) >= vocab_size):
+        raise SPDInputError(f"draft_to_target holds ids outside the target vocabulary [0, {vocab_size})")
+    q = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab_size, dtype=torch.float32)
+    return q.index_copy_(-1, draft_to_target.long(), draft_probs.float())
+
+
+def _check_rejection(target_probs, draft_probs, draft_tokens, uniforms):
+    check_tensor("target_probs", target_probs, dim=2, floating=True)
+    check_tensor("draft_probs", draft_probs, dim=2, floating=True, device=target_probs.device)
+    check_tensor("draft_tokens", draft_tokens, dim=1, device=target_probs.device)
+    check_integer("draft_tokens", draft_tokens)
+    check_tensor("uniforms", uniforms, dim=2, floating=True, device=target_probs.device)
+    rows, vocab = target_probs.shape
+    if draft_probs.shape != target_probs.shape:
+        raise SPDInputError(f"draft_probs shape {tuple(draft_probs.shape)} != target_probs shape "
+                            f"{tuple(target_probs.shape)}")
+    if draft_tokens.shape[0] != rows or uniforms.shape != (rows, 2):
+        raise SPDInputError(f"expected {rows} draft tokens and uniforms of shape ({rows}, 2)")
+    if rows and check_values_enabled(draft_tokens):
+        tok = draft_tokens
+        if int(tok.min()) < 0 or int(tok.max()) >= vocab:
+            raise SPDInputError(f"draft token ids must lie in [0, {vocab})")
+
+
+@dispatch.register("rejection_sample", "reference")
+def rejection_sample_reference(target_probs, draft_probs, draft_tokens, uniforms):
+    tok = draft_tokens.long()
+    p = target_probs.float()
+    q = draft_probs.float()
+    p_x = p.gather(1, tok[:, None]).squeeze(1)
+    q_x = q.gather(1, tok[:, None]).squeeze(1)
+    # u < p/q written without the division (q_x > 0 for a token actually drawn from q).
+    accepted = uniforms[:, 0].float() * q_x < p_x
+    residual = (p - q).clamp_min(0.0)
+    # If p == q the residual is empty; acceptance is then certain, but keep the draw well defined.
+    empty = residual.sum(-1) <= 0
+    residual = torch.where(empty[:, None], p, residual)
+    resampled = sample_from_probs(residual, uniforms[:, 1].float())
+    return torch.where(accepted, tok, resampled), accepted
+
+
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_tokens: torch.Tensor, uniforms: torch.Tensor, *,
+                     backend: str | None = None):
+    """Exact speculative sampling, row by row.
+
+    target_probs [R, V] = p, draft_probs [R, V] = q (both on target ids), draft_tokens [R] drawn
+    from q, uniforms [R, 2] in [0, 1): column 0 decides acceptance, column 1 drives the residual
+    draw. Returns (token [R] int64, accepted [R] bool): token is the draft where accepted, else
+    the residual sample.
+    """
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.rejection_sample(target_probs, draft_probs, draft_tokens, uniforms)
+    _check_rejection(target_probs, draft_probs, draft_tokens, uniforms)
+    return dispatch.call("rejection_sample", target_probs.device, target_probs, draft_probs,
+                         draft_tokens, uniforms, backend=backend)
+
+
+# --- fused: target logits + draft distribution on the draft vocabulary -------------------------
+
+_VOCAB_MAPS: dict = {}
+
+
+def target_to_draft_map(draft_to_target: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Inverse of draft_to_target: int32 [V] holding each target id's draft column, or -1.
+
+    Checks the mapping once (range, no duplicates) and caches the result per mapping tensor (the
+    object itself, held weakly, and its version counter), so steady-state calls pay no host
+    synchronisation.
+    """
+    key = id(draft_to_target)
+    hit = _VOCAB_MAPS.get(key)
+    if hit is not None:
+        ref, version, vocab, inv = hit
+        if ref() is draft_to_target and version == draft_to_target._version and vocab == vocab_size:
+            return inv
+    check_tensor("draft_to_target", draft_to_target, dim=1)
+    check_integer("draft_to_target", draft_to_target)
+    vd = draft_to_target.shape[0]
+    if vd and (int(draft_to_target.min()) < 0 or int(draft_to_target.max()) >= vocab_size):
+        raise SPDInputError(f"draft_to_target holds ids outside the target vocabulary "
+                            f"[0, {vocab_size})")
+    if vd and int(torch.unique(draft_to_target).numel()) != vd:
+        raise SPDInputError("draft_to_target maps two draft columns to the same target id")
+    inv = torch.full((vocab_size,), -1, dtype=torch.int32, device=draft_to_target.device)
+    inv[draft_to_target.long()] = torch.arange(vd, dtype=torch.int32, device=inv.device)
+    if len(_VOCAB_MAPS) > 16:
+        _VOCAB_MAPS.clear()
+    _VOCAB_MAPS[key] = (weakref.ref(draft_to_target), draft_to_target._version, vocab_size, inv)
+    return inv
+
+
+def _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
+                            temperature, top_k, top_p, philox_seed, philox_offset):
+    check_tensor("target_logits", target_logits, dim=2, floating=True)
+    dev = target_logits.device
+    rows, vocab = target_logits.shape
+    check_tensor("draft_probs", draft_probs, dim=2, floating=True, device=dev)
+    check_tensor("draft_to_target", draft_to_target, dim=1, device=dev)
+    check_integer("draft_to_target", draft_to_target)
+    check_tensor("draft_tokens", draft_tokens, dim=1, device=dev)
+    check_integer("draft_tokens", draft_tokens)
+    check_sampling_params(temperature, top_k, top_p)
+    if draft_probs.shape[0] != rows or draft_tokens.shape[0] != rows:
+        raise SPDInputError(f"target_logits has {rows} rows but draft_probs has "
+                            f"{draft_probs.shape[0]} and draft_tokens {draft_tokens.shape[0]}")
+    if draft_to_target.shape[0] != draft_probs.shape[1]:
+        raise SPDInputError(f"draft_to_target maps {draft_to_target.shape[0]} ids but draft_probs "
+                            f"has {draft_probs.shape[1]} columns")
+    if draft_probs.shape[1] > vocab:
+        raise SPDInputError(f"the draft vocabulary ({draft_probs.shape[1]}) is larger than the "
+                            f"target's ({vocab})")
+    if uniforms is not None:
+        check_tensor("uniforms", uniforms, dim=2, floating=True, device=dev)
+        if uniforms.shape != (rows, 2):
+            raise SPDInputError(f"uniforms must have shape ({rows}, 2), got {tuple(uniforms.shape)}")
+        if philox_seed is not None or philox_offset is not None:
+            raise SPDInputError("give either uniforms or philox_seed/philox_offset, not both")
+    else:
+        if philox_seed is None or philox_offset is None:
+            raise SPDInputError("rejection sampling needs randomness: pass uniforms [R, 2] or "
+                                "philox_seed and philox_offset (int64 tensors of one element)")
+        for name, t in (("philox_seed", philox_seed), ("philox_offset", philox_offset)):
+            check_tensor(name, t, dtype=torch.int64, device=dev)
+            if t.numel() != 1:
+                raise SPDInputError(f"{name} must hold exactly one element, got shape "
+                                    f"{tuple(t.shape)}")
+    if rows and check_values_enabled(draft_tokens):
+        if int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= vocab:
+            raise SPDInputError(f"draft token ids must lie in [0, {vocab})")
+    if check_values_enabled(draft_to_target):
+        target_to_draft_map(draft_to_target, vocab)  # range and duplicates (cached per mapping)
+
+
+def _philox_uniforms_reference(rows, device, philox_seed, philox_offset):
+    """Uniforms for the reference when only a seed/offset pair is given (host sync; the stream
+    differs from the Triton kernel's Philox: bit-for-bit comparisons go through `uniforms`)."""
+    seed, off = int(philox_seed.reshape(-1)[0]), int(philox_offset.reshape(-1)[0])
+    gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + off) % (1 << 63))
+    philox_offset.add_(rows)
+    return torch.rand(rows, 2, generator=gen).to(device)
+
+
+@dispatch.register("rejection_sample_logits", "reference")
+def rejection_sample_logits_reference(target_logits, draft_probs, draft_to_target, draft_tokens,
+                                      uniforms=None, temperature=1.0, top_k=0, top_p=1.0,
+                                      philox_seed=None, philox_offset=None):
+    rows, vocab = target_logits.shape
+    if uniforms is None:
+        uniforms = _philox_uniforms_reference(rows, target_logits.device, philox_seed,
+                                              philox_offset)
+    p = filtered_probs(target_logits, temperature, top_k, top_p)
+    q = scatter_draft_probs(draft_probs, draft_to_target, vocab)
+    return rejection_sample_reference(p, q, draft_tokens, uniforms)
+
+
+def rejection_sample_logits(target_logits: torch.Tensor, draft_probs: torch.Tensor,
+                            draft_to_target: torch.Tensor, draft_tokens: torch.Tensor,
+                            uniforms: torch.Tensor | None = None, *, temperature: float = 1.0,
+                            top_k: int = 0, top_p: float = 1.0,
+                            philox_seed: torch.Tensor | None = None,
+                            philox_offset: torch.Tensor | None = None,
+                            backend: str | None = None):
+    """Exact speculative sampling straight from the target logits.
+
+    target_logits [R, V]; p = filtered_probs(target_logits, temperature, top_k, top_p) (the same
+    rules as `sampling.filtered_probs`; temperature 0 is greedy). draft_probs [R, Vd]: q on the
+    draft vocabulary, column c standing for target id draft_to_target[c] ([Vd] int, distinct ids in
+    [0, V)). draft_tokens [R]: the drafted target ids. Randomness: uniforms [R, 2] (as in
+    `rejection_sample`, so backends agree bit for bit) or philox_seed/philox_offset (int64 device
+    tensors of one element; the offset advances by R per call, so a captured CUDA graph draws new
+    numbers on every replay). Returns (token [R] int64, accepted [R] bool).
+    """
+    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
+        return torch.ops.spd.rejection_sample_logits(
+            target_logits, draft_probs, draft_to_target, draft_tokens, uniforms, philox_seed,
+            philox_offset, float(temperature), int(top_k), float(top_p))
+    _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
+                            temperature, top_k, top_p, philox_seed, philox_offset)
+    return dispatch.call("rejection_sample_logits", target_logits.device, target_logits,
+                         draft_probs, draft_to_target, draft_tokens, uniforms, float(temperature),
+                         int(top_k), float(top_p), philox_seed, philox_offset, backend=backend)
+
+
+# The launchers register with the dispatcher on import; their names stay importable from
+# spd_kernels.verify (the @triton.jit kernels live in the submodules only).
+from spd_kernels.verify.triton_greedy import (_greedy_blocks,
+                                              _triton_greedy_supports,
+                                              verify_greedy_triton)  # noqa: E402,F401
+from spd_kernels.verify.triton_split import (RADIX_BLOCK, RADIX_MAX_CHUNKS,
+                                             SPLIT_MIN_VOCAB, SPLIT_WARPS,
+                                             _launch_split, _radix_select,
+                                             _split_block, _split_chunk,
+                                             _split_row_stats)  # noqa: E402,F401
+from spd_kernels.verify.triton_rejection import (_float_ok, _launch_rejection,
+                                                 _rejection_block,
+                                                 _rejection_outputs,
+                                                 _rs_supports, _rsl_supports,
+                                                 rejection_sample_logits_triton,
+                                                 rejection_sample_triton)  # noqa: E402,F401
+from spd_kernels.verify.cuda import (_cuda_greedy_supports,
+                                     _launch_rejection_cuda,
+                                     rejection_sample_cuda,
+                                     rejection_sample_logits_cuda,
+                                     verify_greedy_cuda)  # noqa: E402,F401
+
+if HAS_TRITON:  # the kernels by name too: spd_kernels.testing compiles each for sm_90
+    from spd_kernels.verify.triton_greedy import (_greedy_partial_kernel,  # noqa: F401
+                                                  _greedy_reduce_kernel)
+    from spd_kernels.verify.triton_rejection import _rejection_kernel  # noqa: F401
+    from spd_kernels.verify.triton_split import (_radix_hist_kernel,  # noqa: F401
+                                                 _radix_select_kernel, _split_finish_kernel,
+                                                 _split_residual_kernel, _split_stats_kernel)
+
+__all__ = ["filtered_probs", "final_logits", "rejection_sample", "rejection_sample_logits",
+           "scatter_draft_probs", "target_to_draft_map", "verify_greedy"]

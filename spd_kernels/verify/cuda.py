@@ -1,0 +1,92 @@
+"""The Python side of csrc/kernels/verify.cu and csrc/kernels/sampling.cu: supports checks and launchers."""
+from __future__ import annotations
+
+import torch
+
+from spd_kernels import _alloc, _cuda, dispatch
+from spd_kernels._triton import HAS_TRITON, dtype_code, next_pow2, INTERPRET, triton, tl
+from spd_kernels.checks import check_kernel_float, last_dim_contiguous
+
+if HAS_TRITON:
+    from triton.language.random import uint_to_uniform_float
+
+    from spd_kernels._triton import float_key, round_to
+
+from spd_kernels.verify import target_to_draft_map
+from spd_kernels.verify.triton_greedy import _triton_greedy_supports
+from spd_kernels.verify.triton_rejection import (_rejection_outputs, _rs_supports, _rsl_supports)
+
+# ------------------------------------------------------------------------------------------------
+# CUDA C++ (csrc/kernels/verify.cu)
+# ------------------------------------------------------------------------------------------------
+
+def _cuda_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+    if not (hidden.dtype == norm_weight.dtype == lm_head_weight.dtype):
+        return (f"the CUDA kernel needs one dtype for hidden, norm_weight and lm_head_weight, got "
+                f"{hidden.dtype}, {norm_weight.dtype}, {lm_head_weight.dtype}")
+    return _triton_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens)
+
+
+@dispatch.register("verify_greedy", "cuda", supports=_cuda_greedy_supports)
+def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+    ext = _cuda.ext()
+    R, D = hidden.shape
+    V = lm_head_weight.shape[0]
+    target = _alloc.empty(R, dtype=torch.int64, device=hidden.device)
+    accepted = _alloc.empty(R, dtype=torch.bool, device=hidden.device)
+    if R == 0:
+        return target, accepted
+    draft_tokens = draft_tokens.contiguous()
+    nb = ext.verify_greedy_num_blocks(V)
+    pval = _alloc.empty(R, nb, dtype=torch.float32, device=hidden.device)
+    pidx = _alloc.empty(R, nb, dtype=torch.int32, device=hidden.device)
+    ext.verify_greedy(hidden.data_ptr(), hidden.stride(0), norm_weight.data_ptr(),
+                      lm_head_weight.data_ptr(), lm_head_weight.stride(0),
+                      draft_tokens.data_ptr(), draft_tokens.dtype == torch.int64,
+                      pval.data_ptr(), pidx.data_ptr(), target.data_ptr(), accepted.data_ptr(),
+                      R, D, V, float(eps), dtype_code(hidden.dtype), _cuda.stream_of(hidden))
+    return target, accepted
+
+
+def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature,
+                           top_k, top_p, from_logits):
+    """One block per row does every pass (csrc/kernels/sampling.cu); same arguments as the Triton plan."""
+    ext = _cuda.ext()
+    R, V = x.shape
+    out, acc, tok = _rejection_outputs(x, tok)
+    if R == 0:
+        return out, acc
+    philox = uniforms is None
+    if not philox:
+        uniforms = uniforms.float()
+        if uniforms.stride(1) != 1:
+            uniforms = uniforms.contiguous()
+    ext.rejection_sample(x.data_ptr(), x.stride(0), dtype_code(x.dtype), q.data_ptr(), q.stride(0),
+                         dtype_code(q.dtype), 0 if t2d is None else t2d.data_ptr(),
+                         tok.data_ptr(), tok.dtype == torch.int64,
+                         0 if philox else uniforms.data_ptr(), 0 if philox else uniforms.stride(0),
+                         philox_seed.data_ptr() if philox else 0,
+                         philox_offset.data_ptr() if philox else 0, out.data_ptr(),
+                         acc.data_ptr(), R, V, float(temperature), int(top_k), float(top_p),
+                         from_logits, _cuda.stream_of(x))
+    if philox:
+        philox_offset.add_(R)  # after the launch: every block read the old value
+    return out, acc
+
+
+# The CUDA sampler is checked in the host emulation but not yet timed on a GPU against the
+# Triton plans: until it is, it runs only when asked for (backend="cuda", SPD_BACKEND).
+@dispatch.register("rejection_sample", "cuda", supports=_rs_supports, automatic=False)
+def rejection_sample_cuda(target_probs, draft_probs, draft_tokens, uniforms):
+    return _launch_rejection_cuda(target_probs, draft_probs, None, draft_tokens, uniforms, None,
+                                  None, 1.0, 0, 1.0, from_logits=False)
+
+
+@dispatch.register("rejection_sample_logits", "cuda", supports=_rsl_supports, automatic=False)
+def rejection_sample_logits_cuda(target_logits, draft_probs, draft_to_target, draft_tokens,
+                                 uniforms=None, temperature=1.0, top_k=0, top_p=1.0,
+                                 philox_seed=None, philox_offset=None):
+    t2d = target_to_draft_map(draft_to_target, target_logits.shape[1])
+    return _launch_rejection_cuda(target_logits, draft_probs, t2d, draft_tokens, uniforms,
+                                  philox_seed, philox_offset, temperature, top_k, top_p,
+                                  from_logits=True)
