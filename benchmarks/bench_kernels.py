@@ -10,7 +10,8 @@ step on the CUDA kernels; for fused_linear / fused_swiglu
 cuda_cg, the CUDA kernel's launches as a graph, and cuda_1split(_cg) / cuda_2x_split(_cg), the same
 kernel with one K split or twice its plan's (to tune the plan); for the anchor projection
 cuda_mma(_cg), the tensor-core variant (SPD_ANCHOR_VARIANT=mma); for the attention also
-triton_1split and cuda_1split(_cg), the keys not split over programs; for sampling triton_1prog, one program a row
+triton_1split and cuda_1split(_cg), the keys not split over programs; for sampling triton_1prog,
+one program a row
 instead of the split-row plan; for every op with a CUDA kernel also cuda_pdl(_cg), the same
 kernels as programmatic dependent launches, SPD_PDL=1, and triton_pdl(_cg) for the Triton kernels
 of the PDM step's graph) it prints the median
@@ -21,7 +22,8 @@ benchmarks/results/<date>-kernels-<device>.json).
 
 On a GPU it also sets each kernel registered on request only (not yet timed) against what the
 automatic choice runs for the same case ("challenger" lines, JSON `challengers`: speedup > 1
-argues for making it automatic), and checks the issue's targets (Qwen3-4B shapes): verify within 1.2x of reading the
+argues for making it automatic), and checks the issue's targets (Qwen3-4B shapes): verify within
+1.2x of reading the
 LM head once; anchor projection within 1.25x of its floor; the PDM step (3 layers, 32k draft
 vocabulary, 9 rows) within 1.5x of its weight-read floor and faster than a 4-layer stage; KV
 truncation under 5 us with no host synchronisation.
@@ -47,6 +49,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import math
 import os
 import platform
@@ -57,8 +60,6 @@ from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
 
-import logging
-
 import torch
 
 import spd_kernels
@@ -66,14 +67,29 @@ from spd.model.loading import describe_device
 from spd_kernels import _cuda, dispatch
 from spd_kernels.features import anchor_projection_cuda_mma, anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
-from spd_kernels.linear import (cuda_launch, cuda_plan, fused_linear_reference,
-                                fused_swiglu_reference)
-from spd_kernels.pdm import (LayerWeights, PDMWeights, attention_cuda_launch, attention_launch,
-                             pack_qkv,
-                             cache_attention_reference, pdm_step, qkv_rope_append_reference)
+from spd_kernels.linear import (
+    cuda_launch,
+    cuda_plan,
+    fused_linear_reference,
+    fused_swiglu_reference,
+)
+from spd_kernels.pdm import (
+    LayerWeights,
+    PDMWeights,
+    attention_cuda_launch,
+    attention_launch,
+    cache_attention_reference,
+    pack_qkv,
+    pdm_step,
+    qkv_rope_append_reference,
+)
 from spd_kernels.testing import cuda_context_error
-from spd_kernels.verify import (_launch_rejection, rejection_sample_logits_reference,
-                                target_to_draft_map, verify_greedy_reference)
+from spd_kernels.verify import (
+    _launch_rejection,
+    rejection_sample_logits_reference,
+    target_to_draft_map,
+    verify_greedy_reference,
+)
 
 
 @dataclass(frozen=True)
@@ -145,7 +161,7 @@ def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     src = torch.empty(n, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
     med, _ = timer(lambda: dst.copy_(src))
-    del src, dst
+    src = dst = None  # free the buffers before the timed ops run
     return 2 * n / (med * 1e-6) / 1e9
 
 

@@ -22,11 +22,11 @@ import torch
 
 import spd.runtime.sequence as cycle
 from spd.draft.drafters import top_probability
-from spd.runtime.engine import SPDEngine
-from spd.runtime.types import SamplingParams
+from spd.draft.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
 from spd.evaluation.evaluate import collect_sets, encode_question
 from spd.model.loading import describe_device, load_target
-from spd.draft.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
+from spd.runtime.engine import SPDEngine
+from spd.runtime.types import SamplingParams
 
 
 class _Recorder:

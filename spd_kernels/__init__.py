@@ -9,6 +9,7 @@ runtimes.
 """
 from importlib import metadata as _metadata
 
+from spd_kernels import library  # noqa: F401  (registers torch.ops.spd.*)
 from spd_kernels.checks import SPDInputError
 from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
@@ -17,7 +18,6 @@ from spd_kernels.linear import fused_linear, fused_swiglu
 from spd_kernels.pdm import cache_attention, pdm_step, qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
-from spd_kernels import library  # noqa: F401  (registers torch.ops.spd.*)
 
 try:
     __version__ = _metadata.version("spd")

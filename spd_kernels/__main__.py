@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import torch
 
-from spd_kernels import _cuda, dispatch
+from spd_kernels import _cuda, dispatch, env
 
 
 def _pick(op: str, device: torch.device) -> str:
@@ -29,7 +28,7 @@ def report() -> dict:
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     for op, row in info["ops"].items():
         row["picked"] = {str(d): _pick(op, d) for d in devices}
-    info["spd_backend_env"] = os.environ.get("SPD_BACKEND")
+    info["spd_backend_env"] = env.BACKEND.get() or None
     info["host_emulation_error"] = _cuda.simt_unavailable_reason()
     info["devices"] = [str(d) for d in devices]
     return info

@@ -12,6 +12,8 @@ import importlib.util
 import os
 import sys
 
+from spd_kernels import env
+
 _ext = None
 _error: str | None = None
 _loaded = False
@@ -60,7 +62,7 @@ def simulating() -> bool:
 def _load_simt():
     """(the host emulation module, None) or (None, why it is not there). SPD_SIMT_LIBRARY names
     another build of it to load instead (the sanitized one: tests/sanitize_emulation.sh)."""
-    name, path = "spd_kernels._spd_simt", os.environ.get("SPD_SIMT_LIBRARY")
+    name, path = "spd_kernels._spd_simt", env.SIMT_LIBRARY.get() or None
     if path and name not in sys.modules:
         try:
             spec = importlib.util.spec_from_file_location(name, path)
@@ -146,7 +148,7 @@ def programmatic_launch_enabled() -> bool:
     first call; a bad value raises SPDInputError naming it)."""
     global _programmatic
     if _programmatic is None:
-        raw = os.environ.get("SPD_PDL", "0").strip().lower()
+        raw = env.PDL.get().strip().lower()
         if raw not in ("0", "1", "", "false", "true", "off", "on"):
             from spd_kernels.checks import SPDInputError
             raise SPDInputError(f"SPD_PDL={raw!r}: use 1 (programmatic dependent launch) or 0 "

@@ -1,9 +1,9 @@
 """Argument checks shared by the ops: a clear error at the Python boundary, never a crash inside."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from spd_kernels import env
 
 
 class SPDInputError(ValueError):
@@ -62,6 +62,6 @@ def check_values_enabled(*tensors: torch.Tensor) -> bool:
     """
     if all(t.device.type == "cpu" for t in tensors):
         return True
-    if os.environ.get("SPD_CHECK_VALUES", "0") != "1":
+    if env.CHECK_VALUES.get() != "1":
         return False
     return not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())

@@ -20,14 +20,13 @@ choice never raises for that reason, it falls back to the next backend.
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from spd_kernels import _cuda
+from spd_kernels import _cuda, env
 from spd_kernels._triton import HAS_TRITON, INTERPRET
 
 BACKENDS = ("cuda", "triton", "reference")
@@ -122,7 +121,7 @@ def requested_backend(op: str, explicit: str | None = None) -> str:
             return per_op[op]
         if default is not None:
             return default
-    default, per_op = _parse_env(os.environ.get("SPD_BACKEND", ""))
+    default, per_op = _parse_env(env.BACKEND.get())
     return per_op.get(op, default) or "auto"
 
 

@@ -23,15 +23,19 @@ On device tensors the kernels write NaN for a row whose type is out of range or 
 """
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 
-from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, triton, tl
-from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
-                                check_values_enabled, last_dim_contiguous)
+from spd_kernels import _alloc, _cuda, dispatch, env
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, tl, triton
+from spd_kernels.checks import (
+    SPDInputError,
+    check_kernel_float,
+    check_tensor,
+    check_values_enabled,
+    last_dim_contiguous,
+)
 
 if HAS_TRITON:
     from spd_kernels._triton import pdl_enter, round_to
@@ -287,7 +291,7 @@ MMA_TILE = 64  # output columns per block of the tensor-core kernel (kMmaTile, f
 def cuda_variant() -> str:
     """SPD_ANCHOR_VARIANT: ffma (default: the kernel timed on the H200) or mma (the tensor-core
     kernel, bf16 / fp16 only, not timed on a GPU yet)."""
-    v = os.environ.get("SPD_ANCHOR_VARIANT", "ffma").strip().lower() or "ffma"
+    v = env.ANCHOR_VARIANT.get().strip().lower() or "ffma"
     if v not in CUDA_VARIANTS:
         raise SPDInputError(f"SPD_ANCHOR_VARIANT must be one of {', '.join(CUDA_VARIANTS)}, got {v!r}")
     return v

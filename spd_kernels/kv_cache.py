@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from spd_kernels import _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, triton, tl
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, tl, triton
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, check_values_enabled
 
 

@@ -34,8 +34,16 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, sm_count,
-                                 triton, tl)
+from spd_kernels._triton import (
+    HAS_TRITON,
+    INTERPRET,
+    dtype_code,
+    next_pow2,
+    pdl,
+    sm_count,
+    tl,
+    triton,
+)
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, last_dim_contiguous
 
 if HAS_TRITON:

@@ -46,13 +46,17 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import (HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, triton,
-                                 tl)
-from spd_kernels.checks import (SPDInputError, check_kernel_float, check_tensor,
-                                check_values_enabled, last_dim_contiguous)
-from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, pdl, tl, triton
+from spd_kernels.checks import (
+    SPDInputError,
+    check_kernel_float,
+    check_tensor,
+    check_values_enabled,
+    last_dim_contiguous,
+)
 from spd_kernels.linear import _supports as linear_kernel_supports
 from spd_kernels.linear import cuda_launch as linear_cuda_launch
+from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
 from spd_kernels.linear import launch as linear_launch
 
 if HAS_TRITON:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from cuda_guard import WORKER_EXIT_CODE, CudaContextGuard
+
 from spd_kernels.testing import cuda_context_error
 
 pytest_plugins = ("pytester",)

@@ -4,17 +4,15 @@ from __future__ import annotations
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, dtype_code, next_pow2, INTERPRET, triton, tl
-from spd_kernels.checks import check_kernel_float, last_dim_contiguous
+from spd_kernels._triton import HAS_TRITON, dtype_code
 
 if HAS_TRITON:
-    from triton.language.random import uint_to_uniform_float
 
-    from spd_kernels._triton import float_key, round_to
+    pass
 
 from spd_kernels.verify import target_to_draft_map
 from spd_kernels.verify.triton_greedy import _triton_greedy_supports
-from spd_kernels.verify.triton_rejection import (_rejection_outputs, _rs_supports, _rsl_supports)
+from spd_kernels.verify.triton_rejection import _rejection_outputs, _rs_supports, _rsl_supports
 
 # ------------------------------------------------------------------------------------------------
 # CUDA C++ (csrc/kernels/verify.cu)

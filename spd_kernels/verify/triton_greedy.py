@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import torch
 
-from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, dtype_code, next_pow2, INTERPRET, triton, tl
+from spd_kernels import _alloc, dispatch
+from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, tl, triton
 from spd_kernels.checks import check_kernel_float, last_dim_contiguous
 
 if HAS_TRITON:
-    from triton.language.random import uint_to_uniform_float
 
-    from spd_kernels._triton import float_key, round_to
+    from spd_kernels._triton import round_to
 
 # ------------------------------------------------------------------------------------------------
 # Triton

@@ -2,16 +2,12 @@
 split-row plan): p and q of a chunk, the accept test, the inverse-CDF walk, the uniforms."""
 from __future__ import annotations
 
-import torch
-
-from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, dtype_code, next_pow2, INTERPRET, triton, tl
-from spd_kernels.checks import check_kernel_float, last_dim_contiguous
+from spd_kernels._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
     from triton.language.random import uint_to_uniform_float
 
-    from spd_kernels._triton import float_key, round_to
+    from spd_kernels._triton import float_key
 
 if HAS_TRITON:
 

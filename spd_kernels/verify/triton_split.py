@@ -5,18 +5,21 @@ from __future__ import annotations
 
 import torch
 
-from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, dtype_code, next_pow2, INTERPRET, triton, tl
-from spd_kernels.checks import check_kernel_float, last_dim_contiguous
+from spd_kernels._triton import HAS_TRITON, INTERPRET, next_pow2, tl, triton
 
 if HAS_TRITON:
-    from triton.language.random import uint_to_uniform_float
 
-    from spd_kernels._triton import float_key, round_to
+    from spd_kernels._triton import float_key
 
 if HAS_TRITON:  # the shared @triton.jit helpers
-    from spd_kernels.verify.triton_helpers import (_judge, _online_max, _p_chunk, _q_chunk, _walk,
-                                                   _x_chunk)
+    from spd_kernels.verify.triton_helpers import (
+        _judge,
+        _online_max,
+        _p_chunk,
+        _q_chunk,
+        _walk,
+        _x_chunk,
+    )
 
 if HAS_TRITON:
     # Split-row plan (no top-k / top-p): the row is cut into NB chunks, one program each, so a

@@ -5,16 +5,16 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SamplingParams, SPDEngine
-from spd.train.distill import FeatureSet, extract_features
 from spd.baselines.eagle import EagleHead, find_eagle, find_shipped_eagle
 from spd.baselines.eagle_decode import EagleDecoder
 from spd.baselines.eagle_train import EagleDistiller, EagleTrainConfig, train_eagle
+from spd.draft.pdm import PipelineDraftModule
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
-from spd.draft.pdm import PipelineDraftModule
+from spd.train.distill import FeatureSet, extract_features
 from spd_kernels import filtered_probs
 from spd_kernels.testing import chi2_pvalue
 

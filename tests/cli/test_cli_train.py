@@ -9,8 +9,8 @@ from spd.cli import main
 
 @pytest.fixture(scope="module")
 def tiny_setup(tmp_path_factory):
-    from spd.train.distill import extract_features
     from spd.model.loading import load_target, save_tiny_random_llama
+    from spd.train.distill import extract_features
     root = tmp_path_factory.mktemp("cli-train")
     model_dir = save_tiny_random_llama(root / "model")
     t = load_target(str(model_dir))
@@ -88,6 +88,7 @@ def test_train_with_fill_and_argmax_weights(tiny_setup, tmp_path):
 
 def test_fill_level_sampling_follows_the_weights():
     import random
+
     from spd.errors import SPDError
     from spd.train.trainer import TrainConfig, sample_fill
     rng = random.Random(0)
@@ -110,8 +111,8 @@ def test_fill_level_sampling_follows_the_weights():
 
 
 def test_train_on_extra_feature_folders(tiny_setup, tmp_path):
-    from spd.train.distill import extract_features
     from spd.model.loading import load_target
+    from spd.train.distill import extract_features
     model_dir, _ = tiny_setup
     g = torch.Generator().manual_seed(1)
     seqs = [torch.randint(0, 500, (24,), generator=g).tolist() for _ in range(6)]

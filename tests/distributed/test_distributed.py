@@ -22,19 +22,19 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SamplingParams, SPDEngine
 from spd.cli import main
-from spd.model.prompt import encode_prompt
 from spd.distributed.config import DistConfig, GenerateRequest, SpeculationPolicy, parse_fault
 from spd.distributed.faults import RankFailedError
 from spd.distributed.handshake import check_handshake
+from spd.distributed.launch import launch_local
 from spd.distributed.rank import run_forever, run_requests
 from spd.draft.drafters import ReferenceDrafter
-from spd.errors import SPDError
-from spd.distributed.launch import launch_local
 from spd.draft.pdm import PipelineDraftModule
+from spd.errors import SPDError
+from spd.model.prompt import encode_prompt
 from spd.model.target import TargetModel
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

@@ -4,8 +4,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SPDEngine
 from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN, TRUST, NgramLookup

@@ -1,8 +1,8 @@
 """The PDM draft step as CUDA-graph replays (spd.draft.graphs): same logits as the eager step."""
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SamplingParams, SPDEngine
 from spd.draft.drafters import PDMDrafter, ReferenceDrafter
 from spd.draft.graphs import graphs_enabled

@@ -3,14 +3,14 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
-from spd.evaluation.cost_model import Costs, measure_costs
-from spd.evaluation.methods import adjusted_speedup, devices_used
-from spd.train.distill import FeatureSet, extract_features
+
 from spd.errors import SPDError
+from spd.evaluation.cost_model import Costs, measure_costs
 from spd.evaluation.grid import GridSpec, plan_cells, run_grid
+from spd.evaluation.methods import adjusted_speedup, devices_used
 from spd.evaluation.report import markdown, write_report
+from spd.train.distill import FeatureSet, extract_features
 from spd.train.trainer import TrainConfig, train
 
 VOCAB = 40
@@ -117,8 +117,8 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
 
     # Resume: every cell is finished, so nothing decodes again; a skipped cell is tried again
     # (its drafter may exist now).
-    from spd.runtime.engine import SPDEngine
     import spd.evaluation.grid as harness
+    from spd.runtime.engine import SPDEngine
     tried = []
     real_get = harness._Decoders.get
 

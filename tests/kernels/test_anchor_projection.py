@@ -3,13 +3,20 @@ anchors read in place through their strides, outputs poisoned first."""
 import pytest
 import torch
 
-from spd_kernels import SPDBackendError, SPDInputError, anchor_projection
-from spd_kernels import _cuda, dispatch
-from spd_kernels.features import (anchor_projection_cuda, anchor_projection_cuda_mma,
-                                  anchor_projection_reference, anchor_projection_triton,
-                                  mma_plan)
-from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
-                                 poisoned_outputs)
+from spd_kernels import SPDBackendError, SPDInputError, _cuda, anchor_projection, dispatch
+from spd_kernels.features import (
+    anchor_projection_cuda,
+    anchor_projection_cuda_mma,
+    anchor_projection_reference,
+    anchor_projection_triton,
+    mma_plan,
+)
+from spd_kernels.testing import (
+    SIMT_SKIP_REASON,
+    TRITON_DEVICE,
+    TRITON_SKIP_REASON,
+    poisoned_outputs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)

@@ -8,8 +8,12 @@ import pytest
 import torch
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, cache_attention, dispatch, pdm
-from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
-                                 poisoned_outputs)
+from spd_kernels.testing import (
+    SIMT_SKIP_REASON,
+    TRITON_DEVICE,
+    TRITON_SKIP_REASON,
+    poisoned_outputs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)

@@ -2,13 +2,22 @@
 optional arguments left out (the schemas carry the Python functions' defaults)."""
 from __future__ import annotations
 
-import pytest
 import torch
 
 import spd_kernels
-from spd_kernels import (anchor_projection, cache_attention, filtered_probs, fused_linear,
-                         fused_swiglu, qkv_rope_append, rejection_sample, rejection_sample_logits,
-                         sample_from_probs, truncate_kv_, verify_greedy)
+from spd_kernels import (
+    anchor_projection,
+    cache_attention,
+    filtered_probs,
+    fused_linear,
+    fused_swiglu,
+    qkv_rope_append,
+    rejection_sample,
+    rejection_sample_logits,
+    sample_from_probs,
+    truncate_kv_,
+    verify_greedy,
+)
 
 
 def compiled(fn):

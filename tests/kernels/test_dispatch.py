@@ -2,8 +2,8 @@
 forcing with clear errors, and the SPD engine staying lossless with every op forced to Triton."""
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SamplingParams, SPDEngine
 from spd_kernels import SPDBackendError, _cuda, dispatch, truncate_kv_, use_backend
 from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE

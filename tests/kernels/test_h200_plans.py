@@ -6,8 +6,11 @@ import pytest
 import torch
 
 from spd_kernels import _cuda, pdm, verify_greedy
-from spd_kernels.features import (anchor_projection_cuda, anchor_projection_cuda_mma,
-                                  anchor_projection_reference)
+from spd_kernels.features import (
+    anchor_projection_cuda,
+    anchor_projection_cuda_mma,
+    anchor_projection_reference,
+)
 from spd_kernels.linear import cuda_launch, fused_linear_reference, fused_swiglu_reference
 from spd_kernels.testing import SIMT_SKIP_REASON, poisoned_outputs
 from spd_kernels.verify import final_logits

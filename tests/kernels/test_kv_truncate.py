@@ -3,8 +3,7 @@ one launch, debug poison of exactly the dropped rows (rows kept and rows never w
 import pytest
 import torch
 
-from spd_kernels import SPDBackendError, SPDInputError, truncate_kv_
-from spd_kernels import _cuda, dispatch
+from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, truncate_kv_
 from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON
 

@@ -5,13 +5,24 @@ the K dimension split over programs (partial sums reduced by a last launch)."""
 import pytest
 import torch
 
-from spd_kernels import (SPDBackendError, SPDInputError, _cuda, dispatch, fused_linear,
-                         fused_swiglu)
-from spd_kernels.linear import (CUDA_MAX_ROWS, MAX_KERNEL_ROWS, cuda_launch, cuda_plan,
-                                fused_linear_reference, fused_swiglu_reference, launch, plan)
+from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, fused_linear, fused_swiglu
 from spd_kernels._triton import dtype_code
-from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
-                                 poisoned_outputs)
+from spd_kernels.linear import (
+    CUDA_MAX_ROWS,
+    MAX_KERNEL_ROWS,
+    cuda_launch,
+    cuda_plan,
+    fused_linear_reference,
+    fused_swiglu_reference,
+    launch,
+    plan,
+)
+from spd_kernels.testing import (
+    SIMT_SKIP_REASON,
+    TRITON_DEVICE,
+    TRITON_SKIP_REASON,
+    poisoned_outputs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)

@@ -4,8 +4,15 @@ import math
 import pytest
 import torch
 
-from spd_kernels import (SPDInputError, anchor_projection, filtered_probs, rejection_sample,
-                         sample_from_probs, truncate_kv_, verify_greedy)
+from spd_kernels import (
+    SPDInputError,
+    anchor_projection,
+    filtered_probs,
+    rejection_sample,
+    sample_from_probs,
+    truncate_kv_,
+    verify_greedy,
+)
 from spd_kernels.testing import chi2_pvalue as chi2_test
 from spd_kernels.verify import final_logits, scatter_draft_probs
 
@@ -75,8 +82,11 @@ def test_verify_greedy_matches_logits_argmax():
 
 
 def test_filtered_probs_matches_transformers_warpers():
-    from transformers.generation.logits_process import (TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
     g = torch.Generator().manual_seed(2)
     logits = torch.randn(4, 100, generator=g) * 3
     for temp, k, p in [(0.7, 0, 1.0), (1.0, 10, 1.0), (1.3, 0, 0.8), (0.9, 20, 0.5)]:

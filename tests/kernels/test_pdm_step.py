@@ -3,15 +3,18 @@ reference, the plain-tensor step (with cache_attention, tests/kernels/test_atten
 spd.model.layers, and the runtime's PipelineDraftModule.step running it bit for bit."""
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SPDEngine
 from spd.model.layers import decoder_layer_step, rope_table
-from spd_kernels import SPDInputError, _cuda, dispatch, pdm_step, qkv_rope_append, use_backend
-from spd_kernels import pdm
+from spd_kernels import SPDInputError, _cuda, dispatch, pdm, pdm_step, qkv_rope_append, use_backend
 from spd_kernels.pdm import LayerWeights, PDMWeights
-from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
-                                 poisoned_outputs)
+from spd_kernels.testing import (
+    SIMT_SKIP_REASON,
+    TRITON_DEVICE,
+    TRITON_SKIP_REASON,
+    poisoned_outputs,
+)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)

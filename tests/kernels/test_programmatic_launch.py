@@ -17,8 +17,15 @@ import pytest
 import torch
 
 from spd.model.layers import rope_table
-from spd_kernels import (_cuda, anchor_projection, dispatch, pdm_step, rejection_sample_logits,
-                         truncate_kv_, verify_greedy)
+from spd_kernels import (
+    _cuda,
+    anchor_projection,
+    dispatch,
+    pdm_step,
+    rejection_sample_logits,
+    truncate_kv_,
+    verify_greedy,
+)
 from spd_kernels.pdm import LayerWeights, PDMWeights
 from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON
 

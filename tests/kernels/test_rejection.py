@@ -9,13 +9,28 @@ import math
 import pytest
 import torch
 
-from spd_kernels import SPDInputError, rejection_sample, rejection_sample_logits
-from spd_kernels import _cuda, dispatch, verify
+from spd_kernels import (
+    SPDInputError,
+    _cuda,
+    dispatch,
+    rejection_sample,
+    rejection_sample_logits,
+    verify,
+)
 from spd_kernels.sampling import filtered_probs, sample_from_probs
-from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON, chi2_pvalue,
-                                 poisoned_outputs)
-from spd_kernels.verify import (rejection_sample_logits_reference, rejection_sample_reference,
-                                scatter_draft_probs, target_to_draft_map)
+from spd_kernels.testing import (
+    SIMT_SKIP_REASON,
+    TRITON_DEVICE,
+    TRITON_SKIP_REASON,
+    chi2_pvalue,
+    poisoned_outputs,
+)
+from spd_kernels.verify import (
+    rejection_sample_logits_reference,
+    rejection_sample_reference,
+    scatter_draft_probs,
+    target_to_draft_map,
+)
 
 triton_cdiv = lambda a, b: -(-a // b)
 

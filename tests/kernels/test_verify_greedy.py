@@ -2,9 +2,9 @@
 
 The Triton kernel runs in the interpreter on CPU (TRITON_INTERPRET=1, set by conftest) or compiled
 on a GPU; the CUDA kernel on a GPU (tests marked `gpu`) and, on CPU tensors, in its host emulation
-(`_cuda.simulated()`, the same csrc/kernels/verify.cu compiled with csrc/emulation/simt_host.h). fp32 must match exactly; in bf16 /
-fp16 the kernel rounds like the reference, and any disagreement must be a near-tie of the
-reference logits (fp32 accumulation order differs).
+(`_cuda.simulated()`, the same csrc/kernels/verify.cu compiled with csrc/emulation/simt_host.h).
+fp32 must match exactly; in bf16 / fp16 the kernel rounds like the reference, and any
+disagreement must be a near-tie of the reference logits (fp32 accumulation order differs).
 """
 import os
 import subprocess
@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from spd_kernels import SPDBackendError, SPDInputError, verify_greedy
-from spd_kernels import _cuda, dispatch
-from spd_kernels.testing import (SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON,
-                                 poisoned_outputs)
+from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, verify_greedy
+from spd_kernels.testing import (
+    SIMT_SKIP_REASON,
+    TRITON_DEVICE,
+    TRITON_SKIP_REASON,
+    poisoned_outputs,
+)
 from spd_kernels.verify import final_logits, verify_greedy_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")

@@ -9,9 +9,9 @@ import torch
 
 from spd import SPDEngine
 from spd.cli import main
-from spd.model.prompt import encode_prompt
 from spd.draft.drafters import ReferenceDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN
+from spd.model.prompt import encode_prompt
 
 pytestmark = pytest.mark.slow
 

@@ -1,7 +1,13 @@
 import pytest
 
 from spd.errors import SPDError
-from spd.model.partition import DepthLayout, check_anchors, default_anchors, parse_split, partition_layers
+from spd.model.partition import (
+    DepthLayout,
+    check_anchors,
+    default_anchors,
+    parse_split,
+    partition_layers,
+)
 
 
 def test_uniform_split_larger_first():

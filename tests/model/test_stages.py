@@ -1,8 +1,8 @@
 """Partitioned stages with project-owned caches reproduce the unpartitioned Hugging Face model."""
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd.model.partition import partition_layers
 from spd.model.target import Stage
 

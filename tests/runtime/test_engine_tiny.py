@@ -1,12 +1,12 @@
 """Engine behaviour on tiny random targets: losslessness, rollback, accounting, bad input."""
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SamplingParams, SPDEngine
 from spd.draft.drafters import PDMDrafter, ReferenceDrafter
-from spd.errors import SPDError
 from spd.draft.pdm import PipelineDraftModule
+from spd.errors import SPDError
 from spd.model.target import Stage
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]

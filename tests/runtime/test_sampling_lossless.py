@@ -11,8 +11,8 @@ probability about 0.002, and then deterministically, so a failure is reproducibl
 """
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd import SamplingParams, SPDEngine
 from spd.draft.pdm import PipelineDraftModule
 from spd_kernels import filtered_probs

@@ -3,10 +3,10 @@ import random
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
-from spd.model.partition import DepthLayout
+
 from spd.draft.pdm import PipelineDraftModule
+from spd.model.partition import DepthLayout
 from spd.runtime.schedule import PipelineSchedule
 from spd.train.layout import training_layout
 

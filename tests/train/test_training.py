@@ -3,13 +3,13 @@ import json
 
 import pytest
 import torch
-
 from conftest import make_tiny_target
+
 from spd.data.datasets import iter_conversations, load_question_file
-from spd.train.distill import FeatureSet, extract_features
+from spd.draft.pdm import PipelineDraftModule
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
-from spd.draft.pdm import PipelineDraftModule
+from spd.train.distill import FeatureSet, extract_features
 from spd.train.trainer import TrainConfig, build_draft_vocab, train
 
 ANCHORS = [0, 2, 3]
@@ -314,7 +314,11 @@ def second(a: int,
 
 
 def test_python_function_prompts(tmp_path):
-    from spd.data.datasets import CODE_INSTRUCTIONS, humaneval_function_names, python_function_prompts
+    from spd.data.datasets import (
+        CODE_INSTRUCTIONS,
+        humaneval_function_names,
+        python_function_prompts,
+    )
     (tmp_path / "pkg").mkdir()
     (tmp_path / "pkg" / "mod.py").write_text(CODE_MODULE)
     (tmp_path / "tests").mkdir()
@@ -419,6 +423,7 @@ def test_argmax_weight_adds_the_argmax_cross_entropy(tiny_features):
     """loss = KL + w * CE(target argmax) over the positions whose argmax the draft vocabulary
     holds; kl_only (what evaluation reports) leaves the extra term out."""
     import torch.nn.functional as F
+
     from spd.train.trainer import Distiller, init_pdm
     t, fs, _ = tiny_features
     lay = DepthLayout.build(4, 2, None, ANCHORS)
