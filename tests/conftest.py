@@ -10,6 +10,15 @@ import torch
 # The Triton interpreter must be chosen before any kernel module is imported (CPU machines).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON  # noqa: E402
+
+# Skip markers shared by the test folders (`from conftest import needs_gpu`); each says why.
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
+needs_triton_interpreter = pytest.mark.skipif(TRITON_DEVICE != "cpu",
+                                              reason="needs the Triton interpreter")
+needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+
 
 def make_tiny_target(seed: int = 0, vocab: int = 16, layers: int = 4, hidden: int = 32,
                      heads: int = 4, kv_heads: int = 2, model_type: str = "llama",

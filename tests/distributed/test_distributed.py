@@ -21,8 +21,7 @@ from functools import partial
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import make_tiny_target
+from conftest import make_tiny_target, needs_gpu
 
 from spd import SamplingParams, SPDEngine
 from spd.cli import main
@@ -204,7 +203,7 @@ def cuda_tiny_factory(seed: int, rank: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_gpu
 @pytest.mark.parametrize("speculative", ["on", "off"])
 def test_gpu_ranks_sharing_one_gpu_match_single_process(speculative):
     """Every rank on one GPU (gloo through host memory): the stage forwards, truncation kernels

@@ -1,14 +1,13 @@
 """The PDM draft step as CUDA-graph replays (spd.draft.graphs): same logits as the eager step."""
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_tiny_target, needs_gpu
 
 from spd import SamplingParams, SPDEngine
 from spd.draft.drafters import PDMDrafter, ReferenceDrafter
 from spd.draft.graphs import graphs_enabled
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class RecordingDrafter(PDMDrafter):

@@ -2,6 +2,7 @@
 anchors read in place through their strides, outputs poisoned first."""
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, anchor_projection, dispatch
 from spd_kernels.features import (
@@ -12,16 +13,11 @@ from spd_kernels.features import (
     mma_plan,
 )
 from spd_kernels.testing import (
-    SIMT_SKIP_REASON,
     TRITON_DEVICE,
-    TRITON_SKIP_REASON,
     poisoned_outputs,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def make_case(m, rows, d, d_out, dtype, device, seed, types=None, missing=()):

@@ -6,19 +6,15 @@ import math
 
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt, needs_triton, needs_triton_interpreter
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, cache_attention, dispatch, pdm
 from spd_kernels.testing import (
-    SIMT_SKIP_REASON,
     TRITON_DEVICE,
-    TRITON_SKIP_REASON,
     poisoned_outputs,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def make_case(R, start, S, H, KVH, hd, dtype, device, seed):
@@ -269,7 +265,7 @@ def test_checks():
     assert cache_attention(q[:, :0], k, v, 0).shape == (0, 32)
 
 
-@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="needs the Triton interpreter")
+@needs_triton_interpreter
 def test_triton_needs_power_of_two_head_dim(monkeypatch):
     q, k, v = make_case(2, 3, 8, 4, 2, 12, torch.float32, "cpu", seed=1)
     with pytest.raises(SPDBackendError, match="power-of-two head_dim.*got 12"):

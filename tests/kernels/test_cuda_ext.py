@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt
 
 from spd_kernels import _cuda, dispatch
-from spd_kernels.testing import SIMT_SKIP_REASON
 
 ROOT = Path(__file__).resolve().parents[2]
 NO_GPU_MESSAGE = r"no usable CUDA device.*(InsufficientDriver|NoDevice|none found)"
@@ -45,7 +45,7 @@ def test_host_emulation_built_when_nvcc_is_present():
     assert not _cuda.ext().host_emulation
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_emulated_multiprocessor_count_reaches_both_plans():
     """simulated(multiprocessors=n) sets the SM count the Python launchers plan with and the one
     the kernels' C++ launchers read (set_multiprocessors returns the count it replaces), and
@@ -65,7 +65,7 @@ def test_emulated_multiprocessor_count_reaches_both_plans():
             pass
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_host_emulation_known_answers_and_deadlock():
     """The emulation is the CPU oracle of the CUDA kernels, so it is checked itself: warp
     shuffles, ballot, match, reduce and a block barrier on 64 threads against their CUDA
@@ -87,7 +87,7 @@ def test_host_emulation_known_answers_and_deadlock():
         sim.selftest(0, out.data_ptr())  # usable after a deadlock
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_host_emulation_reports_a_thread_that_skips_pdl_wait():
     """Every kernel may be launched programmatically on a GPU (SPD_PDL=1), where touching memory
     before pdl_wait() races with the kernel before it. The emulation fails any launch in which a
@@ -221,7 +221,7 @@ def test_cuda_backend_refuses_cpu_tensors():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_gpu
 def test_gpu_extension_sees_the_device():
     assert _cuda.built(), _cuda.unavailable_reason()
     assert _cuda.ext().device_count() >= 1
@@ -314,7 +314,7 @@ BAD_ARGUMENTS = [
 ]
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_every_binding_is_covered_by_the_argument_checks():
     with _cuda.simulated() as sim:
         launched = {n for n in dir(sim) if not n.startswith("_")} - HOST_ONLY - {
@@ -322,7 +322,7 @@ def test_every_binding_is_covered_by_the_argument_checks():
     assert launched == set(_valid_calls(0)) == {b for b, *_ in BAD_ARGUMENTS}
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 @pytest.mark.parametrize("binding,arg,bad,message", BAD_ARGUMENTS,
                          ids=[f"{b}-{a}" for b, a, *_ in BAD_ARGUMENTS])
 def test_binding_refuses_a_bad_argument_by_name(binding, arg, bad, message):
@@ -335,7 +335,7 @@ def test_binding_refuses_a_bad_argument_by_name(binding, arg, bad, message):
             getattr(sim, binding)(**kwargs)
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_kv_truncate_refuses_buffers_smaller_than_C():
     """Given the element counts (as kv_cache.py passes them), a C past the end of lengths or
     new_lengths is refused by name; the valid call still truncates."""
@@ -355,7 +355,7 @@ def test_kv_truncate_refuses_buffers_smaller_than_C():
     assert lengths.tolist() == [3, 9, 0, 5]
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_checks_pass_empty_launches_through():
     """No rows launch nothing, so their other sizes are not checked (unchanged behaviour)."""
     with _cuda.simulated() as sim:

@@ -2,11 +2,11 @@
 forcing with clear errors, and the SPD engine staying lossless with every op forced to Triton."""
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_tiny_target, needs_gpu, needs_simt
 
 from spd import SamplingParams, SPDEngine
 from spd_kernels import SPDBackendError, _cuda, dispatch, truncate_kv_, use_backend
-from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE
+from spd_kernels.testing import TRITON_DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 needs_triton_cpu = pytest.mark.skipif(TRITON_DEVICE != "cpu",
@@ -124,7 +124,7 @@ def test_auto_skips_a_backend_that_does_not_support_the_arguments(monkeypatch):
         truncate_kv_(length, torch.tensor(2), mixed, poison=True, backend="triton")
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 @pytest.mark.parametrize("n", [2, 3])
 def test_engine_lossless_with_the_cuda_kernels_in_host_emulation(n):
     """The CUDA C++ kernels, run on the CPU by the host emulation: greedy SPD with verify, KV
@@ -175,7 +175,7 @@ def test_engine_lossless_with_every_op_on_triton(n, one_thread):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@needs_gpu
 @pytest.mark.parametrize("backend,programmatic", [("triton", False), ("cuda", False),
                                                   ("triton", True), ("cuda", True)])
 def test_gpu_engine_lossless_under_each_backend(backend, programmatic):
@@ -219,7 +219,7 @@ def test_python_m_spd_kernels_reports_the_picks():
     assert "SPD_BACKEND: fused_linear=cuda" in table.stdout
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 def test_engine_drafts_through_the_cuda_pdm_step_in_host_emulation():
     """A bf16 target whose PDM has head_dim 64: every op of the draft step (QKV products, norm /
     RoPE / append, attention, dense layers, draft head) on the CUDA kernels in the host emulation,

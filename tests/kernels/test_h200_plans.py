@@ -4,6 +4,7 @@ checked against the references before any of them runs on the device. Outputs an
 poisoned; the attention's cache past the chunk is NaN, so a key read too far shows."""
 import pytest
 import torch
+from conftest import needs_simt
 
 from spd_kernels import _cuda, pdm, verify_greedy
 from spd_kernels.features import (
@@ -12,10 +13,10 @@ from spd_kernels.features import (
     anchor_projection_reference,
 )
 from spd_kernels.linear import cuda_launch, fused_linear_reference, fused_swiglu_reference
-from spd_kernels.testing import SIMT_SKIP_REASON, poisoned_outputs
+from spd_kernels.testing import poisoned_outputs
 from spd_kernels.verify import final_logits
 
-pytestmark = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+pytestmark = needs_simt
 
 H200_SMS = 132
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 2560, 32, 8, 128, 9728   # Qwen3-4B

@@ -2,15 +2,13 @@
 one launch, debug poison of exactly the dropped rows (rows kept and rows never written untouched)."""
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, truncate_kv_
 from spd_kernels.kv_cache import truncate_kv_reference
-from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON
+from spd_kernels.testing import TRITON_DEVICE
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def make_case(C, H, S, hd, dtype, device, seed, per_cache=True, seq_first=False):

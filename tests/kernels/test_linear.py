@@ -4,6 +4,7 @@ inputs, outputs and scratch poisoned first, with and without the fused RMSNorm a
 the K dimension split over programs (partial sums reduced by a last launch)."""
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt, needs_triton, needs_triton_interpreter
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, fused_linear, fused_swiglu
 from spd_kernels._triton import dtype_code
@@ -18,16 +19,11 @@ from spd_kernels.linear import (
     plan,
 )
 from spd_kernels.testing import (
-    SIMT_SKIP_REASON,
     TRITON_DEVICE,
-    TRITON_SKIP_REASON,
     poisoned_outputs,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def make(R, K, N, dtype, device, seed):
@@ -133,7 +129,7 @@ def test_library_ops_trace_under_torch_compile():
     torch.testing.assert_close(got, fused_linear_reference(mid, w_down, None, 1e-6, a["x"]) * 2)
 
 
-@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="needs the Triton interpreter")
+@needs_triton_interpreter
 def test_unsupported_arguments_raise_when_forced_and_fall_back_when_auto():
     big = make(MAX_KERNEL_ROWS + 1, 16, 16, torch.float32, "cpu", seed=2)
     with pytest.raises(SPDBackendError, match=f"at most {MAX_KERNEL_ROWS} rows"):

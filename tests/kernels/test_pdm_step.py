@@ -3,23 +3,19 @@ reference, the plain-tensor step (with cache_attention, tests/kernels/test_atten
 spd.model.layers, and the runtime's PipelineDraftModule.step running it bit for bit."""
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import make_tiny_target, needs_gpu, needs_simt, needs_triton, needs_triton_interpreter
 
 from spd import SPDEngine
 from spd.model.layers import decoder_layer_step, rope_table
 from spd_kernels import SPDInputError, _cuda, dispatch, pdm, pdm_step, qkv_rope_append, use_backend
 from spd_kernels.pdm import LayerWeights, PDMWeights
 from spd_kernels.testing import (
-    SIMT_SKIP_REASON,
     TRITON_DEVICE,
     TRITON_SKIP_REASON,
     poisoned_outputs,
 )
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def make_case(T, d, H, KVH, hd, S, dtype, device, seed, qk_norm=True):
@@ -253,7 +249,7 @@ def test_pdm_step_matches_the_runtime_layers(backend, device_start):
                                        rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="needs the Triton interpreter")
+@needs_triton_interpreter
 def test_pdm_step_with_every_op_forced_to_triton():
     pdm = tiny_pdm(seed=6)
     c = pdm.config
@@ -309,7 +305,7 @@ def random_step_weights(d, H, KVH, hd, inter, vd, L, dtype, device, seed=3):
     return PDMWeights(layers, one(d), r(vd, d, sc=d ** -0.5), H, KVH, hd, 1e-6), r
 
 
-@pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+@needs_simt
 @pytest.mark.parametrize("sms", [None, 132])  # the emulated device's plans, and an H200's
 def test_pdm_step_with_the_cuda_kernels_in_emulation(sms):
     """The step with every op on the CUDA kernels (QKV products, norm / RoPE / append, attention,

@@ -15,6 +15,7 @@ from contextlib import nullcontext
 
 import pytest
 import torch
+from conftest import needs_gpu
 
 from spd.model.layers import rope_table
 from spd_kernels import (
@@ -31,7 +32,6 @@ from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REA
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 gpu = pytest.mark.gpu
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 QWEN3_4B = dict(d=2560, H=32, KVH=8, hd=128, inter=9728, vd=32000, V=151936, S=2048, start=1000)
 SMALL = dict(d=64, H=4, KVH=2, hd=64, inter=96, vd=200, V=300, S=80, start=20)
 

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import (
     SPDInputError,
@@ -19,9 +20,7 @@ from spd_kernels import (
 )
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.testing import (
-    SIMT_SKIP_REASON,
     TRITON_DEVICE,
-    TRITON_SKIP_REASON,
     chi2_pvalue,
     poisoned_outputs,
 )
@@ -35,9 +34,6 @@ from spd_kernels.verify import (
 triton_cdiv = lambda a, b: -(-a // b)
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
 
 
 def probs_case(R, V, seed, device):

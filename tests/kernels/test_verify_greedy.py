@@ -13,20 +13,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, verify_greedy
 from spd_kernels.testing import (
-    SIMT_SKIP_REASON,
     TRITON_DEVICE,
-    TRITON_SKIP_REASON,
     poisoned_outputs,
 )
 from spd_kernels.verify import final_logits, verify_greedy_reference
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
-needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REASON)
-needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def make_inputs(R, D, V, dtype, device, seed, strided=False):
