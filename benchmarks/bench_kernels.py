@@ -53,7 +53,6 @@ import logging
 import math
 import os
 import platform
-import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -61,6 +60,9 @@ from datetime import date
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, when loaded by path
+from harness import Timer, device_tag  # noqa: E402
 
 import spd_kernels
 from spd.model.loading import describe_device
@@ -122,38 +124,6 @@ CACHE_CAPACITY = 4096
 
 
 # --- timing -------------------------------------------------------------------------------------
-
-class Timer:
-    def __init__(self, device: torch.device, iters: int, warmup: int, flush: bool):
-        self.device, self.iters, self.warmup = device, iters, warmup
-        self.flush_buf = None
-        if flush and device.type == "cuda":  # larger than the H200's 50 MB L2
-            self.flush_buf = torch.empty(256 * 2 ** 20, dtype=torch.uint8, device=device)
-
-    def __call__(self, fn) -> tuple[float, float]:
-        """(median, min) microseconds per call."""
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-            for _ in range(self.iters):
-                if self.flush_buf is not None:
-                    self.flush_buf.zero_()
-                start = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3)
-        else:
-            for _ in range(self.iters):
-                t0 = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - t0) * 1e6)
-        return statistics.median(times), min(times)
-
 
 def copy_bandwidth(device: torch.device, timer: Timer) -> float:
     """GB/s of a large device-to-device copy (bytes read + bytes written)."""
@@ -692,16 +662,6 @@ def challengers(rows) -> list[dict]:
                                 challenger_us=a["us"], incumbent=b["backend"],
                                 incumbent_us=b["us"], speedup=b["us"] / a["us"]))
     return out
-
-
-def device_tag(device) -> str:
-    if device.type != "cuda":
-        return "cpu"
-    name = torch.cuda.get_device_name(device).lower()
-    for key in ("h200", "h100", "a100", "l40s", "b200"):
-        if key in name:
-            return key
-    return "".join(ch if ch.isalnum() else "-" for ch in name).strip("-")
 
 
 def meta(args, device, dtype, bw) -> dict:
