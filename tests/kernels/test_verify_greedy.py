@@ -194,7 +194,7 @@ def test_cuda_kernel_in_host_emulation_strides_ties_and_empty():
 @pytest.mark.parametrize("variant", ["1", "2"])
 def test_cuda_kernel_load_shapes_in_host_emulation(variant):
     """SPD_VERIFY_VARIANT is read once per process: the other two load shapes in a subprocess."""
-    code = ("import torch, sys; sys.path.insert(0, 'tests/kernels')\n"
+    code = ("import torch, sys; sys.path[:0] = ['tests', 'tests/kernels']\n"
             "from test_verify_greedy import make_inputs, check_against_reference\n"
             "from spd_kernels import _cuda\n"
             "for R, D, V in [(1, 64, 100), (9, 32, 77)]:\n"
