@@ -52,7 +52,6 @@ import json
 import logging
 import math
 import os
-import platform
 import sys
 import time
 from dataclasses import dataclass
@@ -62,7 +61,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, when loaded by path
-from harness import Timer, device_tag  # noqa: E402
+from harness import Timer, device_tag, run_meta  # noqa: E402
 
 import spd_kernels
 from spd.model.loading import describe_device
@@ -665,18 +664,18 @@ def challengers(rows) -> list[dict]:
 
 
 def meta(args, device, dtype, bw) -> dict:
+    """The shared run metadata (benchmarks/harness.py) plus what this benchmark ran with."""
     import triton
-    return dict(date=args.date, device=describe_device(device), device_type=device.type,
-                platform=platform.platform(), rows=args.rows,
-                torch=torch.__version__, triton=getattr(triton, "__version__", None),
-                cuda_extension=dispatch.describe()["cuda_extension"], dtype=str(dtype),
-                copy_bandwidth_gb_s=bw, iters=args.iters, warmup=args.warmup,
-                l2_flush=not args.no_flush and device.type == "cuda",
-                triton_interpret=os.environ.get("TRITON_INTERPRET", "0"),
-                shapes={k: vars(v) for k, v in MODELS.items()},
-                settings=dict(n_stages=N_STAGES, anchors=N_ANCHORS, draft_vocab=DRAFT_VOCAB,
-                              pdm_layers=PDM_LAYERS, context=CONTEXT, cache=CACHE_CAPACITY),
-                command=" ".join(sys.argv))
+    return run_meta(device, date=args.date, rows=args.rows,
+                    triton=getattr(triton, "__version__", None),
+                    cuda_extension=dispatch.describe()["cuda_extension"], dtype=str(dtype),
+                    copy_bandwidth_gb_s=bw, iters=args.iters, warmup=args.warmup,
+                    l2_flush=not args.no_flush and device.type == "cuda",
+                    triton_interpret=os.environ.get("TRITON_INTERPRET", "0"),
+                    shapes={k: vars(v) for k, v in MODELS.items()},
+                    settings=dict(n_stages=N_STAGES, anchors=N_ANCHORS, draft_vocab=DRAFT_VOCAB,
+                                  pdm_layers=PDM_LAYERS, context=CONTEXT,
+                                  cache=CACHE_CAPACITY))
 
 
 HEADER = (f"{'model':<14}{'op':<24}{'case':<32}{'backend':<11}{'us':>11}{'GB/s':>9}"

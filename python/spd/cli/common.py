@@ -69,7 +69,6 @@ class Streamer:
         self.shown = text
 
 
-
 def print_generation(tokenizer, result, as_json: bool) -> None:
     """The end of `generate`: one JSON object, or a newline after the streamed text and the
     summary line."""

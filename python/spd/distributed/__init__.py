@@ -35,13 +35,8 @@ Gloo point-to-point sends complete only once the receiver has posted its receive
 receive is posted ahead of need (control one cycle ahead, hidden states when the sender's work is
 announced) and sends are waited lazily: the protocol never waits in a cycle.
 
-Requests (prefill header, shutdown) and statistics go through the rendezvous store, so idle ranks
-wait there without a communication timeout. Failures: every rank heartbeats into the store; a rank
-that raises writes a failure record first; a watchdog thread in every rank exits the process
-(naming the failed rank) when a record appears or a heartbeat stops for `fault_timeout` seconds;
-a dead peer also breaks gloo's connection, which surfaces at once. A rank stopped from outside
-(SIGTERM: torchrun stops a node's other ranks when one of them fails) leaves a mark and exits with
-status 143; the others then blame the rank that failed, not the ones its launcher stopped.
+Requests and statistics go through the rendezvous store; how failures are detected and blamed
+(heartbeats, failure records, the watchdog, SIGTERM from outside) is told in `faults`.
 
 Modules, each importing only those above it:
   config      DistConfig, SpeculationPolicy, GenerateRequest, parse_fault, role_of

@@ -147,7 +147,7 @@ def derived(cell: dict, costs: Costs, ar_totals: dict | None) -> dict:
     # S_theory = alpha * n: tokens per target-forward-equivalent (EAGLE: tokens per round)
     alpha = metrics.alpha(t["N"], t["K"])
     s_theory = metrics.theoretical_speedup(t["N"], t["K"], n)
-    draft_s = metrics.rate(t["draft_s"], t["draft_calls"])
+    draft_s = t["draft_s"] / t["draft_calls"] if t["draft_calls"] else 0.0  # per drafter call
     adj = method.adjusted(costs, n, s_theory, draft_s, cell.get("draft_steps", 0))
     devices = method.devices(n)
     tok_s = _tok_s(t)

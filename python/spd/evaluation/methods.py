@@ -17,9 +17,11 @@ from pathlib import Path
 from typing import Callable
 
 from spd.baselines import ppsd
+from spd.draft.pdm import SHIPPED_DIR, find_shipped_pdm
 from spd.errors import SPDError
 from spd.evaluation.cost_model import Costs
 from spd.model.partition import DepthLayout
+from spd.runtime.engine import SPDEngine
 
 
 @dataclass(frozen=True)
@@ -46,7 +48,6 @@ class Method:
 
 
 def _build_plain(target, n, pdm_layers, search, lookup):
-    from spd.runtime.engine import SPDEngine
     return SPDEngine(target, n_stages=1), "none"
 
 
@@ -64,8 +65,6 @@ def _build_eagle(target, n, pdm_layers, search, lookup):
 def _pdm_builder(method: str, layout_of: Callable):
     """SPD and PPSD both decode with a PDM (PPSD is a PDM configuration: spd.baselines.ppsd)."""
     def build(target, n, pdm_layers, search, lookup):
-        from spd.draft.pdm import find_shipped_pdm
-        from spd.runtime.engine import SPDEngine
         layout = layout_of(target.num_layers, n)
         path = find_shipped_pdm(target, layout, num_layers=pdm_layers, method=method,
                                 search=search)
@@ -136,7 +135,6 @@ def devices_used(method: str, n: int) -> int:
 
 def checkpoint_search(extra_dirs) -> list[Path]:
     """Folders searched for drafters: the shipped checkpoints, then `extra_dirs`."""
-    from spd.draft.pdm import SHIPPED_DIR
     return [SHIPPED_DIR, *map(Path, extra_dirs)]
 
 

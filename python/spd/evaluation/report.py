@@ -158,7 +158,7 @@ def plots(state: dict, out_dir) -> list[Path]:
             m = methods.get(c["method"])
             label = c["method"] + (f" L_s={c['pdm_layers']}" if m.per_depth else "")
             if not m.staged:
-                flat.append((label, c["derived"]))
+                flat.append((label, m, c["derived"]))
             else:
                 series.setdefault(label, []).append((c["n"], c["derived"]))
         for i, (label, pts) in enumerate(sorted(series.items())):
@@ -168,11 +168,10 @@ def plots(state: dict, out_dir) -> list[Path]:
                             label=f"{label} (theory)")
             ax.plot(xs, [d["adjusted_speedup"] for _, d in pts], "s--", color=line.get_color(),
                     label=f"{label} (draft-cost adjusted)")
-        for label, d in flat:
+        for label, m, d in flat:
             line = ax.axhline(d["theoretical_speedup"], linestyle="-", alpha=0.6,
-                              label=f"{label} (theory)",
-                              color="gray" if methods.get(label).is_reference else None)
-            if not methods.get(label).is_reference:
+                              label=f"{label} (theory)", color="gray" if m.is_reference else None)
+            if not m.is_reference:
                 ax.axhline(d["adjusted_speedup"], linestyle="--", color=line.get_color(),
                            alpha=0.6, label=f"{label} (draft-cost adjusted)")
         _finish(ax, "pipeline stages n", "speedup over AR",
