@@ -66,24 +66,15 @@ from harness import Timer, device_tag, run_meta  # noqa: E402
 import spd_kernels
 from spd.model.loading import describe_device
 from spd_kernels import _cuda, dispatch
+from spd_kernels.attention import cache_attention_reference
+from spd_kernels.attention.triton_kernel import attention_launch
 from spd_kernels.features import anchor_projection_cuda_mma, anchor_projection_reference
 from spd_kernels.kv_cache import truncate_kv_reference
-from spd_kernels.linear import (
-    cuda_launch,
-    cuda_plan,
-    fused_linear_reference,
-    fused_swiglu_reference,
-)
-from spd_kernels.pdm import (
-    LayerWeights,
-    PDMWeights,
-    attention_cuda_launch,
-    attention_launch,
-    cache_attention_reference,
-    pack_qkv,
-    pdm_step,
-    qkv_rope_append_reference,
-)
+from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
+from spd_kernels.on_request.attention_cuda import attention_cuda_launch
+from spd_kernels.on_request.linear_cuda import cuda_launch, cuda_plan
+from spd_kernels.pdm import STEP_OPS, LayerWeights, PDMWeights, pdm_step
+from spd_kernels.qkv_rope import pack_qkv, qkv_rope_append_reference
 from spd_kernels.testing import cuda_context_error
 from spd_kernels.verify import (
     _launch_rejection,
@@ -113,7 +104,7 @@ MODELS = {
 }
 # the dispatcher's ops (rejection_sample is timed through rejection_sample_logits), then the step
 UNBENCHED_OPS = ("rejection_sample",)
-OPS = [op for op in dispatch.OPS if op not in UNBENCHED_OPS] + ["pdm_step"]
+OPS = [op for op in dispatch.ops() if op not in UNBENCHED_OPS] + ["pdm_step"]
 N_STAGES = 8          # pipeline depth the shapes assume (9 in-flight rows, staircase types)
 N_ANCHORS = 5
 DRAFT_VOCAB = 32768
@@ -362,9 +353,9 @@ def build_cases(op: str, s: Shape, dtype, device):
             yield case, fns, floor, {"graph": True}
 
 
-# ops whose Triton kernels take PDL (the PDM step's graph); every CUDA kernel does
-PDL_TRITON_OPS = {"anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear",
-                  "fused_swiglu", "pdm_step"}
+def takes_pdl(op: str, backend: str) -> bool:
+    """Whether the op's `backend` kernels (all of them, for the step) take programmatic launch."""
+    return all(dispatch.programmatic(o, backend) for o in real_ops(op))
 
 
 def with_programmatic_variant(op: str, fns: dict) -> dict:
@@ -375,9 +366,8 @@ def with_programmatic_variant(op: str, fns: dict) -> dict:
             with _cuda.programmatic_launch():
                 return fn(*a)
         return run
-    backends = ("cuda", "triton") if op in PDL_TRITON_OPS else ("cuda",)
     return {**fns, **{f"{b}_pdl": (programmatic(fns[b][0]), fns[b][1])
-                      for b in backends if b in fns}}
+                      for b in ("cuda", "triton") if b in fns and takes_pdl(op, b)}}
 
 
 def cuda_split_variants(N, K, sets, launch, args) -> dict:
@@ -408,11 +398,8 @@ def cuda_linear_layers(*args):
 
 # --- running ----------------------------------------------------------------------------------------
 
-# the dispatcher's ops a benchmark op runs (the PDM step runs four of them)
-STEP_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
-
-
 def real_ops(op: str) -> tuple[str, ...]:
+    """The dispatcher's ops a benchmark op runs (the PDM step runs four of them)."""
     return STEP_OPS if op == "pdm_step" else (op,)
 
 
@@ -627,39 +614,34 @@ def targets(rows, on_gpu: bool) -> list[dict]:
     return out
 
 
-# Kernels registered on request only (not yet timed on a GPU), each against what the automatic
-# choice runs for the same call, and the kernels launched programmatically (cuda_pdl,
-# triton_pdl) against the same launched plainly: (op, the challenger's backends, the incumbent's
-# backends); graph rows stand against graph rows.
-CHALLENGES = (
-    ("rejection_sample_logits", ("cuda",), ("triton",)),
-    ("anchor_projection", ("cuda_mma",), ("cuda",)),
-    ("anchor_projection", ("cuda_mma_cg",), ("cuda_cg",)),
-    ("fused_linear", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
-    ("fused_swiglu", ("cuda_cg", "cuda_1split_cg", "cuda_2x_split_cg"), ("triton_cg",)),
-    ("cache_attention", ("cuda_cg", "cuda_1split_cg"), ("triton_cg",)),
-    ("qkv_rope_append", ("cuda_cg",), ("triton_cg",)),
-    ("pdm_step", ("cuda_linear_cg", "cuda_cg", "cuda_pdl_cg"), ("triton_cg",)),
-) + tuple(  # programmatic dependent launch (off by default) against the same kernels without it
-    (op, (f"{b}_pdl{g}",), (f"{b}{g}",)) for op in OPS for b in ("cuda", "triton")
-    if b == "cuda" or op in PDL_TRITON_OPS for g in ("", "_cg"))
-
-
 def challengers(rows) -> list[dict]:
-    """Per (model, op, case): the best on-request kernel against the automatic one; speedup > 1
-    means the on-request kernel was faster (a case for making it automatic)."""
+    """Per (model, op, case), graph rows against graph rows: the best kernel the automatic choice
+    does not pick yet (on_request_row: registered on request, a variant, PDL) against the best it
+    does pick, and each programmatic launch (*_pdl) against the same kernels launched plainly.
+    speedup > 1 means the challenger was faster (a case for making it automatic)."""
+    timed = [r for r in rows if "us" in r and r["backend"] not in ("reference", "compile",
+                                                                    "cuda_graph")]
+    groups: dict = {}
+    for r in timed:
+        key = (r["model"], r["op"], r["case"], r["backend"].endswith("_cg"))
+        groups.setdefault(key, {})[r["backend"]] = r
     out = []
-    timed = [r for r in rows if "us" in r]
-    for op, new, old in CHALLENGES:
-        for key in sorted({(r["model"], r["case"]) for r in timed if r["op"] == op}):
-            pick = lambda names: min((r for r in timed if r["op"] == op and
-                                      (r["model"], r["case"]) == key and r["backend"] in names),
-                                     key=lambda r: r["us"], default=None)
-            a, b = pick(new), pick(old)
-            if a is not None and b is not None:
-                out.append(dict(model=key[0], op=op, case=key[1], challenger=a["backend"],
-                                challenger_us=a["us"], incumbent=b["backend"],
-                                incumbent_us=b["us"], speedup=b["us"] / a["us"]))
+
+    def add(key, a, b):
+        if a is not None and b is not None:
+            out.append(dict(model=key[0], op=key[1], case=key[2], challenger=a["backend"],
+                            challenger_us=a["us"], incumbent=b["backend"], incumbent_us=b["us"],
+                            speedup=b["us"] / a["us"]))
+
+    fastest = lambda rs: min(rs, key=lambda r: r["us"], default=None)
+    for key in sorted(groups):
+        by_name = groups[key]
+        new = [r for name, r in by_name.items() if on_request_row(key[1], name)]
+        old = [r for name, r in by_name.items() if not on_request_row(key[1], name)]
+        add(key, fastest(new), fastest(old))
+        for name, r in sorted(by_name.items()):
+            if "_pdl" in name:
+                add(key, r, by_name.get(name.replace("_pdl", "")))
     return out
 
 

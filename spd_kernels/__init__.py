@@ -5,17 +5,19 @@ faster backends (Triton, CUDA C++) must compute; `spd_kernels.dispatch` picks th
 and device (`SPD_BACKEND` forces one). The runtime package `spd` calls only these functions, so a
 backend can be swapped in behind them without touching the engine. The ops are also registered
 with torch.library as `torch.ops.spd.*` (with fake implementations) for torch.compile and other
-runtimes.
+runtimes; each op is declared once, on its public function (spd_kernels.opdef).
 """
 from importlib import metadata as _metadata
 
-from spd_kernels import library  # noqa: F401  (registers torch.ops.spd.*)
+from spd_kernels import on_request  # noqa: F401  (registers the on-request kernels)
+from spd_kernels.attention import cache_attention
 from spd_kernels.checks import SPDInputError
 from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
 from spd_kernels.kv_cache import truncate_kv_
 from spd_kernels.linear import fused_linear, fused_swiglu
-from spd_kernels.pdm import cache_attention, pdm_step, qkv_rope_append
+from spd_kernels.pdm import pdm_step
+from spd_kernels.qkv_rope import qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
 

@@ -34,6 +34,29 @@ def check_same_device(**tensors: torch.Tensor) -> torch.device:
     return first
 
 
+def check_same_dtype(**tensors: torch.Tensor | None) -> None:
+    """The tensors given (None skipped) share one dtype, as the reference's products need."""
+    given = {name: t.dtype for name, t in tensors.items() if t is not None}
+    if len(set(given.values())) > 1:
+        listing = ", ".join(f"{k} {v}" for k, v in given.items())
+        raise SPDInputError(f"these inputs must share one dtype: {listing}")
+
+
+def check_not_aliased(a_name: str, a: torch.Tensor, b_name: str, b: torch.Tensor) -> None:
+    """a and b do not share memory (an op writes one while reading or writing the other)."""
+    if a.numel() == 0 or b.numel() == 0:
+        return
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return
+
+    def span(t):
+        last = sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    if a0 < b1 and b0 < a1:
+        raise SPDInputError(f"{a_name} and {b_name} share memory: give them separate buffers")
+
+
 def check_integer(name: str, t: torch.Tensor) -> None:
     if t.dtype not in (torch.int32, torch.int64):
         raise SPDInputError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")

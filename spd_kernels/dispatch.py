@@ -30,9 +30,6 @@ from spd_kernels import _cuda, env
 from spd_kernels._triton import HAS_TRITON, INTERPRET
 
 BACKENDS = ("cuda", "triton", "reference")
-# The one list of dispatched ops (benchmarks/bench_kernels.py derives its op list from it).
-OPS = ("verify_greedy", "rejection_sample", "rejection_sample_logits", "anchor_projection",
-       "truncate_kv", "qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
 
 
 class SPDBackendError(RuntimeError):
@@ -47,22 +44,41 @@ class _Impl:
     # False: runs only when asked for by name (a kernel not yet timed against the others on a
     # GPU); the automatic choice passes over it.
     automatic: bool = True
+    # Its kernels take programmatic dependent launch (SPD_PDL=1); every CUDA kernel does.
+    programmatic: bool = False
 
 
-_REGISTRY: dict[str, dict[str, _Impl]] = {op: {} for op in OPS}
+# op -> backend -> implementation; an op's entry is made by its declaration (spd_kernels.opdef).
+_REGISTRY: dict[str, dict[str, _Impl]] = {}
 _local = threading.local()
 
 
-def register(op: str, backend: str, supports: Callable | None = None, automatic: bool = True):
+def declare(op: str) -> None:
+    """Make `op`'s entry (called once, by spd_kernels.opdef.op on the op's public function)."""
+    if op in _REGISTRY:
+        raise ValueError(f"op {op!r} is declared twice")
+    _REGISTRY[op] = {}
+
+
+def ops() -> tuple[str, ...]:
+    """The dispatched ops, in declaration order (benchmarks and tests take the list from here)."""
+    return tuple(_REGISTRY)
+
+
+def register(op: str, backend: str, supports: Callable | None = None, automatic: bool = True,
+             programmatic: bool | None = None):
     """Decorator: `fn` implements `op` on `backend` (same signature as the public op).
-    automatic=False keeps the automatic choice from picking it (it runs when requested)."""
+    automatic=False keeps the automatic choice from picking it (it runs when requested);
+    programmatic: its kernels take programmatic dependent launch (default: CUDA kernels do)."""
     if op not in _REGISTRY:
-        raise ValueError(f"unknown op {op!r}")
+        raise ValueError(f"unknown op {op!r}: declare it (spd_kernels.opdef.op) before its "
+                         "backends")
     if backend not in BACKENDS:
         raise ValueError(f"unknown backend {backend!r}")
 
     def deco(fn):
-        _REGISTRY[op][backend] = _Impl(fn, supports, automatic)
+        pdl = backend == "cuda" if programmatic is None else programmatic
+        _REGISTRY[op][backend] = _Impl(fn, supports, automatic, pdl)
         return fn
     return deco
 
@@ -103,7 +119,7 @@ def _parse_env(value: str) -> tuple[str | None, dict[str, str]]:
             op, name = (s.strip() for s in part.split("=", 1))
             if op not in _REGISTRY:
                 raise SPDBackendError(f"SPD_BACKEND names unknown op {op!r} "
-                                      f"(ops: {', '.join(OPS)})")
+                                      f"(ops: {', '.join(_REGISTRY)})")
             per_op[op] = name
         else:
             default = part
@@ -130,7 +146,7 @@ def use_backend(default: str | None = None, **per_op: str):
     """Force backends inside a block: use_backend("triton") or use_backend(verify_greedy="cuda")."""
     for op in per_op:
         if op not in _REGISTRY:
-            raise SPDBackendError(f"unknown op {op!r} (ops: {', '.join(OPS)})")
+            raise SPDBackendError(f"unknown op {op!r} (ops: {', '.join(_REGISTRY)})")
     old = getattr(_local, "forced", None)
     _local.forced = (default, dict(per_op))
     try:
@@ -194,6 +210,12 @@ def on_request(op: str, backend: str) -> bool:
     return impl is not None and not impl.automatic
 
 
+def programmatic(op: str, backend: str) -> bool:
+    """Whether `op`'s `backend` kernels take programmatic dependent launch."""
+    impl = _REGISTRY[op].get(backend)
+    return impl is not None and impl.programmatic
+
+
 def describe() -> dict:
     """What is registered and available, for logs and benchmarks."""
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
@@ -203,5 +225,6 @@ def describe() -> dict:
         "programmatic_launch": _cuda.programmatic_launch_enabled(),
         "ops": {op: {"implemented": [b for b in BACKENDS if b in _REGISTRY[op]],
                      "on_request_only": [b for b in BACKENDS if on_request(op, b)],
-                     **{str(d): available(op, d) for d in devices}} for op in OPS},
+                     "programmatic": [b for b in BACKENDS if programmatic(op, b)],
+                     **{str(d): available(op, d) for d in devices}} for op in _REGISTRY},
     }

@@ -36,6 +36,7 @@ from spd_kernels.checks import (
     check_values_enabled,
     last_dim_contiguous,
 )
+from spd_kernels.opdef import op
 
 if HAS_TRITON:
     from spd_kernels._triton import pdl_enter, round_to
@@ -66,8 +67,14 @@ def _check(anchors, types, weights, biases):
         if d_out is not None and w.shape[0] != d_out:
             raise SPDInputError(f"weights[{e}] has {w.shape[0]} output rows, the others {d_out}")
         d_out = w.shape[0]
+        if w.dtype != anchors.dtype:
+            raise SPDInputError(f"weights[{e}] has dtype {w.dtype} but anchors {anchors.dtype}: "
+                                f"give every tensor one dtype")
         if biases is not None and biases[e] is not None:
             check_tensor(f"biases[{e}]", biases[e], floating=True, device=anchors.device)
+            if biases[e].dtype != anchors.dtype:
+                raise SPDInputError(f"biases[{e}] has dtype {biases[e].dtype} but anchors "
+                                    f"{anchors.dtype}: give every tensor one dtype")
             if biases[e].shape != (w.shape[0],):
                 raise SPDInputError(f"biases[{e}] must have shape ({w.shape[0]},)")
     if rows and check_values_enabled(types):
@@ -79,6 +86,7 @@ def _check(anchors, types, weights, biases):
                 raise SPDInputError(f"rows of aggregation type {e} present but no projection for it")
 
 
+@op("anchor_projection")
 def anchor_projection(anchors: torch.Tensor, types: torch.Tensor,
                       weights: Sequence[torch.Tensor | None],
                       biases: Sequence[torch.Tensor | None] | None = None, *,
@@ -90,12 +98,14 @@ def anchor_projection(anchors: torch.Tensor, types: torch.Tensor,
     """
     weights = list(weights)
     biases = None if biases is None else list(biases)
-    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
-        return torch.ops.spd.anchor_projection(anchors, types, weights,
-                                               biases or [None] * len(weights))
     _check(anchors, types, weights, biases)
     return dispatch.call("anchor_projection", anchors.device, anchors, types, weights, biases,
                          backend=backend)
+
+
+@anchor_projection.register_fake
+def _(anchors, types, weights, biases=None):
+    return anchors.new_empty(anchors.shape[1], _d_out(anchors, weights))
 
 
 def _d_out(anchors, weights):
@@ -246,7 +256,7 @@ if HAS_TRITON:
                         tl.store(o_ptrs, round_to(acc, OUT_CODE), mask=omask)
 
 
-@dispatch.register("anchor_projection", "triton", supports=_kernel_supports)
+@dispatch.register("anchor_projection", "triton", supports=_kernel_supports, programmatic=True)
 def anchor_projection_triton(anchors, types, weights, biases=None):
     m, rows, d = anchors.shape
     n_out = _d_out(anchors, weights)

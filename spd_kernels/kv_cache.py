@@ -10,8 +10,11 @@ Backends (see spd_kernels.dispatch):
              so no host synchronisation and CUDA-graph safe. With poison, one launch before it
              NaNs rows [new, old) of every layer of every buffer (a table of buffer pointers).
   cuda       the same two kernels in C++ (csrc/kernels/kv_cache.cu).
-The kernels clamp negative new lengths to 0 (the reference raises; on device tensors that value
-check needs a host sync, so it runs only with SPD_CHECK_VALUES=1).
+Rule: lengths and new_lengths are >= 0, and with poison no length exceeds a buffer's sequence
+capacity; a violation is an SPDInputError on every backend (CPU tensors always; device tensors with
+SPD_CHECK_VALUES=1, since the check needs a host sync). Unchecked, the kernels clamp the new
+length to [0, old] and the poisoned rows to the buffer's capacity, so they never write outside
+a buffer.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 from spd_kernels import _cuda, dispatch
 from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, tl, triton
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, check_values_enabled
+from spd_kernels.opdef import op
 
 
 def _check(lengths, new_lengths, buffers, seq_dim, poison):
@@ -30,8 +34,11 @@ def _check(lengths, new_lengths, buffers, seq_dim, poison):
     if new_lengths.dim() > 1 or (new_lengths.dim() == 1 and new_lengths.shape != lengths.shape):
         raise SPDInputError(f"new_lengths must be a scalar or have shape {tuple(lengths.shape)}, "
                             f"got {tuple(new_lengths.shape)}")
-    if check_values_enabled(new_lengths) and bool((new_lengths < 0).any()):
+    checked = check_values_enabled(lengths, new_lengths)
+    if checked and bool((new_lengths < 0).any()):
         raise SPDInputError("new_lengths must be non-negative")
+    if checked and bool((lengths < 0).any()):
+        raise SPDInputError(f"lengths must be non-negative, got {lengths.tolist()}")
     if poison:
         for i, buf in enumerate(buffers):
             check_tensor(f"buffers[{i}]", buf, floating=True, device=lengths.device)
@@ -44,24 +51,32 @@ def _check(lengths, new_lengths, buffers, seq_dim, poison):
             if not (-buf.dim() <= sd < buf.dim()) or sd % buf.dim() == 0:
                 raise SPDInputError(f"seq_dim {seq_dim} is not a sequence axis of buffers[{i}] "
                                     f"with shape {tuple(buf.shape)} (axis 0 is the cache axis)")
+            capacity = buf.shape[seq_dim]
+            if checked and lengths.numel() and int(lengths.max()) > capacity:
+                raise SPDInputError(f"lengths {lengths.tolist()} exceed the {capacity} positions "
+                                    f"of buffers[{i}] (shape {tuple(buf.shape)}, seq_dim "
+                                    f"{seq_dim})")
 
 
+@op("truncate_kv", mutates=("lengths", "buffers"), returns_arg="lengths")
 def truncate_kv_(lengths: torch.Tensor, new_lengths: torch.Tensor,
-                 buffers: Sequence[torch.Tensor] = (), *, seq_dim: int = -2,
+                 buffers: Sequence[torch.Tensor] | None = None, *, seq_dim: int = -2,
                  poison: bool = False, backend: str | None = None) -> torch.Tensor:
     """lengths [C] (int64, one per cache) <- min(lengths, new_lengths), in place.
 
     With poison, rows [new, old) of every buffer in `buffers` (each [C, ..., S, ...] with the
     sequence axis at `seq_dim` and the cache axis first) are set to NaN.
     """
-    buffers = tuple(buffers)
-    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
-        torch.ops.spd.truncate_kv_(lengths, new_lengths, list(buffers), seq_dim, poison)
-        return lengths
+    buffers = () if buffers is None else tuple(buffers)
     _check(lengths, new_lengths, buffers, seq_dim, poison)
     dispatch.call("truncate_kv", lengths.device, lengths, new_lengths, buffers, seq_dim, poison,
                   backend=backend)
     return lengths
+
+
+@truncate_kv_.register_fake
+def _(lengths, new_lengths, buffers=None, seq_dim=-2, poison=False):
+    return None
 
 
 @dispatch.register("truncate_kv", "reference")
@@ -70,8 +85,9 @@ def truncate_kv_reference(lengths, new_lengths, buffers, seq_dim, poison):
     torch.minimum(lengths, new_lengths.clamp_min(0).expand_as(lengths), out=lengths)
     if poison:
         for buf in buffers:
+            capacity = buf.shape[seq_dim]
             for c in range(lengths.shape[0]):
-                lo, hi = int(lengths[c]), int(old[c])
+                lo, hi = int(lengths[c]), min(int(old[c]), capacity)
                 if hi > lo:
                     buf[c].narrow(seq_dim if seq_dim < 0 else seq_dim - 1, lo, hi - lo).fill_(float("nan"))
     return lengths
@@ -140,7 +156,7 @@ if HAS_TRITON:
         bo = tl.program_id(1)
         b = bo // OUTER
         o = bo % OUTER
-        old = tl.load(len_ptr + c)
+        old = tl.minimum(tl.load(len_ptr + c), S)  # never past the buffer, checked or not
         new = tl.minimum(tl.maximum(tl.load(new_ptr + c * new_stride), 0), old)
         addr = tl.load(table_ptr + b)
         if CODE == 1:

@@ -103,7 +103,10 @@ def _variants():
     """(name, kernel, signature, constexprs) for the kernel variants the launchers use. The
     kernels of the PDM step's graph take PDL (programmatic dependent launch); one variant of each
     compiles with it on, the rest with it off."""
-    from spd_kernels import features, kv_cache, linear, pdm, verify
+    from spd_kernels import features, kv_cache, verify
+    from spd_kernels.attention import triton_kernel as attention
+    from spd_kernels.linear import triton_kernel as linear
+    from spd_kernels.qkv_rope import triton_kernel as qkv_rope
     ptr = lambda t: f"*{t}"
     out = []
     for tag, dt, code, br, bv, bd in (("bf16-R1", "bf16", 1, 1, 32, 256),
@@ -207,7 +210,7 @@ def _variants():
                          W_ALIGNED=even, EVEN_K=even, R_SCAN=r_scan, BLOCK_R=16, BLOCK_N=16,
                          BLOCK_K=256, PDL=tag == "bf16")))
     for code, dt, hd, qkn in ((1, "bf16", 128, True), (0, "fp32", 64, False)):
-        out.append((f"pdm._qk_rope_append_kernel[{dt}-{hd}]", pdm._qk_rope_append_kernel,
+        out.append((f"qkv_rope._qk_rope_append_kernel[{dt}-{hd}]", qkv_rope._qk_rope_append_kernel,
                     dict(qp_ptr=ptr(dt), stride_qp="i32", kp_ptr=ptr(dt), stride_kp="i32",
                          vp_ptr=ptr(dt), stride_vp="i32", qn_ptr=ptr(dt),
                          kn_ptr=ptr(dt), cos_ptr=ptr(dt), sin_ptr=ptr(dt), stride_cs="i32",
@@ -219,8 +222,8 @@ def _variants():
                                                    (1, "bf16", 64, 16, 64, False),
                                                    (1, "bf16", 8, 16, 64, True),
                                                    (0, "fp32", 64, 16, 64, True)):
-        out.append((f"pdm._cache_attention_kernel[{dt}-{hd}-m{block_m}{'-split' * partial}]",
-                    pdm._cache_attention_kernel,
+        out.append((f"attention._cache_attention_kernel[{dt}-{hd}-m{block_m}{'-split' * partial}]",
+                    attention._cache_attention_kernel,
                     dict(q_ptr=ptr(dt), stride_qh="i32", stride_qr="i32", k_ptr=ptr(dt),
                          v_ptr=ptr(dt), stride_ch="i32", stride_cs="i32", start_ptr="*i64",
                          out_ptr=ptr(dt), stride_or="i32", ws_ptr="*fp32", R="i32", S="i32",
@@ -230,8 +233,8 @@ def _variants():
                          UPCAST="constexpr", PDL="constexpr"),
                     dict(HD=hd, HD_PAD=max(16, hd), BLOCK_M=block_m, BLOCK_N=block_n, OUT=code,
                          PARTIAL=partial, IEEE=code == 0, UPCAST=False, PDL=hd == 128)))
-        out.append((f"pdm._attention_combine_kernel[{dt}-{hd}-m{block_m}]",
-                    pdm._attention_combine_kernel,
+        out.append((f"attention._attention_combine_kernel[{dt}-{hd}-m{block_m}]",
+                    attention._attention_combine_kernel,
                     dict(ws_ptr="*fp32", start_ptr="*i64", out_ptr=ptr(dt), stride_or="i32",
                          R="i32", S="i32", G="i32", SPLITS="i32", CHUNK="i32",
                          HD="constexpr", HD_PAD="constexpr", BLOCK_S="constexpr",

@@ -42,6 +42,7 @@ from spd_kernels.checks import (
     check_values_enabled,
     last_dim_contiguous,
 )
+from spd_kernels.opdef import op
 from spd_kernels.sampling import check_sampling_params, filtered_probs, sample_from_probs
 
 if HAS_TRITON:
@@ -71,6 +72,9 @@ def _check_heads(hidden, norm_weight, lm_head_weight):
     if norm_weight.shape[0] != d or lm_head_weight.shape[1] != d:
         raise SPDInputError(f"hidden size mismatch: hidden {d}, norm {norm_weight.shape[0]}, "
                             f"lm_head {lm_head_weight.shape[1]}")
+    if d == 0 or lm_head_weight.shape[0] == 0:
+        raise SPDInputError(f"empty shapes: hidden size {d}, vocabulary "
+                            f"{lm_head_weight.shape[0]} (lm_head_weight rows); both must be >= 1")
     # both are dimensioned tensors here, so result_type == promote_types (traceable)
     normed = torch.promote_types(norm_weight.dtype, hidden.dtype)
     if normed != lm_head_weight.dtype:
@@ -79,19 +83,15 @@ def _check_heads(hidden, norm_weight, lm_head_weight):
                             f"has dtype {lm_head_weight.dtype}")
 
 
-@dispatch.register("verify_greedy", "reference")
-def verify_greedy_reference(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
-    target = final_logits(hidden, norm_weight, eps, lm_head_weight).argmax(-1)
-    return target, target == draft_tokens.long()
-
-
+@op("verify_greedy")
 def verify_greedy(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
                   lm_head_weight: torch.Tensor, draft_tokens: torch.Tensor, *,
-                  backend: str | None = None):
-    """hidden [R, d], draft_tokens [R] -> (target argmax [R] int64, accepted [R] bool)."""
-    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
-        return torch.ops.spd.verify_greedy(hidden, norm_weight, float(eps), lm_head_weight,
-                                           draft_tokens)
+                  backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden [R, d], draft_tokens [R] -> (target argmax [R] int64, accepted [R] bool).
+
+    The argmax follows torch.argmax on every backend: NaN ranks above every number and ties go
+    to the lowest id, so a row with a NaN logit gives its first NaN id (0 for an all-NaN row);
+    the target is always an id in [0, V)."""
     _check_heads(hidden, norm_weight, lm_head_weight)
     check_tensor("draft_tokens", draft_tokens, dim=1, device=hidden.device)
     check_integer("draft_tokens", draft_tokens)
@@ -101,6 +101,24 @@ def verify_greedy(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         raise SPDInputError(f"eps must be >= 0, got {eps}")
     return dispatch.call("verify_greedy", hidden.device, hidden, norm_weight, float(eps),
                          lm_head_weight, draft_tokens, backend=backend)
+
+
+@verify_greedy.register_fake
+def _(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+    _check_heads(hidden, norm_weight, lm_head_weight)
+    return _token_outputs(hidden)
+
+
+def _token_outputs(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [R] int64, accepted [R] bool) shaped for `like`'s rows: the ops' fake outputs."""
+    rows = like.shape[0]
+    return like.new_empty(rows, dtype=torch.int64), like.new_empty(rows, dtype=torch.bool)
+
+
+@dispatch.register("verify_greedy", "reference")
+def verify_greedy_reference(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+    target = final_logits(hidden, norm_weight, eps, lm_head_weight).argmax(-1)
+    return target, target == draft_tokens.long()
 
 
 def scatter_draft_probs(draft_probs: torch.Tensor, draft_to_target: torch.Tensor,
@@ -135,6 +153,27 @@ def _check_rejection(target_probs, draft_probs, draft_tokens, uniforms):
             raise SPDInputError(f"draft token ids must lie in [0, {vocab})")
 
 
+@op("rejection_sample")
+def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
+                     draft_tokens: torch.Tensor, uniforms: torch.Tensor, *,
+                     backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling, row by row.
+
+    target_probs [R, V] = p, draft_probs [R, V] = q (both on target ids), draft_tokens [R] drawn
+    from q, uniforms [R, 2] in [0, 1): column 0 decides acceptance, column 1 drives the residual
+    draw. Returns (token [R] int64, accepted [R] bool): token is the draft where accepted, else
+    the residual sample.
+    """
+    _check_rejection(target_probs, draft_probs, draft_tokens, uniforms)
+    return dispatch.call("rejection_sample", target_probs.device, target_probs, draft_probs,
+                         draft_tokens, uniforms, backend=backend)
+
+
+@rejection_sample.register_fake
+def _(target_probs, draft_probs, draft_tokens, uniforms):
+    return _token_outputs(target_probs)
+
+
 @dispatch.register("rejection_sample", "reference")
 def rejection_sample_reference(target_probs, draft_probs, draft_tokens, uniforms):
     tok = draft_tokens.long()
@@ -150,23 +189,6 @@ def rejection_sample_reference(target_probs, draft_probs, draft_tokens, uniforms
     residual = torch.where(empty[:, None], p, residual)
     resampled = sample_from_probs(residual, uniforms[:, 1].float())
     return torch.where(accepted, tok, resampled), accepted
-
-
-def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
-                     draft_tokens: torch.Tensor, uniforms: torch.Tensor, *,
-                     backend: str | None = None):
-    """Exact speculative sampling, row by row.
-
-    target_probs [R, V] = p, draft_probs [R, V] = q (both on target ids), draft_tokens [R] drawn
-    from q, uniforms [R, 2] in [0, 1): column 0 decides acceptance, column 1 drives the residual
-    draw. Returns (token [R] int64, accepted [R] bool): token is the draft where accepted, else
-    the residual sample.
-    """
-    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
-        return torch.ops.spd.rejection_sample(target_probs, draft_probs, draft_tokens, uniforms)
-    _check_rejection(target_probs, draft_probs, draft_tokens, uniforms)
-    return dispatch.call("rejection_sample", target_probs.device, target_probs, draft_probs,
-                         draft_tokens, uniforms, backend=backend)
 
 
 # --- fused: target logits + draft distribution on the draft vocabulary -------------------------
@@ -254,6 +276,37 @@ def _philox_uniforms_reference(rows, device, philox_seed, philox_offset):
     return torch.rand(rows, 2, generator=gen).to(device)
 
 
+@op("rejection_sample_logits", mutates=("philox_offset",))
+def rejection_sample_logits(target_logits: torch.Tensor, draft_probs: torch.Tensor,
+                            draft_to_target: torch.Tensor, draft_tokens: torch.Tensor,
+                            uniforms: torch.Tensor | None = None, *,
+                            philox_seed: torch.Tensor | None = None,
+                            philox_offset: torch.Tensor | None = None, temperature: float = 1.0,
+                            top_k: int = 0, top_p: float = 1.0,
+                            backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact speculative sampling straight from the target logits.
+
+    target_logits [R, V]; p = filtered_probs(target_logits, temperature, top_k, top_p) (the same
+    rules as `sampling.filtered_probs`; temperature 0 is greedy). draft_probs [R, Vd]: q on the
+    draft vocabulary, column c standing for target id draft_to_target[c] ([Vd] int, distinct ids in
+    [0, V)). draft_tokens [R]: the drafted target ids. Randomness: uniforms [R, 2] (as in
+    `rejection_sample`, so backends agree bit for bit) or philox_seed/philox_offset (int64 device
+    tensors of one element; the offset advances by R per call, so a captured CUDA graph draws new
+    numbers on every replay). Returns (token [R] int64, accepted [R] bool).
+    """
+    _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
+                            temperature, top_k, top_p, philox_seed, philox_offset)
+    return dispatch.call("rejection_sample_logits", target_logits.device, target_logits,
+                         draft_probs, draft_to_target, draft_tokens, uniforms, float(temperature),
+                         int(top_k), float(top_p), philox_seed, philox_offset, backend=backend)
+
+
+@rejection_sample_logits.register_fake
+def _(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms=None, philox_seed=None,
+      philox_offset=None, temperature=1.0, top_k=0, top_p=1.0):
+    return _token_outputs(target_logits)
+
+
 @dispatch.register("rejection_sample_logits", "reference")
 def rejection_sample_logits_reference(target_logits, draft_probs, draft_to_target, draft_tokens,
                                       uniforms=None, temperature=1.0, top_k=0, top_p=1.0,
@@ -265,34 +318,6 @@ def rejection_sample_logits_reference(target_logits, draft_probs, draft_to_targe
     p = filtered_probs(target_logits, temperature, top_k, top_p)
     q = scatter_draft_probs(draft_probs, draft_to_target, vocab)
     return rejection_sample_reference(p, q, draft_tokens, uniforms)
-
-
-def rejection_sample_logits(target_logits: torch.Tensor, draft_probs: torch.Tensor,
-                            draft_to_target: torch.Tensor, draft_tokens: torch.Tensor,
-                            uniforms: torch.Tensor | None = None, *, temperature: float = 1.0,
-                            top_k: int = 0, top_p: float = 1.0,
-                            philox_seed: torch.Tensor | None = None,
-                            philox_offset: torch.Tensor | None = None,
-                            backend: str | None = None):
-    """Exact speculative sampling straight from the target logits.
-
-    target_logits [R, V]; p = filtered_probs(target_logits, temperature, top_k, top_p) (the same
-    rules as `sampling.filtered_probs`; temperature 0 is greedy). draft_probs [R, Vd]: q on the
-    draft vocabulary, column c standing for target id draft_to_target[c] ([Vd] int, distinct ids in
-    [0, V)). draft_tokens [R]: the drafted target ids. Randomness: uniforms [R, 2] (as in
-    `rejection_sample`, so backends agree bit for bit) or philox_seed/philox_offset (int64 device
-    tensors of one element; the offset advances by R per call, so a captured CUDA graph draws new
-    numbers on every replay). Returns (token [R] int64, accepted [R] bool).
-    """
-    if torch.compiler.is_compiling():  # the custom op keeps host checks out of the graph
-        return torch.ops.spd.rejection_sample_logits(
-            target_logits, draft_probs, draft_to_target, draft_tokens, uniforms, philox_seed,
-            philox_offset, float(temperature), int(top_k), float(top_p))
-    _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
-                            temperature, top_k, top_p, philox_seed, philox_offset)
-    return dispatch.call("rejection_sample_logits", target_logits.device, target_logits,
-                         draft_probs, draft_to_target, draft_tokens, uniforms, float(temperature),
-                         int(top_k), float(top_p), philox_seed, philox_offset, backend=backend)
 
 
 # The launchers register with the dispatcher on import; their names stay importable from

@@ -83,7 +83,7 @@ def test_gpu_graphed_sampling_is_lossless_and_reproducible():
 def test_pack_qkv_keeps_the_weights_and_packs_them_once(tiny_target):
     """PDMStepGraphs packs each layer's q/k/v weights back to back (one product on the Triton
     path): the values stay, the parameters become views of one buffer, a second pack is a no-op."""
-    from spd_kernels.pdm import packed_qkv
+    from spd_kernels.qkv_rope import packed_qkv
 
     pdm = SPDEngine(tiny_target, n_stages=2, anchors=[0, 2, 3]).pdm
     before = {k: v.clone() for k, v in pdm.state_dict().items()}

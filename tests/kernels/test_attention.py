@@ -8,7 +8,9 @@ import pytest
 import torch
 from conftest import needs_gpu, needs_simt, needs_triton, needs_triton_interpreter
 
-from spd_kernels import SPDBackendError, SPDInputError, _cuda, cache_attention, dispatch, pdm
+from spd_kernels import SPDBackendError, SPDInputError, _cuda, cache_attention, dispatch
+from spd_kernels.attention import triton_kernel as attention_triton
+from spd_kernels.on_request import attention_cuda
 from spd_kernels.testing import (
     TRITON_DEVICE,
     poisoned_outputs,
@@ -85,7 +87,7 @@ def test_triton_fp32_matches_reference(R, start, S, H, KVH, hd):
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_triton_online_softmax_over_many_key_blocks(block_n, monkeypatch):
     """Small key blocks: the running max / rescaling path runs many times per row."""
-    monkeypatch.setattr(pdm, "_attention_blocks", lambda hd, S: block_n)
+    monkeypatch.setattr(attention_triton, "_attention_blocks", lambda hd, S: block_n)
     R, start, S, H, KVH, hd = 4, 93, 100, 6, 2, 16
     q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE, seed=block_n)
     q[:, 1] *= 8  # peaky rows: the running max moves between blocks
@@ -99,15 +101,15 @@ def test_triton_online_softmax_over_many_key_blocks(block_n, monkeypatch):
 def test_triton_split_keys_merge_exactly(splits, start, monkeypatch):
     """Keys split over programs (flash-decoding) and merged by the combine launch: same result
     as the reference, including splits that lie wholly past a row's position (empty)."""
-    monkeypatch.setattr(pdm, "_attention_blocks", lambda hd, S: 16)
+    monkeypatch.setattr(attention_triton, "_attention_blocks", lambda hd, S: 16)
     R, S, H, KVH, hd = 5, 100, 6, 2, 16
     q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE,
                         seed=splits * 100 + start)
     q[:, 2] *= 8  # a peaky row: the maxima differ between splits
-    n_splits, chunk = pdm.attention_splits(R, KVH, S, 16, torch.device(TRITON_DEVICE), splits)
+    n_splits, chunk = attention_triton.attention_splits(R, KVH, S, 16, torch.device(TRITON_DEVICE), splits)
     assert n_splits == splits and (n_splits - 1) * chunk < S <= n_splits * chunk
     with poisoned_outputs("a"):
-        out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
+        out = attention_triton.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
                                    splits=splits)
     torch.testing.assert_close(out, run(q, k, v, start, "reference"), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
@@ -116,13 +118,13 @@ def test_triton_split_keys_merge_exactly(splits, start, monkeypatch):
 @needs_triton
 def test_triton_combine_over_more_splits_than_one_load(monkeypatch):
     """25 key splits, 23 of them holding keys: the combine merges them 16 a load, twice."""
-    monkeypatch.setattr(pdm, "_attention_blocks", lambda hd, S: 16)
+    monkeypatch.setattr(attention_triton, "_attention_blocks", lambda hd, S: 16)
     R, start, S, H, KVH, hd = 5, 350, 400, 4, 2, 16
     q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE, seed=25)
     q[:, 3] *= 8
-    assert pdm.attention_splits(R, KVH, S, 16, torch.device(TRITON_DEVICE), 25) == (25, 16)
+    assert attention_triton.attention_splits(R, KVH, S, 16, torch.device(TRITON_DEVICE), 25) == (25, 16)
     with poisoned_outputs("b"):
-        out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
+        out = attention_triton.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
                                    splits=25)
     torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
 
@@ -135,7 +137,7 @@ def test_triton_rows_over_several_m_blocks(splits):
     R, start, S, H, KVH, hd = 21, 40, 70, 8, 2, 16
     q, k, v = make_case(R, start, S, H, KVH, hd, torch.float32, TRITON_DEVICE, seed=splits)
     with poisoned_outputs("a"):
-        out = pdm.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
+        out = attention_triton.attention_launch(q, k, v, torch.tensor([start], device=TRITON_DEVICE), None,
                                    splits=splits)
     torch.testing.assert_close(out, per_row(q, k, v, start).float(), rtol=1e-5, atol=1e-5)
 
@@ -179,9 +181,9 @@ def test_cuda_kernel_matches_reference_in_emulation(dtype, R, start, S, H, KVH, 
     start_t = torch.tensor([start])
     with _cuda.simulated(sms):
         with poisoned_outputs("a"):
-            out = pdm.attention_cuda_launch(q, k, v, start_t, None, splits=splits)
+            out = attention_cuda.attention_cuda_launch(q, k, v, start_t, None, splits=splits)
         with poisoned_outputs("b"):
-            again = pdm.attention_cuda_launch(q, k, v, start, None, splits=splits)  # host start
+            again = attention_cuda.attention_cuda_launch(q, k, v, start, None, splits=splits)  # host start
     assert out.shape == (R, H * hd) and out.dtype == dtype
     tol = 2 * torch.finfo(dtype).eps
     ref = run(q, k, v, start_t, "reference")  # fp32 math, one rounding: as the kernel
@@ -195,8 +197,8 @@ def test_cuda_plan_covers_the_cache_in_whole_tiles():
     for S in (1, 5, 32, 33, 100, 4096, 40960):
         for want in (None, 1, 2, 3, 64, 10 ** 6):
             for kvh, pairs in ((8, 36), (1, 200), (2, 4)):
-                splits, chunk = pdm.attention_cuda_plan(kvh, pairs, S, torch.device("cpu"), want)
-                assert chunk % pdm.CUDA_ATTENTION_TILE == 0 and splits >= 1
+                splits, chunk = attention_cuda.attention_cuda_plan(kvh, pairs, S, torch.device("cpu"), want)
+                assert chunk % attention_cuda.CUDA_ATTENTION_TILE == 0 and splits >= 1
                 assert (splits - 1) * chunk < S <= splits * chunk
                 if want is not None:
                     assert splits <= want

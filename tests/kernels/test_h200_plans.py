@@ -6,13 +6,15 @@ import pytest
 import torch
 from conftest import needs_simt
 
-from spd_kernels import _cuda, pdm, verify_greedy
+from spd_kernels import _cuda, attention, verify_greedy
 from spd_kernels.features import (
     anchor_projection_cuda,
     anchor_projection_cuda_mma,
     anchor_projection_reference,
 )
-from spd_kernels.linear import cuda_launch, fused_linear_reference, fused_swiglu_reference
+from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
+from spd_kernels.on_request import attention_cuda
+from spd_kernels.on_request.linear_cuda import cuda_launch
 from spd_kernels.testing import poisoned_outputs
 from spd_kernels.verify import final_logits
 
@@ -63,11 +65,11 @@ def test_attention_kernel_at_qwen3_4b_heads_and_a_4k_cache():
     v[:, start + ROWS:] = float("nan")
     q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
     start_t = torch.tensor([start])
-    want = pdm.cache_attention_reference(q, k, v, start, None)
+    want = attention.cache_attention_reference(q, k, v, start, None)
     with _cuda.simulated(H200_SMS), poisoned_outputs("a"):
-        splits, _ = pdm.attention_cuda_plan(KV_HEADS, ROWS * HEADS // KV_HEADS, S,
+        splits, _ = attention_cuda.attention_cuda_plan(KV_HEADS, ROWS * HEADS // KV_HEADS, S,
                                             torch.device("cpu"))
-        got = pdm.attention_cuda_launch(q, k, v, start_t, None)
+        got = attention_cuda.attention_cuda_launch(q, k, v, start_t, None)
     assert splits > 1
     tol = 2 * torch.finfo(torch.bfloat16).eps
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

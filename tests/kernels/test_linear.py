@@ -11,13 +11,11 @@ from spd_kernels._triton import dtype_code
 from spd_kernels.linear import (
     CUDA_MAX_ROWS,
     MAX_KERNEL_ROWS,
-    cuda_launch,
-    cuda_plan,
     fused_linear_reference,
     fused_swiglu_reference,
-    launch,
-    plan,
 )
+from spd_kernels.linear.triton_kernel import launch, plan
+from spd_kernels.on_request.linear_cuda import cuda_launch, cuda_plan
 from spd_kernels.testing import (
     TRITON_DEVICE,
     poisoned_outputs,

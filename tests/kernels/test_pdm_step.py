@@ -7,8 +7,17 @@ from conftest import make_tiny_target, needs_gpu, needs_simt, needs_triton, need
 
 from spd import SPDEngine
 from spd.model.layers import decoder_layer_step, rope_table
-from spd_kernels import SPDInputError, _cuda, dispatch, pdm, pdm_step, qkv_rope_append, use_backend
+from spd_kernels import (
+    SPDInputError,
+    _cuda,
+    dispatch,
+    pdm_step,
+    qkv_rope,
+    qkv_rope_append,
+    use_backend,
+)
 from spd_kernels.pdm import LayerWeights, PDMWeights
+from spd_kernels.qkv_rope import qkv_supports
 from spd_kernels.testing import (
     TRITON_DEVICE,
     TRITON_SKIP_REASON,
@@ -67,7 +76,7 @@ def test_triton_fp32_matches_reference(T, d, H, KVH, hd, qk_norm):
 @needs_triton
 @pytest.mark.parametrize("T,d,H,KVH,hd", SHAPES[:3])
 def test_triton_packed_qkv_weights_match_separate(T, d, H, KVH, hd):
-    """Weights packed back to back (pdm.pack_qkv) take the one-product path: same q and cache
+    """Weights packed back to back (qkv_rope.pack_qkv) take the one-product path: same q and cache
     rows as the reference and as the three separate products (to rounding: the product's
     blocking differs with its width)."""
     S, start = 16, 3
@@ -75,9 +84,9 @@ def test_triton_packed_qkv_weights_match_separate(T, d, H, KVH, hd):
     ref = run(args, caches, start, H, KVH, "reference")
     separate = run(args, caches, start, H, KVH, "triton")
     packed_args = dict(args)
-    packed_args["wq"], packed_args["wk"], packed_args["wv"] = pdm.pack_qkv(
+    packed_args["wq"], packed_args["wk"], packed_args["wv"] = qkv_rope.pack_qkv(
         args["wq"], args["wk"], args["wv"])
-    assert pdm.packed_qkv(packed_args["wq"], packed_args["wk"], packed_args["wv"]) is not None
+    assert qkv_rope.packed_qkv(packed_args["wq"], packed_args["wk"], packed_args["wv"]) is not None
     out = run(packed_args, caches, start, H, KVH, "triton")
     torch.testing.assert_close(out[0], ref[0], rtol=1e-5, atol=1e-5)
     for got, sep in zip(out, separate):  # q, then the caches: NaN (unwritten) in the same places
@@ -86,11 +95,11 @@ def test_triton_packed_qkv_weights_match_separate(T, d, H, KVH, hd):
 
 def test_packed_qkv_only_for_back_to_back_weights():
     w = torch.randn(10, 4)
-    assert pdm.packed_qkv(w[:4], w[4:6], w[6:]).shape == (10, 4)
-    assert pdm.packed_qkv(w[:4], w[6:], w[4:6]) is None             # out of order
-    assert pdm.packed_qkv(w[:4], w[4:6], w[7:]) is None             # a gap
-    assert pdm.packed_qkv(w[:4], w[4:6], torch.randn(4, 4)) is None  # another storage
-    assert pdm.packed_qkv(w[:4, :2], w[4:6, :2], w[6:, :2]) is None  # not contiguous
+    assert qkv_rope.packed_qkv(w[:4], w[4:6], w[6:]).shape == (10, 4)
+    assert qkv_rope.packed_qkv(w[:4], w[6:], w[4:6]) is None             # out of order
+    assert qkv_rope.packed_qkv(w[:4], w[4:6], w[7:]) is None             # a gap
+    assert qkv_rope.packed_qkv(w[:4], w[4:6], torch.randn(4, 4)) is None  # another storage
+    assert qkv_rope.packed_qkv(w[:4, :2], w[4:6, :2], w[6:, :2]) is None  # not contiguous
 
 
 @needs_triton
@@ -125,7 +134,7 @@ def test_cuda_kernel_matches_reference_in_emulation(dtype, T, d, H, KVH, hd, qk_
     args, caches = make_case(T, d, H, KVH, hd, S, dtype, "cpu", seed=T * d + hd, qk_norm=qk_norm)
     ref = run(args, caches, start, H, KVH, "reference")
     packed = dict(args)
-    packed["wq"], packed["wk"], packed["wv"] = pdm.pack_qkv(args["wq"], args["wk"], args["wv"])
+    packed["wq"], packed["wk"], packed["wv"] = qkv_rope.pack_qkv(args["wq"], args["wk"], args["wv"])
     tol = 2 * torch.finfo(dtype).eps
     with _cuda.simulated():
         outs = [run(args, caches, torch.tensor([start]), H, KVH, "cuda"),
@@ -163,7 +172,7 @@ def test_triton_qkv_declines_chunks_past_the_linear_kernels_rows():
     from spd_kernels.linear import MAX_KERNEL_ROWS
     for T, declined in ((MAX_KERNEL_ROWS, False), (MAX_KERNEL_ROWS + 1, True)):
         args, caches = make_case(T, 16, 2, 1, 8, T + 4, torch.float32, "cpu", seed=T)
-        why = pdm._qkv_supports(args["x"], args["norm_weight"], 1e-6, args["wq"], args["wk"],
+        why = qkv_supports(args["x"], args["norm_weight"], 1e-6, args["wq"], args["wk"],
                                 args["wv"], args["q_norm"], args["k_norm"], args["cos"],
                                 args["sin"], 0, caches[0], caches[1], 2, 1)
         assert (why is not None and f"at most {MAX_KERNEL_ROWS} rows" in why) == declined, why

@@ -28,7 +28,8 @@ from spd.errors import SPDError
 from spd.model.layers import RMSNorm, decoder_layer_step, rope_table
 from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
-from spd_kernels.pdm import PDMWeights, pack_qkv, packed_qkv
+from spd_kernels.pdm import PDMWeights
+from spd_kernels.qkv_rope import pack_qkv, packed_qkv
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # spd/checkpoints
 

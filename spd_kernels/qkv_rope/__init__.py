@@ -1,0 +1,188 @@
+"""Op `qkv_rope_append`: RMSNorm + q/k/v projections + per-head q/k RMSNorm + RoPE + cache append.
+
+  reference  torch, mirroring spd.model.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
+  triton     the q, k and v projections through fused_linear (RMSNorm fused, each weight tile
+             read once for all rows; on a GPU whichever backend fused_linear's dispatch picks,
+             in the interpreter its Triton kernel), then one launch, program (row, head), applies
+             the per-head RMSNorm and RoPE in registers and writes q out or k/v straight into the
+             cache at position start + row (read on the device; rows past the capacity dropped).
+  cuda       on request (spd_kernels.on_request.qkv_rope_cuda): the products on fused_linear's
+             tensor-core CUDA kernel, then csrc/kernels/rope_append.cu, a block per (row, head).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spd_kernels import dispatch
+from spd_kernels._triton import next_pow2
+from spd_kernels.cache_positions import check_start, positions
+from spd_kernels.checks import (
+    SPDInputError,
+    check_not_aliased,
+    check_same_dtype,
+    check_tensor,
+    last_dim_contiguous,
+)
+from spd_kernels.linear import kernel_supports as linear_kernel_supports
+from spd_kernels.linear import rms_norm
+from spd_kernels.opdef import Position, op
+
+
+def pack_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor):
+    """Copies of wq, wk, wv as consecutive views of one buffer: the Triton qkv_rope_append then
+    streams the three as one [Nq + Nk + Nv, D] product (one launch, a wider N to split)."""
+    buf = torch.cat([wq, wk, wv]).contiguous()
+    nq, nk = wq.shape[0], wk.shape[0]
+    return buf[:nq], buf[nq:nq + nk], buf[nq + nk:]
+
+
+def packed_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor | None:
+    """The [Nq + Nk + Nv, D] view over wq, wk, wv when they lie back to back in one storage (as
+    pack_qkv leaves them), else None."""
+    if not (wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):
+        return None
+    if wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() or \
+            wk.untyped_storage().data_ptr() != wv.untyped_storage().data_ptr():
+        return None
+    el = wq.element_size()
+    if wk.data_ptr() != wq.data_ptr() + wq.numel() * el or \
+            wv.data_ptr() != wk.data_ptr() + wk.numel() * el:
+        return None
+    n = wq.shape[0] + wk.shape[0] + wv.shape[0]
+    return wq.as_strided((n, wq.shape[1]), (wq.shape[1], 1))
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
+               num_heads, num_kv_heads):
+    check_tensor("x", x, dim=2, floating=True)
+    dev = x.device
+    T, d = x.shape
+    for name, t in (("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
+                    ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, t, floating=True, device=dev)
+    check_same_dtype(x=x, norm_weight=norm_weight, wq=wq, wk=wk, wv=wv, q_norm=q_norm,
+                     k_norm=k_norm)
+    check_not_aliased("k_cache", k_cache, "v_cache", v_cache)
+    if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise SPDInputError(f"num_heads ({num_heads}) must be a positive multiple of "
+                            f"num_kv_heads ({num_kv_heads})")
+    if k_cache.dim() != 3 or k_cache.shape != v_cache.shape or k_cache.shape[0] != num_kv_heads:
+        raise SPDInputError(f"k_cache and v_cache must both be [num_kv_heads={num_kv_heads}, S, "
+                            f"head_dim], got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    hd = k_cache.shape[2]
+    if hd % 2:
+        raise SPDInputError(f"head_dim must be even for RoPE, got {hd}")
+    if tuple(norm_weight.shape) != (d,):
+        raise SPDInputError(f"norm_weight must have shape ({d},), got {tuple(norm_weight.shape)}")
+    for name, w, heads in (("wq", wq, num_heads), ("wk", wk, num_kv_heads),
+                           ("wv", wv, num_kv_heads)):
+        if tuple(w.shape) != (heads * hd, d):
+            raise SPDInputError(f"{name} must have shape ({heads * hd}, {d}), got {tuple(w.shape)}")
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is not None:
+            check_tensor(name, w, floating=True, device=dev)
+            if tuple(w.shape) != (hd,):
+                raise SPDInputError(f"{name} must have shape ({hd},), got {tuple(w.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise SPDInputError("give both q_norm and k_norm, or neither")
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != hd:
+        raise SPDInputError(f"cos and sin must be RoPE tables [positions, {hd}], got "
+                            f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    first = check_start(start, T, k_cache.shape[1], dev)
+    if first is not None:
+        if first + T > cos.shape[0]:
+            raise SPDInputError(f"the RoPE tables cover {cos.shape[0]} positions, rows reach "
+                                f"{first + T - 1}")
+
+
+@op("qkv_rope_append", mutates=("k_cache", "v_cache"))
+def qkv_rope_append(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wq: torch.Tensor,
+                    wk: torch.Tensor, wv: torch.Tensor, q_norm: torch.Tensor | None,
+                    k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    start: Position, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    num_heads: int, num_kv_heads: int, *,
+                    backend: str | None = None) -> torch.Tensor:
+    """Rows x [T, d] at positions start..start+T-1 -> q [num_heads, T, head_dim] (RMSNorm'd input,
+    per-head q/k RMSNorm when q_norm/k_norm are given, RoPE from the full tables cos/sin
+    [P, head_dim] at those positions). Writes the rows' k (with RoPE) and v into k_cache/v_cache
+    [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor."""
+    _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
+               num_heads, num_kv_heads)
+    return dispatch.call("qkv_rope_append", x.device, x, norm_weight, float(eps), wq, wk, wv,
+                         q_norm, k_norm, cos, sin, start, k_cache, v_cache, int(num_heads),
+                         int(num_kv_heads), backend=backend)
+
+
+@qkv_rope_append.register_fake
+def _(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
+      num_heads, num_kv_heads):
+    return x.new_empty(num_heads, x.shape[0], k_cache.shape[2])
+
+
+@dispatch.register("qkv_rope_append", "reference")
+def qkv_rope_append_reference(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
+                              k_cache, v_cache, num_heads, num_kv_heads):
+    T = x.shape[0]
+    hd = k_cache.shape[2]
+    h = rms_norm(x, norm_weight, eps)
+    q = F.linear(h, wq).view(T, num_heads, hd)
+    k = F.linear(h, wk).view(T, num_kv_heads, hd)
+    v = F.linear(h, wv).view(T, num_kv_heads, hd)
+    if q_norm is not None:
+        q = rms_norm(q, q_norm, eps)
+        k = rms_norm(k, k_norm, eps)
+    pos = positions(start, T, x.device)
+    c, s = cos[pos], sin[pos]
+    q = q.transpose(0, 1)
+    k = k.transpose(0, 1)
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    k_cache[:, pos] = k.to(k_cache.dtype)
+    v_cache[:, pos] = v.transpose(0, 1).to(v_cache.dtype)
+    return q.contiguous()
+
+
+def qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
+                  v_cache, num_heads, num_kv_heads):
+    hd = k_cache.shape[2]
+    if hd != next_pow2(hd):
+        return f"the kernel needs a power-of-two head_dim, got {hd}"
+    named = [("x", x), ("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
+             ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)]
+    named += [(n, t) for n, t in (("q_norm", q_norm), ("k_norm", k_norm)) if t is not None]
+    why = linear_kernel_supports(x, ())  # the projections run fused_linear's kernel: its limits
+    if why:
+        return why
+    for name, t in named:
+        if t.dtype != x.dtype:
+            return (f"the kernel needs every tensor in one dtype (x is {x.dtype}, {name} is "
+                    f"{t.dtype})")
+        why = last_dim_contiguous(name, t)
+        if why:
+            return why
+    for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("k_cache", k_cache),
+                    ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            return f"{name} must be contiguous"
+    return None
+
+
+def qkv_products(x, norm_weight, eps, wq, wk, wv, project):
+    """(q, k, v) projections of rms_norm(x) through project(x, w, norm_weight, eps): one product
+    over the packed weights when they lie back to back (then views of its columns), else three."""
+    qkv = packed_qkv(wq, wk, wv)
+    if qkv is None:
+        return tuple(project(x, w, norm_weight, eps) for w in (wq, wk, wv))
+    y = project(x, qkv, norm_weight, eps)
+    nq, nk = wq.shape[0], wk.shape[0]
+    return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+
+
+# The launcher registers with the dispatcher on import.
+from spd_kernels.qkv_rope import triton_kernel  # noqa: E402,F401
