@@ -11,12 +11,21 @@ import torch
 
 from spd_kernels.checks import SPDInputError, check_tensor
 
+# Below this a temperature is refused, not sampled: logits / T overflow to inf and the
+# probabilities to NaN (T = 1e-45 gave token 0). 0 means greedy.
+MIN_TEMPERATURE = 1e-5
+MAX_TOP_K = 2 ** 31 - 1  # the kernels take top_k as int32
+
 
 def check_sampling_params(temperature: float, top_k: int, top_p: float) -> None:
     if not (temperature >= 0.0) or temperature != temperature or temperature == float("inf"):
         raise SPDInputError(f"temperature must be a finite number >= 0, got {temperature}")
-    if int(top_k) != top_k or top_k < 0:
-        raise SPDInputError(f"top_k must be an integer >= 0 (0 disables it), got {top_k}")
+    if 0.0 < temperature < MIN_TEMPERATURE:
+        raise SPDInputError(f"temperature {temperature} is too small to sample with (below "
+                            f"{MIN_TEMPERATURE}): use 0 for greedy decoding")
+    if isinstance(top_k, bool) or int(top_k) != top_k or not 0 <= top_k <= MAX_TOP_K:
+        raise SPDInputError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0 disables it), "
+                            f"got {top_k}")
     if not (0.0 < top_p <= 1.0):
         raise SPDInputError(f"top_p must lie in (0, 1], got {top_p}")
 

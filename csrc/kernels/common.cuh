@@ -189,8 +189,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-// (value, index) order of an argmax with ties to the lowest index.
+// (value, index) order of an argmax as torch.argmax: NaN above every number (-inf included),
+// ties, NaN ties too, to the lowest index.
 __device__ __forceinline__ bool better(float v, int i, float bv, int bi) {
+  const bool vn = v != v, bn = bv != bv;
+  if (vn || bn) return vn && (!bn || i < bi);
   return v > bv || (v == bv && i < bi);
 }
 

@@ -23,7 +23,7 @@ __global__ void poison_kernel(const int64_t* lengths, const int64_t* new_lengths
   pdl_enter();
   const int64_t c = blockIdx.x;
   const int64_t b = blockIdx.y / outer, o = blockIdx.y % outer;
-  const int64_t old = lengths[c];
+  const int64_t old = lengths[c] < S ? lengths[c] : S;  // never past the buffer, checked or not
   int64_t n = new_lengths[c * new_stride];
   n = n < 0 ? 0 : (n > old ? old : n);
   U* base = reinterpret_cast<U*>(table[b]) + (c * outer + o) * S * inner;

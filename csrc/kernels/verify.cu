@@ -193,7 +193,7 @@ greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ 
   int bidx[MAXR];
 #pragma unroll
   for (int r = 0; r < MAXR; ++r) {
-    best[r] = -FLT_MAX;
+    best[r] = -INFINITY;
     bidx[r] = INT_MAX;
   }
   for (int gi = gw0; gi < groups; gi += gstride) {
@@ -218,7 +218,7 @@ greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ 
         for (int r = 0; r < MAXR; ++r) {
           if (r >= nr) continue;
           const float s = round_to<T>(warp_sum(acc[n][r]));
-          if (s > best[r]) {  // v increases within the warp: strict > keeps the lowest index
+          if (better(s, v0 + n, best[r], bidx[r])) {  // NaN first, then the lowest index
             best[r] = s;
             bidx[r] = v0 + n;
           }
@@ -236,7 +236,7 @@ greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ 
   __syncthreads();
   if (threadIdx.x < nr) {
     const int r = threadIdx.x;
-    float b = -FLT_MAX;
+    float b = -INFINITY;
     int bi = INT_MAX;
     for (int wi = 0; wi < kWarps; ++wi)
       if (better(s_best[wi][r], s_idx[wi][r], b, bi)) {
@@ -256,7 +256,7 @@ greedy_reduce(const float* __restrict__ pval, const int* __restrict__ pidx, int 
   __shared__ int s_i[8];
   pdl_enter();
   const int r = blockIdx.x;
-  float b = -FLT_MAX;
+  float b = -INFINITY;
   int bi = INT_MAX;
   for (int i = threadIdx.x; i < NP; i += blockDim.x) {
     const float v = pval[(int64_t)r * NB + i];

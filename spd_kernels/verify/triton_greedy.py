@@ -55,9 +55,17 @@ if HAS_TRITON:
                         other=0.0).to(tl.float32)
             acc += tl.sum(hn[:, None, :] * w[None, :, :], axis=2)
         logits = round_to(acc, R_L)                          # logits in the model dtype
-        logits = tl.where(vmask[None, :], logits, float("-inf"))
-        best = tl.max(logits, axis=1)
-        idx = tl.min(tl.where(logits == best[:, None], vrows[None, :], 2147483647), axis=1)
+        # torch.argmax's order: NaN above every number, ties to the lowest id (a block with a
+        # NaN reports NaN and its first NaN id)
+        isnan = (logits != logits) & vmask[None, :]
+        has_nan = tl.max(isnan.to(tl.int32), axis=1) > 0
+        clean = tl.where(vmask[None, :] & ~isnan, logits, float("-inf"))
+        best = tl.max(clean, axis=1)
+        idx = tl.min(tl.where(vmask[None, :] & (clean == best[:, None]), vrows[None, :],
+                              2147483647), axis=1)
+        nan_idx = tl.min(tl.where(isnan, vrows[None, :], 2147483647), axis=1)
+        idx = tl.where(has_nan, nan_idx, idx)
+        best = tl.where(has_nan, float("nan"), best)
         out = rows.to(tl.int64) * NB + pid_v
         tl.store(pval_ptr + out, best, mask=rmask)
         tl.store(pidx_ptr + out, idx, mask=rmask)
@@ -68,16 +76,24 @@ if HAS_TRITON:
         r = tl.program_id(0).to(tl.int64)
         best = tl.full([], float("-inf"), tl.float32)
         bidx = tl.full([], 2147483647, tl.int32)
-        for b0 in range(0, NB, BLOCK_NB):
+        found_nan = tl.full([], 0, tl.int32)
+        for b0 in range(0, NB, BLOCK_NB):  # blocks in vocabulary order
             offs = b0 + tl.arange(0, BLOCK_NB)
             m = offs < NB
             vals = tl.load(pval_ptr + r * NB + offs, mask=m, other=float("-inf"))
             idxs = tl.load(pidx_ptr + r * NB + offs, mask=m, other=2147483647)
-            cm = tl.max(vals, axis=0)
-            ci = tl.min(tl.where(vals == cm, idxs, 2147483647), axis=0)
-            take = (cm > best) | ((cm == best) & (ci < bidx))
-            bidx = tl.where(take, ci, bidx)
+            isnan = (vals != vals) & m
+            chunk_nan = tl.max(isnan.to(tl.int32), axis=0)
+            clean = tl.where(isnan, float("-inf"), vals)
+            cm = tl.max(clean, axis=0)
+            ci = tl.min(tl.where(m & (clean == cm), idxs, 2147483647), axis=0)
+            ni = tl.min(tl.where(isnan, idxs, 2147483647), axis=0)
+            take_nan = (chunk_nan > 0) & ((found_nan == 0) | (ni < bidx))
+            take = (found_nan == 0) & (chunk_nan == 0) & ((cm > best) |
+                                                          ((cm == best) & (ci < bidx)))
+            bidx = tl.where(take_nan, ni, tl.where(take, ci, bidx))
             best = tl.maximum(best, cm)
+            found_nan = tl.maximum(found_nan, chunk_nan)
         target = bidx.to(tl.int64)
         tl.store(target_ptr + r, target)
         draft = tl.load(draft_ptr + r).to(tl.int64)

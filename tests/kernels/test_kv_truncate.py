@@ -96,6 +96,46 @@ def test_reference_default_and_checks():
         truncate_kv_(length, torch.tensor(1), backend="cuda")
 
 
+def _cpu_backends():
+    """The backends that run truncate_kv on CPU tensors here (reference; the Triton interpreter
+    and the CUDA kernels' host emulation where available)."""
+    out = [("reference", None)]
+    if "triton" in dispatch.available("truncate_kv", TRITON_DEVICE) and TRITON_DEVICE == "cpu":
+        out.append(("triton", None))
+    if _cuda.simt_unavailable_reason() is None:
+        out.append(("cuda", _cuda.simulated))
+    return out
+
+
+@pytest.mark.parametrize("lengths,msg", [([9, 2], r"exceed the 8 positions of buffers\[0\]"),
+                                         ([-1, 2], "lengths must be non-negative")])
+def test_lengths_outside_the_buffers_are_refused_on_every_backend(lengths, msg):
+    for backend, ctx in _cpu_backends():
+        buf = torch.randn(2, 3, 8, 4)
+        with (ctx() if ctx else torch.no_grad()):
+            with pytest.raises(SPDInputError, match=msg):
+                truncate_kv_(torch.tensor(lengths), torch.tensor(1), [buf], poison=True,
+                             backend=backend)
+
+
+def test_unchecked_lengths_past_the_capacity_never_write_outside_the_buffer(monkeypatch):
+    """Device tensors skip the value check (it needs a host sync): the kernels then clamp the
+    poisoned rows to the buffer's capacity. The buffer is a view at the front of a larger
+    allocation, so a write past it shows in the spare cache."""
+    import spd_kernels.kv_cache as kv
+    monkeypatch.setattr(kv, "check_values_enabled", lambda *t: False)
+    for backend, ctx in _cpu_backends()[1:]:
+        big = torch.ones(3, 2, 8, 4)
+        buf = big[:2]
+        length = torch.tensor([13, 8])
+        with ctx() if ctx else torch.no_grad():
+            truncate_kv_(length, torch.tensor([5, 6]), [buf], poison=True, backend=backend)
+        assert length.tolist() == [5, 6], backend
+        assert torch.equal(big[2], torch.ones(2, 8, 4)), backend  # nothing past the buffer
+        assert not buf[0, :, :5].isnan().any() and buf[0, :, 5:].isnan().all(), backend
+        assert not buf[1, :, :6].isnan().any() and buf[1, :, 6:].isnan().all(), backend
+
+
 def test_library_op():
     length = torch.tensor([7, 3, 5])
     k = torch.randn(3, 2, 8, 4)

@@ -121,6 +121,63 @@ def test_triton_empty_batch():
     assert t.shape == (0,) and ok.shape == (0,)
 
 
+def _nan_cases():
+    """(name, hidden, norm, head): logits with NaN and infinities across several vocab blocks."""
+    g = torch.Generator().manual_seed(11)
+    D, V = 24, 300
+    hidden = torch.rand(3, D, generator=g) + 0.1          # positive: signs of sums are known
+    norm = torch.rand(D, generator=g) + 0.5
+    head = torch.randn(V, D, generator=g)
+    two_nans = head.clone()
+    two_nans[250, 3] = two_nans[150, 7] = float("nan")
+    nan_row = hidden.clone()
+    nan_row[1, 5] = float("nan")                             # row 1: every logit NaN
+    all_neg_inf = torch.full((V, D), float("-inf"))
+    inf_and_nan = head.clone()
+    inf_and_nan[0] = float("inf")
+    inf_and_nan[200, 0] = float("nan")
+    return [("two NaN ids", hidden, norm, two_nans), ("a NaN hidden row", nan_row, norm, head),
+            ("every logit -inf", hidden, norm, all_neg_inf),
+            ("+inf and NaN", hidden, norm, inf_and_nan)]
+
+
+def _cpu_backends():
+    out = [("reference", None)]
+    if TRITON_DEVICE == "cpu" and "triton" in dispatch.available("verify_greedy", "cpu"):
+        out.append(("triton", None))
+    if _cuda.simt_unavailable_reason() is None:
+        out.append(("cuda", _cuda.simulated))
+    return out
+
+
+@pytest.mark.parametrize("name,hidden,norm,head", _nan_cases(), ids=lambda v: v
+                         if isinstance(v, str) else "")
+def test_nan_and_inf_logits_follow_torch_argmax_on_every_backend(name, hidden, norm, head):
+    """NaN ranks above every number, ties to the lowest id: an id in [0, V) always."""
+    want = final_logits(hidden, norm, 1e-6, head).argmax(-1)
+    expected = {"two NaN ids": [150] * 3, "a NaN hidden row": None, "every logit -inf": [0] * 3,
+                "+inf and NaN": [200] * 3}[name]
+    if expected is not None:
+        assert want.tolist() == expected
+    else:
+        assert want[1] == 0
+    drafts = want.clone()
+    for backend, ctx in _cpu_backends():
+        with ctx() if ctx else torch.no_grad():
+            t, ok = verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)
+        assert t.tolist() == want.tolist(), (backend, t.tolist())
+        assert ok.all(), backend
+
+
+def test_empty_vocabulary_or_hidden_size_is_refused():
+    with pytest.raises(SPDInputError, match="vocabulary 0"):
+        verify_greedy(torch.randn(2, 8), torch.ones(8), 1e-6, torch.randn(0, 8),
+                      torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(SPDInputError, match="hidden size 0"):
+        verify_greedy(torch.randn(2, 0), torch.ones(0), 1e-6, torch.randn(5, 0),
+                      torch.zeros(2, dtype=torch.int64))
+
+
 def test_cpu_default_is_reference_and_checks():
     assert dispatch.select("verify_greedy", torch.device("cpu"))[0] == "reference"
     h, w, head = torch.randn(2, 8), torch.ones(8), torch.randn(10, 8)

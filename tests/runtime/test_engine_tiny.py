@@ -133,6 +133,33 @@ def test_bad_prompts():
     assert len(out.token_ids) == 2
 
 
+@pytest.mark.parametrize("prompt,msg", [
+    ("hello world", "the prompt is text: give its token ids"),
+    (b"hello", "the prompt is text"),
+    (torch.tensor([[1, 2, 3], [4, 5, 0]]), r"one sequence: .*got shape \(2, 3\)"),
+    (torch.tensor([[[1, 2]]]), r"got shape \(1, 1, 2\)"),
+    ([[1, 2, 3], [4, 5, 0]], "nested lists"),
+    ([1, 2.5, 3], "non-integers"),
+    ([1, True], "non-integers"),
+    (torch.tensor([1.0, 2.0]), "integer tensor, got torch.float32"),
+    (torch.tensor([True, False]), "integer tensor, got torch.bool"),
+    ({1, 2}, "got set"),
+])
+def test_batched_text_and_non_integer_prompts_are_refused_not_flattened(prompt, msg):
+    eng = SPDEngine(make_tiny_target(max_pos=32), n_stages=2)
+    for generate in (eng.generate, eng.generate_ar):
+        with pytest.raises(SPDError, match=msg):
+            generate(prompt, 4)
+
+
+def test_one_row_prompt_tensor_is_that_sequence():
+    eng = SPDEngine(make_tiny_target(max_pos=32), n_stages=2)
+    flat = eng.generate(PROMPT, 6).token_ids
+    assert eng.generate(torch.tensor([PROMPT]), 6).token_ids == flat
+    assert eng.generate(torch.tensor(PROMPT, dtype=torch.int32), 6).token_ids == flat
+    assert eng.generate(tuple(PROMPT), 6).token_ids == flat
+
+
 @pytest.mark.parametrize("kwargs,msg", [
     (dict(n_stages=5), "cannot cut a 4-layer model into 5 stages"),
     (dict(n_stages=2, split=[3, 2]), "sums to 5"),

@@ -171,9 +171,11 @@ class DistributedSPDEngine:
         policy = SpeculationPolicy(rt.config.speculative_control)
         spec = {"announced": 0, "redone": 0}
         cycle_s: list[float] = []
+        verify_s: list[float] = []  # each cycle's verification and rollback on this rank
+        judged = lambda: stats.phase_s.get("verify", 0.0) + stats.phase_s.get("rollback", 0.0)  # noqa: E731
         self._ctrl_seq = 0
         while not dec.done:
-            tc = time.perf_counter()
+            tc, judged_before = time.perf_counter(), judged()
             stats.K += 1
             if fault and stats.K == fault["cycle"]:
                 inject_fault(fault)
@@ -236,6 +238,7 @@ class DistributedSPDEngine:
                         pending += ahead
                         spec["redone"] += int(not dec.done)
             cycle_s.append(time.perf_counter() - tc)
+            verify_s.append(judged() - judged_before)
         dec.finish()
         # Stop: every stage leaves its loop; drain what is still in flight.
         self._send_ctrl(ControlMessage.stop(stats.K + 1))
@@ -247,7 +250,7 @@ class DistributedSPDEngine:
                        for r in range(1, rt.world)]
         for r in range(1, rt.world):
             rt.store.delete_key(f"stats/{gen_id}/{r}")
-        stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats)
+        stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats, verify_s)
         stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
         stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
         return GenerationResult(dec.out, stats)

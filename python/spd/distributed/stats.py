@@ -31,12 +31,14 @@ def _summary(xs: list[float]) -> dict:
 
 
 def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: list[float],
-              stage_stats: list[dict]) -> dict:
+              stage_stats: list[dict], verify_s: list[float]) -> dict:
     """Per-cycle breakdown: each rank's phases, stage forwards, waits, and the overhead.
 
     overhead of a cycle = its wall time on rank 0 minus the longest computation that had to fit
     in it (the draft or the slowest stage forward of that cycle): communication, control,
-    verification and rollback, i.e. what n devices could not hide.
+    verification and rollback, i.e. what n devices could not hide. comm_control of a cycle = its
+    overhead minus that cycle's verification and rollback on rank 0 (verify_s), at least 0 (a
+    verification that overlapped a slower stage forward hid nothing else).
     """
     K = len(cycle_s)
     ms = 1e3
@@ -48,7 +50,7 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
                       + [draft_s[c]])
         overhead.append((cycle_s[c] - slowest) * ms)
     verify_per_cycle = per_cycle(verify_total)
-    comm = [o - verify_per_cycle for o in overhead]
+    comm = [max(0.0, o - v * ms) for o, v in zip(overhead, verify_s)]
     ranks = [{"rank": 0, "role": role_of(0),
               "phase_ms_per_cycle": {k: per_cycle(v) for k, v in stats.phase_s.items()}}]
     for st in stage_stats:

@@ -60,10 +60,38 @@ class PhaseTimer:
 
 
 # --- the target's side: prompt checks, its own pick, judging a draft ------------------------------
+def _one_sequence(prompt_ids) -> torch.Tensor:
+    """Token ids of one sequence as int64 [L]: a list / tuple of ints, a 1-D integer tensor, or a
+    [1, L] one (a tokenizer's return_tensors="pt"). A batch is refused, never flattened: SPD
+    decodes one sequence at a time."""
+    if isinstance(prompt_ids, (str, bytes)):
+        raise SPDError("the prompt is text: give its token ids (e.g. "
+                       "spd.model.prompt.encode_prompt(target, text) or the tokenizer's ids)")
+    if not isinstance(prompt_ids, torch.Tensor):
+        if not isinstance(prompt_ids, (list, tuple)) or any(
+                isinstance(x, bool) or not isinstance(x, int) for x in prompt_ids):
+            kind = type(prompt_ids).__name__
+            raise SPDError(f"the prompt must be one sequence of token ids (a list of ints or a "
+                           f"1-D integer tensor), got {kind}"
+                           + (" holding non-integers or nested lists (a batch?)"
+                              if isinstance(prompt_ids, (list, tuple)) else ""))
+        return torch.tensor(prompt_ids, dtype=torch.int64).reshape(-1)
+    if prompt_ids.dtype == torch.bool or prompt_ids.is_floating_point() or \
+            prompt_ids.is_complex():
+        raise SPDError(f"prompt token ids must be an integer tensor, got {prompt_ids.dtype}")
+    if prompt_ids.dim() == 2 and prompt_ids.shape[0] == 1:
+        prompt_ids = prompt_ids[0]
+    if prompt_ids.dim() != 1:
+        raise SPDError(f"the prompt must be one sequence: a 1-D tensor of token ids (or [1, L]), "
+                       f"got shape {tuple(prompt_ids.shape)}; SPD decodes one sequence at a "
+                       f"time, so give the rows of a batch one by one")
+    return prompt_ids.to(torch.int64)
+
+
 def check_prompt(target: TargetModel, prompt_ids, max_new_tokens: int) -> tuple[torch.Tensor, int]:
     """(prompt ids on the target's device, max_new_tokens capped to the context left)."""
     t = target
-    ids = torch.as_tensor(prompt_ids, dtype=torch.int64).reshape(-1)
+    ids = _one_sequence(prompt_ids)
     if ids.numel() == 0:
         raise SPDError("the prompt is empty: give at least one token")
     if int(ids.min()) < 0 or int(ids.max()) >= t.vocab_size:
