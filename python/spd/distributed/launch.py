@@ -79,13 +79,10 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _open_store(host: str, port: int, timeout_s: float):
-    import torch.distributed as dist
-
-    from spd.distributed.transport import _td
+    from spd.distributed.transport import _td, master_store
     try:
-        return dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
-                             timeout=_td(timeout_s))
-    except Exception as exc:  # DistNetworkError and friends
+        return master_store(host, port, _td(timeout_s))
+    except Exception as exc:  # OSError from the bind, DistNetworkError and friends
         text = str(exc)
         if "EADDRINUSE" in text or "address already in use" in text.lower():
             raise SPDError(f"port {port} on {host} is busy (another process listens there): pass "

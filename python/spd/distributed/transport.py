@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import socket
 from typing import NamedTuple
 
 import torch
@@ -11,6 +12,31 @@ from spd.distributed.config import DistConfig, role_of
 from spd.distributed.faults import FaultHandling, short_error
 from spd.distributed.protocol import is_ctrl_tag
 from spd.errors import SPDError
+
+# The listening sockets of the store servers this process hosts: the server uses the descriptor,
+# so the socket must outlive it (for the process's life; one per launch).
+_LISTENERS: list[socket.socket] = []
+
+
+def master_store(host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    """The rendezvous store's server, listening on `host` only. TCPStore alone listens on every
+    interface whatever address it is given, so anyone who reached the port could stop a run or
+    blame a rank; here it takes a socket bound to the master address (loopback for one node).
+    port 0 picks a free port (the store's .port). OSError when the address cannot be bound."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                      flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(128)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, timeout=timeout,
+                              wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    _LISTENERS.append(sock)
+    return store
 
 
 def _td(seconds: float) -> datetime.timedelta:
@@ -43,8 +69,8 @@ class Runtime(FaultHandling):
         self.op_timeout = _td(config.op_timeout)
         timeout = _td(max(config.op_timeout, 30.0))
         # Two clients: the watchdog must never queue behind a blocking wait of the main thread.
-        self.raw_store = dist.TCPStore(host, port, is_master=is_master, timeout=timeout,
-                                       wait_for_workers=False)
+        self.raw_store = (master_store(host, port, timeout) if is_master else
+                          dist.TCPStore(host, port, is_master=False, timeout=timeout))
         self.store = dist.PrefixStore(prefix, self.raw_store)
         self.wd_store = dist.PrefixStore(prefix, dist.TCPStore(host, port, is_master=False,
                                                                timeout=timeout))

@@ -11,6 +11,7 @@ its gradients agree with fp32 to within a percent.
 from __future__ import annotations
 
 import json
+import pickle
 import random
 from pathlib import Path
 from typing import Callable
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
+from spd.data.files import atomic_write
 from spd.errors import SPDError
 
 STATE = "train_state.pt"
@@ -56,6 +58,24 @@ def lr_at(step: int, cfg) -> float:
     return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
 
 
+def load_state(path: Path) -> dict:
+    """A training checkpoint: tensors and plain values only. A pickle of anything else is
+    refused, never run (loading one could execute code, e.g. from a shared --out folder)."""
+    try:
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "unsupported global" not in str(exc).lower():  # garbage, not a pickle of objects
+            raise SPDError(f"{path} is not a readable training checkpoint ({exc}); delete it to "
+                           f"start over, or use a fresh --out") from exc
+        raise SPDError(f"{path} holds objects other than tensors and plain values; it was not "
+                       f"loaded, since unpickling them could run code. Delete it (or use a "
+                       f"fresh --out) if you do not trust where it came from") from exc
+    except (EOFError, RuntimeError, OSError) as exc:
+        raise SPDError(f"{path} is not a readable training checkpoint ({exc.__class__.__name__}: "
+                       f"{str(exc).splitlines()[0] if str(exc) else 'empty'}); delete it to "
+                       f"start over, or use a fresh --out") from exc
+
+
 def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
              item_loss: Callable, evaluate: Callable, config: dict, same_run: Callable,
              desc: str, progress: bool = True) -> list[dict]:
@@ -79,7 +99,7 @@ def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
     order: list[int] = []  # shuffled sequence indices left in this epoch
     state_path = out / STATE
     if state_path.exists():  # resume
-        st = torch.load(state_path, weights_only=False)
+        st = load_state(state_path)
         if not same_run(st["config"]):
             raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
         model.load_state_dict(st["model"] if "model" in st else st.get("pdm", st.get("head")))
@@ -121,13 +141,14 @@ def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
                                   for k, v in record.items()}))
         cfg.history.append(record)
         if step % cfg.save_every == 0 or step == cfg.steps:
-            torch.save({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
-                        "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
-                        "order": list(order), "history": cfg.history, "config": config},
-                       state_path)
+            state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                     "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
+                     "order": list(order), "history": cfg.history, "config": config}
+            with atomic_write(state_path) as f:  # a kill mid-save keeps the last checkpoint
+                torch.save(state, f)
     bar.close()
     model.eval()
     return cfg.history
 
 
-__all__ = ["PRECISIONS", "STATE", "crop", "lr_at", "resolve_precision", "run_loop"]
+__all__ = ["PRECISIONS", "STATE", "crop", "load_state", "lr_at", "resolve_precision", "run_loop"]
