@@ -54,6 +54,15 @@ def test_features_are_resumable_and_complete(tiny_features, tmp_path):
         extract_features(t, seqs[:5], ANCHORS, tmp_path / "feat")
 
 
+def test_features_of_other_data_with_the_same_count_are_refused(tiny_features, tmp_path):
+    """The folder is keyed by the data itself, not by the number of sequences: other data
+    options with the same count were silently reused before."""
+    t, fs, seqs = tiny_features
+    other = [list(reversed(s)) for s in seqs]
+    with pytest.raises(SPDError, match=r"differs: data_sha256.*--features with a fresh folder"):
+        extract_features(t, other, ANCHORS, tmp_path / "feat", shard_tokens=200)
+
+
 def test_feature_folders_concatenate_in_order(tiny_features, tmp_path):
     t, fs, seqs = tiny_features
     extract_features(t, seqs[:5], ANCHORS, tmp_path / "more", shard_tokens=200)

@@ -12,6 +12,7 @@ logits are lm_head of it, recomputed on the draft vocabulary at train time), the
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import random
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from spd.data.files import save_safetensors, write_text_atomic
 from spd.errors import SPDError
 from spd.model.target import Stage
 
@@ -170,22 +172,25 @@ def sequence_features(target, ids: list[int], anchors: list[int]):
 
 def extract_features(target, sequences: list[list[int]], anchors: list[int], out_dir,
                      shard_tokens: int = 32768) -> Path:
-    """Write feature shards for `sequences` into out_dir (resumable: finished shards are kept)."""
-    from safetensors.torch import save_file
+    """Write feature shards for `sequences` into out_dir (resumable: finished shards are kept).
 
+    The folder records what shaped it (target, anchors, and a hash of every token of the data),
+    so features of other data are never reused: a mismatch is refused, naming the difference."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta_path = out / META
     meta = {"target_fingerprint": target.fingerprint(), "anchors": list(anchors),
             "hidden_size": target.hidden_size, "num_layers": target.num_layers,
-            "num_sequences": len(sequences), "shards": []}
+            "num_sequences": len(sequences), "data_sha256": data_hash(sequences), "shards": []}
     if meta_path.exists():
         old = json.loads(meta_path.read_text())
-        same = {k: old.get(k) for k in ("target_fingerprint", "anchors", "num_sequences")} == \
-            {k: meta[k] for k in ("target_fingerprint", "anchors", "num_sequences")}
-        if not same:
-            raise SPDError(f"{out} holds features of another target, anchor set or data; "
-                           "use a fresh --features folder")
+        keys = ("target_fingerprint", "anchors", "num_sequences", "data_sha256")
+        differ = [k for k in keys if old.get(k) != meta[k]]
+        if differ:
+            raise SPDError(f"the features folder {out} holds features of another target, "
+                           f"anchor set or data than this run's (differs: {', '.join(differ)}; "
+                           f"other data options?): pass --features with a fresh folder, or "
+                           f"delete {out}")
         meta = old
     # Group sequences into shards of about shard_tokens tokens, deterministically.
     groups, cur, size = [], [], 0
@@ -207,20 +212,29 @@ def extract_features(target, sequences: list[list[int]], anchors: list[int], out
             continue
         parts = [sequence_features(target, sequences[i], anchors) for i in group]
         offsets = torch.tensor([0] + [len(sequences[i]) for i in group]).cumsum(0)
-        save_file({
+        save_safetensors({
             "tokens": torch.tensor([t for i in group for t in sequences[i]], dtype=torch.int32),
             "offsets": offsets,
             "anchors": torch.cat([p[0] for p in parts], dim=1).half().contiguous(),
             "final": torch.cat([p[1] for p in parts]).half().contiguous(),
             "argmax": torch.cat([p[2] for p in parts]).int().contiguous(),
-        }, str(out / name))
+        }, out / name)
         meta["shards"].append(name)
-        meta_path.write_text(json.dumps(meta, indent=1))
+        write_text_atomic(meta_path, json.dumps(meta, indent=1))
         bar.update(n_tok)
     bar.close()
     meta["complete"] = True
-    meta_path.write_text(json.dumps(meta, indent=1))
+    write_text_atomic(meta_path, json.dumps(meta, indent=1))
     return out
+
+
+def data_hash(sequences: list[list[int]]) -> str:
+    """sha256 of every token id of the data, sequence boundaries included."""
+    h = hashlib.sha256()
+    for s in sequences:
+        h.update(len(s).to_bytes(4, "little"))
+        h.update(torch.tensor(s, dtype=torch.int32).numpy().tobytes())
+    return h.hexdigest()
 
 
 class FeatureSet:
