@@ -74,6 +74,20 @@ def test_train_refuses_bad_combinations(tiny_setup, tmp_path, capsys):
     assert "PDM option" in capsys.readouterr().err
 
 
+def test_train_refuses_before_building_data(tiny_setup, tmp_path, capsys):
+    """A refused option or a bad value of the method's own is reported before any distillation
+    data or feature cache is made (the --features folder stays absent)."""
+    fresh = tmp_path / "fresh-features"
+    for extra, message in ((("--pdm-layers", "2"), "PDM options"),
+                           (("--feature-timing", "post-step"), "PDM options"),
+                           (("--init-from", str(tmp_path)), "PDM options"),
+                           (("--ttt-steps", "0"), "--ttt-steps must be >= 1, got 0")):
+        assert _train(tiny_setup, tmp_path / "e", "--method", "eagle3", "--features",
+                      str(fresh), *extra) == 2
+        assert message in capsys.readouterr().err
+        assert not fresh.exists() and not (tmp_path / "e").exists()
+
+
 def test_train_with_fill_and_argmax_weights(tiny_setup, tmp_path):
     assert _train(tiny_setup, tmp_path / "fw", "--stages", "2", "--fill-weights", "3,1",
                   "--argmax-weight", "0.5") == 0

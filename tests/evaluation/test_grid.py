@@ -6,8 +6,9 @@ import torch
 from conftest import make_tiny_target
 
 from spd.errors import SPDError
+from spd.evaluation import methods
 from spd.evaluation.cost_model import Costs, measure_costs
-from spd.evaluation.grid import GridSpec, plan_cells, run_grid
+from spd.evaluation.grid import GridSpec, _cost_chunks, plan_cells, run_grid
 from spd.evaluation.methods import adjusted_speedup, devices_used
 from spd.evaluation.report import markdown, write_report
 from spd.train.distill import FeatureSet, extract_features
@@ -231,3 +232,39 @@ def test_cli_grid_flags_are_checked(tmp_path, capsys):
     assert "need --methods" in capsys.readouterr().err
     assert main(["eval", "--prompts", str(q), "--temperature", "0,x", "--methods", "ar"]) == 2
     assert "comma-separated numbers" in capsys.readouterr().err
+
+
+class _StubDecoders:
+    """Decoders of a chain drafter with `steps` draft steps, or none (no trained drafter)."""
+
+    def __init__(self, steps):
+        self.steps, self.built = steps, []
+
+    def get(self, cell):
+        self.built.append((cell.method, cell.n, cell.pdm_layers))
+        if self.steps is None:
+            return None, "no drafter"
+        return type("Chain", (), {"draft_steps": self.steps})(), "stub"
+
+
+def test_cost_chunks_come_from_the_methods(trained, monkeypatch):
+    """The cost model times what each planned method's Method.cost_chunks asks for (EAGLE-3:
+    its verification chunk of k+1 tokens), built once per configuration; the grid names none."""
+    ckpt = trained[1]
+    decoders = _StubDecoders(4)
+    assert _cost_chunks(plan_cells(_spec(ckpt)), decoders) == [5]
+    assert decoders.built == [("eagle3", 1, None)]   # 2 datasets x 2 T: one decoder
+    assert _cost_chunks(plan_cells(_spec(ckpt, methods=["spd", "pp"])), _StubDecoders(4)) == []
+    assert _cost_chunks(plan_cells(_spec(ckpt)), _StubDecoders(None)) == []  # nothing to time
+    # any method may ask: here PPSD, once per stage count, beside EAGLE-3
+    ppsd = methods.METHODS["ppsd"]
+    monkeypatch.setitem(methods.METHODS, "ppsd", methods.Method(
+        **{**ppsd.__dict__, "cost_chunks": lambda d: [d.draft_steps * 10]}))
+    decoders = _StubDecoders(2)
+    assert _cost_chunks(plan_cells(_spec(ckpt, stages=[2, 3])), decoders) == [3, 20]
+    assert sorted(decoders.built) == [("eagle3", 1, None), ("ppsd", 2, None), ("ppsd", 3, None)]
+
+
+def test_the_reference_method_is_ar():
+    assert methods.reference() is methods.METHODS["ar"]
+    assert [m.name for m in methods.METHODS.values() if m.cost_chunks] == ["eagle3"]

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from spd.baselines.eagle import EagleHead, check_compatible, find_shipped_eagle
+from spd.baselines.eagle import METHOD, EagleHead, check_compatible, find_shipped_eagle
 from spd.errors import SPDError
 from spd.model.target import Stage, TargetModel
 from spd.runtime.engine import SPDEngine
@@ -134,7 +134,7 @@ class EagleDecoder:
         tokens = torch.zeros(capacity, dtype=torch.int64, device=t.device)
         tokens[:prompt_len] = ids
         feats = torch.zeros(3, capacity, t.hidden_size, device=t.device, dtype=t.dtype)
-        stats = DecodeStats(mode="eagle3", n=1)
+        stats = DecodeStats(mode=METHOD, n=1)
         timer = PhaseTimer(stats.phase_s)
         gen = torch.Generator().manual_seed(sampling.seed)
 

@@ -6,6 +6,9 @@ unrolled `ttt_steps` steps over every position at once (EagleHead.forward_ttt); 
 KL(target || head) on the draft vocabulary against the target's distribution of the predicted
 token, averaged over the steps (weights ttt_decay**(j-1)), leaving out rows whose target argmax
 lies outside the draft vocabulary and rows whose chain would start before the sequence.
+
+`TRAIN` describes the method to `spd train --method eagle3`: the hidden states its features need,
+the PDM options it refuses, and the trainer run from the command's flags.
 """
 from __future__ import annotations
 
@@ -18,12 +21,14 @@ import torch.nn.functional as F
 
 from spd.baselines.eagle import (
     DEFAULT_DRAFT_STEPS,
+    METHOD,
     EagleHead,
     check_feature_layers,
     default_feature_layers,
 )
 from spd.errors import SPDError
 from spd.train.loop import crop, run_loop
+from spd.train.methods import ARGMAX_MESSAGE, Refusal, TrainJob, TrainMethod
 from spd.train.trainer import build_draft_vocab
 
 # A resumed run must agree with the saved one on these.
@@ -146,12 +151,12 @@ def train_eagle(target, features, cfg: EagleTrainConfig, out_dir, progress: bool
         return loss, agrees[0]
 
     def same_run(saved: dict) -> bool:
-        return saved.get("method") == "eagle3" and \
+        return saved.get("method") == METHOD and \
             all(saved.get(k) == getattr(cfg, k) for k in _RESUME_KEYS)
 
     run_loop(head, cfg, out, train_items, held_out, item_loss=item_loss,
              evaluate=lambda items: evaluate(distiller, items),
-             config=dict(asdict(cfg), method="eagle3"), same_run=same_run,
+             config=dict(asdict(cfg), method=METHOD), same_run=same_run,
              desc="training EAGLE-3 head", progress=progress)
     head.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
                              final_eval=dict(cfg.history[-1]) if cfg.history else {},
@@ -160,3 +165,34 @@ def train_eagle(target, features, cfg: EagleTrainConfig, out_dir, progress: bool
     head.save(out, storage=storage)
     (out / "history.json").write_text(json.dumps(cfg.history))
     return cfg.history[-1] if cfg.history else {}
+
+
+def _check_options(options) -> None:
+    if options.ttt_steps < 1:
+        raise SPDError(f"--ttt-steps must be >= 1, got {options.ttt_steps}")
+
+
+def _train_from_options(method: TrainMethod, job: TrainJob) -> dict:
+    """`spd train --method eagle3`: the head on the same data and vocabulary as the PDM."""
+    o = job.options
+    cfg = EagleTrainConfig(steps=o.steps, batch_sequences=o.batch, lr=o.lr,
+                           crop_len=o.crop_len, eval_every=o.eval_every,
+                           save_every=o.eval_every, seed=o.seed,
+                           draft_vocab_size=o.draft_vocab_size, ttt_steps=o.ttt_steps,
+                           intermediate_size=o.intermediate_size,
+                           draft_steps=o.draft_steps or DEFAULT_DRAFT_STEPS,
+                           precision=job.precision)
+    return train_eagle(job.target, job.features, cfg, o.out, storage=o.storage)
+
+
+TRAIN = TrainMethod(
+    METHOD, summary="the EAGLE-3-style chain-drafting head (one layer)",
+    train=_train_from_options, feature_layers=default_feature_layers, check=_check_options,
+    refuses=(
+        Refusal(("fill_weights",), "--fill-weights is a PDM option; the eagle3 head has no fill "
+                "levels", given=lambda v: v is not None),
+        Refusal(("argmax_weight",), ARGMAX_MESSAGE),
+        Refusal(("init_from", "pdm_layers", "feature_timing"), "--init-from, --pdm-layers and "
+                "--feature-timing are PDM options; the eagle3 head has one layer and drafts in a "
+                "chain"),
+    ))

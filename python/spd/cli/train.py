@@ -4,8 +4,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from spd.baselines import training
 from spd.cli.common import add_model_layout_args, parse_ints
 from spd.errors import SPDError
+from spd.train.methods import ARGMAX_MESSAGE, TrainJob
 
 
 def add_train(sub) -> None:
@@ -26,10 +28,9 @@ def add_train(sub) -> None:
                    help="pass over this many shuffled ShareGPT conversations before taking "
                         "--self-distill and --conversations (builds a data set disjoint from "
                         "one built with the same seed)")
-    p.add_argument("--method", choices=("spd", "ppsd", "eagle3"), default="spd",
-                   help="spd (default): a PDM on multi-depth features; ppsd: the PPSD baseline "
-                        "(a drafter on the first stage's output only, run after each pipeline "
-                        "step); eagle3: the EAGLE-3-style chain-drafting head (one layer)")
+    p.add_argument("--method", choices=training.NAMES, default=training.DEFAULT,
+                   help="; ".join(f"{m.name}{' (default)' if m.name == training.DEFAULT else ''}"
+                                  f": {m.summary}" for m in training.TRAIN_METHODS.values()))
     p.add_argument("--init-from", default=None,
                    help="warm start from a PDM checkpoint: copies every weight whose name and "
                         "shape match (e.g. a trained n=4 PDM to start an n=6 one)")
@@ -93,14 +94,14 @@ def add_train(sub) -> None:
 def cmd_train(args) -> int:
     import torch
 
-    from spd.baselines import ppsd
     from spd.data.assets import cache_dir
     from spd.model.loading import load_target
     from spd.model.partition import DepthLayout, default_anchors
     from spd.train.distill import FeatureSet, build_sequences, cached_sequences, extract_features
     from spd.train.loop import resolve_precision
-    from spd.train.trainer import TrainConfig, check_fill_weights, train
+    from spd.train.trainer import check_fill_weights
 
+    method = training.get(args.method)
     if args.steps < 1 or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
     for flag in ("data_skip", "code_prompts", "self_distill", "conversations"):
@@ -110,27 +111,24 @@ def cmd_train(args) -> int:
     precision = resolve_precision(args.precision, target.device)
     anchors = parse_ints(args.anchors, "--anchors")
     split = parse_ints(args.split, "--split")
-    if args.method == ppsd.NAME and anchors is None:  # PPSD sees the first stage's output only
-        anchors = ppsd.anchors(target.num_layers, args.stages, split)
+    if anchors is None and method.anchors is not None:  # e.g. PPSD: the first stage's output
+        anchors = method.anchors(target.num_layers, args.stages, split)
     layout = DepthLayout.build(target.num_layers, args.stages, split, anchors)
-    fill_weights = None  # checked before any data is built
+    method.check_options(args)  # refused options, before any data is built
+    fill_weights = None
     if args.fill_weights is not None:
-        if args.method == "eagle3":
-            raise SPDError("--fill-weights is a PDM option; the eagle3 head has no fill levels")
         try:
             fill_weights = [float(x) for x in args.fill_weights.split(",")]
         except ValueError:
             raise SPDError(f"--fill-weights takes comma-separated numbers, got "
                            f"{args.fill_weights!r}") from None
         check_fill_weights(fill_weights, layout.n)
-    if args.argmax_weight < 0 or (args.argmax_weight and args.method == "eagle3"):
-        raise SPDError(f"--argmax-weight must be >= 0 and is a PDM option, got "
-                       f"{args.argmax_weight} with --method {args.method}")
+    if args.argmax_weight < 0:
+        raise SPDError(ARGMAX_MESSAGE.format(argmax_weight=args.argmax_weight,
+                                             method=method.name))
     feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
-    feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors))
-    if args.method == "eagle3":
-        from spd.baselines.eagle import default_feature_layers
-        feat_anchors = sorted(set(feat_anchors) | set(default_feature_layers(target.num_layers)))
+    feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors)
+                          | set(method.feature_layers(target.num_layers)))
     meta = Path(feat_dir) / "meta.json"
     if not meta.exists() or _unfinished(meta):
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
@@ -140,43 +138,8 @@ def cmd_train(args) -> int:
             distill_dtype=getattr(torch, args.distill_dtype) if args.distill_dtype else None))
         extract_features(target, seqs, feat_anchors, feat_dir)
     features = FeatureSet(list(args.extra_features) + [feat_dir], target)
-    if args.method == "eagle3":
-        return _train_eagle(args, target, features, precision)
-    if args.feature_timing is None:
-        args.feature_timing = ppsd.FEATURE_TIMING if args.method == ppsd.NAME else "pre-step"
-    cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
-                      pdm_layers=args.pdm_layers or (ppsd.PDM_LAYERS if args.method == ppsd.NAME
-                                                     else 2),
-                      method=args.method, init_from=args.init_from,
-                      intermediate_size=args.intermediate_size or 768,
-                      draft_vocab_size=args.draft_vocab_size, steps=args.steps,
-                      batch_sequences=args.batch, lr=args.lr, eval_every=args.eval_every,
-                      save_every=args.eval_every, max_len=args.max_len, seed=args.seed,
-                      features=args.feature_timing, crop_len=args.crop_len,
-                      fill_weights=fill_weights, argmax_weight=args.argmax_weight,
-                      precision=precision)
-    final = train(target, features, cfg, args.out, storage=args.storage)
-    print(json.dumps({"out": args.out, "final": final}))
-    return 0
-
-
-def _train_eagle(args, target, features, precision: str) -> int:
-    """`spd train --method eagle3`: the EAGLE-3-style head on the same data and vocabulary."""
-    from spd.baselines.eagle import DEFAULT_DRAFT_STEPS
-    from spd.baselines.eagle_train import EagleTrainConfig, train_eagle
-    if args.init_from or args.pdm_layers or args.feature_timing:
-        raise SPDError("--init-from, --pdm-layers and --feature-timing are PDM options; the "
-                       "eagle3 head has one layer and drafts in a chain")
-    if args.ttt_steps < 1:
-        raise SPDError(f"--ttt-steps must be >= 1, got {args.ttt_steps}")
-    cfg = EagleTrainConfig(steps=args.steps, batch_sequences=args.batch, lr=args.lr,
-                           crop_len=args.crop_len, eval_every=args.eval_every,
-                           save_every=args.eval_every, seed=args.seed,
-                           draft_vocab_size=args.draft_vocab_size, ttt_steps=args.ttt_steps,
-                           intermediate_size=args.intermediate_size,
-                           draft_steps=args.draft_steps or DEFAULT_DRAFT_STEPS,
-                           precision=precision)
-    final = train_eagle(target, features, cfg, args.out, storage=args.storage)
+    final = method.run(TrainJob(target=target, features=features, layout=layout,
+                                precision=precision, fill_weights=fill_weights, options=args))
     print(json.dumps({"out": args.out, "final": final}))
     return 0
 

@@ -199,12 +199,8 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     cells = plan_cells(spec)
     decoders = _Decoders(target, spec)
     if recost or "costs" not in state:
-        eagle_rows = []
-        if "eagle3" in spec.methods:  # its verification pass: a chunk of k+1 tokens
-            eagle = decoders.get(Cell("eagle3", 1, None, "", 0.0))[0]
-            eagle_rows = [eagle.draft_steps + 1] if eagle is not None else []
-        state["costs"] = measure_costs(target, spec.stages, eagle_rows, spec.cost_context,
-                                       spec.cost_reps).as_dict()
+        state["costs"] = measure_costs(target, spec.stages, _cost_chunks(cells, decoders),
+                                       spec.cost_context, spec.cost_reps).as_dict()
         _save(out_dir, state)
     costs = Costs.from_dict(state["costs"])
     # Finished cells are kept; skipped ones (no drafter then) are tried again.
@@ -220,12 +216,33 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     return state
 
 
+def _cost_chunks(cells: list[Cell], decoders: _Decoders) -> list[int]:
+    """The chunk sizes the planned methods' adjusted speedups need (Method.cost_chunks), from
+    the decoder of each of their configurations (one without a drafter needs none)."""
+    rows, seen = set(), set()
+    for cell in cells:
+        method = methods.get(cell.method)
+        key = (cell.method, cell.n, cell.pdm_layers)
+        if method.cost_chunks is None or key in seen:
+            continue
+        seen.add(key)
+        decoder = decoders.get(cell)[0]
+        if decoder is not None:
+            rows |= set(method.cost_chunks(decoder))
+    return sorted(rows)
+
+
+def _reference_cell(cell: Cell) -> Cell:
+    """The reference (AR) cell on the same dataset and temperature."""
+    return Cell(methods.reference().name, 1, None, cell.dataset, cell.temperature)
+
+
 def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, costs: Costs,
               bar) -> dict:
     ref_key = f"{cell.dataset} | T={cell.temperature:g}"
     record = asdict(cell) | {"config": cell.config}
     method = methods.get(cell.method)
-    ar_cell = state["cells"].get(Cell("ar", 1, None, cell.dataset, cell.temperature).key)
+    ar_cell = state["cells"].get(_reference_cell(cell).key)
     if method.derived_from_reference:  # same computation as AR: counts follow from the AR cell
         t = dict(ar_cell["totals"])
         t.update(K=t["N"] * cell.n, judged=0, accepted=0, by_position={}, draft_s=0.0,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from spd.baselines import ppsd
+from spd.baselines.eagle import METHOD as EAGLE3
 from spd.draft.pdm import SHIPPED_DIR, find_shipped_pdm
 from spd.errors import SPDError
 from spd.evaluation.cost_model import Costs
@@ -37,6 +38,9 @@ class Method:
     build: Callable
     is_reference: bool = False       # AR: the outputs every greedy check compares with
     derived_from_reference: bool = False  # PP: computes exactly what AR does, counts follow
+    # decoder -> rows of the full-forward chunks the cost model must time for `adjusted`
+    # (Costs.chunk_s; EAGLE-3: its verification pass of k+1 tokens); None: no chunk
+    cost_chunks: Callable[[object], list[int]] | None = None
 
     def config(self, n: int, pdm_layers: int | None) -> str:
         """The row label of the report for one configuration."""
@@ -57,7 +61,7 @@ def _build_eagle(target, n, pdm_layers, search, lookup):
     head = find_eagle(target, search=search)
     if head is None:
         return None, ("no trained EAGLE-3 head for this target: train one with "
-                      "`python -m spd train --method eagle3 --out DIR` and pass "
+                      f"`python -m spd train --method {EAGLE3} --out DIR` and pass "
                       "--checkpoint-dir")
     return EagleDecoder(target, head=head), str(head)
 
@@ -103,10 +107,11 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            adjusted=lambda *a: 1.0, build=_build_plain, is_reference=True),
     Method("pp", staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
            adjusted=_adjusted_pp, build=_build_plain, derived_from_reference=True),
-    Method("eagle3", staged=False, per_depth=False, measured_for_real=True,
-           devices=lambda n: 1, adjusted=_adjusted_eagle, build=_build_eagle),
-    Method("ppsd", staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
-           adjusted=_adjusted_ppsd, build=_pdm_builder("ppsd", ppsd.layout)),
+    Method(EAGLE3, staged=False, per_depth=False, measured_for_real=True,
+           devices=lambda n: 1, adjusted=_adjusted_eagle, build=_build_eagle,
+           cost_chunks=lambda decoder: [decoder.draft_steps + 1]),
+    Method(ppsd.NAME, staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
+           adjusted=_adjusted_ppsd, build=_pdm_builder(ppsd.NAME, ppsd.layout)),
     Method("spd", staged=True, per_depth=True, measured_for_real=False,
            devices=lambda n: n + 1, adjusted=_adjusted_spd,
            build=_pdm_builder("spd", DepthLayout.build)),
@@ -119,6 +124,11 @@ def get(name: str) -> Method:
         return METHODS[name]
     except KeyError:
         raise SPDError(f"unknown method {name!r}: choose from {', '.join(NAMES)}") from None
+
+
+def reference() -> Method:
+    """The method every greedy output and measured ratio is compared with (AR)."""
+    return next(m for m in METHODS.values() if m.is_reference)
 
 
 def adjusted_speedup(method: str, costs: Costs, *, n: int = 1, s_theory: float = 1.0,
@@ -139,4 +149,4 @@ def checkpoint_search(extra_dirs) -> list[Path]:
 
 
 __all__ = ["METHODS", "Method", "NAMES", "adjusted_speedup", "checkpoint_search",
-           "devices_used", "get"]
+           "devices_used", "get", "reference"]

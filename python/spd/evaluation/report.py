@@ -27,7 +27,7 @@ def _rows_by_config(state: dict) -> dict:
     for cell in state["cells"].values():
         out.setdefault(cell["temperature"], {}).setdefault(cell["config"], {})[cell["dataset"]] = cell
     for by_config in out.values():
-        ar = by_config.get("ar", {})
+        ar = by_config.get(methods.reference().config(1, None), {})
         for by_ds in by_config.values():
             for ds, cell in list(by_ds.items()):
                 if "totals" in cell:
