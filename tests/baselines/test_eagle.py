@@ -270,14 +270,15 @@ def test_training_resumes_exactly(tiny_features, trained, tmp_path, monkeypatch)
     t, fs, _ = tiny_features
     out, last = trained
     # Stop the run right after its first checkpoint (step 20), then start it again.
-    real_save = torch.save
+    import spd.train.loop as loop
+    real_save = loop.save_state
 
     def save_then_stop(obj, path):
         real_save(obj, path)
         raise _Stop
 
     with monkeypatch.context() as m:
-        m.setattr(torch, "save", save_then_stop)
+        m.setattr(loop, "save_state", save_then_stop)
         with pytest.raises(_Stop):
             train_eagle(t, fs, _cfg(), tmp_path / "r", progress=False, storage="fp32")
     assert torch.load(tmp_path / "r" / "train_state.pt", weights_only=False)["step"] == 20

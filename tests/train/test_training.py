@@ -104,22 +104,46 @@ def test_training_resumes(tiny_features, tmp_path):
         train(t, fs, _cfg(n_stages=3, steps=70), tmp_path / "r", progress=False)
 
 
+def test_resuming_with_other_settings_is_refused_before_any_state_is_loaded(tiny_features,
+                                                                           tmp_path):
+    """A changed learning rate or PDM shape would mix two runs (a changed shape used to end in a
+    state_dict traceback); more steps are allowed, with a warning."""
+    t, fs, _ = tiny_features
+    train(t, fs, _cfg(steps=4, save_every=4, eval_every=4), tmp_path / "r", progress=False)
+    for change, name in ((dict(lr=1e-2), "lr: 0.003 -> 0.01"),
+                         (dict(pdm_layers=2), "pdm_layers: 1 -> 2"),
+                         (dict(intermediate_size=32), "intermediate_size: 64 -> 32")):
+        with pytest.raises(SPDError, match=f"other settings \\({name}\\); resuming would mix"):
+            train(t, fs, _cfg(steps=4, save_every=4, eval_every=4, **change), tmp_path / "r",
+                  progress=False)
+    with pytest.warns(UserWarning, match="with --steps 6 .*started with 4"):
+        train(t, fs, _cfg(steps=6, save_every=4, eval_every=4), tmp_path / "r", progress=False)
+
+
+def test_resuming_on_other_data_is_refused(tiny_features, tmp_path):
+    from spd.train.loop import check_resume
+    saved = dict(lr=1e-3, steps=10, data="aaa", history=[1])
+    check_resume(saved, dict(lr=1e-3, steps=10, data="aaa", history=[]), tmp_path)
+    with pytest.raises(SPDError, match="data: 'aaa' -> 'bbb'"):
+        check_resume(saved, dict(lr=1e-3, steps=10, data="bbb", history=[]), tmp_path)
+
+
 def test_interrupted_run_resumes_exactly(tiny_features, tmp_path, monkeypatch):
     """Stopped right after its step-25 checkpoint (mid-epoch: 20 training sequences, 2 a step)
     and restarted, a run ends with the same weights as one that never stopped."""
     t, fs, _ = tiny_features
     cfg = dict(save_every=25)
     train(t, fs, _cfg(**cfg), tmp_path / "whole", progress=False, storage="fp32")
-    import spd.train.trainer as trainer
-    real_save = torch.save
+    import spd.train.loop as loop
+    real_save = loop.save_state
 
     def save_then_stop(obj, path, *a, **k):
         real_save(obj, path, *a, **k)
         raise KeyboardInterrupt
-    monkeypatch.setattr(trainer.torch, "save", save_then_stop)
+    monkeypatch.setattr(loop, "save_state", save_then_stop)
     with pytest.raises(KeyboardInterrupt):
         train(t, fs, _cfg(**cfg), tmp_path / "split", progress=False, storage="fp32")
-    monkeypatch.setattr(trainer.torch, "save", real_save)
+    monkeypatch.setattr(loop, "save_state", real_save)
     train(t, fs, _cfg(**cfg), tmp_path / "split", progress=False, storage="fp32")
     a = PipelineDraftModule.load(tmp_path / "whole", t).state_dict()
     b = PipelineDraftModule.load(tmp_path / "split", t).state_dict()

@@ -156,7 +156,8 @@ def train_eagle(target, features, cfg: EagleTrainConfig, out_dir, progress: bool
 
     run_loop(head, cfg, out, train_items, held_out, item_loss=item_loss,
              evaluate=lambda items: evaluate(distiller, items),
-             config=dict(asdict(cfg), method=METHOD), same_run=same_run,
+             config=dict(asdict(cfg), method=METHOD, data=features.data_id()),
+             same_run=same_run,
              desc="training EAGLE-3 head", progress=progress)
     head.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
                              final_eval=dict(cfg.history[-1]) if cfg.history else {},
@@ -178,6 +179,7 @@ def _train_from_options(method: TrainMethod, job: TrainJob) -> dict:
     cfg = EagleTrainConfig(steps=o.steps, batch_sequences=o.batch, lr=o.lr,
                            crop_len=o.crop_len, eval_every=o.eval_every,
                            save_every=o.eval_every, seed=o.seed,
+                           eval_sequences=o.eval_sequences,
                            draft_vocab_size=o.draft_vocab_size, ttt_steps=o.ttt_steps,
                            intermediate_size=o.intermediate_size,
                            draft_steps=o.draft_steps or DEFAULT_DRAFT_STEPS,

@@ -1,6 +1,7 @@
 """`spd train`: distillation data, the feature cache, and a PDM (or the baselines' drafters)."""
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -70,6 +71,8 @@ def add_train(sub) -> None:
     p.add_argument("--batch", type=int, default=2, help="sequences per optimiser step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--eval-every", type=int, default=100)
+    p.add_argument("--eval-sequences", type=int, default=16,
+                   help="sequences held out from the end of the data for evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fill-weights", default=None, metavar="W1,...,Wn",
                    help="relative weights of the training fill levels 1..n (default: full with "
@@ -126,7 +129,15 @@ def cmd_train(args) -> int:
     if args.argmax_weight < 0:
         raise SPDError(ARGMAX_MESSAGE.format(argmax_weight=args.argmax_weight,
                                              method=method.name))
-    feat_dir = args.features or str(cache_dir() / "features" / f"{target.fingerprint()}-v1")
+    if args.eval_sequences < 1:
+        raise SPDError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
+    # The default features folder is keyed by the target and by every option that shapes the
+    # data, so other data options build their own features instead of reusing these.
+    data_options = {k: getattr(args, k) for k in DATA_OPTIONS}
+    data_key = hashlib.sha256(json.dumps(data_options, sort_keys=True, default=str)
+                              .encode()).hexdigest()[:12]
+    feat_dir = args.features or str(cache_dir() / "features"
+                                    / f"{target.fingerprint()}-{data_key}-v2")
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors)
                           | set(method.feature_layers(target.num_layers)))
     meta = Path(feat_dir) / "meta.json"
@@ -142,6 +153,11 @@ def cmd_train(args) -> int:
                                 precision=precision, fill_weights=fill_weights, options=args))
     print(json.dumps({"out": args.out, "final": final}))
     return 0
+
+
+# the flags that decide which sequences the features are extracted from
+DATA_OPTIONS = ("conversations", "self_distill", "max_len", "response_tokens", "seed",
+                "data_skip", "code_prompts", "code_roots", "distill_dtype")
 
 
 def _unfinished(meta_path) -> bool:

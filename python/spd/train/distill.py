@@ -273,6 +273,10 @@ class FeatureSet:
     def __len__(self):
         return len(self.items)
 
+    def data_id(self) -> str:
+        """A hash of every token of every sequence, in order: which data a run trained on."""
+        return data_hash([x["tokens"].tolist() for x in self.items])
+
     def token_count(self) -> int:
         return sum(len(x["tokens"]) for x in self.items)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import warnings
 from pathlib import Path
 from typing import Callable
 
@@ -58,6 +59,12 @@ def lr_at(step: int, cfg) -> float:
     return cfg.lr * max(0.0, (cfg.steps - step) / max(1, cfg.steps - cfg.warmup))
 
 
+def save_state(state: dict, path: Path) -> None:
+    """Write a training checkpoint atomically: a kill mid-write keeps the previous one."""
+    with atomic_write(path) as f:
+        torch.save(state, f)
+
+
 def load_state(path: Path) -> dict:
     """A training checkpoint: tensors and plain values only. A pickle of anything else is
     refused, never run (loading one could execute code, e.g. from a shared --out folder)."""
@@ -74,6 +81,25 @@ def load_state(path: Path) -> dict:
         raise SPDError(f"{path} is not a readable training checkpoint ({exc.__class__.__name__}: "
                        f"{str(exc).splitlines()[0] if str(exc) else 'empty'}); delete it to "
                        f"start over, or use a fresh --out") from exc
+
+
+# Settings a run may change on resume (a longer run, other logging); any other difference would
+# mix two runs in one checkpoint.
+RESUMABLE = ("steps", "eval_every", "save_every", "history")
+
+
+def check_resume(saved: dict, config: dict, out: Path) -> None:
+    """Refuse to resume a run whose settings differ from the saved ones (the model's shape, the
+    optimiser, the data); a changed step count is only reported."""
+    changed = {k: (saved.get(k), v) for k, v in config.items()
+               if k not in RESUMABLE and saved.get(k) != v}
+    if changed:
+        listing = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+        raise SPDError(f"{out} holds a run with other settings ({listing}); resuming would mix "
+                       f"the two: use a fresh --out, or the saved settings")
+    if saved.get("steps") != config.get("steps"):
+        warnings.warn(f"resuming {out} with --steps {config.get('steps')} (it was started with "
+                      f"{saved.get('steps')})", stacklevel=3)
 
 
 def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
@@ -102,6 +128,7 @@ def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
         st = load_state(state_path)
         if not same_run(st["config"]):
             raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
+        check_resume(st["config"], config, out)
         model.load_state_dict(st["model"] if "model" in st else st.get("pdm", st.get("head")))
         opt.load_state_dict(st["opt"])
         step = st["step"]
@@ -144,8 +171,7 @@ def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
             state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
                      "rng": rng.getstate(), "torch_rng": torch.get_rng_state(),
                      "order": list(order), "history": cfg.history, "config": config}
-            with atomic_write(state_path) as f:  # a kill mid-save keeps the last checkpoint
-                torch.save(state, f)
+            save_state(state, state_path)
     bar.close()
     model.eval()
     return cfg.history

@@ -92,6 +92,7 @@ def train_pdm(method: TrainMethod, job: TrainJob) -> dict:
                       draft_vocab_size=o.draft_vocab_size, steps=o.steps,
                       batch_sequences=o.batch, lr=o.lr, eval_every=o.eval_every,
                       save_every=o.eval_every, max_len=o.max_len, seed=o.seed,
+                      eval_sequences=o.eval_sequences,
                       features=o.feature_timing or method.feature_timing, crop_len=o.crop_len,
                       fill_weights=job.fill_weights, argmax_weight=o.argmax_weight,
                       precision=job.precision)

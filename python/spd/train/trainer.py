@@ -247,7 +247,8 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
         return all(saved.get(k) == getattr(cfg, k) for k in ("n_stages", "anchors", "features"))
 
     run_loop(pdm, cfg, out, train_items, held_out, item_loss=item_loss,
-             evaluate=lambda items: evaluate(distiller, items), config=asdict(cfg),
+             evaluate=lambda items: evaluate(distiller, items),
+             config=dict(asdict(cfg), data=features.data_id()),
              same_run=same_run, desc=f"training PDM (n={layout.n})", progress=progress)
     pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
                             final_eval={k: v for k, v in cfg.history[-1].items()},
