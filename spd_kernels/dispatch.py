@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -183,14 +184,34 @@ def select(op: str, device: torch.device, args=None, kwargs=None,
         if why is not None:
             raise SPDBackendError(f"{op}: the {name} backend was requested but cannot run: {why}")
         return name, impl.fn
+    passed_over = []  # (backend, why): kernels that could run here but not these arguments
     for cand in _auto_order(device):
         impl = impls.get(cand)
         if impl is None or not impl.automatic or backend_unavailable(cand, device) is not None:
             continue
-        if check_args and impl.supports is not None and impl.supports(*args, **kwargs) is not None:
+        why = impl.supports(*args, **kwargs) if check_args and impl.supports else None
+        if why is not None:
+            passed_over.append((cand, why))
             continue
+        _report_fallback(op, cand, passed_over)
         return cand, impl.fn
+    _report_fallback(op, "reference", passed_over)
     return "reference", impls["reference"].fn
+
+
+_REPORTED: set = set()
+
+
+def _report_fallback(op: str, chosen: str, passed_over: list) -> None:
+    """Say once per (op, kernel) why the automatic choice passed over a kernel that runs on this
+    device (a silent fallback hides a slow path): the first reason met."""
+    for backend, why in passed_over:
+        key = (op, backend)
+        if key in _REPORTED:
+            continue
+        _REPORTED.add(key)
+        warnings.warn(f"spd_kernels: {op} runs on {chosen}, not its {backend} kernel: {why}",
+                      stacklevel=4)
 
 
 def call(op: str, device: torch.device, *args, backend: str | None = None, **kwargs):

@@ -160,13 +160,14 @@ def rejection_sample(target_probs: torch.Tensor, draft_probs: torch.Tensor,
     """Exact speculative sampling, row by row.
 
     target_probs [R, V] = p, draft_probs [R, V] = q (both on target ids), draft_tokens [R] drawn
-    from q, uniforms [R, 2] in [0, 1): column 0 decides acceptance, column 1 drives the residual
+    from q, uniforms [R, 2] in [0, 1) (any float dtype; float64 is rounded to float32, kept
+    below 1, for every backend): column 0 decides acceptance, column 1 drives the residual
     draw. Returns (token [R] int64, accepted [R] bool): token is the draft where accepted, else
     the residual sample.
     """
     _check_rejection(target_probs, draft_probs, draft_tokens, uniforms)
     return dispatch.call("rejection_sample", target_probs.device, target_probs, draft_probs,
-                         draft_tokens, uniforms, backend=backend)
+                         draft_tokens, _as_float32_uniforms(uniforms), backend=backend)
 
 
 @rejection_sample.register_fake
@@ -269,11 +270,29 @@ def _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_t
 
 def _philox_uniforms_reference(rows, device, philox_seed, philox_offset):
     """Uniforms for the reference when only a seed/offset pair is given (host sync; the stream
-    differs from the Triton kernel's Philox: bit-for-bit comparisons go through `uniforms`)."""
+    differs from the kernels' Philox: bit-for-bit comparisons go through `uniforms`). Row r
+    draws from (seed, offset + r) alone, the kernels' contract: row r of a batch is what a
+    one-row call at offset + r draws."""
     seed, off = int(philox_seed.reshape(-1)[0]), int(philox_offset.reshape(-1)[0])
-    gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + off) % (1 << 63))
+    out = torch.empty(rows, 2)
+    for r in range(rows):
+        gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + off + r) % (1 << 63))
+        out[r] = torch.rand(2, generator=gen)
     philox_offset.add_(rows)
-    return torch.rand(rows, 2, generator=gen).to(device)
+    return out.to(device)
+
+
+# Largest float32 below 1: float64 uniforms round to float32, and one just below 1 would round to
+# 1.0, outside [0, 1).
+_BELOW_ONE = 1.0 - 2.0 ** -24
+
+
+def _as_float32_uniforms(uniforms: torch.Tensor | None) -> torch.Tensor | None:
+    """Uniforms of any float dtype as the float32 every backend reads (float64 is rounded, and
+    kept below 1), so the automatic choice never falls back to another backend over the dtype."""
+    if uniforms is None or uniforms.dtype != torch.float64:
+        return uniforms
+    return uniforms.float().clamp_(max=_BELOW_ONE)
 
 
 @op("rejection_sample_logits", mutates=("philox_offset",))
@@ -297,8 +316,9 @@ def rejection_sample_logits(target_logits: torch.Tensor, draft_probs: torch.Tens
     _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_tokens, uniforms,
                             temperature, top_k, top_p, philox_seed, philox_offset)
     return dispatch.call("rejection_sample_logits", target_logits.device, target_logits,
-                         draft_probs, draft_to_target, draft_tokens, uniforms, float(temperature),
-                         int(top_k), float(top_p), philox_seed, philox_offset, backend=backend)
+                         draft_probs, draft_to_target, draft_tokens,
+                         _as_float32_uniforms(uniforms), float(temperature), int(top_k),
+                         float(top_p), philox_seed, philox_offset, backend=backend)
 
 
 @rejection_sample_logits.register_fake

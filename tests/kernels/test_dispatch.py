@@ -252,3 +252,21 @@ def test_engine_drafts_through_the_cuda_pdm_step_in_host_emulation():
     assert len(logits["cuda"]) == len(logits["reference"]) > 10
     for got, want in zip(logits["cuda"], logits["reference"]):
         torch.testing.assert_close(got, want, rtol=0.03, atol=0.05)
+
+
+def test_automatic_fallback_over_the_arguments_is_reported_once(monkeypatch):
+    """A kernel that runs on the device but not these arguments: the automatic choice takes the
+    next backend and says why, once per (op, kernel)."""
+    import warnings
+
+    from spd_kernels import dispatch as d
+    monkeypatch.setattr(d, "_auto_order", lambda device: ("triton", "reference"))
+    monkeypatch.setattr(d, "backend_unavailable", lambda b, device: None)
+    monkeypatch.setattr(d, "_REPORTED", set())
+    x, w = torch.randn(100, 8), torch.randn(4, 8)  # 100 rows: past the Triton kernel's 64
+    with pytest.warns(UserWarning, match="fused_linear runs on reference, not its triton kernel: "
+                                         "the kernel is for at most 64 rows"):
+        assert d.select("fused_linear", x.device, (x, w, None, 1e-6, None), {})[0] == "reference"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d.select("fused_linear", x.device, (torch.randn(80, 8), w, None, 1e-6, None), {})

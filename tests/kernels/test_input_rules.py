@@ -71,3 +71,31 @@ def test_sampling_refuses_tiny_temperatures_and_top_k_past_int32():
     with pytest.raises(SPDInputError, match="top_k must be an integer"):
         rejection_sample_logits(logits, q, torch.arange(10), torch.tensor([1, 2]),
                                 torch.rand(2, 2), top_k=2 ** 40)
+
+
+def test_reference_philox_draws_row_r_from_offset_plus_r():
+    """Row r of a batch is what a one-row call at offset + r draws, as in the kernels."""
+    g = torch.Generator().manual_seed(5)
+    R, V = 4, 12
+    logits, q = torch.randn(R, V, generator=g), torch.softmax(torch.randn(R, V, generator=g), -1)
+    tok = torch.multinomial(q, 1, generator=g)[:, 0]
+    d2t = torch.arange(V)
+    seed = torch.tensor([7])
+    batch = rejection_sample_logits(logits, q, d2t, tok, philox_seed=seed,
+                                    philox_offset=torch.tensor([10]), top_p=0.9)
+    for r in range(R):
+        one = rejection_sample_logits(logits[r:r + 1], q[r:r + 1], d2t, tok[r:r + 1],
+                                      philox_seed=seed, philox_offset=torch.tensor([10 + r]),
+                                      top_p=0.9)
+        assert one[0].item() == batch[0][r].item() and one[1].item() == batch[1][r].item()
+
+
+def test_float64_uniforms_are_read_as_float32_below_one():
+    from spd_kernels import rejection_sample
+    p = torch.tensor([[0.5, 0.5, 0.0]])
+    q = torch.tensor([[0.0, 0.0, 1.0]])  # the draft (id 2) has no target mass: rejected
+    u64 = torch.tensor([[0.3, 1.0 - 1e-12]], dtype=torch.float64)  # float32 would round it to 1
+    tok, ok = rejection_sample(p, q, torch.tensor([2]), u64)
+    assert not ok[0] and tok[0] == 1  # the last token with mass, as u just below 1 draws
+    same = rejection_sample(p, q, torch.tensor([2]), u64.float().clamp(max=1 - 2 ** -24))
+    assert torch.equal(tok, same[0])
