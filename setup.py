@@ -16,6 +16,7 @@ works without them (reference and Triton backends).
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -39,6 +40,32 @@ SIMT_ONLY = ["simt_host.h", "simt_host.cpp"]  # in EMULATION
 # AddressSanitizer's stack checks do not follow: only heap, global and alignment checks.
 SANITIZE = os.environ.get("SPD_SIMT_SANITIZE", "0") == "1"
 SANITIZER_FLAGS = ["-fsanitize=address,alignment", "-fno-sanitize-recover=all"]
+
+
+_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def _included(source: Path, include_dirs: list[Path]) -> set[Path]:
+    """Every file `source` includes with #include "...", directly or through another, found as
+    the compiler finds it (the including file's folder, then the -I folders). Conditional
+    includes count too (a needless rebuild at worst); <...> headers (toolkit, pybind11) do not."""
+    found: set[Path] = set()
+    todo = [source.resolve()]
+    while todo:
+        current = todo.pop()
+        for name in _INCLUDE.findall(current.read_text(encoding="utf-8", errors="replace")):
+            for folder in (current.parent, *include_dirs):
+                path = (folder / name).resolve()
+                if path.is_file():
+                    if path not in found:
+                        found.add(path)
+                        todo.append(path)
+                    break
+    return found
+
+
+def _newest(paths) -> float:
+    return max((p.stat().st_mtime for p in paths), default=0.0)
 
 
 def _say(msg: str) -> None:
@@ -104,10 +131,9 @@ class BuildExt(build_ext):
         tmp = Path(self.build_temp) / (("simt-sanitized" if SANITIZE else "simt") if simt
                                        else "cuda")
         tmp.mkdir(parents=True, exist_ok=True)
-        headers = [*(ROOT / KERNELS).glob("*.h"), *(ROOT / KERNELS).glob("*.cuh")]
-        if simt:  # nvcc never includes the emulation
-            headers += [ROOT / EMULATION / n for n in SIMT_ONLY if n.endswith(".h")]
-        newest_header = max((h.stat().st_mtime for h in headers), default=0.0)
+        # The folders the compiler searches (-I): an object is stale when its source or any
+        # header it includes is newer (nvcc never sees the emulation's folder).
+        include_dirs = [ROOT / KERNELS] + ([ROOT / EMULATION] if simt else [])
         if simt:
             cxx = os.environ.get("CXX") or shutil.which("c++") or "g++"
             base = [cxx, "-O2", "-std=c++17", "-fPIC", "-DSPD_SIMT_HOST", f"-I{ROOT / KERNELS}",
@@ -130,8 +156,7 @@ class BuildExt(build_ext):
             src = ROOT / rel
             name = src.name
             obj = tmp / (name + ".o")
-            if (obj.exists() and obj.stat().st_mtime >= src.stat().st_mtime
-                    and obj.stat().st_mtime >= newest_header):
+            if obj.exists() and obj.stat().st_mtime >= _newest([src, *_included(src, include_dirs)]):
                 return str(obj)
             lang = ["-x", "c++"] if simt and name.endswith(".cu") else []
             cmd = [*base, *lang, "-c", str(src), "-o", str(obj)]
@@ -161,22 +186,24 @@ def _extensions() -> list[Extension]:
     except ImportError:
         _say("pybind11 is not installed: not building the CUDA extension spd_kernels._spd_cuda")
         return []
-    kernel_files = sorted(p.name for p in (ROOT / KERNELS).iterdir()
-                          if p.suffix in (".cu", ".cuh", ".h"))
-    depends = [f"{KERNELS}/{n}" for n in kernel_files] + [
-        f"{BINDINGS}/{p.name}" for p in sorted((ROOT / BINDINGS).glob("*.h"))]
     flags = ["-O2", "-std=c++17", "-fvisibility=hidden"]
     # bindings/ for its own headers, kernels/ for spd_cuda.h
     includes = [pybind11.get_include(), BINDINGS, KERNELS]
-    cuda = Extension("spd_kernels._spd_cuda", sources=[f"{BINDINGS}/bindings.cpp"],
-                     include_dirs=includes, language="c++",
-                     extra_compile_args=flags, depends=depends)
+
+    def depends(source: str) -> list[str]:
+        """What the bindings' compile reads besides its source: every project file it includes
+        (checks.h, spd_cuda.h, bindings.cpp for _spd_simt), so a change to any of them rebuilds
+        the module. The kernels come in as objects, each rebuilt from its own includes
+        (BuildExt), and a rebuilt object relinks the module."""
+        found = _included(ROOT / source, [ROOT / BINDINGS, ROOT / KERNELS])
+        return sorted(str(p) for p in found)
+
+    cuda_src, simt_src = f"{BINDINGS}/bindings.cpp", f"{BINDINGS}/bindings_simt.cpp"
+    cuda = Extension("spd_kernels._spd_cuda", sources=[cuda_src], include_dirs=includes,
+                     language="c++", extra_compile_args=flags, depends=depends(cuda_src))
     # The same kernels on the host, for tests on machines without a GPU (csrc/emulation).
-    simt = Extension("spd_kernels._spd_simt", sources=[f"{BINDINGS}/bindings_simt.cpp"],
-                     include_dirs=includes, language="c++",
-                     extra_compile_args=flags,
-                     depends=depends + [f"{EMULATION}/{n}" for n in SIMT_ONLY]
-                     + [f"{BINDINGS}/bindings.cpp"])
+    simt = Extension("spd_kernels._spd_simt", sources=[simt_src], include_dirs=includes,
+                     language="c++", extra_compile_args=flags, depends=depends(simt_src))
     if SANITIZE:
         _say("SPD_SIMT_SANITIZE=1: building the host emulation alone, with sanitizers")
         return [simt]

@@ -10,6 +10,11 @@ int device_count(int* count) {
   return cudaGetDeviceCount(count);
 }
 
+int current_device(int* device) {
+  *device = -1;
+  return cudaGetDevice(device);
+}
+
 const char* error_name(int err) { return cudaGetErrorName(static_cast<cudaError_t>(err)); }
 
 const char* error_string(int err) { return cudaGetErrorString(static_cast<cudaError_t>(err)); }

@@ -9,6 +9,8 @@ namespace spd {
 enum DType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 
 int device_count(int* count);
+// The CUDA device kernels launch on from this thread (cudaGetDevice).
+int current_device(int* device);
 const char* error_name(int err);
 const char* error_string(int err);
 int runtime_version();
