@@ -353,9 +353,9 @@ def _launch_mma(anchors, types, weights, biases, k_per):
     ws = _alloc.empty(items * rows * n_out, dtype=torch.float32, device=anchors.device)
     types = types.contiguous()
     _cuda.ext().anchor_projection_mma(
-        anchors.data_ptr(), anchors.stride(0), anchors.stride(1), types.data_ptr(),
-        types.dtype == torch.int64, _tables(weights, biases, anchors.device).data_ptr(),
-        out.data_ptr(), out.stride(0), ws.data_ptr(), m, rows, d, n_out, k_per,
+        anchors, anchors.stride(0), anchors.stride(1), types,
+        types.dtype == torch.int64, _tables(weights, biases, anchors.device),
+        out, out.stride(0), ws, m, rows, d, n_out, k_per,
         dtype_code(anchors.dtype), _cuda.stream_of(anchors))
     return out
 
@@ -373,8 +373,8 @@ def anchor_projection_cuda(anchors, types, weights, biases=None):
         return out
     types = types.contiguous()
     table = _tables(weights, biases, anchors.device)
-    ext.anchor_projection(anchors.data_ptr(), anchors.stride(0), anchors.stride(1),
-                          types.data_ptr(), types.dtype == torch.int64, table.data_ptr(),
-                          out.data_ptr(), out.stride(0), m, rows, d, n_out,
+    ext.anchor_projection(anchors, anchors.stride(0), anchors.stride(1),
+                          types, types.dtype == torch.int64, table,
+                          out, out.stride(0), m, rows, d, n_out,
                           dtype_code(anchors.dtype), vec, _cuda.stream_of(anchors))
     return out

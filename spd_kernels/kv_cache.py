@@ -200,9 +200,9 @@ def truncate_kv_cuda(lengths, new_lengths, buffers, seq_dim, poison):
     stream = _cuda.stream_of(lengths)
     if poison and buffers:
         outer, S, inner = _layout(buffers[0], seq_dim)
-        ext.kv_poison(lengths.data_ptr(), new_lengths.data_ptr(), new_stride,
-                      _pointer_table(buffers).data_ptr(), len(buffers), C, outer, S, inner,
+        ext.kv_poison(lengths, new_lengths, new_stride,
+                      _pointer_table(buffers), len(buffers), C, outer, S, inner,
                       dtype_code(buffers[0].dtype), stream)
-    ext.kv_truncate(lengths.data_ptr(), new_lengths.data_ptr(), new_stride, C, stream,
+    ext.kv_truncate(lengths, new_lengths, new_stride, C, stream,
                     lengths_numel=lengths.numel(), new_lengths_numel=new_lengths.numel())
     return lengths

@@ -76,7 +76,7 @@ El index_elem(bool i64) { return i64 ? El::kI64 : El::kI32; }
 }  // namespace
 
 PYBIND11_MODULE(SPD_MODULE, m) {
-  m.doc() = "CUDA kernels of spd_kernels (raw device pointers, no torch C++ API)";
+  m.doc() = "CUDA kernels of spd_kernels (tensors or raw addresses, checked; no torch C++ API)";
 #ifdef SPD_SIMT_HOST
   m.attr("host_emulation") = true;  // kernels run as fibers on the CPU, on host addresses
   m.def(

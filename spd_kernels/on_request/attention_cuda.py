@@ -54,9 +54,9 @@ def attention_cuda_launch(q, k_cache, v_cache, start, scale, *, splits: int | No
                        device=q.device) if n_splits > 1 else None)
     scale = hd ** -0.5 if scale is None else scale
     _cuda.ext().cache_attention(
-        q.data_ptr(), q.stride(0), q.stride(1), k_cache.data_ptr(), v_cache.data_ptr(),
-        k_cache.stride(0), k_cache.stride(1), start.data_ptr(), out.data_ptr(), out.stride(0),
-        0 if ws is None else ws.data_ptr(), H, R, kvh, S, hd, n_splits, chunk,
+        q, q.stride(0), q.stride(1), k_cache, v_cache,
+        k_cache.stride(0), k_cache.stride(1), start, out, out.stride(0),
+        ws, H, R, kvh, S, hd, n_splits, chunk,
         float(scale) * 1.4426950408889634, dtype_code(k_cache.dtype), _cuda.stream_of(q))
     return out
 

@@ -51,11 +51,10 @@ def cuda_launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None,
     ws = _alloc.empty(splits * sets * R * N, dtype=torch.float32, device=x.device) \
         if splits > 1 else None
     xn = _alloc.empty(R, K, dtype=x.dtype, device=x.device) if norm_weight is not None else None
-    ptr = lambda t: 0 if t is None else t.data_ptr()
     _cuda.ext().fused_linear(
-        x.data_ptr(), x.stride(0), ptr(norm_weight), ptr(xn), weight.data_ptr(), ptr(w_up),
-        ptr(residual), residual.stride(0) if residual is not None else 0, out.data_ptr(),
-        out.stride(0), ptr(ws), R, N, K, splits, k_per, float(eps), dtype_code(x.dtype),
+        x, x.stride(0), norm_weight, xn, weight, w_up,
+        residual, residual.stride(0) if residual is not None else 0, out,
+        out.stride(0), ws, R, N, K, splits, k_per, float(eps), dtype_code(x.dtype),
         _cuda.stream_of(x))
     return out
 

@@ -54,10 +54,9 @@ def qkv_rope_append_cuda(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, s
         return q
     start = start_tensor(start, x.device)
     qp, kp, vp = qkv_products(x, norm_weight, eps, wq, wk, wv, _project_cuda)
-    ptr = lambda t: 0 if t is None else t.data_ptr()
     _cuda.ext().rope_append(
-        qp.data_ptr(), qp.stride(0), kp.data_ptr(), kp.stride(0), vp.data_ptr(), vp.stride(0),
-        ptr(q_norm), ptr(k_norm), cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-        start.data_ptr(), q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), T, num_heads,
+        qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
+        q_norm, k_norm, cos, sin, cos.stride(0),
+        start, q, k_cache, v_cache, T, num_heads,
         num_kv_heads, S, cos.shape[0], hd, float(eps), dtype_code(x.dtype), _cuda.stream_of(x))
     return q

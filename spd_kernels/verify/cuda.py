@@ -38,10 +38,10 @@ def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
     nb = ext.verify_greedy_num_blocks(V)
     pval = _alloc.empty(R, nb, dtype=torch.float32, device=hidden.device)
     pidx = _alloc.empty(R, nb, dtype=torch.int32, device=hidden.device)
-    ext.verify_greedy(hidden.data_ptr(), hidden.stride(0), norm_weight.data_ptr(),
-                      lm_head_weight.data_ptr(), lm_head_weight.stride(0),
-                      draft_tokens.data_ptr(), draft_tokens.dtype == torch.int64,
-                      pval.data_ptr(), pidx.data_ptr(), target.data_ptr(), accepted.data_ptr(),
+    ext.verify_greedy(hidden, hidden.stride(0), norm_weight,
+                      lm_head_weight, lm_head_weight.stride(0),
+                      draft_tokens, draft_tokens.dtype == torch.int64,
+                      pval, pidx, target, accepted,
                       R, D, V, float(eps), dtype_code(hidden.dtype), _cuda.stream_of(hidden))
     return target, accepted
 
@@ -59,14 +59,14 @@ def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset,
         uniforms = uniforms.float()
         if uniforms.stride(1) != 1:
             uniforms = uniforms.contiguous()
-    ext.rejection_sample(x.data_ptr(), x.stride(0), dtype_code(x.dtype), q.data_ptr(), q.stride(0),
-                         dtype_code(q.dtype), 0 if t2d is None else t2d.data_ptr(),
-                         tok.data_ptr(), tok.dtype == torch.int64,
-                         0 if philox else uniforms.data_ptr(), 0 if philox else uniforms.stride(0),
-                         philox_seed.data_ptr() if philox else 0,
-                         philox_offset.data_ptr() if philox else 0, out.data_ptr(),
-                         acc.data_ptr(), R, V, float(temperature), int(top_k), float(top_p),
-                         from_logits, _cuda.stream_of(x))
+    ext.rejection_sample(x, x.stride(0), dtype_code(x.dtype), q, q.stride(0),
+                         dtype_code(q.dtype), t2d,
+                         tok, tok.dtype == torch.int64,
+                         None if philox else uniforms, 0 if philox else uniforms.stride(0),
+                         philox_seed if philox else None,
+                         philox_offset if philox else None, out,
+                         acc, R, V, float(temperature), int(top_k), float(top_p),
+                         from_logits, _cuda.stream_of(x), q_cols=q.shape[1])
     if philox:
         philox_offset.add_(R)  # after the launch: every block read the old value
     return out, acc

@@ -155,7 +155,9 @@ def test_cuda_qkv_on_request_only_and_its_limits():
     args, caches = make_case(3, 24, 2, 1, 8, 20, torch.bfloat16, "cpu", seed=2)
     with _cuda.simulated():
         assert dispatch.select("qkv_rope_append", torch.device("cpu"))[0] == "reference"
-        for change, match in ((dict(x=args["x"].float()), "bf16 / fp16"),
+        fp32 = {k: args[k].float() for k in ("x", "norm_weight", "wq", "wk", "wv", "q_norm",
+                                              "k_norm", "cos", "sin")}  # the reference's one dtype
+        for change, match in ((fp32, "bf16 / fp16"),
                               (dict(cos=args["cos"].half()), "one dtype"),
                               (dict(x=torch.randn(17, 24).to(torch.bfloat16)), "at most 16 rows")):
             bad = dict(args, **change)
