@@ -151,6 +151,33 @@ def _check_rejection(target_probs, draft_probs, draft_tokens, uniforms):
         tok = draft_tokens
         if int(tok.min()) < 0 or int(tok.max()) >= vocab:
             raise SPDInputError(f"draft token ids must lie in [0, {vocab})")
+    if rows and check_values_enabled(target_probs):
+        _check_distribution("target_probs", target_probs)
+        _check_distribution("draft_probs", draft_probs)
+        _check_uniforms(uniforms)
+
+
+# Value rules (CPU tensors always; device tensors with SPD_CHECK_VALUES=1): probabilities are
+# finite, >= 0 and each row sums to 1 within this tolerance; uniforms lie in [0, 1).
+PROB_SUM_TOLERANCE = 1e-3
+
+
+def _check_distribution(name: str, p: torch.Tensor) -> None:
+    pf = p.float()
+    if not bool(torch.isfinite(pf).all()) or bool((pf < 0).any()):
+        raise SPDInputError(f"{name} must hold finite probabilities >= 0 (found NaN, inf or a "
+                            f"negative entry)")
+    sums = pf.sum(-1)
+    worst = float((sums - 1).abs().max())
+    if worst > PROB_SUM_TOLERANCE:
+        raise SPDInputError(f"every row of {name} must sum to 1 (within {PROB_SUM_TOLERANCE}); "
+                            f"a row sums to {float(sums[(sums - 1).abs().argmax()]):.6g}")
+
+
+def _check_uniforms(uniforms: torch.Tensor | None) -> None:
+    if uniforms is not None and uniforms.numel() and not bool(
+            ((uniforms >= 0) & (uniforms < 1)).all()):
+        raise SPDInputError("uniforms must lie in [0, 1) (found a value outside, or NaN)")
 
 
 @op("rejection_sample")
@@ -264,6 +291,8 @@ def _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_t
     if rows and check_values_enabled(draft_tokens):
         if int(draft_tokens.min()) < 0 or int(draft_tokens.max()) >= vocab:
             raise SPDInputError(f"draft token ids must lie in [0, {vocab})")
+        _check_distribution("draft_probs", draft_probs)
+        _check_uniforms(uniforms)
     if check_values_enabled(draft_to_target):
         target_to_draft_map(draft_to_target, vocab)  # range and duplicates (cached per mapping)
 

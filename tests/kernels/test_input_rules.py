@@ -99,3 +99,23 @@ def test_float64_uniforms_are_read_as_float32_below_one():
     assert not ok[0] and tok[0] == 1  # the last token with mass, as u just below 1 draws
     same = rejection_sample(p, q, torch.tensor([2]), u64.float().clamp(max=1 - 2 ** -24))
     assert torch.equal(tok, same[0])
+
+
+@pytest.mark.parametrize("field,value,msg", [
+    ("p", [[float("nan"), 0.5, 0.5]], "target_probs must hold finite probabilities"),
+    ("q", [[-0.1, 0.6, 0.5]], "draft_probs must hold finite probabilities"),
+    ("p", [[0.2, 0.2, 0.2]], "every row of target_probs must sum to 1"),
+    ("u", [[0.5, 1.0]], r"uniforms must lie in \[0, 1\)"),
+    ("u", [[float("nan"), 0.2]], r"uniforms must lie in \[0, 1\)"),
+])
+def test_rejection_refuses_bad_distributions_and_uniforms(field, value, msg):
+    from spd_kernels import rejection_sample
+    args = dict(p=[[0.2, 0.3, 0.5]], q=[[0.5, 0.25, 0.25]], u=[[0.5, 0.5]])
+    args[field] = value
+    t = {k: torch.tensor(v) for k, v in args.items()}
+    with pytest.raises(SPDInputError, match=msg):
+        rejection_sample(t["p"], t["q"], torch.tensor([1]), t["u"])
+    if field != "p":  # the logits form checks q and the uniforms the same way
+        with pytest.raises(SPDInputError, match=msg.replace("target_probs", "draft_probs")):
+            rejection_sample_logits(torch.randn(1, 3), t["q"], torch.arange(3),
+                                    torch.tensor([1]), t["u"])
