@@ -122,19 +122,30 @@ def _variants():
     out.append(("verify._greedy_reduce_kernel", verify._greedy_reduce_kernel,
                 dict(pval_ptr="*fp32", pidx_ptr="*i32", draft_ptr="*i64", target_ptr="*i64",
                      accepted_ptr="*i8", NB="i32", BLOCK_NB="constexpr"), dict(BLOCK_NB=1024)))
-    rej_sig = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32", t2d_ptr="*i32",
-                   tok_ptr="*i64", u_ptr="*fp32", stride_u="i32", seed_ptr="*i64",
-                   offset_ptr="*i64", out_tok_ptr="*i64", out_acc_ptr="*i8", V="i32",
-                   temperature="fp32", top_k="i32", top_p="fp32", FROM_LOGITS="constexpr",
-                   GREEDY="constexpr", TOP_K="constexpr", TOP_P="constexpr", Q_MAPPED="constexpr",
-                   PHILOX="constexpr", BLOCK="constexpr")
-    for tag, flags in (("logits-topk-topp-philox", (True, False, True, True, True, True)),
-                       ("logits-temperature-uniforms", (True, False, False, False, True, False)),
-                       ("logits-greedy", (True, True, False, False, True, False)),
-                       ("probs", (False, False, False, False, False, False))):
-        names = ("FROM_LOGITS", "GREEDY", "TOP_K", "TOP_P", "Q_MAPPED", "PHILOX")
-        out.append((f"verify._rejection_kernel[{tag}]", verify._rejection_kernel, rej_sig,
-                    dict(zip(names, flags), BLOCK=2048)))
+    # one program a row: the probs kernel (rejection_sample) has no flags; the logits kernel
+    # (rejection_sample_logits) every combination its launcher makes (greedy: no top-k / top-p)
+    from spd_kernels.verify import triton_rejection
+    out.append(("verify.triton_rejection._rejection_probs_kernel",
+                triton_rejection._rejection_probs_kernel,
+                dict(p_ptr="*fp32", stride_p="i32", q_ptr="*fp32", stride_q="i32",
+                     tok_ptr="*i64", u_ptr="*fp32", stride_u="i32", out_tok_ptr="*i64",
+                     out_acc_ptr="*i8", V="i32", BLOCK="constexpr"), dict(BLOCK=2048)))
+    logits_sig = dict(x_ptr="*fp32", stride_x="i32", q_ptr="*fp32", stride_q="i32",
+                      t2d_ptr="*i32", tok_ptr="*i64", u_ptr="*fp32", stride_u="i32",
+                      seed_ptr="*i64", offset_ptr="*i64", out_tok_ptr="*i64", out_acc_ptr="*i8",
+                      V="i32", temperature="fp32", top_k="i32", top_p="fp32", GREEDY="constexpr",
+                      TOP_K="constexpr", TOP_P="constexpr", PHILOX="constexpr",
+                      BLOCK="constexpr")
+    for greedy, top_k, top_p in ((True, False, False), (False, False, False),
+                                 (False, True, False), (False, False, True),
+                                 (False, True, True)):
+        for philox in (False, True):
+            tag = "-".join(["greedy"] * greedy + ["topk"] * top_k + ["topp"] * top_p
+                           + ["philox" if philox else "uniforms"])
+            out.append((f"verify.triton_rejection._rejection_logits_kernel[{tag}]",
+                        triton_rejection._rejection_logits_kernel, logits_sig,
+                        dict(GREEDY=greedy, TOP_K=top_k, TOP_P=top_p, PHILOX=philox,
+                             BLOCK=2048)))
     for greedy in (False, True):
         out.append((f"verify._split_stats_kernel[greedy={greedy}]", verify._split_stats_kernel,
                     dict(x_ptr="*fp32", stride_x="i32", pmax_ptr="*fp32", psum_ptr="*fp32",

@@ -1,5 +1,10 @@
-"""The @triton.jit helpers both rejection-sampling plans share (one program a row and the
-split-row plan): p and q of a chunk, the accept test, the inverse-CDF walk, the uniforms."""
+"""The @triton.jit helpers the rejection-sampling kernels share (the probs and logits kernels of
+the one-program plan, and the split-row plan): p and q of a chunk, the accept test, the
+inverse-CDF walk and the whole-row residual draw, the uniforms.
+
+FROM_LOGITS / Q_MAPPED say where p and q come from: False for rejection_sample (both given on
+target ids; the logits statistics mx, amax, tk, tp, z and t2d_ptr are then not read), True for
+rejection_sample_logits (p from the logits, q on the draft vocabulary through t2d)."""
 from __future__ import annotations
 
 from spd_kernels._triton import HAS_TRITON, tl, triton
@@ -98,6 +103,40 @@ if HAS_TRITON:
             last = tl.maximum(last, tl.max(tl.where(w > 0.0, offs, 0), axis=0).to(tl.int64))
             carry += tl.sum(w, axis=0)
         return found, last
+
+    @triton.jit
+    def _draw_residual(x_row, q_row, t2d_ptr, V, u1, temperature, mx, amax, tk, tp, z,
+                       FROM_LOGITS: tl.constexpr, GREEDY: tl.constexpr, TOP_K: tl.constexpr,
+                       TOP_P: tl.constexpr, Q_MAPPED: tl.constexpr, BLOCK: tl.constexpr):
+        """The draw on rejection by one program over the whole row: inverse CDF at u1 of
+        max(p - q, 0), or of p itself when that is empty (p <= q everywhere)."""
+        s_res = tl.zeros([], dtype=tl.float32)
+        s_p = tl.zeros([], dtype=tl.float32)
+        for v0 in range(0, V, BLOCK):
+            offs = v0 + tl.arange(0, BLOCK)
+            mask = offs < V
+            p = _p_chunk(x_row, offs, mask, temperature, mx, amax, tk, tp, z, FROM_LOGITS, GREEDY,
+                         TOP_K, TOP_P)
+            q = _q_chunk(q_row, t2d_ptr, offs, mask, Q_MAPPED)
+            s_res += tl.sum(tl.maximum(p - q, 0.0), axis=0)
+            s_p += tl.sum(p, axis=0)
+        use_p = s_res <= 0.0
+        total = tl.where(use_p, s_p, s_res)
+        # First index whose running mass exceeds u1 * total, clamped to the last index with mass
+        # (guards the top end against rounding), as sample_from_probs does.
+        carry = tl.zeros([], dtype=tl.float32)
+        found, last = _walk(x_row, q_row, t2d_ptr, 0, V, u1 * total, carry, use_p, temperature,
+                            mx, amax, tk, tp, z, FROM_LOGITS, GREEDY, TOP_K, TOP_P, Q_MAPPED,
+                            BLOCK)
+        return tl.minimum(found, last)
+
+    @triton.jit
+    def _given_p_stats():
+        """Placeholders for the logits statistics (temperature, mx, amax, tk, tp, z) that the
+        helpers take but do not read when p is given (FROM_LOGITS False)."""
+        f = tl.zeros([], dtype=tl.float32)
+        i = tl.zeros([], dtype=tl.int32)
+        return f + 1.0, f, i, i, i, f + 1.0
 
     @triton.jit
     def _row_uniforms(r, u_ptr, stride_u, seed_ptr, offset_ptr, PHILOX: tl.constexpr):

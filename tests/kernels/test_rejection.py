@@ -16,8 +16,8 @@ from spd_kernels import (
     dispatch,
     rejection_sample,
     rejection_sample_logits,
-    verify,
 )
+from spd_kernels._triton import HAS_TRITON, tl, triton
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.testing import (
     TRITON_DEVICE,
@@ -29,9 +29,14 @@ from spd_kernels.verify import (
     rejection_sample_reference,
     scatter_draft_probs,
     target_to_draft_map,
+    triton_rejection,
+    triton_split,
 )
 
 triton_cdiv = lambda a, b: -(-a // b)
+
+if HAS_TRITON:
+    from triton.language.random import uint_to_uniform_float
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -268,8 +273,7 @@ def test_split_probs_plan_matches_reference_bit_for_bit(R, V, chunk):
     p, q, tok, u = probs_case(R, V, seed=V + chunk, device=TRITON_DEVICE)
     ref = rejection_sample_reference(p, q, tok, u)
     with poisoned_outputs("a"):
-        out = verify._launch_rejection(p, q, None, tok, u, None, None, 1.0, 0, 1.0,
-                                       from_logits=False, q_mapped=False, chunk=chunk)
+        out = triton_rejection._launch_rejection_probs(p, q, tok, u, chunk=chunk)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
     assert not out[1].all()  # the residual draw ran
 
@@ -284,8 +288,8 @@ def test_split_logits_plan_matches_reference_bit_for_bit(R, V, Vd, chunk, temper
     ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, 0, 1.0)
     t2d = target_to_draft_map(d2t, V)
     with poisoned_outputs("b"):
-        out = verify._launch_rejection(logits, q, t2d, tok, u, None, None, temperature, 0, 1.0,
-                                       from_logits=True, q_mapped=True, chunk=chunk)
+        out = triton_rejection._launch_rejection_logits(logits, q, t2d, tok, u, None, None,
+                                                        temperature, 0, 1.0, chunk=chunk)
     assert torch.equal(out[0], ref[0]), (out, ref)
     assert torch.equal(out[1], ref[1])
     if temperature == 0.0:
@@ -310,9 +314,8 @@ def test_split_plan_philox_follows_target_distribution():
     outs = []
     for chunk in (16, 0):
         offset = torch.tensor([0], device=dev)
-        outs.append(verify._launch_rejection(*args, None, torch.tensor([5], device=dev), offset,
-                                             0.8, 0, 1.0, from_logits=True, q_mapped=True,
-                                             chunk=chunk))
+        outs.append(triton_rejection._launch_rejection_logits(
+            *args, None, torch.tensor([5], device=dev), offset, 0.8, 0, 1.0, chunk=chunk))
         assert int(offset) == n
     (out, acc), (one, one_acc) = outs
     assert torch.equal(acc, one_acc)
@@ -353,9 +356,9 @@ RADIX_CASES = [(3, 50, 16, 0.7, 5, 1.0), (4, 301, 32, 1.3, 0, 0.8), (2, 1000, 12
 def test_radix_select_finds_the_sorted_thresholds(R, V, chunk, temperature, top_k, top_p, ties):
     logits = logits_case(R, V, 8, seed=V + top_k, device=TRITON_DEVICE, ties=ties)[0]
     use_k, use_p = 0 < top_k < V, top_p < 1.0
-    chunk, *_, thr, zsel = verify._split_row_stats(logits, temperature, True, False, chunk,
-                                                   top_k, top_p, use_k, use_p)
-    assert triton_cdiv(V, chunk) <= verify.RADIX_MAX_CHUNKS
+    chunk, *_, thr, zsel = triton_split._split_row_stats(logits, temperature, True, False, chunk,
+                                                         top_k, top_p, use_k, use_p)
+    assert triton_cdiv(V, chunk) <= triton_split.RADIX_MAX_CHUNKS
     for r, (tk, tp, z) in enumerate(_sorted_thresholds(logits.cpu(), temperature, top_k, top_p)):
         if use_k:
             assert int(thr[r, 0]) == tk
@@ -372,9 +375,9 @@ def test_split_plan_with_top_k_top_p_matches_reference_bit_for_bit(R, V, Vd, chu
     logits, q, d2t, tok, u = logits_case(R, V, Vd, seed=V + top_k, device=TRITON_DEVICE)
     ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
     with poisoned_outputs("b"):
-        out = verify._launch_rejection(logits, q, target_to_draft_map(d2t, V), tok, u, None,
-                                       None, temperature, top_k, top_p, from_logits=True,
-                                       q_mapped=True, chunk=chunk)
+        out = triton_rejection._launch_rejection_logits(
+            logits, q, target_to_draft_map(d2t, V), tok, u, None, None, temperature, top_k,
+            top_p, chunk=chunk)
     assert torch.equal(out[0], ref[0]), (out, ref)
     assert torch.equal(out[1], ref[1])
 
@@ -385,10 +388,107 @@ def test_split_plan_with_tied_logits(top_k):
     logits, q, d2t, tok, u = logits_case(6, 120, 60, seed=11 + top_k, device=TRITON_DEVICE,
                                          ties=True)
     ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, 1.0, top_k, 1.0)
-    out = verify._launch_rejection(logits, q, target_to_draft_map(d2t, 120), tok, u, None, None,
-                                   1.0, top_k, 1.0, from_logits=True, q_mapped=True, chunk=32)
+    out = triton_rejection._launch_rejection_logits(logits, q, target_to_draft_map(d2t, 120), tok,
+                                                    u, None, None, 1.0, top_k, 1.0, chunk=32)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
 
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _philox_uniforms_kernel(seed_ptr, offset_ptr, u_ptr, R, BLOCK: tl.constexpr):
+        r = tl.arange(0, BLOCK)
+        c0, c1, _, _ = tl.randint4x(tl.load(seed_ptr), tl.load(offset_ptr) + r)
+        tl.store(u_ptr + 2 * r, uint_to_uniform_float(c0), mask=r < R)
+        tl.store(u_ptr + 2 * r + 1, uint_to_uniform_float(c1), mask=r < R)
+
+
+def philox_uniforms(seed, offset, R):
+    """The uniforms [R, 2] the kernels draw with Philox: row r's (u0, u1) from the first two
+    words of Philox-4x32-10(seed, offset + r), mapped as tl.rand does."""
+    u = torch.empty(R, 2, dtype=torch.float32, device=seed.device)
+    _philox_uniforms_kernel[(1,)](seed, offset, u, R, BLOCK=triton.next_power_of_2(R))
+    return u
+
+
+def edge_uniforms(u):
+    """u0 = 0 (accepted iff p(x) > 0) and just below 1; u1 at 0 and just below 1 (the top end
+    of the inverse CDF, where the clamp to the last token with mass matters)."""
+    u = u.clone()
+    u[0::2, 0] = 0.0
+    u[1::2, 0] = 1.0 - 2 ** -24
+    u[0::3, 1] = 1.0 - 2 ** -24
+    u[1::3, 1] = 0.0
+    return u
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [0, 16])  # one program a row; the split-row plan
+def test_probs_plans_at_the_edges(chunk):
+    """rejection_sample's two plans against the reference, bit for bit: one-hot p, p == q,
+    disjoint supports, a draft where p is 0, uniforms at the ends of [0, 1)."""
+    R, V = 9, 100
+    p, q, tok, u = probs_case(R, V, seed=31, device=TRITON_DEVICE)
+    p[3] = 0.0
+    p[3, 40] = 1.0
+    tok[4] = 0  # p[:, ::7] == 0: always rejected
+    tok[5] = int(p[5].argmax())
+    u = edge_uniforms(u)
+    ref = rejection_sample_reference(p, q, tok, u)
+    out = triton_rejection._launch_rejection_probs(p, q, tok, u, chunk=chunk)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert ref[1].any() and not ref[1].all()
+
+
+LOGIT_EDGES = [  # temperature, top_k, top_p, tied logits, -inf logits
+    (0.0, 0, 1.0, True, False),     # greedy: tied maxima, the lowest id wins
+    (1.0, 119, 1.0, True, False),   # top-k one short of V, ties at the threshold
+    (1.0, 120, 0.95, False, False),  # top-k = V: no top-k
+    (0.8, 5, 0.9, False, True),     # -inf logits (a masked vocabulary)
+    (1.0, 0, 0.3, False, True),
+]
+
+
+@needs_triton
+@pytest.mark.parametrize("chunk", [0, 32])  # one program a row; the split-row plan
+@pytest.mark.parametrize("temperature,top_k,top_p,ties,neg_inf", LOGIT_EDGES)
+def test_logits_plans_at_the_edges(chunk, temperature, top_k, top_p, ties, neg_inf):
+    """rejection_sample_logits' two plans against the reference, bit for bit, with given
+    uniforms and with Philox: tied maxima, top-k at and next to V, -inf logits, drafts outside
+    the kept set and outside the draft vocabulary, uniforms at the ends of [0, 1)."""
+    R, V = 8, 120
+    logits, q, d2t, tok, u = logits_case(R, V, 90, seed=41 + top_k, device=TRITON_DEVICE,
+                                         ties=ties)
+    if top_p == 1.0:  # (top-p with ties at its boundary: the reference's unstable sort decides)
+        logits[0, 5] = logits[0].max() + 1
+        logits[0, V - 3] = logits[0, 5]
+    if neg_inf:
+        logits[:, 1::9] = float("-inf")
+    tok[1] = int(logits[1].argmin())  # p(x) == 0 unless nothing is cut
+    tok[2] = int(logits[2].argmax())
+    outside = torch.ones(V, dtype=torch.bool)
+    outside[d2t.cpu()] = False
+    tok[3] = int(outside.nonzero()[0])  # q(x) == 0: accepted iff p(x) > 0
+    u = edge_uniforms(u)
+    t2d = target_to_draft_map(d2t, V)
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
+    out = triton_rejection._launch_rejection_logits(logits, q, t2d, tok, u, None, None,
+                                                    temperature, top_k, top_p, chunk=chunk)
+    assert torch.equal(out[0], ref[0]), (out, ref)
+    assert torch.equal(out[1], ref[1])
+    if temperature == 0.0:
+        assert int(out[0][0]) == 5 or bool(out[1][0])  # the lower of the tied maxima
+    # Philox: the same draws as the reference given Philox(seed, offset + row)'s uniforms
+    seed = torch.tensor([2**40 + 7], device=TRITON_DEVICE)
+    offset = torch.tensor([2**32 - 3], device=TRITON_DEVICE)  # the counter's high word changes
+    u = philox_uniforms(seed, offset, R)
+    ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
+    out = triton_rejection._launch_rejection_logits(logits, q, t2d, tok, None, seed, offset,
+                                                    temperature, top_k, top_p, chunk=chunk)
+    assert int(offset) == 2**32 - 3 + R
+    assert torch.equal(out[0], ref[0]), (out, ref)
+    assert torch.equal(out[1], ref[1])
 
 
 @needs_triton
@@ -523,7 +623,7 @@ def test_gpu_top_k_top_p_follows_target_distribution(backend):
     logits = torch.randn(V, generator=g) * 3
     temperature, top_k, top_p = 0.8, 12, 0.9
     p = filtered_probs(logits, temperature, top_k, top_p)
-    assert verify._split_chunk(V, torch.device("cuda")) > 0
+    assert triton_split._split_chunk(V, torch.device("cuda")) > 0
     kept = logits.topk(top_k).indices  # the draft vocabulary holds the kept tokens
     rest = torch.randperm(V, generator=g)
     d2t = torch.cat([kept, rest[~torch.isin(rest, kept)][:Vd - top_k]])
