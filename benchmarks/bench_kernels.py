@@ -77,9 +77,9 @@ from spd_kernels.pdm import STEP_OPS, LayerWeights, PDMWeights, pdm_step
 from spd_kernels.qkv_rope import pack_qkv, qkv_rope_append_reference
 from spd_kernels.testing import cuda_context_error
 from spd_kernels.verify import (
-    _launch_rejection,
     rejection_sample_logits_reference,
     target_to_draft_map,
+    triton_rejection,
     verify_greedy_reference,
 )
 
@@ -212,9 +212,10 @@ def build_cases(op: str, s: Shape, dtype, device):
             # the split-row plan's baseline (radix select with top-k / top-p): one program
             # per row (bisection)
             t2d = target_to_draft_map(d2t, V)
-            fns["triton_1prog"] = (lambda lg, qq, m, tk, uu, t_, k_, p_: _launch_rejection(
-                lg, qq, t2d, tk, uu, None, None, t_, k_, p_, from_logits=True, q_mapped=True,
-                chunk=0), args)
+            fns["triton_1prog"] = (lambda lg, qq, m, tk, uu, t_, k_, p_:
+                                   triton_rejection._launch_rejection_logits(
+                                       lg, qq, t2d, tk, uu, None, None, t_, k_, p_, chunk=0),
+                                   args)
             yield case, fns, V * 4 + vd * 4 + V * 4, {}
     elif op == "anchor_projection":
         types = staircase_types(device)

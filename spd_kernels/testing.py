@@ -112,14 +112,14 @@ def _variants():
     for tag, dt, code, br, bv, bd in (("bf16-R1", "bf16", 1, 1, 32, 256),
                                        ("bf16-R4", "bf16", 1, 4, 16, 256),
                                        ("fp32-R2", "fp32", 0, 2, 16, 256)):
-        out.append((f"verify._greedy_partial_kernel[{tag}]", verify._greedy_partial_kernel,
+        out.append((f"verify._greedy_partial_kernel[{tag}]", verify.triton_greedy._greedy_partial_kernel,
                     dict(h_ptr=ptr(dt), g_ptr=ptr(dt), w_ptr=ptr(dt), pval_ptr="*fp32",
                          pidx_ptr="*i32", R="i32", D="i32", V="i32", NB="i32", stride_h="i32",
                          stride_w="i32", eps="fp32", R_H="constexpr", R_G="constexpr",
                          R_L="constexpr", BLOCK_R="constexpr", BLOCK_V="constexpr",
                          BLOCK_D="constexpr"),
                     dict(R_H=code, R_G=code, R_L=code, BLOCK_R=br, BLOCK_V=bv, BLOCK_D=bd)))
-    out.append(("verify._greedy_reduce_kernel", verify._greedy_reduce_kernel,
+    out.append(("verify._greedy_reduce_kernel", verify.triton_greedy._greedy_reduce_kernel,
                 dict(pval_ptr="*fp32", pidx_ptr="*i32", draft_ptr="*i64", target_ptr="*i64",
                      accepted_ptr="*i8", NB="i32", BLOCK_NB="constexpr"), dict(BLOCK_NB=1024)))
     # one program a row: the probs kernel (rejection_sample) has no flags; the logits kernel
@@ -147,7 +147,7 @@ def _variants():
                         dict(GREEDY=greedy, TOP_K=top_k, TOP_P=top_p, PHILOX=philox,
                              BLOCK=2048)))
     for greedy in (False, True):
-        out.append((f"verify._split_stats_kernel[greedy={greedy}]", verify._split_stats_kernel,
+        out.append((f"verify._split_stats_kernel[greedy={greedy}]", verify.triton_split._split_stats_kernel,
                     dict(x_ptr="*fp32", stride_x="i32", pmax_ptr="*fp32", psum_ptr="*fp32",
                          parg_ptr="*i32", V="i32", CHUNK="i32", NB="i32", temperature="fp32",
                          GREEDY="constexpr", BLOCK="constexpr"), dict(GREEDY=greedy, BLOCK=1024)))
@@ -156,7 +156,7 @@ def _variants():
     for tag, logits, mapped, top in (("logits", True, True, False),
                                      ("logits-topk-topp", True, True, True),
                                      ("probs", False, False, False)):
-        out.append((f"verify._split_residual_kernel[{tag}]", verify._split_residual_kernel,
+        out.append((f"verify._split_residual_kernel[{tag}]", verify.triton_split._split_residual_kernel,
                     dict(split_common, thr_ptr="*i32", zsel_ptr="*fp32", mass_ptr="*fp32",
                          V="i32", CHUNK="i32", NB="i32", temperature="fp32",
                          FROM_LOGITS="constexpr", GREEDY="constexpr", TOP_K="constexpr",
@@ -177,7 +177,7 @@ def _variants():
                    FROM_LOGITS="constexpr", GREEDY="constexpr", TOP_K="constexpr",
                    TOP_P="constexpr", Q_MAPPED="constexpr", PHILOX="constexpr",
                    NB_PAD="constexpr", BLOCK="constexpr")
-        out.append((f"verify._split_finish_kernel[{tag}]", verify._split_finish_kernel, sig,
+        out.append((f"verify._split_finish_kernel[{tag}]", verify.triton_split._split_finish_kernel, sig,
                     dict(FROM_LOGITS=logits, GREEDY=greedy, TOP_K=top, TOP_P=top,
                          Q_MAPPED=logits, PHILOX=philox, NB_PAD=128, BLOCK=1024)))
     radix_flags = dict(SHIFT="constexpr", PHASE_P="constexpr", TOP_K="constexpr",
@@ -186,13 +186,13 @@ def _variants():
                                       (8, True, True)):
         flags = dict(SHIFT=shift, PHASE_P=phase_p, TOP_K=True, NEED_MASS=need_mass, NB_PAD=128)
         tag = f"{'top-p' if phase_p else 'top-k'}-shift{shift}"
-        out.append((f"verify._radix_hist_kernel[{tag}]", verify._radix_hist_kernel,
+        out.append((f"verify._radix_hist_kernel[{tag}]", verify.triton_split._radix_hist_kernel,
                     dict(x_ptr="*fp32", stride_x="i32", pmax_ptr="*fp32", psum_ptr="*fp32",
                          parg_ptr="*i32", prefix_ptr="*i64", thr_ptr="*i32", cnt_ptr="*i32",
                          mass_ptr="*fp32", V="i32", CHUNK="i32", NB="i32", temperature="fp32",
                          BLOCK="constexpr", **radix_flags),
-                    dict(flags, BLOCK=verify.RADIX_BLOCK)))
-        out.append((f"verify._radix_select_kernel[{tag}]", verify._radix_select_kernel,
+                    dict(flags, BLOCK=verify.triton_split.RADIX_BLOCK)))
+        out.append((f"verify._radix_select_kernel[{tag}]", verify.triton_split._radix_select_kernel,
                     dict(pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32", cnt_ptr="*i32",
                          mass_ptr="*fp32", prefix_ptr="*i64", above_ptr="*i32",
                          above_mass_ptr="*fp32", thr_ptr="*i32", zsel_ptr="*fp32", NB="i32",

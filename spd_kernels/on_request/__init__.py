@@ -6,4 +6,9 @@ CPU) and registered with `automatic=False`: `backend="cuda"`, `SPD_BACKEND=<op>=
 `benchmarks/bench_kernels.py` on a GPU shows one faster than what the automatic choice runs (its
 `challengers` table), it moves next to its op and registers as automatic.
 """
-from spd_kernels.on_request import attention_cuda, linear_cuda, qkv_rope_cuda  # noqa: F401
+from spd_kernels.on_request import (  # noqa: F401
+    attention_cuda,
+    linear_cuda,
+    qkv_rope_cuda,
+    rejection_cuda,
+)

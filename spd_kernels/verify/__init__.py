@@ -32,24 +32,10 @@ import weakref
 
 import torch
 
-from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, next_pow2, tl, triton
-from spd_kernels.checks import (
-    SPDInputError,
-    check_integer,
-    check_kernel_float,
-    check_tensor,
-    check_values_enabled,
-    last_dim_contiguous,
-)
+from spd_kernels import dispatch
+from spd_kernels.checks import SPDInputError, check_integer, check_tensor, check_values_enabled
 from spd_kernels.opdef import op
 from spd_kernels.sampling import check_sampling_params, filtered_probs, sample_from_probs
-
-if HAS_TRITON:
-    from triton.language.random import uint_to_uniform_float
-
-    from spd_kernels._triton import float_key, round_to
-
 
 # ------------------------------------------------------------------------------------------------
 # Reference
@@ -369,52 +355,9 @@ def rejection_sample_logits_reference(target_logits, draft_probs, draft_to_targe
     return rejection_sample_reference(p, q, draft_tokens, uniforms)
 
 
-# The launchers register with the dispatcher on import; their names stay importable from
-# spd_kernels.verify (the @triton.jit kernels live in the submodules only).
-from spd_kernels.verify.cuda import (
-    _cuda_greedy_supports,
-    _launch_rejection_cuda,
-    rejection_sample_cuda,
-    rejection_sample_logits_cuda,
-    verify_greedy_cuda,  # noqa: E402,F401
-)
-from spd_kernels.verify.triton_greedy import (
-    _greedy_blocks,
-    _triton_greedy_supports,
-    verify_greedy_triton,  # noqa: E402,F401
-)
-from spd_kernels.verify.triton_rejection import (
-    _float_ok,
-    _launch_rejection,
-    _rejection_block,
-    _rejection_outputs,
-    _rs_supports,
-    _rsl_supports,
-    rejection_sample_logits_triton,
-    rejection_sample_triton,  # noqa: E402,F401
-)
-from spd_kernels.verify.triton_split import (
-    RADIX_BLOCK,
-    RADIX_MAX_CHUNKS,
-    SPLIT_MIN_VOCAB,
-    SPLIT_WARPS,
-    _launch_split,
-    _radix_select,
-    _split_block,
-    _split_chunk,
-    _split_row_stats,  # noqa: E402,F401
-)
-
-if HAS_TRITON:  # the kernels by name too: spd_kernels.testing compiles each for sm_90
-    from spd_kernels.verify.triton_greedy import _greedy_partial_kernel, _greedy_reduce_kernel  # noqa: F401
-    from spd_kernels.verify.triton_rejection import _rejection_kernel  # noqa: F401
-    from spd_kernels.verify.triton_split import (  # noqa: F401
-        _radix_hist_kernel,
-        _radix_select_kernel,
-        _split_finish_kernel,
-        _split_residual_kernel,
-        _split_stats_kernel,
-    )
+# The backends register with the dispatcher on import (their private names stay in the
+# submodules: spd_kernels.verify.triton_rejection etc.).
+from spd_kernels.verify import cuda, triton_greedy, triton_rejection, triton_split  # noqa: E402,F401
 
 __all__ = ["filtered_probs", "final_logits", "rejection_sample", "rejection_sample_logits",
            "scatter_draft_probs", "target_to_draft_map", "verify_greedy"]

@@ -1,18 +1,12 @@
-"""The Python side of csrc/kernels/verify.cu and csrc/kernels/sampling.cu: supports checks and launchers."""
+"""The Python side of csrc/kernels/verify.cu: supports check and launcher of verify_greedy (the
+CUDA rejection samplers are on request: spd_kernels.on_request.rejection_cuda)."""
 from __future__ import annotations
 
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import HAS_TRITON, dtype_code
-
-if HAS_TRITON:
-
-    pass
-
-from spd_kernels.verify import target_to_draft_map
+from spd_kernels._triton import dtype_code
 from spd_kernels.verify.triton_greedy import _triton_greedy_supports
-from spd_kernels.verify.triton_rejection import _rejection_outputs, _rs_supports, _rsl_supports
 
 # ------------------------------------------------------------------------------------------------
 # CUDA C++ (csrc/kernels/verify.cu)
@@ -44,47 +38,3 @@ def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
                       pval, pidx, target, accepted,
                       R, D, V, float(eps), dtype_code(hidden.dtype), _cuda.stream_of(hidden))
     return target, accepted
-
-
-def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature,
-                           top_k, top_p, from_logits):
-    """One block per row does every pass (csrc/kernels/sampling.cu); same arguments as the Triton plan."""
-    ext = _cuda.ext()
-    R, V = x.shape
-    out, acc, tok = _rejection_outputs(x, tok)
-    if R == 0:
-        return out, acc
-    philox = uniforms is None
-    if not philox:
-        uniforms = uniforms.float()
-        if uniforms.stride(1) != 1:
-            uniforms = uniforms.contiguous()
-    ext.rejection_sample(x, x.stride(0), dtype_code(x.dtype), q, q.stride(0),
-                         dtype_code(q.dtype), t2d,
-                         tok, tok.dtype == torch.int64,
-                         None if philox else uniforms, 0 if philox else uniforms.stride(0),
-                         philox_seed if philox else None,
-                         philox_offset if philox else None, out,
-                         acc, R, V, float(temperature), int(top_k), float(top_p),
-                         from_logits, _cuda.stream_of(x), q_cols=q.shape[1])
-    if philox:
-        philox_offset.add_(R)  # after the launch: every block read the old value
-    return out, acc
-
-
-# The CUDA sampler is checked in the host emulation but not yet timed on a GPU against the
-# Triton plans: until it is, it runs only when asked for (backend="cuda", SPD_BACKEND).
-@dispatch.register("rejection_sample", "cuda", supports=_rs_supports, automatic=False)
-def rejection_sample_cuda(target_probs, draft_probs, draft_tokens, uniforms):
-    return _launch_rejection_cuda(target_probs, draft_probs, None, draft_tokens, uniforms, None,
-                                  None, 1.0, 0, 1.0, from_logits=False)
-
-
-@dispatch.register("rejection_sample_logits", "cuda", supports=_rsl_supports, automatic=False)
-def rejection_sample_logits_cuda(target_logits, draft_probs, draft_to_target, draft_tokens,
-                                 uniforms=None, temperature=1.0, top_k=0, top_p=1.0,
-                                 philox_seed=None, philox_offset=None):
-    t2d = target_to_draft_map(draft_to_target, target_logits.shape[1])
-    return _launch_rejection_cuda(target_logits, draft_probs, t2d, draft_tokens, uniforms,
-                                  philox_seed, philox_offset, temperature, top_k, top_p,
-                                  from_logits=True)

@@ -273,22 +273,3 @@ def rejection_sample_logits_triton(target_logits, draft_probs, draft_to_target, 
     t2d = target_to_draft_map(draft_to_target, target_logits.shape[1])
     return _launch_rejection_logits(target_logits, draft_probs, t2d, draft_tokens, uniforms,
                                     philox_seed, philox_offset, temperature, top_k, top_p)
-
-
-# Transitional: verify/__init__.py still re-exports these two names (those private re-exports are
-# going away) and benchmarks/bench_kernels.py calls _launch_rejection; nothing here uses them.
-# Delete both once those imports are gone.
-_rejection_kernel = None  # now _rejection_probs_kernel and _rejection_logits_kernel
-
-
-def _launch_rejection(x, q, t2d, tok, uniforms, philox_seed, philox_offset, temperature, top_k,
-                      top_p, from_logits, q_mapped, chunk=None):
-    """The former single launcher: `_launch_rejection_logits` when from_logits (q mapped through
-    t2d), else `_launch_rejection_probs`."""
-    if from_logits != q_mapped:
-        raise ValueError("from_logits and q_mapped go together: rejection_sample_logits maps q, "
-                         "rejection_sample does not")
-    if from_logits:
-        return _launch_rejection_logits(x, q, t2d, tok, uniforms, philox_seed, philox_offset,
-                                        temperature, top_k, top_p, chunk)
-    return _launch_rejection_probs(x, q, tok, uniforms, chunk)
