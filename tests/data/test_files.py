@@ -70,3 +70,19 @@ def test_a_real_checkpoint_round_trips(tmp_path):
         torch.save(state, f)
     back = load_state(tmp_path / "train_state.pt")
     assert back["step"] == 3 and back["rng"] == state["rng"] and back["config"] == state["config"]
+
+
+def test_a_saved_drafter_is_readable_by_others(tmp_path):
+    """PDM checkpoints were written 0600 (safetensors' save_file): others on a shared machine
+    could not load them."""
+    from conftest import make_tiny_target
+
+    from spd import SPDEngine
+    eng = SPDEngine(make_tiny_target(vocab=16, max_pos=32), n_stages=2)
+    old = os.umask(0o022)
+    try:
+        eng.pdm.save(tmp_path / "pdm")
+    finally:
+        os.umask(old)
+    files = list((tmp_path / "pdm").iterdir())
+    assert files and {_mode(p) for p in files} == {0o644}

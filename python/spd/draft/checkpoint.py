@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from spd.data.files import save_safetensors, write_text_atomic
 from spd.errors import SPDError
 
 CONFIG_NAME = "config.json"
@@ -40,13 +41,13 @@ class SavedDrafter:
 
 
 def save_drafter(module, folder, storage: str = "fp32") -> None:
-    """Write `module.config` and its weights (see the module docstring for `storage`)."""
-    from safetensors.torch import save_file
+    """Write `module.config` and its weights (see the module docstring for `storage`); both
+    atomically, with the umask's permissions (spd.data.files)."""
     if storage not in STORAGES:
         raise SPDError(f"storage must be fp32, fp16 or int8, got {storage}")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / CONFIG_NAME).write_text(json.dumps(asdict(module.config), indent=2))
+    write_text_atomic(folder / CONFIG_NAME, json.dumps(asdict(module.config), indent=2))
     state = {}
     for k, v in module.state_dict().items():
         if k == "lm_head.weight" and _head_from_target(module):
@@ -60,7 +61,7 @@ def save_drafter(module, folder, storage: str = "fp32") -> None:
             state[k] = v.half()
         else:
             state[k] = v
-    save_file(state, str(folder / WEIGHTS_NAME))
+    save_safetensors(state, folder / WEIGHTS_NAME)
 
 
 def dequantise(raw: dict) -> dict:
