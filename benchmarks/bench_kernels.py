@@ -260,7 +260,7 @@ def build_cases(op: str, s: Shape, dtype, device):
         start = torch.tensor([CONTEXT], device=device)
         args = (x, lw.input_norm, 1e-6, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos, sin,
                 start, kc, vc, s.heads, s.kv_heads)
-        fns = {"reference": (qkv_rope_append_reference, args)}
+        fns = {"reference": (lambda *a: qkv_rope_append_reference(*a, None), args)}
         fns["triton"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="triton"), args)
         fns["cuda"] = (lambda *a: spd_kernels.qkv_rope_append(*a, backend="cuda"), args)
         floor = (lw.wq.numel() + lw.wk.numel() + lw.wv.numel()) * el + rows * d * el * 2

@@ -19,6 +19,7 @@ from spd_kernels.linear import fused_linear, fused_swiglu
 from spd_kernels.pdm import pdm_step
 from spd_kernels.qkv_rope import qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
+from spd_kernels.stage import stage_step
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
 
 try:
@@ -39,6 +40,7 @@ __all__ = [
     "rejection_sample",
     "rejection_sample_logits",
     "sample_from_probs",
+    "stage_step",
     "truncate_kv_",
     "use_backend",
     "verify_greedy",

@@ -14,40 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from spd_kernels.attention import cache_attention
-from spd_kernels.linear import fused_linear, fused_swiglu
-from spd_kernels.qkv_rope import qkv_rope_append
+from spd_kernels.linear import fused_linear
+from spd_kernels.stage import LayerWeights, decoder_layer
+
+__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_step"]
 
 # the dispatched ops the step runs (benchmarks time the step against them)
 STEP_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
-
-
-@dataclass
-class LayerWeights:
-    """One Qwen3-style decoder layer as plain tensors ([out, in] linear weights)."""
-    input_norm: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    wo: torch.Tensor
-    post_norm: torch.Tensor
-    w_gate: torch.Tensor
-    w_up: torch.Tensor
-    w_down: torch.Tensor
-
-    @classmethod
-    def from_module(cls, layer) -> "LayerWeights":
-        """From a layer with Llama/Qwen3 attribute names (spd.draft.pdm's layers, HF layers)."""
-        a, m = layer.self_attn, layer.mlp
-        qn = getattr(a, "q_norm", None)
-        kn = getattr(a, "k_norm", None)
-        return cls(layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
-                   a.v_proj.weight, None if qn is None else qn.weight,
-                   None if kn is None else kn.weight, a.o_proj.weight,
-                   layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
-                   m.down_proj.weight)
 
 
 @dataclass
@@ -76,17 +49,11 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
     (qkv_rope_append, cache_attention, fused_linear, fused_swiglu; None: the dispatcher's
     choice). `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
     step reads the position on the host (a CUDA graph of it replays at any position)."""
-    H, KVH = weights.num_heads, weights.num_kv_heads
     if not isinstance(start, torch.Tensor):
         start = int(start)
     x = features
     for i, lw in enumerate(weights.layers):
-        q = qkv_rope_append(x, lw.input_norm, weights.eps, lw.wq, lw.wk, lw.wv, lw.q_norm,
-                            lw.k_norm, cos, sin, start, k_cache[i], v_cache[i], H, KVH,
-                            backend=backend)
-        att = cache_attention(q, k_cache[i], v_cache[i], start, backend=backend)
-        x = fused_linear(att, lw.wo, residual=x, backend=backend)
-        mid = fused_swiglu(x, lw.post_norm, weights.eps, lw.w_gate, lw.w_up, backend=backend)
-        x = fused_linear(mid, lw.w_down, residual=x, backend=backend)
+        x = decoder_layer(x, lw, k_cache[i], v_cache[i], start, cos, sin, weights.num_heads,
+                          weights.num_kv_heads, weights.eps, backend=backend)
     return fused_linear(x[-1:], weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
                         backend=backend)[0].float()

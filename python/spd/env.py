@@ -13,8 +13,9 @@ from spd_kernels.env import Var
 
 CACHE = Var("SPD_CACHE", "~/.cache/spd", "where the default model, "
             "downloaded wheels and feature caches live", "spd.data.assets")
-CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the PDM's draft step eagerly on a GPU instead "
-                  "of replaying it as CUDA graphs", "spd.draft.graphs")
+CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the decode steps (the PDM's draft step, the "
+                  "stage steps, the autoregressive step) eagerly on a GPU instead of replaying "
+                  "them as CUDA graphs", "spd.cuda_graphs")
 FAULT_INJECT = Var("SPD_FAULT_INJECT", "", "tests only: make a distributed rank fail on purpose "
                    "(rank=2,cycle=5,action=kill)", "spd.cli.generate")
 

@@ -14,7 +14,9 @@ CUDA_ROPE_MAX_HEAD_DIM = 256  # a thread per pair of RoPE elements, one block pe
 
 
 def _qkv_cuda_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
-                       v_cache, num_heads, num_kv_heads):
+                       v_cache, num_heads, num_kv_heads, qkv_bias):
+    if qkv_bias is not None:
+        return "the CUDA kernel takes no q/k/v biases (the Triton one does)"
     hd = k_cache.shape[2]
     if hd > CUDA_ROPE_MAX_HEAD_DIM:
         return f"the CUDA kernel takes head_dim up to {CUDA_ROPE_MAX_HEAD_DIM}, got {hd}"
@@ -44,7 +46,7 @@ def _project_cuda(x, w, norm_weight, eps):
 
 @dispatch.register("qkv_rope_append", "cuda", supports=_qkv_cuda_supports, automatic=False)
 def qkv_rope_append_cuda(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
-                         k_cache, v_cache, num_heads, num_kv_heads):
+                         k_cache, v_cache, num_heads, num_kv_heads, qkv_bias):
     # The products on linear.cu's tensor-core kernel (packed into one when the weights lie back
     # to back), then csrc/kernels/rope_append.cu, a block per (row, head): per-head norm, RoPE, append.
     T = x.shape[0]

@@ -1,4 +1,5 @@
-"""Op `qkv_rope_append`: RMSNorm + q/k/v projections + per-head q/k RMSNorm + RoPE + cache append.
+"""Op `qkv_rope_append`: RMSNorm + q/k/v projections (+ biases, Qwen2) + per-head q/k RMSNorm +
+RoPE + cache append.
 
   reference  torch, mirroring spd.model.layers (RMSNorm in fp32 then the model dtype, Llama RoPE).
   triton     the q, k and v projections through fused_linear (RMSNorm fused, each weight tile
@@ -37,20 +38,27 @@ def pack_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor):
     return buf[:nq], buf[nq:nq + nk], buf[nq + nk:]
 
 
+def back_to_back(*parts: torch.Tensor) -> torch.Tensor | None:
+    """The one tensor [sum of first dims, ...] whose consecutive slices are `parts` when they lie
+    back to back in one storage (as pack_qkv leaves them), else None."""
+    if not all(p.is_contiguous() for p in parts):
+        return None
+    first = parts[0]
+    if any(p.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or
+           p.shape[1:] != first.shape[1:] or p.dtype != first.dtype for p in parts):
+        return None
+    el = first.element_size()
+    for a, b in zip(parts, parts[1:]):
+        if b.data_ptr() != a.data_ptr() + a.numel() * el:
+            return None
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride())
+
+
 def packed_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor) -> torch.Tensor | None:
     """The [Nq + Nk + Nv, D] view over wq, wk, wv when they lie back to back in one storage (as
     pack_qkv leaves them), else None."""
-    if not (wq.is_contiguous() and wk.is_contiguous() and wv.is_contiguous()):
-        return None
-    if wq.untyped_storage().data_ptr() != wk.untyped_storage().data_ptr() or \
-            wk.untyped_storage().data_ptr() != wv.untyped_storage().data_ptr():
-        return None
-    el = wq.element_size()
-    if wk.data_ptr() != wq.data_ptr() + wq.numel() * el or \
-            wv.data_ptr() != wk.data_ptr() + wk.numel() * el:
-        return None
-    n = wq.shape[0] + wk.shape[0] + wv.shape[0]
-    return wq.as_strided((n, wq.shape[1]), (wq.shape[1], 1))
+    return back_to_back(wq, wk, wv)
 
 
 def rotate_half(x):
@@ -59,7 +67,7 @@ def rotate_half(x):
 
 
 def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
-               num_heads, num_kv_heads):
+               num_heads, num_kv_heads, qkv_bias):
     check_tensor("x", x, dim=2, floating=True)
     dev = x.device
     T, d = x.shape
@@ -67,7 +75,7 @@ def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_ca
                     ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
         check_tensor(name, t, floating=True, device=dev)
     check_same_dtype(x=x, norm_weight=norm_weight, wq=wq, wk=wk, wv=wv, q_norm=q_norm,
-                     k_norm=k_norm)
+                     k_norm=k_norm, qkv_bias=qkv_bias)
     check_not_aliased("k_cache", k_cache, "v_cache", v_cache)
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise SPDInputError(f"num_heads ({num_heads}) must be a positive multiple of "
@@ -91,6 +99,12 @@ def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_ca
                 raise SPDInputError(f"{name} must have shape ({hd},), got {tuple(w.shape)}")
     if (q_norm is None) != (k_norm is None):
         raise SPDInputError("give both q_norm and k_norm, or neither")
+    if qkv_bias is not None:
+        check_tensor("qkv_bias", qkv_bias, floating=True, device=dev)
+        n = (num_heads + 2 * num_kv_heads) * hd
+        if tuple(qkv_bias.shape) != (n,):
+            raise SPDInputError(f"qkv_bias must be the q, k and v biases back to back, shape "
+                                f"({n},), got {tuple(qkv_bias.shape)}")
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[1] != hd:
         raise SPDInputError(f"cos and sin must be RoPE tables [positions, {hd}], got "
                             f"{tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -107,33 +121,45 @@ def qkv_rope_append(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wq: 
                     k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                     start: Position, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     num_heads: int, num_kv_heads: int, *,
+                    qkv_bias: torch.Tensor | None = None,
                     backend: str | None = None) -> torch.Tensor:
     """Rows x [T, d] at positions start..start+T-1 -> q [num_heads, T, head_dim] (RMSNorm'd input,
     per-head q/k RMSNorm when q_norm/k_norm are given, RoPE from the full tables cos/sin
     [P, head_dim] at those positions). Writes the rows' k (with RoPE) and v into k_cache/v_cache
-    [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor."""
+    [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor.
+    qkv_bias [(num_heads + 2 * num_kv_heads) * head_dim]: the q, k and v projections' biases back
+    to back (Qwen2), added to the products before the norms and RoPE."""
     _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
-               num_heads, num_kv_heads)
+               num_heads, num_kv_heads, qkv_bias)
     return dispatch.call("qkv_rope_append", x.device, x, norm_weight, float(eps), wq, wk, wv,
                          q_norm, k_norm, cos, sin, start, k_cache, v_cache, int(num_heads),
-                         int(num_kv_heads), backend=backend)
+                         int(num_kv_heads), qkv_bias, backend=backend)
 
 
 @qkv_rope_append.register_fake
 def _(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
-      num_heads, num_kv_heads):
+      num_heads, num_kv_heads, qkv_bias=None):
     return x.new_empty(num_heads, x.shape[0], k_cache.shape[2])
+
+
+def split_bias(qkv_bias, wq, wk):
+    """(bq, bk, bv) views of the packed bias, or three Nones."""
+    if qkv_bias is None:
+        return None, None, None
+    nq, nk = wq.shape[0], wk.shape[0]
+    return qkv_bias[:nq], qkv_bias[nq:nq + nk], qkv_bias[nq + nk:]
 
 
 @dispatch.register("qkv_rope_append", "reference")
 def qkv_rope_append_reference(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
-                              k_cache, v_cache, num_heads, num_kv_heads):
+                              k_cache, v_cache, num_heads, num_kv_heads, qkv_bias):
     T = x.shape[0]
     hd = k_cache.shape[2]
     h = rms_norm(x, norm_weight, eps)
-    q = F.linear(h, wq).view(T, num_heads, hd)
-    k = F.linear(h, wk).view(T, num_kv_heads, hd)
-    v = F.linear(h, wv).view(T, num_kv_heads, hd)
+    bq, bk, bv = split_bias(qkv_bias, wq, wk)  # as nn.Linear with a bias: one addmm each
+    q = F.linear(h, wq, bq).view(T, num_heads, hd)
+    k = F.linear(h, wk, bk).view(T, num_kv_heads, hd)
+    v = F.linear(h, wv, bv).view(T, num_kv_heads, hd)
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)
         k = rms_norm(k, k_norm, eps)
@@ -149,13 +175,14 @@ def qkv_rope_append_reference(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, c
 
 
 def qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
-                  v_cache, num_heads, num_kv_heads):
+                  v_cache, num_heads, num_kv_heads, qkv_bias):
     hd = k_cache.shape[2]
     if hd != next_pow2(hd):
         return f"the kernel needs a power-of-two head_dim, got {hd}"
     named = [("x", x), ("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
              ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)]
-    named += [(n, t) for n, t in (("q_norm", q_norm), ("k_norm", k_norm)) if t is not None]
+    named += [(n, t) for n, t in (("q_norm", q_norm), ("k_norm", k_norm), ("qkv_bias", qkv_bias))
+              if t is not None]
     why = linear_kernel_supports(x, ())  # the projections run fused_linear's kernel: its limits
     if why:
         return why

@@ -16,13 +16,13 @@ if HAS_TRITON:
 
     @triton.jit
     def _qk_rope_append_kernel(qp_ptr, stride_qp, kp_ptr, stride_kp, vp_ptr, stride_vp, qn_ptr,
-                               kn_ptr, cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr, kc_ptr,
-                               vc_ptr, T, H, KVH, S, eps,
-                               HD: tl.constexpr, QK_NORM: tl.constexpr, R: tl.constexpr,
-                               PDL: tl.constexpr):
+                               kn_ptr, bias_ptr, cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr,
+                               kc_ptr, vc_ptr, T, H, KVH, S, eps,
+                               HD: tl.constexpr, QK_NORM: tl.constexpr, BIAS: tl.constexpr,
+                               R: tl.constexpr, PDL: tl.constexpr):
         """Program (t, j) on the projections q [T, H*HD], k, v [T, KVH*HD] (row strides given;
         already rounded to the model dtype, code R): j < H: query head j; then H..H+KVH-1 key
-        heads; then value heads.
+        heads; then value heads. BIAS: the packed q/k/v bias (head j's at j * HD) is added first.
         Per-head RMSNorm and RoPE in registers, rounded op by op where the reference rounds; q
         goes out, k and v straight into the caches at position start + t (read on the device;
         rows past the cache capacity are dropped)."""
@@ -40,6 +40,9 @@ if HAS_TRITON:
             src = vp_ptr + t.to(tl.int64) * stride_vp + (j - H - KVH) * HD
         lo = tl.load(src + half).to(tl.float32)
         hi = tl.load(src + HALF + half).to(tl.float32)
+        if BIAS:
+            lo = round_to(lo + tl.load(bias_ptr + j * HD + half).to(tl.float32), R)
+            hi = round_to(hi + tl.load(bias_ptr + j * HD + HALF + half).to(tl.float32), R)
         ok = pos < S
         if j < H + KVH:
             if QK_NORM:
@@ -85,7 +88,7 @@ def _project(x, w, norm_weight, eps):
 
 @dispatch.register("qkv_rope_append", "triton", supports=qkv_supports, programmatic=True)
 def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
-                           k_cache, v_cache, num_heads, num_kv_heads):
+                           k_cache, v_cache, num_heads, num_kv_heads, qkv_bias):
     # The projections are the fused RMSNorm + linear kernel (each weight tile read once for all
     # rows, split over K to fill the GPU); a program per (row, head) then does the per-head norm,
     # RoPE and cache append. A program per (row, head) that also did the product read every
@@ -101,8 +104,10 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
         qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
         q_norm if q_norm is not None else norm_weight,
-        k_norm if k_norm is not None else norm_weight, cos, sin, cos.stride(0), start, q,
+        k_norm if k_norm is not None else norm_weight,
+        qkv_bias if qkv_bias is not None else norm_weight, cos, sin, cos.stride(0), start, q,
         k_cache, v_cache, T, num_heads, num_kv_heads, S, eps, HD=hd,
-        QK_NORM=q_norm is not None, R=dtype_code(x.dtype), num_warps=1 if INTERPRET else 2,
+        QK_NORM=q_norm is not None, BIAS=qkv_bias is not None, R=dtype_code(x.dtype),
+        num_warps=1 if INTERPRET else 2,
         PDL=programmatic, launch_pdl=programmatic)
     return q

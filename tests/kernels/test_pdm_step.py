@@ -176,7 +176,7 @@ def test_triton_qkv_declines_chunks_past_the_linear_kernels_rows():
         args, caches = make_case(T, 16, 2, 1, 8, T + 4, torch.float32, "cpu", seed=T)
         why = qkv_supports(args["x"], args["norm_weight"], 1e-6, args["wq"], args["wk"],
                                 args["wv"], args["q_norm"], args["k_norm"], args["cos"],
-                                args["sin"], 0, caches[0], caches[1], 2, 1)
+                                args["sin"], 0, caches[0], caches[1], 2, 1, None)
         assert (why is not None and f"at most {MAX_KERNEL_ROWS} rows" in why) == declined, why
 
 

@@ -25,11 +25,10 @@ from spd.draft.checkpoint import (
     read_config,
 )
 from spd.errors import SPDError
-from spd.model.layers import RMSNorm, decoder_layer_step, rope_table
+from spd.model.layers import RMSNorm, decoder_layer_step, pack_layer_, rope_table
 from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
 from spd_kernels.pdm import PDMWeights
-from spd_kernels.qkv_rope import pack_qkv, packed_qkv
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # spd/checkpoints
 
@@ -215,15 +214,12 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
 
     @torch.no_grad()
     def pack_qkv_(self) -> "PipelineDraftModule":
-        """Put each layer's q, k and v projection weights back to back in one buffer (the
-        parameters become views of it; values unchanged), so the Triton step streams them as one
-        product. For inference: an optimizer holding the old tensors would lose track."""
+        """Put each layer's q, k and v projection weights back to back in one buffer, and gate
+        and up (spd.model.layers.pack_layer_: the parameters become views of it; values
+        unchanged), so the Triton step streams them as one product. For inference: an optimizer
+        holding the old tensors would lose track."""
         for layer in self.layers:
-            a = layer.self_attn
-            weights = (a.q_proj.weight, a.k_proj.weight, a.v_proj.weight)
-            if packed_qkv(*weights) is None:  # packed already: no copy
-                for lin, view in zip((a.q_proj, a.k_proj, a.v_proj), pack_qkv(*weights)):
-                    lin.weight.data = view
+            pack_layer_(layer)
         return self
 
     def kernel_weights(self) -> PDMWeights:

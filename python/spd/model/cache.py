@@ -10,8 +10,11 @@ from spd_kernels import truncate_kv_
 class KVCache:
     """K/V buffers [layers, kv_heads, capacity, head_dim] and one length per layer.
 
-    All layers of one cache always hold the same number of rows; `lengths` is a device tensor so
-    truncation needs no host round trip on a GPU. `poison_on_truncate` (debug) NaNs dropped rows.
+    All layers of one cache always hold the same number of rows. `lengths` (a device tensor) is
+    the truth the kernels read: a graphed stage step takes its position from `lengths[:1]` and
+    advances it on the device, and truncation only lowers it, so neither needs the host. The host
+    mirror `length` follows the same writes for checks (overflow, write position) that cost no
+    device read. `poison_on_truncate` (debug) NaNs dropped rows.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
@@ -28,14 +31,21 @@ class KVCache:
     def length(self) -> int:
         return self._length
 
-    def reserve(self, start: int, rows: int) -> None:
-        """Check that rows [start, start+rows) may be written next, and account for them."""
+    def reserve(self, start: int, rows: int, *, advance: bool = True) -> None:
+        """Check that rows [start, start+rows) may be written next, and account for them on the
+        host. advance=False: the step that writes them advances `lengths` itself (a graph)."""
         if start != self._length:
             raise SPDError(f"cache write at position {start} but the cache holds {self._length} rows")
         if start + rows > self.capacity:
             raise SPDError(f"KV cache overflow: {start + rows} rows > capacity {self.capacity}")
         self._length = start + rows
-        self.lengths.fill_(self._length)
+        if advance:
+            self.lengths.fill_(self._length)
+
+    @property
+    def position(self) -> torch.Tensor:
+        """The next write position as an int64 tensor [1] on the device (a view of lengths)."""
+        return self.lengths[:1]
 
     def truncate(self, length: int) -> None:
         """Keep rows [0, length): O(1), in place."""

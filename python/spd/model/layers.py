@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from spd_kernels.qkv_rope import back_to_back
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -102,3 +104,28 @@ def decoder_layer_step(layer: nn.Module, x, cos, sin, k_cache, v_cache, start: i
                        num_heads, num_kv_heads, head_dim, mask, query_rows=rows)
     x = (x if rows is None else x[rows]) + a
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _pack_(modules, name: str) -> None:
+    """Make `name` (weight or bias) of each module a view of one buffer, back to back, values
+    unchanged; a no-op when they already are."""
+    tensors = [getattr(m, name) for m in modules]
+    if any(t is None for t in tensors) or back_to_back(*tensors) is not None:
+        return
+    buf = torch.cat([t.detach() for t in tensors]).contiguous()
+    offset = 0
+    for m, t in zip(modules, tensors):
+        getattr(m, name).data = buf[offset:offset + t.shape[0]]
+        offset += t.shape[0]
+
+
+def pack_layer_(layer: nn.Module) -> nn.Module:
+    """Put a decoder layer's q, k and v projections (weights and biases) back to back, and its
+    gate and up projections, each in one buffer: the kernels then stream each group as one
+    product. Parameters become views (one copy of every weight); for inference, since an
+    optimizer holding the old tensors would lose track."""
+    a, m = layer.self_attn, layer.mlp
+    for name in ("weight", "bias"):
+        _pack_((a.q_proj, a.k_proj, a.v_proj), name)
+    _pack_((m.gate_proj, m.up_proj), "weight")
+    return layer

@@ -1,7 +1,9 @@
 """The target model seen as pieces: embedding, stages of decoder layers, final norm + LM head.
 
-A `Stage` owns a contiguous block of layers and its own `KVCache`. Running a chunk of rows through
-every stage in order gives exactly the unpartitioned model's hidden states.
+A `Stage` owns a contiguous block of layers and its own `KVCache`, and runs them as
+spd_kernels.stage_step over weights packed once at load; on a GPU its steps of up to
+`GRAPH_MAX_ROWS` rows replay as CUDA graphs. Running a chunk of rows through every stage in order
+gives the unpartitioned model's hidden states (exactly, on the reference backend).
 """
 from __future__ import annotations
 
@@ -9,9 +11,32 @@ import hashlib
 
 import torch
 
+from spd.cuda_graphs import GraphSet, graphs_enabled
 from spd.errors import SPDError
 from spd.model.cache import KVCache
-from spd.model.layers import decoder_layer_step
+from spd.model.layers import pack_layer_
+from spd_kernels.stage import LayerWeights, StageWeights, stage_step
+
+# Steps of at most this many rows are graphed (decoding: 1 row; EAGLE-3 verifies k + 1); longer
+# chunks (prefill) run eagerly, where launch gaps are small beside the work.
+GRAPH_MAX_ROWS = 16
+
+
+def check_layers_supported(hf_model, name: str) -> None:
+    """The stage step computes Llama / Qwen2 / Qwen3 layers: SwiGLU with SiLU, biases on q/k/v at
+    most. Anything else is refused here rather than computed differently."""
+    cfg = hf_model.config
+    act = getattr(cfg, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise SPDError(f"{name}: hidden_act={act!r} is not supported (the stage step computes "
+                       "SwiGLU with SiLU)")
+    layer = hf_model.model.layers[0]
+    a, m = layer.self_attn, layer.mlp
+    for where, lin in (("o_proj", a.o_proj), ("gate_proj", m.gate_proj), ("up_proj", m.up_proj),
+                       ("down_proj", m.down_proj)):
+        if getattr(lin, "bias", None) is not None:
+            raise SPDError(f"{name}: a bias on {where} is not supported (attention_bias / "
+                           "mlp_bias); only q/k/v biases are")
 
 
 class TargetModel:
@@ -21,6 +46,9 @@ class TargetModel:
         cfg = hf_model.config
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise SPDError(f"{name}: sliding-window attention is not supported")
+        check_layers_supported(hf_model, name)
+        for layer in hf_model.model.layers:  # one buffer per q/k/v and per gate/up group
+            pack_layer_(layer)
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.name = name
@@ -74,6 +102,11 @@ class TargetModel:
         cos, sin = self._rope_cache
         return cos[start:need], sin[start:need]
 
+    def stage_weights(self, layer_ids: range) -> StageWeights:
+        """Layers `layer_ids` as plain tensors for spd_kernels.stage_step (views, no copies)."""
+        return StageWeights([LayerWeights.from_module(self.layers[i]) for i in layer_ids],
+                            self.num_heads, self.num_kv_heads, self.head_dim, self.rms_eps)
+
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
@@ -104,27 +137,53 @@ class Stage:
     """Layers [first, last) of the target plus their KV cache."""
 
     def __init__(self, target: TargetModel, index: int, layer_ids: range, capacity: int,
-                 poison: bool = False):
+                 poison: bool = False, cuda_graphs: bool = True):
         self.target = target
         self.index = index
         self.layer_ids = layer_ids
         self.cache = target.new_cache(len(layer_ids), capacity, poison)
+        self.weights = target.stage_weights(layer_ids)
+        # Full tables for every position the cache holds: a graph keeps them by address.
+        self.cos, self.sin = target.rope(0, capacity)
+        self.graphs = None
+        if cuda_graphs and graphs_enabled(target.device):
+            self.graphs = GraphSet(target.device, f"stage {index} step", self._graphed_step,
+                                   undo=lambda: self.cache.lengths.sub_(self._rows))
+        self._rows = 0
+
+    def step(self, hidden: torch.Tensor, start) -> list[torch.Tensor]:
+        """The kernel step: every layer's output for rows hidden [T, d] at positions start.."""
+        return stage_step(hidden, self.weights, self.cache.k, self.cache.v, start, self.cos,
+                          self.sin)
+
+    def _graphed_step(self, hidden: torch.Tensor) -> list[torch.Tensor]:
+        # The position is the cache's device length, advanced in the graph: a replay needs no
+        # host value, and after a truncation (which lowers the length) it writes at the right row.
+        outs = self.step(hidden, self.cache.position)
+        self.cache.lengths.add_(hidden.shape[0])
+        return outs
 
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, start: int, record=None) -> torch.Tensor:
         """hidden [T, d] at positions start.. -> output hidden [T, d].
 
         `record(hidden_index, tensor)` is called with each layer's output (hidden index
-        layer_id + 1), so the caller can keep anchor states.
+        layer_id + 1), so the caller can keep anchor states; copy what you keep (a graph's outputs
+        are rewritten by its next replay).
         """
-        t = self.target
         rows = hidden.shape[0]
-        self.cache.reserve(start, rows)
-        cos, sin = t.rope(start, rows)
-        for i, lid in enumerate(self.layer_ids):
-            hidden = decoder_layer_step(t.layers[lid], hidden, cos, sin, self.cache.k[i],
-                                        self.cache.v[i], start, t.num_heads, t.num_kv_heads,
-                                        t.head_dim)
-            if record is not None:
-                record(lid + 1, hidden)
-        return hidden
+        outs = None
+        if self.graphs is not None and rows <= GRAPH_MAX_ROWS:
+            self.cache.reserve(start, rows, advance=False)
+            self._rows = rows
+            outs = self.graphs.run(rows, hidden)
+            if outs is None:  # capture failed: eager from here on
+                self.cache.lengths.fill_(start + rows)
+        else:
+            self.cache.reserve(start, rows)
+        if outs is None:
+            outs = self.step(hidden, start)
+        if record is not None:
+            for lid, h in zip(self.layer_ids, outs):
+                record(lid + 1, h)
+        return outs[-1]

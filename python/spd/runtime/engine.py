@@ -18,6 +18,7 @@ from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.draft.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage, TargetModel
+from spd.runtime.ar_decode import ARDecoder
 from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 
@@ -42,6 +43,7 @@ class SPDEngine:
         self.n = self.layout.n
         self.debug_poison = debug_poison
         self._stages: list[Stage] = []
+        self._ar: ARDecoder | None = None
         self.pdm = None
         # Called as hook(stages, drafter, tokens, committed_length) after every rollback: lets
         # tests check that the truncated caches equal a fresh prefill of the committed tokens.
@@ -91,7 +93,8 @@ class SPDEngine:
     def generate_ar(self, prompt_ids, max_new_tokens: int = 64,
                     sampling: SamplingParams = SamplingParams(),
                     on_token: Callable[[int], None] | None = None) -> GenerationResult:
-        """Plain decoding through the same stages: one full forward per token."""
+        """Plain decoding through the same stages: one full forward per token (on a GPU one CUDA
+        graph per token: spd.runtime.ar_decode)."""
         ids, max_new = check_prompt(self.target, prompt_ids, max_new_tokens)
         t = self.target
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
@@ -102,24 +105,14 @@ class SPDEngine:
         h = self._prefill(stages, ids)
         token = pick(t.logits(h[-1:])[0], sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
-        out = [token]
         if on_token:
             on_token(token)
         t0 = time.perf_counter()
-        pos = ids.numel()
-        while len(out) < max_new and token not in t.eos_token_ids:
-            with timer("stage"):
-                h = t.embed_tokens(torch.tensor([token], device=t.device))
-                for st in stages:
-                    h = st.forward(h, pos, None)
-            with timer("verify"):
-                token = pick(t.logits(h)[0], sampling, gen)
-            pos += 1
-            out.append(token)
-            stats.K += 1
-            stats.N += 1
-            if on_token:
-                on_token(token)
+        if self._ar is None or self._ar.stages is not stages:
+            self._ar = ARDecoder(t, stages)  # its graphs live as long as these stages
+        out = self._ar.decode(token, ids.numel(), max_new, sampling, gen, t.eos_token_ids,
+                              on_token, timer)
+        stats.K = stats.N = len(out) - 1
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
         return GenerationResult(out, stats)

@@ -1,0 +1,97 @@
+"""A block of decoder layers as plain tensors: the target's stage step (and the PDM's layers).
+
+`stage_step` runs rows through Llama / Qwen2 / Qwen3 decoder layers against their KV cache, per
+layer: RMSNorm + QKV (+ biases) + q/k norm + RoPE + cache append (`qkv_rope_append`), causal GQA
+attention over the cache (`cache_attention`), output projection + residual (`fused_linear`),
+RMSNorm + SwiGLU (`fused_swiglu`), down projection + residual (`fused_linear`). On the reference
+backend with an int position it is spd.model.layers.decoder_layer_step bit for bit. With the
+position an int64 device tensor nothing reads it on the host, so a CUDA graph of the step replays
+at every position.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spd_kernels.attention import cache_attention
+from spd_kernels.linear import fused_linear, fused_swiglu
+from spd_kernels.qkv_rope import back_to_back, qkv_rope_append
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer as plain tensors ([out, in] linear weights)."""
+    input_norm: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    wo: torch.Tensor
+    post_norm: torch.Tensor
+    w_gate: torch.Tensor
+    w_up: torch.Tensor
+    w_down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None  # [Nq + Nk + Nv]: q/k/v biases back to back (Qwen2)
+
+    @classmethod
+    def from_module(cls, layer) -> "LayerWeights":
+        """From a layer with Llama/Qwen names (spd.draft.pdm's layers, Hugging Face layers). The
+        q/k/v biases are one view when they lie back to back (spd.model.layers.pack_layer_),
+        else a copy."""
+        a, m = layer.self_attn, layer.mlp
+        qn = getattr(a, "q_norm", None)
+        kn = getattr(a, "k_norm", None)
+        biases = [getattr(p, "bias", None) for p in (a.q_proj, a.k_proj, a.v_proj)]
+        bias = None
+        if any(b is not None for b in biases):
+            bias = back_to_back(*biases)
+            if bias is None:
+                bias = torch.cat(biases)
+        return cls(layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight,
+                   a.v_proj.weight, None if qn is None else qn.weight,
+                   None if kn is None else kn.weight, a.o_proj.weight,
+                   layer.post_attention_layernorm.weight, m.gate_proj.weight, m.up_proj.weight,
+                   m.down_proj.weight, bias)
+
+
+@dataclass
+class StageWeights:
+    layers: list[LayerWeights]
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, start, cos: torch.Tensor, sin: torch.Tensor,
+                  num_heads: int, num_kv_heads: int, eps: float, *,
+                  backend: str | None = None) -> torch.Tensor:
+    """x [T, d] at positions start.. -> [T, d]; k_cache/v_cache [kv_heads, S, head_dim]."""
+    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
+                        sin, start, k_cache, v_cache, num_heads, num_kv_heads,
+                        qkv_bias=lw.qkv_bias, backend=backend)
+    att = cache_attention(q, k_cache, v_cache, start, backend=backend)
+    x = fused_linear(att, lw.wo, residual=x, backend=backend)
+    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, backend=backend)
+    return fused_linear(mid, lw.w_down, residual=x, backend=backend)
+
+
+def stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, start, cos: torch.Tensor, sin: torch.Tensor, *,
+               backend: str | None = None) -> list[torch.Tensor]:
+    """Rows x [T, hidden] at positions start..start+T-1 through every layer -> each layer's output
+    [T, hidden] (the last is the stage's output). k_cache/v_cache [layers, kv_heads, S, head_dim]
+    get the rows' keys and values; cos/sin [P, head_dim] are the full RoPE tables. `start`: an
+    int, or an int64 tensor of one element read on the device. `backend` picks every op's backend
+    (None: the dispatcher's choice)."""
+    if not isinstance(start, torch.Tensor):
+        start = int(start)
+    outs = []
+    for i, lw in enumerate(weights.layers):
+        x = decoder_layer(x, lw, k_cache[i], v_cache[i], start, cos, sin, weights.num_heads,
+                          weights.num_kv_heads, weights.eps, backend=backend)
+        outs.append(x)
+    return outs
