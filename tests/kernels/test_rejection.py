@@ -325,22 +325,27 @@ def test_split_plan_philox_follows_target_distribution():
 # --- the split-row plan with top-k / top-p: thresholds by radix select ---------------------------
 
 def _sorted_thresholds(logits, temperature, top_k, top_p):
-    """Per row, by sorting in float64: the top-k key (the k-th largest), the top-p key (the key
-    at which the descending mass of the top-k set first reaches top_p * its total) and the mass
-    sum exp(x - max) of the kept set; keys as the kernels order floats."""
+    """Per row, by sorting (ties by lower id first, spd_kernels.sampling's order): the top-k key
+    (the k-th token's), the top-p key (the last kept token's: the mass before it in the order,
+    within the top-k set, is below top_p * that set's total) and the mass sum exp(x - max) of the
+    kept set, in float64; keys as the kernels order floats."""
     x = logits.float() / temperature
     bits = x.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     e = torch.exp(x - x.max(-1, keepdim=True).values).double()
     out = []
     for kr, er in zip(key, e):
-        tk = kr.topk(top_k).values[-1] if 0 < top_k < kr.numel() else kr.min()
-        tp = tk
+        order = torch.sort(kr, descending=True, stable=True).indices
+        if 0 < top_k < kr.numel():
+            order = order[:top_k]
+        tk = kr[order[-1]]
+        m = er[order]
+        keep = torch.ones_like(m, dtype=torch.bool)
         if top_p < 1.0:
-            ks, order = kr[kr >= tk].sort(descending=True)
-            cum = er[kr >= tk][order].cumsum(0)
-            tp = ks[int((cum < top_p * cum[-1]).sum())]
-        out.append((int(tk), int(tp), er[kr >= max(tk, tp)].sum().item()))
+            keep = (m.cumsum(0) - m) < top_p * m.sum()
+            keep[0] = True
+        tp = kr[order[keep][-1]]
+        out.append((int(tk), int(tp), m[keep].sum().item()))
     return out
 
 
