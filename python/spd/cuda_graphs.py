@@ -1,5 +1,6 @@
 """Replaying a step as CUDA graphs, one per shape: what the PDM's draft step and the target's
-stage step share (spd.draft.graphs, spd.model.stage_graphs).
+stage and autoregressive steps share (spd.draft.graphs, spd.model.target.Stage,
+spd.runtime.ar_decode).
 
 A step of one token is a few dozen small launches; on a GPU their launch gaps would dominate.
 With positions held in device tensors nothing in a step reads them on the host, so one graph per
@@ -32,11 +33,12 @@ class GraphSet:
     """Graphs of `step(*inputs)`, one per key (a row count). `run` copies the inputs into the
     captured ones and replays; it returns None when graphs failed, so the caller runs eagerly.
 
-    undo: called after the eager warm-up that precedes a capture, to take back its effects on
-    state the step advances itself (a cache length); writes the replay repeats need no undo."""
+    undo(*inputs): called after the eager warm-up that precedes a capture, to take back its
+    effects on state the step advances itself (a cache length); writes the replay repeats need no
+    undo."""
 
     def __init__(self, device: torch.device, what: str, step: Callable,
-                 undo: Callable[[], None] | None = None):
+                 undo: Callable[..., None] | None = None):
         self.device, self.what, self.step, self.undo = torch.device(device), what, step, undo
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[Hashable, _Entry] = {}
@@ -52,7 +54,7 @@ class GraphSet:
         with torch.cuda.stream(side):  # warm-up (Triton compilation, cuBLAS handles) off capture
             self.step(*inputs)
             if self.undo is not None:
-                self.undo()
+                self.undo(*inputs)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

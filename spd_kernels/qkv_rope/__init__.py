@@ -30,12 +30,16 @@ from spd_kernels.linear import rms_norm
 from spd_kernels.opdef import Position, op
 
 
+def pack_back_to_back(*parts: torch.Tensor) -> list[torch.Tensor]:
+    """Copies of `parts` as consecutive views of one buffer (what back_to_back recognises)."""
+    buf = torch.cat([p.detach() for p in parts]).contiguous()
+    return list(buf.split([p.shape[0] for p in parts]))
+
+
 def pack_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor):
     """Copies of wq, wk, wv as consecutive views of one buffer: the Triton qkv_rope_append then
     streams the three as one [Nq + Nk + Nv, D] product (one launch, a wider N to split)."""
-    buf = torch.cat([wq, wk, wv]).contiguous()
-    nq, nk = wq.shape[0], wk.shape[0]
-    return buf[:nq], buf[nq:nq + nk], buf[nq + nk:]
+    return tuple(pack_back_to_back(wq, wk, wv))
 
 
 def back_to_back(*parts: torch.Tensor) -> torch.Tensor | None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from spd_kernels.qkv_rope import back_to_back
+from spd_kernels.qkv_rope import back_to_back, pack_back_to_back
 
 
 class RMSNorm(nn.Module):
@@ -112,11 +112,8 @@ def _pack_(modules, name: str) -> None:
     tensors = [getattr(m, name) for m in modules]
     if any(t is None for t in tensors) or back_to_back(*tensors) is not None:
         return
-    buf = torch.cat([t.detach() for t in tensors]).contiguous()
-    offset = 0
-    for m, t in zip(modules, tensors):
-        getattr(m, name).data = buf[offset:offset + t.shape[0]]
-        offset += t.shape[0]
+    for t, view in zip(tensors, pack_back_to_back(*tensors)):
+        t.data = view
 
 
 def pack_layer_(layer: nn.Module) -> nn.Module:

@@ -148,8 +148,7 @@ class Stage:
         self.graphs = None
         if cuda_graphs and graphs_enabled(target.device):
             self.graphs = GraphSet(target.device, f"stage {index} step", self._graphed_step,
-                                   undo=lambda: self.cache.lengths.sub_(self._rows))
-        self._rows = 0
+                                   undo=lambda h: self.cache.lengths.sub_(h.shape[0]))
 
     def step(self, hidden: torch.Tensor, start) -> list[torch.Tensor]:
         """The kernel step: every layer's output for rows hidden [T, d] at positions start.."""
@@ -175,7 +174,6 @@ class Stage:
         outs = None
         if self.graphs is not None and rows <= GRAPH_MAX_ROWS:
             self.cache.reserve(start, rows, advance=False)
-            self._rows = rows
             outs = self.graphs.run(rows, hidden)
             if outs is None:  # capture failed: eager from here on
                 self.cache.lengths.fill_(start + rows)

@@ -49,7 +49,7 @@ class ARDecoder:
             st.cache.lengths.add_(1)
         return self._choose(h)
 
-    def _undo(self) -> None:
+    def _undo(self, token: torch.Tensor) -> None:
         for st in self.stages:
             st.cache.lengths.sub_(1)
 
@@ -61,11 +61,8 @@ class ARDecoder:
             out = self.graphs.run(self.sampling.greedy, token)
             if out is not None:
                 return out
-            h = self.t.embed_tokens(token)  # capture failed (warned): this step eagerly
-            for st in self.stages:
-                st.cache.lengths.fill_(pos + 1)
-                h = st.step(h, pos)[-1]
-            return self._choose(h)
+            for st in self.stages:  # capture failed (warned): take the reservation back
+                st.cache.truncate(pos)
         h = self.t.embed_tokens(token)
         for st in self.stages:
             h = st.forward(h, pos)
