@@ -162,3 +162,66 @@ def test_gpu_stage_graph_replays_equal_the_eager_step(model_type):
         assert torch.equal(got, want), p
         pos += 1
     assert graphed.graphs.failed is None and graphed.graphs.replays > 20
+
+
+
+def _verify_walk(t, last, plain, ids, *, sync_check=False):
+    """Single rows through the last stage's fused step + verify and through the same layers'
+    plain step, with rollbacks: equal outputs, and the verdict on a draft that is the plain
+    output's argmax every other row (another token otherwise). Returns the accepted count."""
+    for st in (last, plain):
+        st.forward(t.embed_tokens(ids[:6]), 0)
+    pos, accepted = 6, 0
+    for p in range(6, ids.numel()):
+        if p % 5 == 0:  # a rollback of 2
+            pos -= 2
+            for st in (last, plain):
+                st.cache.truncate(pos)
+        x = t.embed_tokens(ids[pos:pos + 1])
+        want = plain.forward(x, pos).clone()
+        best = t.logits(want).argmax(-1)
+        draft = best if p % 2 else (best + 1) % VOCAB
+        if sync_check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            out, token, ok = (y.clone() for y in last.forward_verify(x, pos, draft))
+        finally:
+            if sync_check:
+                torch.cuda.set_sync_debug_mode("default")
+        assert torch.equal(out, want), p
+        assert token.dtype == torch.int64 and token.tolist() == best.tolist(), p
+        assert ok.tolist() == [bool(p % 2)], p
+        accepted += int(ok[0])
+        pos += 1
+    return accepted
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_fused_last_stage_judges_with_the_stage_output(model_type):
+    """Stage.forward_verify: the stage's output and, from it, final norm + LM head + argmax and
+    the verdict on the draft, across rollbacks; only the last stage may judge."""
+    t = _randomised(model_type, seed=13)
+    ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(14))
+    first, last = (Stage(t, i, r, capacity=32, poison=True)
+                   for i, r in enumerate(partition_layers(t.num_layers, 2, [1, 3])))
+    plain = Stage(t, 1, last.layer_ids, capacity=32, poison=True)
+    with pytest.raises(SPDError, match="not the last stage"):
+        first.forward_verify(t.embed_tokens(ids[:1]), 0, ids[:1])
+    # the last stage alone: embeddings stand in for stage 0's output
+    assert _verify_walk(t, last, plain, ids) == 9
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_gpu_fused_last_stage_graph_replays_without_host_sync(model_type):
+    """On a GPU the fused step + verify replays as one graph with no host synchronisation, and
+    equals the eager plain step across rollbacks."""
+    from spd.model.target import TargetModel
+    cpu = _randomised(model_type, seed=15)
+    t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+    ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(6)).cuda()
+    last = Stage(t, 0, range(t.num_layers), capacity=40, poison=True)
+    plain = Stage(t, 0, range(t.num_layers), capacity=40, poison=True, cuda_graphs=False)
+    assert _verify_walk(t, last, plain, ids, sync_check=True) == 12
+    assert last.verify_graphs.failed is None and last.verify_graphs.replays > 15

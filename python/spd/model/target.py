@@ -15,6 +15,7 @@ from spd.cuda_graphs import GraphSet, graphs_enabled
 from spd.errors import SPDError
 from spd.model.cache import KVCache
 from spd.model.layers import pack_layer_
+from spd_kernels import verify_greedy
 from spd_kernels.stage import LayerWeights, StageWeights, stage_step
 
 # Steps of at most this many rows are graphed (decoding: 1 row; EAGLE-3 verifies k + 1); longer
@@ -145,10 +146,14 @@ class Stage:
         self.weights = target.stage_weights(layer_ids)
         # Full tables for every position the cache holds: a graph keeps them by address.
         self.cos, self.sin = target.rope(0, capacity)
-        self.graphs = None
+        self.graphs = self.verify_graphs = None
         if cuda_graphs and graphs_enabled(target.device):
+            # undo(hidden, ...): the warm-up before a capture advanced the device length
+            undo = lambda h, *_: self.cache.lengths.sub_(h.shape[0])
             self.graphs = GraphSet(target.device, f"stage {index} step", self._graphed_step,
-                                   undo=lambda h: self.cache.lengths.sub_(h.shape[0]))
+                                   undo=undo)
+            self.verify_graphs = GraphSet(target.device, f"stage {index} step + verify",
+                                          self._graphed_verify, undo=undo)
 
     def step(self, hidden: torch.Tensor, start) -> list[torch.Tensor]:
         """The kernel step: every layer's output for rows hidden [T, d] at positions start.."""
@@ -162,6 +167,34 @@ class Stage:
         self.cache.lengths.add_(hidden.shape[0])
         return outs
 
+    def _verify(self, last: torch.Tensor, draft: torch.Tensor):
+        t = self.target
+        return verify_greedy(last, t.norm.weight, t.rms_eps, t.lm_head.weight, draft)
+
+    def _graphed_verify(self, hidden: torch.Tensor, draft: torch.Tensor):
+        outs = self._graphed_step(hidden)
+        return outs, self._verify(outs[-1], draft)
+
+    def _run(self, graphs: GraphSet | None, eager, hidden: torch.Tensor, start: int, *extra):
+        """`eager(hidden, start, *extra)`, or its graph replay when there is one for this row
+        count; the cache accounts for the rows either way."""
+        rows = hidden.shape[0]
+        if graphs is not None and rows <= GRAPH_MAX_ROWS:
+            self.cache.reserve(start, rows, advance=False)
+            out = graphs.run(rows, hidden, *extra)
+            if out is not None:
+                return out
+            self.cache.lengths.fill_(start + rows)  # capture failed: eager from here on
+        else:
+            self.cache.reserve(start, rows)
+        return eager(hidden, start, *extra)
+
+    @staticmethod
+    def _record(record, layer_ids, outs) -> None:
+        if record is not None:
+            for lid, h in zip(layer_ids, outs):
+                record(lid + 1, h)
+
     @torch.no_grad()
     def forward(self, hidden: torch.Tensor, start: int, record=None) -> torch.Tensor:
         """hidden [T, d] at positions start.. -> output hidden [T, d].
@@ -170,18 +203,26 @@ class Stage:
         layer_id + 1), so the caller can keep anchor states; copy what you keep (a graph's outputs
         are rewritten by its next replay).
         """
-        rows = hidden.shape[0]
-        outs = None
-        if self.graphs is not None and rows <= GRAPH_MAX_ROWS:
-            self.cache.reserve(start, rows, advance=False)
-            outs = self.graphs.run(rows, hidden)
-            if outs is None:  # capture failed: eager from here on
-                self.cache.lengths.fill_(start + rows)
-        else:
-            self.cache.reserve(start, rows)
-        if outs is None:
-            outs = self.step(hidden, start)
-        if record is not None:
-            for lid, h in zip(self.layer_ids, outs):
-                record(lid + 1, h)
+        outs = self._run(self.graphs, self.step, hidden, start)
+        self._record(record, self.layer_ids, outs)
         return outs[-1]
+
+    @torch.no_grad()
+    def forward_verify(self, hidden: torch.Tensor, start: int, draft: torch.Tensor,
+                       record=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The last stage fused with greedy verification: hidden [T, d] at positions start..,
+        draft [T] int64 (the token proposed after each row) -> (output hidden [T, d], the
+        target's token [T] int64, accepted [T] bool), judged by final norm + LM head + argmax
+        (spd_kernels.verify_greedy) where the hidden state already is; on a GPU one graph with
+        the stage step. Only the stage holding the model's last layer may judge."""
+        if self.layer_ids.stop != self.target.num_layers:
+            raise SPDError(f"stage {self.index} (layers {self.layer_ids.start}.."
+                           f"{self.layer_ids.stop - 1}) is not the last stage: it cannot verify")
+
+        def eager(h, pos, d):
+            outs = self.step(h, pos)
+            return outs, self._verify(outs[-1], d)
+
+        outs, (token, accepted) = self._run(self.verify_graphs, eager, hidden, start, draft)
+        self._record(record, self.layer_ids, outs)
+        return outs[-1], token, accepted

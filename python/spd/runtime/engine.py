@@ -152,10 +152,19 @@ class SPDEngine:
             #    embedding, anchor 0). Post-step drafting waits for the stages.
             if not dec.post_step:
                 draft = dec.draft(0)
+            #    Greedy with a full window: the last stage judges the next token itself
+            #    (final norm + LM head + argmax fused after its layers).
+            verdict = None
+            fused = dec.sampling.greedy and dec.sched.full
             for s, p in dec.sched.stage_work():
                 with dec.timer(f"stage_{s}"):
                     x = dec.anchors[0, p:p + 1] if s == 0 else carry[p:p + 1]
-                    carry[p] = stages[s].forward(x, p, record_at(p))[0]
+                    if fused and s == n - 1:
+                        out, *verdict = stages[s].forward_verify(x, p, dec.tokens[p + 1:p + 2],
+                                                                 record_at(p))
+                    else:
+                        out = stages[s].forward(x, p, record_at(p))
+                    carry[p] = out[0]
             if dec.post_step:
                 draft = dec.draft(1)
             if not dec.sched.full:  # filling: nothing leaves the pipeline this cycle
@@ -163,7 +172,7 @@ class SPDEngine:
                 continue
             # 3. The oldest token leaves the last stage; its state judges the next one.
             oldest = dec.sched.start
-            accepted, token = dec.judge(carry[oldest:oldest + 1])
+            accepted, token = dec.judge(carry[oldest:oldest + 1], verdict)
             # 4. Accept: the draft enters. Reject: truncate every cache to the committed length.
             rollback_to = dec.commit(accepted, token, draft)
             if rollback_to is not None:

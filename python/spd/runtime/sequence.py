@@ -284,10 +284,14 @@ class SequenceDecode:
         self.sched.refill()
         self.enter(self.sched.newest, draft.token)
 
-    def judge(self, hidden: torch.Tensor) -> tuple[bool, int]:
+    def judge(self, hidden: torch.Tensor, verdict=None) -> tuple[bool, int]:
         """The oldest token left the last stage with final state `hidden` [1, d]: judge the
-        next in-flight token. Returns (accepted, the token to commit)."""
+        next in-flight token. Returns (accepted, the token to commit). `verdict`: (target token
+        [1], accepted [1]) when the last stage already judged it (greedy, Stage.forward_verify)."""
         with self.timer("verify"):
+            if verdict is not None:
+                token, ok = verdict
+                return bool(ok[0]), int(token[0])
             judged = self.sched.judged
             return verify(self.target, hidden, self.tokens[judged:judged + 1],
                           self.pending[judged].q, self.sampling, self.gen)
