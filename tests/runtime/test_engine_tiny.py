@@ -214,3 +214,20 @@ def test_post_step_drafting_is_lossless(n):
     assert eng.generate(PROMPT, 30).token_ids == ar
     sp = SamplingParams(temperature=1.0, seed=3)
     assert len(eng.generate(PROMPT, 12, sp).token_ids) == 12
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_bfloat16_target_greedy_spd_equals_its_own_ar_and_hf_generate(n):
+    """--dtype bfloat16: SPD decodes exactly the bf16 target (its AR decode token for token, and
+    Hugging Face's greedy generate of the same bf16 weights)."""
+    from spd.model.target import TargetModel
+    t = TargetModel(make_tiny_target(seed=5, vocab=64, layers=4).hf.to(torch.bfloat16), None,
+                    name="tiny-bf16")
+    assert t.dtype == torch.bfloat16 and t.layers[0].mlp.up_proj.weight.dtype == torch.bfloat16
+    eng = SPDEngine(t, n_stages=n)
+    ar = eng.generate_ar(PROMPT, 40).token_ids
+    hf = t.hf.generate(torch.tensor([PROMPT]), max_new_tokens=40, do_sample=False)
+    assert ar == hf[0, len(PROMPT):].tolist()
+    for accuracy in (1.0, 0.5):
+        drafter = ReferenceDrafter(PROMPT + ar, accuracy, seed=3)
+        assert eng.generate(PROMPT, 40, drafter=drafter).token_ids == ar

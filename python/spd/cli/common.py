@@ -43,12 +43,21 @@ def check_lookup(k: int | None, default: int | None = None) -> int:
     return k
 
 
+def add_dtype_arg(p) -> None:
+    from spd.model.loading import DTYPE_NAMES
+    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
+                   help="the target's weight dtype (default auto: float32 on the CPU, bfloat16 "
+                        "on a GPU); the output is exactly that dtype's target. bfloat16 suits "
+                        "CPUs with native bf16 (AVX512-BF16 / AMX)")
+
+
 def add_model_layout_args(p) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages n")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7")
     p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
     p.add_argument("--device", default="cpu")
+    add_dtype_arg(p)
 
 
 class Streamer:

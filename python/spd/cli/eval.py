@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 from spd.cli.common import (
+    add_dtype_arg,
     add_lookup_arg,
     check_lookup,
     parse_floats,
@@ -29,6 +30,7 @@ def add_eval(sub) -> None:
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (single run)")
     p.add_argument("--anchors", default=None, help="anchor hidden-state indices (single run)")
     p.add_argument("--device", default="cpu")
+    add_dtype_arg(p)
     p.add_argument("--dataset", "--datasets", dest="dataset", action="append", default=None,
                    help="mt_bench or humaneval (repeat or comma-separate; default: both unless "
                         "--prompts is given)")
@@ -85,7 +87,7 @@ def cmd_eval(args) -> int:
     if check and not sampling.greedy:
         raise SPDError("--check compares with autoregressive decoding token for token, which "
                        "only holds at --temperature 0")
-    target = load_target(args.model, device=args.device)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
     engine = SPDEngine(target, n_stages=stages[0], split=parse_ints(args.split, "--split"),
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        warn_untrained=False, lookup=check_lookup(args.lookup))
@@ -120,7 +122,7 @@ def _eval_grid(args, sets, stages, temps) -> int:
     for d in args.checkpoint_dir:
         if not Path(d).is_dir():
             raise SPDError(f"--checkpoint-dir {d} is not a folder")
-    target = load_target(args.model, device=args.device)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
     # The command that reproduces the grid (resume-only flags left out)
     command = ("python -m spd " + " ".join(a for a in sys.argv[1:] if a != "--recost")
                if sys.argv[1:2] == ["eval"] else "")

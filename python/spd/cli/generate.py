@@ -8,6 +8,7 @@ from functools import partial
 from spd import env
 from spd.cli.common import (
     Streamer,
+    add_dtype_arg,
     add_lookup_arg,
     check_lookup,
     parse_ints,
@@ -47,6 +48,7 @@ def add_generate(sub) -> None:
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the model's chat template (default: on)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    add_dtype_arg(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
     add_distributed_args(p)
@@ -68,7 +70,7 @@ def cmd_generate(args) -> int:
         raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SPDError("--device cuda was requested but no CUDA device is available")
-    target = load_target(args.model, device=args.device)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
     n = 1 if args.mode == "ar" else args.stages
     engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
@@ -119,6 +121,7 @@ def config_from_args(args):
     return DistConfig(n_stages=args.stages, split=parse_ints(args.split, "--split"),
                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                       pdm_layers=args.pdm_layers, model=args.model, device=args.device,
+                      dtype=args.dtype,
                       fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
                       speculative_control=getattr(args, "speculative_control", "auto"),
                       backend=getattr(args, "backend", None),

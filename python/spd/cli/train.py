@@ -110,7 +110,7 @@ def cmd_train(args) -> int:
     for flag in ("data_skip", "code_prompts", "self_distill", "conversations"):
         if getattr(args, flag) < 0:
             raise SPDError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    target = load_target(args.model, device=args.device)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
     precision = resolve_precision(args.precision, target.device)
     anchors = parse_ints(args.anchors, "--anchors")
     split = parse_ints(args.split, "--split")

@@ -26,6 +26,7 @@ class DistConfig:
     pdm_layers: int | None = None
     model: str | None = None
     device: str = "cpu"
+    dtype: str | None = None      # the target's weights (spd.model.loading.resolve_dtype)
     # factory(rank) -> TargetModel; default: load_target(model, device). Tests pass tiny targets.
     target_factory: Callable | None = None
     fault_timeout: float = 10.0   # a silent rank is declared dead after this many seconds

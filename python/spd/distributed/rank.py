@@ -90,7 +90,7 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
             target = config.target_factory(rank)
         else:
             from spd.model.loading import load_target
-            target = load_target(config.model, device=device)
+            target = load_target(config.model, device=device, dtype=config.dtype)
         layout = DepthLayout.build(target.num_layers, config.n_stages, config.split,
                                    config.anchors)
         target.fingerprint()

