@@ -1,11 +1,14 @@
 """Single-process engine benchmark on the default model (or --model).
 
-For each n: SPD with the reference ("oracle") drafter, which proposes the target's own next token
-(the fill-limited ceiling of alpha), and with the untrained PDM (the floor). Beside them the
-autoregressive path on the same stages and Hugging Face `generate`, all timed in this one run, so
-the ratios are comparable even on a noisy machine. Prints a table and writes JSON.
+For each weight dtype and n: SPD with the reference ("oracle") drafter, which proposes the
+target's own next token (the fill-limited ceiling of alpha), and with the engine's PDM (the one
+shipped for the target and n, else an untrained one: the floor). Beside them the autoregressive
+path on the same stages (`--mode ar`) and Hugging Face `generate` of the same weights, all timed
+in this one run, so the ratios are comparable even on a noisy machine. In one process the stages
+run one after another: SPD's tok/s here is not what n devices give (S_theory is). Prints a table
+and writes JSON.
 
-    python benchmarks/bench_core.py --stages 2,4,6 --max-new-tokens 64 --json-out out.json
+    python benchmarks/bench_core.py --stages 2,4 --dtypes float32,bfloat16 --json-out out.json
 """
 from __future__ import annotations
 
@@ -61,29 +64,16 @@ def run_method(fn, prompts_ids):
     return agg
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--stages", default="2,4,6")
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--prompts", default=None, help="FastChat question .jsonl (first turn used)")
-    ap.add_argument("--limit", type=int, default=3)
-    ap.add_argument("--json-out", default=None)
-    args = ap.parse_args()
-
-    torch.manual_seed(0)
-    target = load_target(args.model)
-    prompts = load_prompts(args.prompts, args.limit)
+def bench_dtype(target, dtype: str, prompts: list[str], m: int, stages: list[int]) -> list[dict]:
+    """Rows for one loaded target: HF generate, AR on the same stages, SPD per n and drafter;
+    every SPD output is checked against AR's, and HF's agreement with AR is recorded."""
     ids_list = [encode_prompt(target.tokenizer, p, True) for p in prompts]
-    m = args.max_new_tokens
-    rows = []
-
     base = SPDEngine(target, n_stages=1)
     ar = run_method(lambda ids: base.generate_ar(ids, m), ids_list)
     refs = ar["outputs"]
 
-    hf_tokens, hf_s = 0, 0.0
-    for ids in ids_list:  # HF generate: time for M tokens minus one prefill-only call
+    hf_tokens, hf_s, hf_same = 0, 0.0, 0
+    for ids, ref in zip(ids_list, refs):  # HF generate: time for M tokens minus a prefill-only call
         x = torch.tensor([ids])
         with torch.no_grad():
             t0 = time.perf_counter()
@@ -93,17 +83,20 @@ def main() -> int:
             t2 = time.perf_counter()
         hf_tokens += out.shape[1] - len(ids) - 1
         hf_s += (t1 - t0) - (t2 - t1)
+        hf_same += out[0, len(ids):].tolist() == ref
     hf_tok_s = metrics.tokens_per_s(hf_tokens, hf_s)
     ar_tok_s = metrics.tokens_per_s(ar["N"], ar["decode_s"])
-    rows.append(dict(method="hf-generate", n=1, decode_tok_s=hf_tok_s))
-    rows.append(dict(method="ar (same stages)", n=1, N=ar["N"], K=ar["K"], alpha=1.0,
-                     theoretical_speedup=1.0, decode_tok_s=ar_tok_s, phase_s=ar["phase_s"]))
+    rows = [dict(method="hf-generate", n=1, decode_tok_s=hf_tok_s,
+                 same_tokens_as_ar=f"{hf_same}/{len(ids_list)}"),
+            dict(method="ar (same stages)", n=1, N=ar["N"], K=ar["K"], alpha=1.0,
+                 theoretical_speedup=1.0, decode_tok_s=ar_tok_s, phase_s=ar["phase_s"])]
 
-    for n in [int(x) for x in args.stages.split(",")]:
+    for n in stages:
         eng = SPDEngine(target, n_stages=n, warn_untrained=False)
+        pdm = "spd+untrained-pdm" if eng.pdm_source == "untrained" else "spd+shipped-pdm"
         drafters = {
             "spd+oracle": lambda ids, i: ReferenceDrafter(ids + refs[i]),
-            "spd+untrained-pdm": lambda ids, i: None,
+            pdm: lambda ids, i: None,
         }
         for name, make in drafters.items():
             counter = iter(range(len(ids_list)))
@@ -117,25 +110,49 @@ def main() -> int:
                              decode_tok_s=metrics.tokens_per_s(agg["N"], agg["decode_s"]),
                              cycle_ms=1000 * agg["decode_s"] / agg["K"],
                              phase_s=agg["phase_s"]))
+    for r in rows:
+        r.update(dtype=dtype, vs_ar=r["decode_tok_s"] / ar_tok_s,
+                 vs_hf=r["decode_tok_s"] / hf_tok_s)
+    return rows
 
-    print(f"\nSingle-process engine, {target.name}, {len(ids_list)} prompts x {m} new tokens, "
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--stages", default="2,4,6")
+    ap.add_argument("--dtypes", default="float32",
+                    help="weight dtypes, e.g. float32,bfloat16 (spd.model.loading.resolve_dtype)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--prompts", default=None, help="FastChat question .jsonl (first turn used)")
+    ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    prompts = load_prompts(args.prompts, args.limit)
+    m = args.max_new_tokens
+    rows, target = [], None
+    for dtype in args.dtypes.split(","):
+        torch.manual_seed(0)
+        target = load_target(args.model, dtype=dtype)
+        rows += bench_dtype(target, dtype, prompts, m, [int(x) for x in args.stages.split(",")])
+    print(f"\nSingle-process engine, {target.name}, {len(prompts)} prompts x {m} new tokens, "
           + describe_device("cpu"))
-    table = Table([("method", "<20"), ("n", ">3"), ("N", ">6"), ("K", ">6"), ("alpha", ">8.3f"),
+    table = Table([("dtype", "<9"), ("method", "<20"), ("n", ">3"), ("N", ">6"), ("K", ">6"),
+                   ("alpha", ">8.3f"),
                    ("theoretical_speedup", ">10.2f", "S_theory"), ("decode_tok_s", ">8.1f", "tok/s"),
                    ("vs_ar", ">7.2f", "vs AR"), ("vs_hf", ">7.2f", "vs HF"),
                    ("cycle_ms", ">10.2f", "cycle ms")])
     table.print_header()
     for r in rows:
-        r.update(vs_ar=r["decode_tok_s"] / ar_tok_s, vs_hf=r["decode_tok_s"] / hf_tok_s)
         table.print(r)
     print("\nWhere a cycle's time goes (ms per cycle):")
     for r in rows:
         if "phase_s" in r and r["method"].startswith("spd"):
             parts = "  ".join(f"{k}={1000 * v / r['K']:.2f}" for k, v in sorted(r["phase_s"].items()))
-            print(f"  {r['method']:<20} n={r['n']}: {parts}")
+            print(f"  {r['dtype']:<9} {r['method']:<20} n={r['n']}: {parts}")
     if args.json_out:
         write_json(args.json_out, run_meta("cpu", model=target.name, prompts=prompts,
-                                           max_new_tokens=m), rows=rows)
+                                           max_new_tokens=m, dtypes=args.dtypes), rows=rows)
     return 0
 
 

@@ -603,11 +603,14 @@ def targets(rows, on_gpu: bool) -> list[dict]:
                     value=a and a["x_floor"], backend=a and a["backend"],
                     ok=bool(a and a["x_floor"] <= 1.25)))
     p = best("pdm_step", case="PDM")
-    st = best("pdm_step", case="target stage", backends=("reference", "cuda_graph", "triton"))
+    # like for like: the stage on the same kernels, launched the same way (a graph of torch ops
+    # would flatter the PDM step: 0.48x against 0.98x on the H200, 2026-11-30)
+    st = p and best("pdm_step", case="target stage", backends=(p["backend"],))
     out.append(dict(target="PDM step (Qwen3-4B) <= 1.5x weight floor", value=p and p["x_floor"],
                     backend=p and p["backend"], ok=bool(p and p["x_floor"] <= 1.5)))
-    out.append(dict(target="PDM step faster than a 4-layer Qwen3-4B stage",
-                    value=p and st and p["us"] / st["us"], ok=bool(p and st and p["us"] < st["us"])))
+    out.append(dict(target="PDM step faster than a 4-layer Qwen3-4B stage (same kernels)",
+                    value=p and st and p["us"] / st["us"], backend=p and p["backend"],
+                    ok=bool(p and st and p["us"] < st["us"])))
     k = best("truncate_kv")
     out.append(dict(target="KV truncation < 5 us, no host sync", value=k and k["us"],
                     backend=k and k["backend"],

@@ -2,7 +2,10 @@
 # Everything a lent GPU should run, in one call, inside a short device budget:
 #   1. the environment (nvidia-smi, torch, triton)            -> env.txt
 #   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> build.log
-#   3. kernel microbenchmarks at Qwen3-4B shapes, the kernels the automatic choice runs (the two
+#   3. the stage step and the AR step against their floors (graphed one-row stage of 3, 5, 9
+#      layers, attention at 1k context, the whole-model AR step; Qwen3-4B and Qwen3-8B shapes)
+#                                                               -> $OUT/<date>-stage-<dev>.json
+#   3b. kernel microbenchmarks at Qwen3-4B shapes, the kernels the automatic choice runs (the two
 #      open targets, PDM step and anchor projection, first)  -> bench-automatic.{log,json}
 #   4. the same for the on-request kernels of those two ops (the whole step on the CUDA kernels,
 #      the tensor-core anchor variant, programmatic dependent launch), one process per op
@@ -24,7 +27,7 @@
 # keeps its rows too.
 # The whole run keeps inside SPD_DEVICE_BUDGET seconds (default 560): each step has its own cap
 # and is also cut to the time left, so one that hangs cannot eat the others. The device tool
-# brings back at most 8 files, so the logs travel as one $OUT/logs.tar.gz beside the two JSONs
+# brings back at most 8 files, so the logs travel as one $OUT/logs.tar.gz beside the JSONs
 # and summary.txt; a summary table is printed last. No install is needed: the code runs from
 # the working tree (PYTHONPATH).
 #
@@ -66,6 +69,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     FIRST_TRIALS=(truncate_kv)
     MORE_TRIALS=(fused_linear)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
+    STAGE_ARGS=(--models smollm2-135m --layers 2 --context 64 --iters 1 --warmup 0)
     KERNEL_TESTS=(tests/kernels/test_kv_truncate.py)
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
 else
@@ -82,6 +86,7 @@ EOF
     MORE_TRIALS=(fused_linear fused_swiglu cache_attention qkv_rope_append rejection_sample_logits)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
+    STAGE_ARGS=(--models qwen3-4b,qwen3-8b --layers 3,5,9 --context 1024 --iters 50)
     KERNEL_TESTS=(tests/kernels/test_*.py)
     COMPILE_ARGS=(--models qwen3-4b --ops verify_greedy,anchor_projection,truncate_kv,fused_swiglu
                   --compile on --iters 20)
@@ -106,13 +111,17 @@ bench_on_request() {  # bench_on_request CAP OP: one op's on-request rows in a p
 
 # the host emulation of the CUDA kernels (spd_kernels._spd_simt) is for machines without a GPU
 SPD_SKIP_SIMT_BUILD=1 step build 150 "$LOGS/build.log" "$PY" setup.py build_ext --inplace
+# the stage and AR steps first: the figures the stage-graphs issue is judged by
+step stage 120 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
+    --json-out "$OUT/$DATE-stage-$DEV.json"
 step bench-automatic 150 "$LOGS/bench-automatic.log" "$PY" benchmarks/bench_kernels.py \
     "${KERNEL_ARGS[@]}" --rows automatic --ops "$AUTO_OPS" --json-out "$LOGS/bench-automatic.json"
 bench_on_request 90 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
 for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 45 "$op"; done
 step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/kernels/test_*.py \
-    tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py
+    tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py \
+    tests/model/test_stage_step.py tests/model/test_default_model.py tests/runtime/test_engine_tiny.py
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
 BENCH_JSONS=("$LOGS"/bench-*.json)
@@ -152,5 +161,6 @@ benches | grep -E "ERROR|^CUDA context lost" | cut -c1-240 | head -n 20
 echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
 echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
+echo "---- stage";          show stage.log | tail -n 16
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"

@@ -204,3 +204,37 @@ def test_shipped_eagle3_head_is_picked_and_lossless(default_target, references, 
         tokens += res.stats.N
         rounds += res.stats.K
     assert tokens / rounds > 1.1  # more than one token per target forward
+
+
+def _default_model_cached() -> bool:
+    from spd.model.loading import default_model_dir
+    return (default_model_dir() / "config.json").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(not _default_model_cached(),
+                    reason="the default model is not in $SPD_CACHE (a device machine has no "
+                           "network to fetch it)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_graphed_ar_and_spd_match_hf_generate(dtype):
+    """On a GPU: the AR decode (one CUDA graph per token, fused greedy choice) and SPD over
+    graphed stages (the last one judging) decode what HF generate decodes from the same weights.
+    bf16 is compared over the first tokens only where the kernels' rounding may break a near-tie
+    differently from cuBLAS: the AR graph must still equal SPD exactly."""
+    from spd.model.loading import load_target
+    t = load_target(None, device="cuda", dtype=dtype)
+    eng = SPDEngine(t, n_stages=4, pdm="untrained", warn_untrained=False)
+    for text, chat in PROMPTS[:2]:
+        ids = encode_prompt(t.tokenizer, text, chat)
+        with torch.no_grad():
+            hf = t.hf.generate(torch.tensor([ids], device="cuda"), max_new_tokens=NEW,
+                               do_sample=False)[0, len(ids):].tolist()
+        ar = eng.generate_ar(ids, NEW).token_ids
+        assert eng._ar.graphs is not None and eng._ar.graphs.failed is None
+        if dtype == torch.float32:
+            assert ar == hf
+        else:
+            assert ar[:8] == hf[:8]
+        for drafter in (None, ReferenceDrafter(ids + ar, 0.6, seed=1)):
+            assert eng.generate(ids, NEW, drafter=drafter).token_ids == ar

@@ -231,3 +231,24 @@ def test_bfloat16_target_greedy_spd_equals_its_own_ar_and_hf_generate(n):
     for accuracy in (1.0, 0.5):
         drafter = ReferenceDrafter(PROMPT + ar, accuracy, seed=3)
         assert eng.generate(PROMPT, 40, drafter=drafter).token_ids == ar
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
+def test_gpu_ar_graph_and_spd_equal_hf_greedy(model_type):
+    """On a GPU: the AR decode as one graph per token equals HF's greedy generate, and SPD over
+    graphed stages with the fused last stage equals it too, across rejections."""
+    from spd.model.target import TargetModel
+    cpu = make_tiny_target(seed=6, vocab=64, layers=4, model_type=model_type)
+    t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+    eng = SPDEngine(t, n_stages=2)
+    ar = eng.generate_ar(PROMPT, 48).token_ids
+    assert eng._ar.graphs is not None and eng._ar.graphs.failed is None
+    hf = t.hf.generate(torch.tensor([PROMPT], device="cuda"), max_new_tokens=48, do_sample=False)
+    assert ar == hf[0, len(PROMPT):].tolist()
+    for accuracy in (1.0, 0.5):
+        res = eng.generate(PROMPT, 48, drafter=ReferenceDrafter(PROMPT + ar, accuracy, seed=2))
+        assert res.token_ids == ar
+    last = eng._stages[-1]
+    assert last.verify_graphs.failed is None and last.verify_graphs.replays > 0

@@ -1,0 +1,204 @@
+"""The target's stage step and the autoregressive step against their weight-read floors.
+
+Per model shape (random weights, `--context` tokens already cached, one row: the steady state,
+where each stage runs exactly one token per cycle):
+- `stage`: spd.model.target.Stage's one-row step over 3, 5 and 9 layers, time per layer. On a GPU
+  the captured graph is replayed bare (`graph`), beside the eager step (`eager`).
+- `attention`: spd_kernels.cache_attention at one row over the context, alone in a graph.
+- `ar`: spd.runtime.ar_decode.ARDecoder's step over every layer (embedding, stages, final norm +
+  LM head + greedy choice): the single-device autoregressive baseline, one graph per token.
+Each against its floor: the bytes it must read (weights, the KV rows it attends to) over the
+measured device-to-device copy bandwidth. Prints a table and writes JSON.
+
+    TRITON_INTERPRET=0 python benchmarks/bench_stage.py --models qwen3-4b,qwen3-8b   # GPU
+    python benchmarks/bench_stage.py --models smollm2-135m --layers 2 --context 64 \
+        --iters 3 --warmup 1                                                          # CPU
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import date
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, when loaded by path
+from bench_draft_hiding import DTYPES, stage_target  # noqa: E402
+from bench_kernels import MODELS, copy_bandwidth, layer_bytes  # noqa: E402
+from harness import RESULTS, Table, Timer, device_tag, run_meta, write_json  # noqa: E402
+
+from spd.model.loading import describe_device  # noqa: E402
+from spd.model.target import Stage  # noqa: E402
+from spd.runtime.ar_decode import ARDecoder  # noqa: E402
+from spd.runtime.types import SamplingParams  # noqa: E402
+from spd_kernels import cache_attention  # noqa: E402
+
+# The H200 targets of the stage-graphs issue (microseconds), checked where the device is one.
+H200_TARGETS = {("qwen3-4b", "stage"): 63.0, ("qwen3-8b", "stage"): 120.0,
+                ("qwen3-4b", "ar"): 2520.0, ("qwen3-4b", "attention"): 6.0,
+                ("qwen3-8b", "attention"): 6.0}
+
+
+def kv_bytes(stage: Stage, context: int) -> int:
+    """K and V rows read by one row's attention at `context`, over the stage's layers."""
+    c = stage.cache
+    return 2 * c.k.shape[0] * c.k.shape[1] * context * c.k.shape[3] * c.k.element_size()
+
+
+def stage_rows(target, layers: int, context: int, timer: Timer, gpu: bool) -> list[dict]:
+    """The one-row step of a stage of `layers` layers: eager, and on a GPU the bare graph."""
+    room = context + timer.iters + timer.warmup + 8
+    h = torch.randn(1, target.hidden_size, device=target.device, dtype=target.dtype)
+    floor_bytes = sum(layer_bytes(lw) for lw in target.stage_weights(range(layers)).layers)
+    rows = []
+    for mode in ("eager", "graph") if gpu else ("eager",):
+        stage = Stage(target, 0, range(layers), room, cuda_graphs=mode == "graph")
+        stage.cache.reserve(0, context)  # cached rows (their values do not change the cost)
+
+        def eager_step():
+            stage.cache.truncate(context)
+            stage.forward(h, context)
+
+        fn = eager_step
+        if mode == "graph":
+            stage.forward(h, context)  # captures; later replays advance the device length
+            if stage.graphs.failed is not None:
+                rows.append(dict(what="stage", mode="graph", layers=layers,
+                                 error=stage.graphs.failed))
+                continue
+            fn = stage.graphs.graphs[1].graph.replay
+        us, _ = timer(fn)
+        rows.append(dict(what="stage", mode=mode, layers=layers, us=us, us_per_layer=us / layers,
+                         floor_bytes=floor_bytes + kv_bytes(stage, context)))
+    return rows
+
+
+def attention_row(target, context: int, timer: Timer, gpu: bool) -> dict:
+    """One row's attention over `context` cached positions (one layer's cache)."""
+    stage = Stage(target, 0, range(1), context + 1, cuda_graphs=False)
+    dev = target.device
+    q = torch.randn(target.num_heads, 1, target.head_dim, device=dev, dtype=target.dtype)
+    start = torch.tensor([context], device=dev)  # the last cached row is the query's own
+
+    def call():
+        return cache_attention(q, stage.cache.k[0], stage.cache.v[0], start)
+
+    fn, mode = call, "eager"
+    if gpu:
+        call()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            call()
+        fn, mode = graph.replay, "graph"
+    us, _ = timer(fn)
+    return dict(what="attention", mode=mode, layers=1, us=us, us_per_layer=us,
+                floor_bytes=kv_bytes(stage, context + 1) + q.numel() * q.element_size() * 2)
+
+
+def ar_row(target, context: int, timer: Timer, gpu: bool) -> dict:
+    """The autoregressive step over every layer of `target`: one graph per token on a GPU."""
+    room = context + timer.iters + timer.warmup + 8
+    stage = Stage(target, 0, range(target.num_layers), room)
+    stage.cache.reserve(0, context)
+    ar = ARDecoder(target, [stage])
+    ar.sampling = SamplingParams()  # greedy: the fused norm + LM head + argmax
+    token = torch.zeros(1, dtype=torch.int64, device=target.device)
+
+    def eager_step():
+        stage.cache.truncate(context)
+        ar._step(token, context)
+
+    fn, mode = eager_step, "eager"
+    if gpu:
+        ar._step(token, context)  # captures
+        if ar.graphs.failed is not None:
+            return dict(what="ar", mode="graph", layers=target.num_layers, error=ar.graphs.failed)
+        fn, mode = ar.graphs.graphs[True].graph.replay, "graph"
+    us, _ = timer(fn)
+    t = target
+    head_bytes = t.lm_head.weight.numel() * t.lm_head.weight.element_size()
+    layers = sum(layer_bytes(lw) for lw in stage.weights.layers)
+    return dict(what="ar", mode=mode, layers=t.num_layers, us=us, us_per_layer=us / t.num_layers,
+                tok_s=1e6 / us, floor_bytes=layers + head_bytes + kv_bytes(stage, context))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--models", default="qwen3-4b,qwen3-8b")
+    ap.add_argument("--layers", default="3,5,9", help="stage sizes, comma-separated")
+    ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
+    ap.add_argument("--no-ar", action="store_true", help="skip the whole-model AR step")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="default bf16 on a GPU, fp32 on the CPU")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (default 50 GPU, 5 CPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--date", default=str(date.today()))
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    try:
+        layer_counts = [int(x) for x in args.layers.split(",")]
+    except ValueError:
+        sys.exit(f"--layers takes comma-separated integers, got {args.layers!r}")
+    if unknown or min(layer_counts) < 1 or args.context < 1:
+        sys.exit(f"--models from {', '.join(MODELS)}; --layers and --context >= 1")
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    timer = Timer(device, args.iters or (50 if gpu else 5),
+                  args.warmup if args.warmup is not None else (5 if gpu else 1), flush=gpu)
+    bandwidth = copy_bandwidth(device, Timer(device, 10, 2))
+    tag = device_tag(device)
+    print(f"{describe_device(device)}, {str(dtype)[6:]}, context {args.context}, copy bandwidth "
+          f"{bandwidth:.0f} GB/s; floor = bytes read / that bandwidth")
+    table = Table([("model", "<14"), ("what", "<10"), ("mode", "<6"), ("layers", ">7"),
+                   ("us", ">10.1f"), ("us_per_layer", ">12.1f", "us/layer"),
+                   ("floor_us", ">10.1f", "floor us"), ("x_floor", ">8.2f"),
+                   ("target_us", ">10.1f", "target us"), ("ok", ">5")])
+    table.print_header()
+    rows = []
+    out = args.json_out or RESULTS / f"{args.date}-stage-{tag}.json"
+    meta = run_meta(device, date=args.date, dtype=str(dtype), context=args.context,
+                    copy_bandwidth_gb_s=bandwidth, iters=timer.iters,
+                    shapes={m: vars(MODELS[m]) for m in models})
+    with torch.no_grad():
+        for m in models:
+            shape = MODELS[m]
+            built = max(layer_counts) if args.no_ar else max(shape.layers, max(layer_counts))
+            target = stage_target(shape, built, device, dtype)
+            found = [r for L in layer_counts for r in stage_rows(target, L, args.context, timer,
+                                                                 gpu)]
+            found.append(attention_row(target, args.context, timer, gpu))
+            if not args.no_ar:
+                found.append(ar_row(target, args.context, timer, gpu))
+            for r in found:
+                r.update(model=m, context=args.context, dtype=str(dtype))
+                if "us" in r:
+                    r["floor_us"] = r["floor_bytes"] / (bandwidth * 1e3)
+                    r["x_floor"] = r["us"] / r["floor_us"]
+                    limit = H200_TARGETS.get((m, r["what"])) if tag == "h200" else None
+                    if limit is not None and r["mode"] == "graph":
+                        key = "us" if r["what"] == "ar" else "us_per_layer"
+                        r.update(target_us=limit, ok=str(r[key] <= limit).lower())
+                if "us" in r:
+                    table.print(r)
+                else:
+                    print(f"{m:<14}{r['what']:<10} {r['error']}")
+                rows.append(r)
+            write_json(out, meta, rows=rows)  # after each model: a run cut short keeps its rows
+            del target
+            if gpu:
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
