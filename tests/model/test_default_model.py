@@ -101,7 +101,7 @@ def test_cli_streams_text_and_summary(capsys):
     (["--top-p", "0"], "top_p"),
     (["--model", "/nonexistent/model"], "does not exist"),
     (["--pdm", "/nonexistent/pdm"], "not found"),
-    (["--lookup", "-1"], "--lookup is a match length (0: off), got -1"),
+    (["--lookup", "-1"], "argument --lookup: must be an integer in [0, 6], got -1"),
 ])
 def test_cli_errors(capsys, argv, msg):
     rc = main(["generate", "--prompt", "Hi", "--max-new-tokens", "4"] + argv)

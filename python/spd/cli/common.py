@@ -2,10 +2,59 @@
 streamed and JSON output of a generation."""
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 from spd.errors import SPDError
+
+# torch.Generator.manual_seed takes an unsigned 64-bit seed; the flag stops at 2**63 - 1 so
+# that the grid's per-prompt seeds (seed + i) stay in range too
+MAX_SEED = 2**63 - 1
+SEED_HELP = "in [0, 2**63 - 1]"
+
+
+def int_in(lo: int, hi: int | None = None):
+    """argparse type: an integer in [lo, hi] (no upper bound when hi is None)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got '{text}'") from None
+        if value < lo or (hi is not None and value > hi):
+            span = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"must be an integer {span}, got {text}")
+        return value
+    parse.__name__ = "integer"
+    return parse
+
+
+def device_arg(text: str) -> str:
+    """argparse type of --device: cpu, cuda or cuda:N (checked without importing torch)."""
+    from spd.model.loading import check_device
+    try:
+        return check_device(text)
+    except SPDError:
+        raise argparse.ArgumentTypeError(f"must be cpu, cuda or cuda:N, got '{text}'") from None
+
+
+def check_prompt(text: str, flag: str = "--prompt") -> str:
+    """Refused before any model loads: an empty prompt, or one that is not UTF-8 (undecodable
+    bytes in argv arrive as lone surrogates)."""
+    if not text:
+        raise SPDError(f"the prompt is empty: pass {flag} TEXT")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SPDError(f"{flag} is not valid UTF-8 text: pass it in the UTF-8 encoding") from None
+    return text
+
+
+def precheck_pdm(pdm) -> None:
+    """A --pdm checkpoint folder's config and weights file, read before the target loads."""
+    if pdm is not None and str(pdm) != "untrained":
+        from spd.draft.pdm import check_pdm_folder
+        check_pdm_folder(pdm)
 
 
 def parse_ints(text, what):
@@ -25,8 +74,8 @@ def parse_floats(text, what):
 
 
 def add_lookup_arg(p) -> None:
-    from spd.draft.lookup import DEFAULT_MIN_LEN
-    p.add_argument("--lookup", type=int, default=None, metavar="K",
+    from spd.draft.lookup import DEFAULT_MIN_LEN, MAX_LEN
+    p.add_argument("--lookup", type=int_in(0, MAX_LEN), default=None, metavar="K",
                    help="when the last K or more tokens occurred earlier in the text, draft the "
                         "token that followed them there instead of the PDM's guess, unless the "
                         "PDM is surer than such a match tends to be right (output is "
@@ -38,8 +87,9 @@ def check_lookup(k: int | None, default: int | None = None) -> int:
     if k is None:
         from spd.draft.lookup import DEFAULT_MIN_LEN
         return DEFAULT_MIN_LEN if default is None else default
-    if k < 0:
-        raise SPDError(f"--lookup is a match length (0: off), got {k}")
+    from spd.draft.lookup import MAX_LEN
+    if k < 0 or k > MAX_LEN:
+        raise SPDError(f"--lookup is a match length in [0, {MAX_LEN}] (0: off), got {k}")
     return k
 
 
@@ -56,7 +106,7 @@ def add_model_layout_args(p) -> None:
     p.add_argument("--stages", type=int, default=4, help="pipeline stages n")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7")
     p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu")
     add_dtype_arg(p)
 
 

@@ -6,13 +6,18 @@ import sys
 from pathlib import Path
 
 from spd.cli.common import (
+    MAX_SEED,
     add_dtype_arg,
     add_lookup_arg,
     check_lookup,
+    device_arg,
+    int_in,
     parse_floats,
     parse_ints,
+    precheck_pdm,
     warn_untrained_pdm,
 )
+from spd.data.files import check_output_file
 from spd.errors import SPDError
 
 
@@ -29,7 +34,7 @@ def add_eval(sub) -> None:
                    help="pipeline stages n (a comma list with --methods, e.g. 2,4,6)")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (single run)")
     p.add_argument("--anchors", default=None, help="anchor hidden-state indices (single run)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", type=device_arg, default="cpu")
     add_dtype_arg(p)
     p.add_argument("--dataset", "--datasets", dest="dataset", action="append", default=None,
                    help="mt_bench or humaneval (repeat or comma-separate; default: both unless "
@@ -43,7 +48,7 @@ def add_eval(sub) -> None:
                    help="sampling temperature (a comma list with --methods, e.g. 0,1)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="in [0, 2**63 - 1]")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="compare every output with autoregressive decoding (default: on at T=0)")
     p.add_argument("--json-out", default=None, help="write the report as JSON (single run)")
@@ -79,6 +84,8 @@ def cmd_eval(args) -> int:
     sets = collect_sets(names, args.prompts, args.limit)
     if args.methods:
         return _eval_grid(args, sets, stages, temps)
+    if args.json_out:
+        check_output_file(args.json_out, "--json-out")  # before hours of decoding, not after
     from spd.evaluation.evaluate import format_table, run_eval, write_json
     from spd.runtime.engine import SPDEngine
     from spd.runtime.types import SamplingParams
@@ -87,6 +94,7 @@ def cmd_eval(args) -> int:
     if check and not sampling.greedy:
         raise SPDError("--check compares with autoregressive decoding token for token, which "
                        "only holds at --temperature 0")
+    precheck_pdm(args.pdm)
     target = load_target(args.model, device=args.device, dtype=args.dtype)
     engine = SPDEngine(target, n_stages=stages[0], split=parse_ints(args.split, "--split"),
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
@@ -114,8 +122,11 @@ def _eval_grid(args, sets, stages, temps) -> int:
         raise SPDError("the grid samples with plain temperature; drop --top-k/--top-p")
     if args.check is False:
         raise SPDError("the grid always checks greedy outputs against autoregressive decoding")
+    pdm_layers = parse_ints(args.pdm_layers, "--pdm-layers")
+    if not pdm_layers or min(pdm_layers) < 1:
+        raise SPDError(f"--pdm-layers takes PDM depths >= 1, got '{args.pdm_layers}'")
     spec = GridSpec(methods=[m for m in args.methods.split(",") if m], stages=stages,
-                    pdm_layers=parse_ints(args.pdm_layers, "--pdm-layers"), datasets=sets,
+                    pdm_layers=pdm_layers, datasets=sets,
                     temperatures=temps, max_new_tokens=args.max_new_tokens, seed=args.seed,
                     checkpoint_dirs=args.checkpoint_dir, cost_reps=args.cost_reps,
                     lookup=check_lookup(args.lookup, default=0))

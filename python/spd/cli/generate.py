@@ -7,11 +7,16 @@ from functools import partial
 
 from spd import env
 from spd.cli.common import (
+    MAX_SEED,
     Streamer,
     add_dtype_arg,
     add_lookup_arg,
     check_lookup,
+    check_prompt,
+    device_arg,
+    int_in,
     parse_ints,
+    precheck_pdm,
     print_generation,
     warn_untrained_pdm,
 )
@@ -36,7 +41,7 @@ def add_generate(sub) -> None:
     p.add_argument("--anchors", default=None,
                    help="anchor hidden-state indices, e.g. 0,8,15,23,29 (default: 0, L/4, L/2, "
                         "3L/4, L-1)")
-    p.add_argument("--pdm-layers", type=int, default=None,
+    p.add_argument("--pdm-layers", type=int_in(1), default=None,
                    help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
     p.add_argument("--mode", choices=("spd", "ar"), default="spd",
                    help="spd (default) or ar: plain autoregressive decoding on the same stages")
@@ -44,10 +49,12 @@ def add_generate(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help="sampling seed, in [0, 2**63 - 1]")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
                    help="wrap the prompt in the model's chat template (default: on)")
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--device", type=device_arg, default="cpu",
+                   help="cpu (default), cuda or cuda:N")
     add_dtype_arg(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
@@ -57,6 +64,10 @@ def add_generate(sub) -> None:
 
 
 def cmd_generate(args) -> int:
+    check_prompt(args.prompt)  # before any model loads (that takes seconds)
+    if args.max_new_tokens < 1:
+        raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    precheck_pdm(args.pdm)
     if wants_distributed(args):
         return cmd_generate_distributed(args)
     import torch
@@ -66,8 +77,6 @@ def cmd_generate(args) -> int:
     from spd.runtime.types import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
-    if args.max_new_tokens < 1:
-        raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SPDError("--device cuda was requested but no CUDA device is available")
     target = load_target(args.model, device=args.device, dtype=args.dtype)

