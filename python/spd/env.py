@@ -18,6 +18,10 @@ CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the decode steps (the PDM's dr
                   "them as CUDA graphs", "spd.cuda_graphs")
 FAULT_INJECT = Var("SPD_FAULT_INJECT", "", "tests only: make a distributed rank fail on purpose "
                    "(rank=2,cycle=5,action=kill)", "spd.cli.generate")
+RUN_SECRET = Var("SPD_RUN_SECRET", "", "the distributed run's secret, which signs the store "
+                 "records that can stop it: the self-launcher makes one; with torchrun on several "
+                 "nodes set the same random value on every node (docs/distributed.md)",
+                 "spd.distributed.launch")
 
 BUILD_VARIABLES = (
     Var("SPD_CUDA_ARCHS", "90", "CUDA architectures the extension is compiled for, e.g. 80;90",
@@ -35,7 +39,7 @@ BUILD_VARIABLES = (
         "benchmarks/device_session.sh"),
 )
 
-RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT)
+RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT, RUN_SECRET)
 VARIABLES = RUNTIME_VARIABLES + KERNEL_VARIABLES + BUILD_VARIABLES
 
 
@@ -49,6 +53,10 @@ def cuda_graphs_enabled() -> bool:
 
 def fault_injection() -> str | None:
     return FAULT_INJECT.get() or None
+
+
+def run_secret() -> str | None:
+    return RUN_SECRET.get() or None
 
 
 def table() -> str:

@@ -295,6 +295,45 @@ def test_killed_stage_rank_ends_the_run_within_the_bound():
     assert not any(_alive(p) for p in pids.values())
 
 
+def test_frozen_stage_rank_ends_every_rank_within_the_timeout():
+    """SIGSTOP on a stage rank: its heartbeat stops, a watchdog names it after the fault timeout,
+    and the launcher kills the frozen rank at once (it cannot leave by itself): every rank is
+    gone within the timeout plus a watchdog interval and the launcher's poll."""
+    started = mp.get_context("spawn").Event()
+    config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 6), fault_timeout=3.0,
+                        op_timeout=60.0)
+    pids, box = {}, {}
+
+    def run():
+        try:
+            launch_local(config, partial(run_forever, GenerateRequest(PROMPT, 40),
+                                         progress=started), on_spawn=pids.update, timeout=150)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
+            box["error"] = exc
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        assert started.wait(120), "rank 0 never produced a token"
+        t_stop = time.monotonic()
+        os.kill(pids[2], signal.SIGSTOP)  # the last stage, frozen
+        th.join(60)
+        elapsed = time.monotonic() - t_stop
+        assert not th.is_alive(), "the launcher did not return"
+    finally:
+        for pid in pids.values():
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+                os.kill(pid, signal.SIGCONT)
+    err = box.get("error")
+    assert isinstance(err, RankFailedError), err
+    assert err.rank == 2 and "stage 1" in str(err) and "no heartbeat" in str(err)
+    assert elapsed < config.fault_timeout + 2.5, elapsed
+    assert err.exitcodes[2] == -signal.SIGKILL
+    assert all(err.exitcodes[r] == 3 for r in (0, 1)), err.exitcodes
+    assert not any(_alive(p) for p in pids.values())
+
+
 # --- bad input ----------------------------------------------------------------------------------
 def test_mismatched_model_on_one_rank_is_refused():
     config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 4, odd_rank=2),
@@ -413,12 +452,13 @@ def test_torchrun_killed_rank_on_other_node_stops_both_nodes(tiny_model_dir):
 
 # A rank process on its own: rank `rank` of `world` against the test's store (its host is the test)
 _RANK_SCRIPT = """
-import json, sys, time
+import json, os, sys, time
 from datetime import timedelta
 from spd.distributed.config import DistConfig
 from spd.distributed.transport import CommError, Runtime
 port, rank, world, mode = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
-rt = Runtime(rank, world, DistConfig(n_stages=world - 1, fault_timeout=1.0), "127.0.0.1", port)
+rt = Runtime(rank, world, DistConfig(n_stages=world - 1, fault_timeout=1.0), "127.0.0.1", port,
+             secret=os.environ.get("SPD_RUN_SECRET"))
 print("ready", flush=True)
 if mode == "block":  # inside a C++ call, where no Python signal handler runs
     rt.store.wait(["never"], timedelta(seconds=60))
@@ -429,10 +469,10 @@ else:  # a failed wait on rank 2, as gloo reports a closed connection
 """
 
 
-def _rank_process(port, rank, world, mode):
+def _rank_process(port, rank, world, mode, env=None):
     proc = subprocess.Popen([PY, "-c", _RANK_SCRIPT, str(port), str(rank), str(world), mode],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env=dict(os.environ, PYTHONPATH=str(REPO / "python")),
+                            env=dict(os.environ, PYTHONPATH=str(REPO / "python"), **(env or {})),
                             start_new_session=True)
     ready, _, _ = select.select([proc.stdout], [], [], 120)
     assert ready and proc.stdout.readline().strip() == "ready", proc.stderr.read()[-2000:]
@@ -540,3 +580,103 @@ def test_ctrl_c_stops_the_self_launched_ranks(tiny_model_dir):
     assert "interrupted" in err and "Traceback" not in err
     assert elapsed < 10
     assert _group_gone(proc.pid)
+
+
+def test_forged_failure_record_is_ignored_and_a_signed_one_stops_the_run():
+    """Whoever reaches the store's port can write a failure record; ranks take only records
+    signed with the run's secret (which travels in the environment, never the store)."""
+    from spd.distributed.faults import EXIT_PEER, Signer, write_failure
+    secret = "s3cret-for-this-test"
+    master, store = _test_store()
+    proc = _rank_process(master.port, 1, 3, "block", env={"SPD_RUN_SECRET": secret})
+    try:
+        store.set("fail/first", json.dumps({"rank": 2, "kind": "error", "error": "forged",
+                                            "reporter": 2}))
+        time.sleep(1.5)  # 15 watchdog intervals (fault timeout 1 s)
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert secret not in "".join(store.get(k).decode(errors="replace")
+                                     for k in ("hb/1", "proc/1", "fail/first"))
+        t0 = time.monotonic()
+        rec = write_failure(store, 2, "error", "genuine failure", 2, Signer(secret))
+        assert rec["error"] == "genuine failure"  # it replaced the forged record
+        proc.wait(10)
+        assert time.monotonic() - t0 < 5
+    finally:
+        _kill_group(proc)
+    err = proc.stderr.read()
+    assert proc.returncode == EXIT_PEER, err[-2000:]
+    assert "not signed with this run's secret" in err and err.count("not signed") == 1
+    assert "stopping: rank 2 (stage 1) failed: genuine failure" in err and "forged" not in err
+
+
+def _launch_cli(model_dir: str, *extra: str) -> tuple[subprocess.Popen, list[int]]:
+    """The self-launcher on the tiny model, decoding (first output seen); its rank pids."""
+    cmd = [PY, "-m", "spd", "generate", "--distributed", "--stages", "2", "--model", model_dir,
+           "--prompt", "Tell me a long story.", "--max-new-tokens", "100000", "--no-chat",
+           "--fault-timeout", "3", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO,
+                            start_new_session=True)
+    ready, _, _ = select.select([proc.stdout], [], [], 120)
+    if not ready or not proc.stdout.read(1):
+        _kill_group(proc)
+        pytest.fail("no output within 120 s: " + proc.stderr.read().decode()[-3000:])
+    members = [m.split(None, 2) for m in _group_members(proc.pid)]
+    servers = {int(pid) for pid, state, cmd in members if "forkserver" in cmd}
+    ranks = []
+    for pid, state, _ in members:
+        with open(f"/proc/{pid}/stat") as f:
+            if int(f.read().rsplit(")", 1)[1].split()[1]) in servers and state != "Z":
+                ranks.append(int(pid))
+    assert len(ranks) == 3, members
+    return proc, ranks
+
+
+def _wait_gone(pids: list[int], within: float) -> float | None:
+    t0 = time.monotonic()
+    while any(_alive(p) for p in pids):
+        if time.monotonic() - t0 > within:
+            return None
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_frozen_launcher_ends_its_ranks_within_the_timeout(tiny_model_dir):
+    """SIGSTOP on the self-launcher freezes the store it hosts: each rank's guard sees the store
+    silent for the fault timeout and leaves with one line saying the launcher is frozen."""
+    proc, ranks = _launch_cli(tiny_model_dir)
+    try:
+        os.kill(proc.pid, signal.SIGSTOP)
+        gone = _wait_gone(ranks, 3.0 + 4.0)
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+        _kill_group(proc)
+    err = proc.stderr.read().decode(errors="replace")
+    assert gone is not None, f"ranks still running 7 s after the launcher froze\n{err[-2000:]}"
+    for r in range(3):
+        lines = [ln for ln in err.splitlines() if ln.startswith(f"spd: rank {r} ")]
+        assert len(lines) == 1 and "launcher" in lines[0] and "not answering" in lines[0] \
+            and "frozen" in lines[0], err[-3000:]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_stopped_launcher_ends_its_ranks_with_one_line_each(tiny_model_dir, sig):
+    """SIGTERM to the launcher is forwarded (record, then SIGTERM) and it leaves with 143;
+    after a SIGKILL the ranks see it gone. Either way each rank prints one clear line (no C++
+    stack frames, no rank blamed) and every process is gone promptly."""
+    proc, ranks = _launch_cli(tiny_model_dir)
+    try:
+        os.kill(proc.pid, sig)
+        gone = _wait_gone(ranks, 10.0)
+        proc.wait(10)
+        assert _group_gone(proc.pid)
+    finally:
+        _kill_group(proc)
+    err = proc.stderr.read().decode(errors="replace")
+    assert gone is not None and gone < 5.0, err[-3000:]
+    assert proc.returncode == (143 if sig == signal.SIGTERM else -signal.SIGKILL)
+    assert "frame #" not in err and "Traceback" not in err, err[-3000:]
+    for r in range(3):
+        lines = [ln for ln in err.splitlines() if ln.startswith(f"spd: rank {r} ")]
+        assert len(lines) == 1, err[-3000:]
+        assert "launcher" in lines[0] or "SIGTERM" in lines[0], lines[0]
+        assert "was lost" not in lines[0] and "failed" not in lines[0], lines[0]

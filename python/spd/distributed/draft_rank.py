@@ -96,7 +96,8 @@ class DistributedSPDEngine:
 
     def _request(self, payload: dict) -> int:
         self._gen += 1
-        self.rt.store.set(f"req/{self._gen}", json.dumps(payload))
+        key = f"req/{self._gen}"
+        self.rt.store.set(key, self.rt.signer.seal(key, payload))  # signed: it can stop the run
         return self._gen
 
     def shutdown(self) -> None:

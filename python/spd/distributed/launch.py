@@ -5,10 +5,14 @@
   torchrun --nnodes 2 --node-rank {0,1} --master-addr A --master-port P --nproc-per-node K ...
 
 The local launcher hosts the rendezvous store itself (a busy port fails here, before any rank
-starts), watches its ranks, and on the first failure names the failed rank, lets the others stop
-through their watchdogs (bounded by the fault timeout) and kills what is left. Ranks fork from a
-fork server that exits with the launcher, and die with it (PR_SET_PDEATHSIG), so a killed
-launcher leaves no orphans.
+starts), watches its ranks, and on the first failure names the failed rank, kills it if it is
+still there (a lost rank is frozen or hung), lets the others stop through their watchdogs (they
+see the record within one watchdog interval) and kills what is left. SIGTERM or SIGINT to the
+launcher stops the ranks (a record, then SIGTERM) and ends it with 143 or 130. It makes a random
+per-run secret that signs the records able to stop the run; the ranks get it as an argument and
+in their environment (SPD_RUN_SECRET), never through the store. Ranks fork from a fork server
+that exits with the launcher, and die with it (PR_SET_PDEATHSIG); a rank also leaves by itself,
+with one line, when the launcher is gone or its store stops answering for the fault timeout.
 
 This module imports only the standard library at import time (the CLI imports it).
 """
@@ -39,8 +43,14 @@ def _set_pdeathsig() -> None:
         pass
 
 
-def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid):
+class LauncherTerminated(BaseException):
+    """The launcher got SIGTERM."""
+
+
+def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid, secret):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
+    from spd import env
+    os.environ[env.RUN_SECRET.name] = secret  # for what this rank starts; never in the store
     # Our parent is the fork server, which exits when the launcher does; die with it.
     parent = os.getppid()
     _set_pdeathsig()
@@ -52,7 +62,8 @@ def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid):
         conn.send(("result", result))
     code = 1
     try:
-        code = run_rank(rank, world, config, job, host, port, local_rank=rank, result_sink=sink)
+        code = run_rank(rank, world, config, job, host, port, local_rank=rank, result_sink=sink,
+                        secret=secret, launcher_pid=launcher_pid)
     except BaseException as exc:  # failed before the store existed: tell the launcher directly
         try:
             kind = "input" if isinstance(exc, SPDError) else "error"
@@ -113,11 +124,15 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     `on_spawn({rank: pid})` is called once the ranks are started; `timeout` bounds the whole run.
     """
     import multiprocessing as mp
+    import secrets
     from multiprocessing.connection import wait as mp_wait
 
-    from spd.distributed.faults import RankFailedError, read_failure, write_failure
+    from spd.distributed import faults
+    from spd.distributed.faults import RankFailedError, Signer, read_failure, write_failure
 
     config.validate()
+    secret = secrets.token_hex(32)  # this run's: signs the records that can stop it
+    signer = Signer(secret, "launcher")
     world = config.world_size
     if config.threads is None:
         config.threads = max(1, (os.cpu_count() or 1) // world)
@@ -132,11 +147,12 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
+    old_term = _catch_launcher_sigterm()
     try:
         for r in range(world):
             p = ctx.Process(target=_local_rank_main, name=f"spd-rank{r}",
                             args=(r, world, config, job if r == 0 else None, master_addr, port,
-                                  send_conn, os.getpid()))
+                                  send_conn, os.getpid(), secret))
             p.start()
             procs[r] = p
         send_conn.close()
@@ -161,7 +177,8 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
                     failure = payload
             for r, p in procs.items():
                 if p.exitcode not in (None, 0) and failure is None:
-                    failure = _failure_of(store, r, p.exitcode, read_failure)
+                    failure = _failure_of(store, r, p.exitcode,
+                                          lambda st: read_failure(st, signer))
             if failure is not None:
                 break
             if all(p.exitcode == 0 for p in procs.values()):
@@ -175,11 +192,18 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
                 failure = {"rank": -1, "kind": "timeout",
                            "error": f"the run did not finish within {timeout:g} s"}
                 break
-        # A rank failed: let the others stop themselves (their watchdogs see the record), then
-        # kill whatever is left.
+        # A rank failed: kill it if it is still there (lost: frozen or hung), let the others
+        # stop themselves (their watchdogs see the record within an interval), then kill what
+        # is left.
         t_fail = time.monotonic()
-        write_failure(store, failure["rank"], failure["kind"], failure["error"], -1)
-        _reap(procs, config.fault_timeout + 2.0)
+        write_failure(store, failure["rank"], failure["kind"], failure["error"], -1, signer)
+        lost = procs.get(failure["rank"])
+        if lost is not None and lost.exitcode is None and failure["kind"] in ("lost", "timeout"):
+            lost.kill()
+        grace = config.fault_timeout + 2.0
+        if failure["kind"] == "lost":  # the others already know: no reason to wait long
+            grace = min(grace, 3 * faults.watchdog_interval(config.fault_timeout) + 1.0)
+        _reap(procs, grace)
         codes = {r: p.exitcode for r, p in procs.items()}
         if failure["kind"] == "input":
             raise SPDError(failure["error"])
@@ -187,13 +211,43 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
         err.stopped_s = time.monotonic() - t_fail  # detection to the last rank gone
         raise err
     except KeyboardInterrupt:
-        write_failure(store, -1, "interrupted", "interrupted (Ctrl-C)", -1)
+        write_failure(store, -1, "interrupted", "interrupted (Ctrl-C)", -1, signer)
         _reap(procs, 2.0)
         raise
+    except LauncherTerminated:
+        # Stopped from outside: tell the ranks (record), forward the signal, clean up, leave.
+        write_failure(store, -1, "terminated", "it got SIGTERM", -1, signer)
+        _reap(procs, 2 * faults.watchdog_interval(config.fault_timeout) + 0.2, kill=False)
+        for p in procs.values():
+            if p.exitcode is None and p.pid is not None:
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except OSError:
+                    pass
+        _reap(procs, 2.0)
+        print("spd: stopped by SIGTERM: the ranks were stopped", file=sys.stderr, flush=True)
+        raise SystemExit(faults.EXIT_TERMINATED) from None
     finally:
+        if old_term is not None:
+            signal.signal(signal.SIGTERM, old_term)
         _reap(procs, 0.0)
         recv_conn.close()
         del store, master
+
+
+def _catch_launcher_sigterm():
+    """SIGTERM to the launcher raises LauncherTerminated (main thread, default handler only);
+    returns the handler to restore, or None."""
+    import threading
+    if threading.current_thread() is not threading.main_thread() \
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return None
+
+    def on_term(*_):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # one is enough: let the cleanup run
+        raise LauncherTerminated()
+    signal.signal(signal.SIGTERM, on_term)
+    return signal.SIG_DFL
 
 
 def _failure_of(store, rank: int, code: int, read_failure) -> dict:
@@ -207,7 +261,11 @@ def _failure_of(store, rank: int, code: int, read_failure) -> dict:
         if rec is not None or code < 0:
             break
         time.sleep(0.05)
-    if code < 0 and (rec is None or (rec.get("kind") == "lost" and rec.get("rank") == rank)):
+    # A rank killed from outside is reported as killed, not as the "lost" its peers may have
+    # recorded on the broken connection; but a rank the watchdogs had declared silent (and a
+    # sibling then killed, as it was frozen) stays "lost: no heartbeat".
+    if code < 0 and (rec is None or (rec.get("kind") == "lost" and rec.get("rank") == rank
+                                     and not rec.get("error", "").startswith("no heartbeat"))):
         kind, why = _exit_reason(code)
         return {"rank": rank, "kind": kind, "error": why}
     if rec is not None:
@@ -216,12 +274,14 @@ def _failure_of(store, rank: int, code: int, read_failure) -> dict:
     return {"rank": rank, "kind": kind, "error": why}
 
 
-def _reap(procs: dict, grace: float) -> None:
+def _reap(procs: dict, grace: float, kill: bool = True) -> None:
     """Wait up to `grace` seconds for the ranks to exit, then kill the rest (our own children)."""
     deadline = time.monotonic() + grace
     for p in procs.values():
         if p.exitcode is None:
             p.join(max(0.0, deadline - time.monotonic()))
+    if not kill:
+        return
     for p in procs.values():
         if p.exitcode is None:
             p.kill()
@@ -232,6 +292,7 @@ def _reap(procs: dict, grace: float) -> None:
 # --- torchrun -----------------------------------------------------------------------------------
 def run_torchrun(config, job) -> int:
     """This process is one torchrun worker: run its rank; return the exit status."""
+    from spd import env
     from spd.distributed.rank import run_rank
 
     config.validate()
@@ -250,7 +311,12 @@ def run_torchrun(config, job) -> int:
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     prefix = (f"spd/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"
               f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/")
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    secret, name = env.run_secret(), env.RUN_SECRET.name
+    if secret is None and local_world < world and rank == 0:
+        print(f"spd: warning: several nodes and no {name}: anyone who reaches "
+              f"{host}:{port} can stop this run or make it blame a rank; set {name} to "
+              "the same random value on every node (see docs/distributed.md)", file=sys.stderr)
     return run_rank(rank, world, config, job, host, port,
                     is_master=(not agent_store and rank == 0), prefix=prefix,
-                    local_rank=local_rank,
-                    local_world=int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+                    local_rank=local_rank, local_world=local_world, secret=secret)

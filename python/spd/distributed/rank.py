@@ -75,14 +75,18 @@ def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:
 
 def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, host: str,
              port: int, *, is_master: bool = False, prefix: str = "spd/", local_rank: int = 0,
-             local_world: int | None = None, result_sink: Callable | None = None) -> int:
-    """Everything one rank does; returns its exit status (failures are reported in the store)."""
+             local_world: int | None = None, result_sink: Callable | None = None,
+             secret: str | None = None, launcher_pid: int | None = None) -> int:
+    """Everything one rank does; returns its exit status (failures are reported in the store).
+    `secret` signs the store records that can stop the run; `launcher_pid`: the local launcher
+    (None: the parent process, e.g. torchrun's agent)."""
     rt = None
     try:
         if world != config.world_size:
             raise SPDError(f"{world} ranks were started but --stages {config.n_stages} needs "
                            f"{config.world_size} ({config.n_stages} stage ranks + 1 draft rank)")
-        rt = Runtime(rank, world, config, host, port, is_master=is_master, prefix=prefix)
+        rt = Runtime(rank, world, config, host, port, is_master=is_master, prefix=prefix,
+                     secret=secret, launcher_pid=launcher_pid)
         if config.threads:
             torch.set_num_threads(int(config.threads))
         device = _rank_device(config, local_rank, local_world or world)
@@ -117,6 +121,7 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
     except SPDError as exc:
         if rt is None:
             raise
+        rt.leave_if_launcher_gone(settle=0.3)
         rt.report("input", str(exc))
         rt.exit_now(EXIT_INPUT, f"error: {exc}")
     except CommError as exc:
@@ -132,6 +137,8 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
     except BaseException as exc:  # noqa: BLE001 - any error: record it, then leave
         if rt is None:
             raise
+        # a store or connection error because the launcher died is not this rank's failure
+        rt.leave_if_launcher_gone(settle=0.3)
         tb = traceback.format_exc()
         rt.report("error", f"{type(exc).__name__}: {exc}")
         print(tb, file=sys.stderr)

@@ -156,12 +156,16 @@ class StageWorker:
 
 def wait_request(rt: Runtime, gen: int) -> dict:
     """Idle stage ranks wait here (the store, no communication timeout); faults end the process
-    through the watchdog."""
+    through the watchdog. A request not signed with the run's secret is ignored (logged once)
+    until rank 0's own replaces it."""
     key = f"req/{gen}"
     while True:
         try:
             rt.store.wait([key], _td(3600))
-            return json.loads(rt.store.get(key))
+            req = rt.signer.open(key, rt.store.get(key))
+            if req is not None:
+                return req
+            time.sleep(0.1)  # a forged request: poll until rank 0 writes the real one
         except Exception as exc:  # store wait timed out after an hour idle: keep waiting
             if "timeout" not in str(exc).lower() and "timed out" not in str(exc).lower():
                 raise

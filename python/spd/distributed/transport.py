@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from spd.distributed.config import DistConfig, role_of
-from spd.distributed.faults import FaultHandling, short_error
+from spd.distributed.faults import FaultHandling, Signer, short_error
 from spd.distributed.protocol import is_ctrl_tag
 from spd.errors import SPDError
 
@@ -64,8 +64,13 @@ class Runtime(FaultHandling):
     groups, with waits that turn a peer's failure into CommError."""
 
     def __init__(self, rank: int, world: int, config: DistConfig, host: str, port: int,
-                 is_master: bool = False, prefix: str = "spd/"):
+                 is_master: bool = False, prefix: str = "spd/", secret: str | None = None,
+                 launcher_pid: int | None = None):
+        """`secret`: the run's secret that signs the records able to stop it (None: unsigned);
+        `launcher_pid`: the local launcher (None: the parent process is the launcher)."""
         self.rank, self.world, self.config = rank, world, config
+        self.signer = Signer(secret, f"rank {rank} ({role_of(rank)})")
+        self.launcher_pid = launcher_pid
         self.op_timeout = _td(config.op_timeout)
         timeout = _td(max(config.op_timeout, 30.0))
         # Two clients: the watchdog must never queue behind a blocking wait of the main thread.
