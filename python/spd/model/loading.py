@@ -168,6 +168,7 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 def load_target(path=None, *, device: str = "cpu", dtype=None):
     """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`, its weights
     in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU by default)."""
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
