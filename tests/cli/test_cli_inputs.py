@@ -37,6 +37,8 @@ GEN = ["generate", "--prompt", "hi"]
     (["eval", "--device", "banana"], "argument --device: must be cpu, cuda or cuda:N"),
     (["eval", "--seed", str(2**70)], "argument --seed: must be an integer in"),
     (["eval", "--lookup", str(10**9)], "argument --lookup: must be an integer in [0, 6]"),
+    (GEN + ["--dtype", "int8"], "argument --dtype: must be one of auto, float32, bfloat16"),
+    (["eval", "--dtype", "float64"], "argument --dtype: must be one of auto, float32"),
 ])
 def test_flag_ranges(capsys, argv, msg):
     assert main(argv) == 2
@@ -98,3 +100,10 @@ def test_the_api_refuses_bad_seeds_and_lookups(tiny_target):
         SamplingParams(temperature=1e-30)
     with pytest.raises(SPDError, match=r"lookup is a match length in \[0, 6\]"):
         SPDEngine(tiny_target, n_stages=2, lookup=10**9, warn_untrained=False)
+
+
+def test_dtype_flag_takes_the_short_forms():
+    from spd.cli.main import build_parser
+    for given, name in (("bf16", "bfloat16"), ("FP32", "float32"), ("half", "float16"),
+                        ("auto", "auto")):
+        assert build_parser().parse_args(GEN + ["--dtype", given]).dtype == name

@@ -93,12 +93,22 @@ def check_lookup(k: int | None, default: int | None = None) -> int:
     return k
 
 
+def dtype_arg(text: str) -> str:
+    """argparse type of --dtype: a name of spd.model.loading.DTYPE_NAMES or a short form."""
+    from spd.model.loading import DTYPE_ALIASES, DTYPE_NAMES
+    name = DTYPE_ALIASES.get(text.lower(), text.lower())
+    if name not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DTYPE_NAMES)} (or "
+                                         f"{', '.join(DTYPE_ALIASES)}), got '{text}'")
+    return name
+
+
 def add_dtype_arg(p) -> None:
-    from spd.model.loading import DTYPE_NAMES
-    p.add_argument("--dtype", default="auto", choices=DTYPE_NAMES,
-                   help="the target's weight dtype (default auto: float32 on the CPU, bfloat16 "
-                        "on a GPU); the output is exactly that dtype's target. bfloat16 suits "
-                        "CPUs with native bf16 (AVX512-BF16 / AMX)")
+    p.add_argument("--dtype", default="auto", type=dtype_arg, metavar="DTYPE",
+                   help="the target's weights: auto (default: float32 on the CPU, bfloat16 on "
+                        "a GPU), float32, bfloat16 or float16 (or fp32, bf16, fp16); the output "
+                        "is exactly that dtype's target. bfloat16 suits CPUs with native bf16 "
+                        "(AVX512-BF16 / AMX)")
 
 
 def add_model_layout_args(p) -> None:

@@ -50,7 +50,7 @@ def describe_device(device) -> str:
 
 # --dtype names, as torch spells them plus the usual short forms
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
-_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16"}
 
 
 def resolve_dtype(dtype, device) -> torch.dtype:
@@ -64,10 +64,10 @@ def resolve_dtype(dtype, device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         resolved = dtype
     else:
-        name = _DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower()) if dtype else "auto"
+        name = DTYPE_ALIASES.get(str(dtype).lower(), str(dtype).lower()) if dtype else "auto"
         if name not in DTYPE_NAMES:
             raise SPDError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_NAMES)} "
-                           f"(or {', '.join(_DTYPE_ALIASES)})")
+                           f"(or {', '.join(DTYPE_ALIASES)})")
         if name == "auto":
             name = "float32" if torch.device(device).type == "cpu" else "bfloat16"
         resolved = getattr(torch, name)
