@@ -215,6 +215,7 @@ if HAS_TRITON:
         """The id of the m-th token (from 1, in id order, `carry` of them before lo) whose key
         is key_c, over [lo, hi); 2^31 - 1 when there is none."""
         found = tl.zeros([], dtype=tl.int32) + 2147483647
+        carry = tl.zeros([], dtype=tl.int32) + carry  # a tensor: a literal 0 cannot be carried
         for v0 in range(lo, hi, BLOCK):
             offs = v0 + tl.arange(0, BLOCK)
             mask = offs < hi
