@@ -182,8 +182,9 @@ def _variants():
                          Q_MAPPED=logits, PHILOX=philox, NB_PAD=128, BLOCK=1024)))
     radix_flags = dict(SHIFT="constexpr", PHASE_P="constexpr", TOP_K="constexpr",
                        NEED_MASS="constexpr", NB_PAD="constexpr")
+    # the last round (shift 0) of each phase stores the tie count (top-p's in float64)
     for shift, phase_p, need_mass in ((24, False, False), (0, False, True), (24, True, True),
-                                      (8, True, True)):
+                                      (8, True, True), (0, True, True)):
         flags = dict(SHIFT=shift, PHASE_P=phase_p, TOP_K=True, NEED_MASS=need_mass, NB_PAD=128)
         tag = f"{'top-p' if phase_p else 'top-k'}-shift{shift}"
         out.append((f"verify._radix_hist_kernel[{tag}]", verify.triton_split._radix_hist_kernel,
@@ -195,8 +196,20 @@ def _variants():
         out.append((f"verify._radix_select_kernel[{tag}]", verify.triton_split._radix_select_kernel,
                     dict(pmax_ptr="*fp32", psum_ptr="*fp32", parg_ptr="*i32", cnt_ptr="*i32",
                          mass_ptr="*fp32", prefix_ptr="*i64", above_ptr="*i32",
-                         above_mass_ptr="*fp32", thr_ptr="*i32", zsel_ptr="*fp32", NB="i32",
-                         top_k="i32", top_p="fp32", **radix_flags), flags))
+                         above_mass_ptr="*fp32", thr_ptr="*i32", zsel_ptr="*fp32",
+                         tie_ptr="*i32", NB="i32", top_k="i32", top_p="fp32", **radix_flags),
+                    flags))
+    # the id cutting the tie group at each threshold (slot 0: top-k's, 2: top-p's)
+    for slot in (0, 2):
+        out.append((f"verify._tie_count_kernel[slot{slot}]", verify.triton_split._tie_count_kernel,
+                    dict(x_ptr="*fp32", stride_x="i32", thr_ptr="*i32", tcnt_ptr="*i32",
+                         V="i32", CHUNK="i32", NB="i32", temperature="fp32", SLOT="constexpr",
+                         BLOCK="constexpr"), dict(SLOT=slot, BLOCK=1024)))
+        out.append((f"verify._tie_pick_kernel[slot{slot}]", verify.triton_split._tie_pick_kernel,
+                    dict(x_ptr="*fp32", stride_x="i32", thr_ptr="*i32", tcnt_ptr="*i32",
+                         tie_ptr="*i32", V="i32", CHUNK="i32", NB="i32", temperature="fp32",
+                         SLOT="constexpr", NB_PAD="constexpr", BLOCK="constexpr"),
+                    dict(SLOT=slot, NB_PAD=128, BLOCK=1024)))
     out.append(("kv_cache._lengths_kernel", kv_cache._lengths_kernel,
                 dict(len_ptr="*i64", new_ptr="*i64", new_stride="i32", C="i32",
                      BLOCK_C="constexpr"), dict(BLOCK_C=64)))

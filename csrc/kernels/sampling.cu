@@ -11,6 +11,10 @@
 //   4. the kept mass z (one pass), the accept test u0 * q(x) < p(x) (one thread);
 //   5. on rejection: the residual mass sum max(p - q, 0) (p itself when that is empty), then an
 //      inverse-CDF walk in tiles, each a block-wide scan, stopping at the tile that holds u1 * mass.
+// The sampling rules are spd_kernels/sampling.py's (its module docstring): one total order, x
+// descending and lower ids first; top-k keeps the first k tokens of it (a tie group at the k-th
+// value cut by id: the nth tied id), top-p the tie group at its cut up to tie_keep's count; a
+// row whose argmax (torch.argmax's order) is NaN or +-inf, or all -inf, is one-hot at it.
 // Every sum is reduced in a fixed order (warp-private histograms, groups of equal digits found
 // with __match_any_sync and summed with __reduce_add_sync), so results do not depend on timing.
 // Uniforms are given [R, 2] (fp32) or drawn by Philox-4x32-10 exactly as Triton's
@@ -77,16 +81,42 @@ struct Row {
 // What p needs once the thresholds are known (from logits).
 struct Kept {
   float mx, z;        // max of x and the kept mass sum exp(x - mx)
-  int amax;           // first index of the max (greedy)
-  uint32_t keep_from; // keep iff key >= it: the larger of the top-k and top-p thresholds (or 0)
+  int amax;           // the argmax in torch.argmax's order (greedy, NaN / inf rows)
+  bool one_hot;       // p is the one-hot of amax (a NaN / inf row)
+  uint32_t ckey;      // kept iff key > ckey, or key == ckey and id <= cid
+  int cid;
 };
+
+__device__ __forceinline__ bool in_set(uint32_t key, int v, uint32_t ckey, int cid) {
+  return key > ckey || (key == ckey && v <= cid);
+}
+
+// The fp32 value of a ukey.
+__device__ __forceinline__ float key_value(uint32_t u) {
+  const int b = (int)(u ^ 0x80000000u);
+  return __int_as_float(b < 0 ? (b ^ 0x7FFFFFFF) : b);
+}
+
+// How many of the n tokens of the tie group at the top-p cut are kept (at least 1): token j is
+// dropped iff s + j * w >= bound, in double (j * w is exact there), as the reference.
+__device__ int tie_keep(float s, float w, double bound, int n) {
+  const double s64 = s, w64 = w;
+  double est = w64 > 0.0 ? (bound - s64) / w64 : (double)n;
+  est = est != est ? 1.0 : fmin(fmax(est, 1.0), (double)n);
+  int c = (int)est;
+  for (int i = 0; i < 2; ++i)
+    if (c < n && s64 + (double)c * w64 < bound) ++c;
+  for (int i = 0; i < 2; ++i)
+    if (c > 1 && s64 + (double)(c - 1) * w64 >= bound) --c;
+  return c;
+}
 
 template <typename T, typename Q>
 __device__ __forceinline__ float p_of(const Row<T, Q>& row, const Kept& k, int v) {
   if (!row.from_logits) return to_f(row.x[v]);
-  if (row.greedy) return v == k.amax ? 1.f : 0.f;
+  if (row.greedy || k.one_hot) return v == k.amax ? 1.f : 0.f;
   const float x = row.logit(v);
-  if (ukey(x) < k.keep_from) return 0.f;
+  if (!in_set(ukey(x), v, k.ckey, k.cid)) return 0.f;
   return expf(x - k.mx) / k.z;
 }
 
@@ -112,7 +142,7 @@ struct Shared {
   float f[kWarps];
   int imin[kWarps], imax[kWarps];
   // one radix round's choice, and the accept test, broadcast to the block
-  int sel_digit, before_cnt;
+  int sel_digit, before_cnt, sel_cnt, found;
   uint64_t before_mass;
   int64_t tok;
   float u1;
@@ -127,6 +157,16 @@ __device__ float block_sum(float v, Shared& sh) {
   float t = 0.f;
 #pragma unroll
   for (int w = 0; w < kWarps; ++w) t += sh.f[w];
+  __syncthreads();
+  return t;
+}
+
+__device__ int block_min(int v, Shared& sh) {
+  for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if ((threadIdx.x & 31) == 0) sh.imin[threadIdx.x >> 5] = v;
+  __syncthreads();
+  int t = INT_MAX;
+  for (int w = 0; w < kWarps; ++w) t = min(t, sh.imin[w]);
   __syncthreads();
   return t;
 }
@@ -151,14 +191,21 @@ __device__ Stat block_stat(Stat v, Shared& sh) {
 // The threshold key, 8 bits a round from the top. Top-k (phase_p false): the k-th largest key.
 // Top-p: the key where the mass from the top (keys >= floor only) first reaches top_p of their
 // total; if rounding keeps it from being reached, the lowest key present (keep everything).
+struct Sel {
+  uint32_t key;  // the threshold key
+  int above;     // keys of the set above it
+  int eq;        // keys of the set equal to it
+};
+
 template <typename T, typename Q>
-__device__ uint32_t radix_select(const Row<T, Q>& row, float mx, bool phase_p, uint32_t floor,
-                                 int top_k, float top_p, Shared& sh) {
+__device__ Sel radix_select(const Row<T, Q>& row, float mx, bool phase_p, uint32_t fkey, int fid,
+                            int top_k, float top_p, Shared& sh) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint32_t prefix = 0;
   int above = 0;          // count of the keys above the prefix chosen so far
   uint64_t above_m = 0;   // and their mass
   uint64_t bound = 0;     // top_p * total mass (warp 0)
+  int eq = 0;
   for (int shift = 24; shift >= 0; shift -= 8) {
     for (int b = lane; b < 256; b += 32) {
       sh.cnt[warp][b] = 0;
@@ -173,7 +220,7 @@ __device__ uint32_t radix_select(const Row<T, Q>& row, float mx, bool phase_p, u
       if (ok) {
         x = row.logit(v);
         key = ukey(x);
-        ok = ((uint64_t)key >> (shift + 8)) == prefix && key >= floor;
+        ok = ((uint64_t)key >> (shift + 8)) == prefix && in_set(key, v, fkey, fid);
       }
       const int digit = ok ? (int)((key >> shift) & 255u) : 256 + lane;  // others: a group each
       const unsigned peers = __match_any_sync(0xffffffffu, digit);
@@ -219,6 +266,7 @@ __device__ uint32_t radix_select(const Row<T, Q>& row, float mx, bool phase_p, u
       if (phase_p && shift == 24) {  // the first round sees every key >= floor
         const uint64_t total = __shfl_sync(0xffffffffu, mex, 31);
         bound = (uint64_t)((double)top_p * (double)total);
+        if (bound == 0) bound = 1;  // a tiny top_p: the first key with mass (never an empty digit)
       }
       cex -= csum;
       mex -= msum;
@@ -249,17 +297,20 @@ __device__ uint32_t radix_select(const Row<T, Q>& row, float mx, bool phase_p, u
       if (hits != 0) {
         if (lane == __ffs((int)hits) - 1) {
           sh.sel_digit = 255 - (lane * 8 + hit);
+          sh.sel_cnt = c[hit];
           sh.before_cnt = hit_c;
           sh.before_mass = hit_m;
         }
       } else if (phase_p && lows != 0) {  // top-p not reached: the lowest digit present
         if (lane == 31 - __clz((int)lows)) {
           sh.sel_digit = 255 - (lane * 8 + low);
+          sh.sel_cnt = c[low];
           sh.before_cnt = low_c;
           sh.before_mass = low_m;
         }
       } else if (lane == 0) {  // nothing matched (cannot happen for valid k): the lowest digit
         sh.sel_digit = 0;
+        sh.sel_cnt = 0;
         sh.before_cnt = csum;  // unused afterwards
         sh.before_mass = 0;
       }
@@ -268,9 +319,40 @@ __device__ uint32_t radix_select(const Row<T, Q>& row, float mx, bool phase_p, u
     prefix = (prefix << 8) | (uint32_t)sh.sel_digit;
     above += sh.before_cnt;
     above_m += sh.before_mass;
+    eq = sh.sel_cnt;
     __syncthreads();  // sh is rewritten by the next round
   }
-  return prefix;
+  return Sel{prefix, above, eq};
+}
+
+// The id of the m-th token (from 1, in id order) whose key is `key`; INT_MAX if none. Tiles of
+// one entry a thread, counted with ballots, stopping at the tile that holds it.
+template <typename T, typename Q>
+__device__ int nth_tied_id(const Row<T, Q>& row, uint32_t key, int m, Shared& sh) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int carry = 0;
+  if (threadIdx.x == 0) sh.found = INT_MAX;
+  __syncthreads();
+  for (int v0 = 0; v0 < row.V; v0 += kThreads) {
+    const int v = v0 + (int)threadIdx.x;
+    const bool tie = v < row.V && ukey(row.logit(v)) == key;
+    const unsigned b = __ballot_sync(0xffffffffu, tie);
+    if (lane == 0) sh.imin[warp] = __popc(b);
+    __syncthreads();
+    int before = carry, tile = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      if (w < warp) before += sh.imin[w];
+      tile += sh.imin[w];
+    }
+    before += __popc(b & ((1u << lane) - 1u));
+    if (tie && before + 1 == m) sh.found = v;
+    __syncthreads();
+    carry += tile;
+    const int f = sh.found;
+    __syncthreads();
+    if (f != INT_MAX) return f;  // the same in every thread
+  }
+  return INT_MAX;
 }
 
 // Philox-4x32-10 of (seed, counter): Triton's tl.randint4x, lanes c0 and c1 as uniforms the way
@@ -297,6 +379,18 @@ __device__ void philox_pair(uint64_t seed, uint64_t counter, float* u0, float* u
   *u1 = philox_uniform(c1);
 }
 
+// sum exp(x - mx) over the kept set of k whose keys are >= from (summed like every other pass).
+template <typename T, typename Q>
+__device__ float kept_mass(const Row<T, Q>& row, const Kept& k, uint32_t from, Shared& sh) {
+  float s = 0.f;
+  for (int v = threadIdx.x; v < row.V; v += kThreads) {
+    const float x = row.logit(v);
+    const uint32_t key = ukey(x);
+    if (key >= from && in_set(key, v, k.ckey, k.cid)) s += expf(x - k.mx);
+  }
+  return block_sum(s, sh);
+}
+
 template <typename T, typename Q>
 __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
   __shared__ Shared sh;
@@ -306,13 +400,16 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
   Row<T, Q> row{static_cast<const T*>(P.x) + (int64_t)r * P.stride_x,
                 static_cast<const Q*>(P.q) + (int64_t)r * P.stride_q, P.t2d, P.V, P.temperature,
                 P.from_logits, P.greedy};
-  Kept k{0.f, 1.f, 0, 0u};
+  Kept k{0.f, 1.f, 0, false, 0u, INT_MAX};
 
   if (P.from_logits) {
     Stat st{-INFINITY, 0.f, INT_MAX};
+    int nan_i = INT_MAX;
     for (int v = threadIdx.x; v < P.V; v += kThreads) {  // increasing v: strict > keeps the first
       const float x = row.logit(v);
-      if (x > st.m) {
+      if (x != x) {
+        nan_i = min(nan_i, v);
+      } else if (x > st.m) {
         st.s = rescale(st.s, st.m, x) + 1.f;
         st.m = x;
         st.i = v;
@@ -321,20 +418,26 @@ __global__ void __launch_bounds__(kThreads) rejection_kernel(Params P) {
       }
     }
     st = block_stat(st, sh);
+    nan_i = block_min(nan_i, sh);
     k.mx = st.m;
-    k.amax = st.i;
+    k.amax = nan_i != INT_MAX ? nan_i : (st.i == INT_MAX ? 0 : st.i);
     k.z = st.s;
-    if (P.use_k || P.use_p) {  // both false when greedy
-      const uint32_t tk = P.use_k ? radix_select(row, k.mx, false, 0u, P.top_k, 0.f, sh) : 0u;
-      const uint32_t tp = P.use_p ? radix_select(row, k.mx, true, tk, 0, P.top_p, sh) : 0u;
-      k.keep_from = max(tk, tp);
-      // the kept mass, summed like every other pass
-      float s = 0.f;
-      for (int v = threadIdx.x; v < P.V; v += kThreads) {
-        const float x = row.logit(v);
-        if (ukey(x) >= k.keep_from) s += expf(x - k.mx);
+    k.one_hot = nan_i != INT_MAX || st.m == INFINITY || st.m == -INFINITY;  // the same in every thread
+    if ((P.use_k || P.use_p) && !k.one_hot) {  // both false when greedy
+      if (P.use_k) {
+        const Sel a = radix_select(row, k.mx, false, 0u, INT_MAX, P.top_k, 0.f, sh);
+        k.ckey = a.key;
+        k.cid = nth_tied_id(row, a.key, P.top_k - a.above, sh);
       }
-      k.z = block_sum(s, sh);
+      if (P.use_p) {
+        const double bound = (double)P.top_p * (double)kept_mass(row, k, 0u, sh);
+        const Sel b = radix_select(row, k.mx, true, k.ckey, k.cid, 0, P.top_p, sh);
+        const float s = kept_mass(row, k, b.key + 1u, sh);  // the mass before its tie group
+        const int keep = tie_keep(s, expf(key_value(b.key) - k.mx), bound, b.eq);
+        k.cid = nth_tied_id(row, b.key, keep, sh);
+        k.ckey = b.key;
+      }
+      k.z = kept_mass(row, k, 0u, sh);
     }
   }
 

@@ -1,4 +1,5 @@
-"""rejection_sample / rejection_sample_logits on csrc/kernels/sampling.cu (on request: see
+"""rejection_sample / rejection_sample_logits on csrc/kernels/sampling.cu (the sampling rules of
+spd_kernels.sampling; on request: see
 spd_kernels.on_request): one launch, one block per row doing every pass; the same Philox stream
 as the Triton kernels."""
 from __future__ import annotations
@@ -7,6 +8,7 @@ import torch
 
 from spd_kernels import _cuda, dispatch
 from spd_kernels._triton import dtype_code
+from spd_kernels.sampling import top_p_float32
 from spd_kernels.verify import target_to_draft_map
 from spd_kernels.verify.triton_rejection import _rejection_outputs, _rs_supports, _rsl_supports
 
@@ -30,7 +32,7 @@ def _launch_rejection_cuda(x, q, t2d, tok, uniforms, philox_seed, philox_offset,
                          None if philox else uniforms, 0 if philox else uniforms.stride(0),
                          philox_seed if philox else None,
                          philox_offset if philox else None, out,
-                         acc, R, V, float(temperature), int(top_k), float(top_p),
+                         acc, R, V, float(temperature), int(top_k), top_p_float32(top_p),
                          from_logits, _cuda.stream_of(x), q_cols=q.shape[1])
     if philox:
         philox_offset.add_(R)  # after the launch: every block read the old value

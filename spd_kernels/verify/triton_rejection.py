@@ -1,8 +1,8 @@
 """rejection_sample / rejection_sample_logits on Triton. Each op has its own one-program-a-row
 kernel: `_rejection_probs_kernel` (p and q given on target ids, uniforms given: no flags) and
 `_rejection_logits_kernel` (p from the target logits after temperature / top-k / top-p, thresholds
-by bisection; q on the draft vocabulary mapped to target ids; uniforms given or Philox). On a GPU
-long rows take the split-row plan (triton_split.py) instead."""
+by bisection, the rules of spd_kernels.sampling; q on the draft vocabulary mapped to target
+ids; uniforms given or Philox). On a GPU long rows take the split-row plan (triton_split.py) instead."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from spd_kernels import _alloc, dispatch
 from spd_kernels._triton import HAS_TRITON, INTERPRET, next_pow2, tl, triton
 from spd_kernels.checks import check_kernel_float, last_dim_contiguous
+from spd_kernels.sampling import top_p_float32
 
 if HAS_TRITON:
 
@@ -19,11 +20,16 @@ from spd_kernels.verify import target_to_draft_map
 
 if HAS_TRITON:  # the shared @triton.jit helpers
     from spd_kernels.verify.triton_helpers import (
+        _degenerate,
         _draw_residual,
         _given_p_stats,
         _judge,
+        _key_counts,
+        _key_value,
         _masked_exp_sum,
+        _nth_tied_id,
         _online_max,
+        _tie_keep,
         _x_chunk,
     )
 from spd_kernels.verify.triton_split import _launch_split, _split_chunk
@@ -41,14 +47,14 @@ if HAS_TRITON:
         q_row = q_ptr + r * stride_q
         # p is read as given: no statistics; no target-to-draft map and no Philox, so tok_ptr
         # stands in for their pointers (never read)
-        temperature, mx, amax, tk, tp, z = _given_p_stats()
+        temperature, mx, amax, ck, ci, z = _given_p_stats()
         tok, accepted, u1 = _judge(p_row, q_row, tok_ptr, tok_ptr, r, V, temperature, mx, amax,
-                                   tk, tp, z, u_ptr, stride_u, tok_ptr, tok_ptr,
+                                   ck, ci, z, u_ptr, stride_u, tok_ptr, tok_ptr,
                                    FROM_LOGITS=False, GREEDY=False, TOP_K=False, TOP_P=False,
                                    Q_MAPPED=False, PHILOX=False)
         out = tok
         if not accepted:
-            out = _draw_residual(p_row, q_row, tok_ptr, V, u1, temperature, mx, amax, tk, tp, z,
+            out = _draw_residual(p_row, q_row, tok_ptr, V, u1, temperature, mx, amax, ck, ci, z,
                                  FROM_LOGITS=False, GREEDY=False, TOP_K=False, TOP_P=False,
                                  Q_MAPPED=False, BLOCK=BLOCK)
         tl.store(out_tok_ptr + r, out)
@@ -68,15 +74,15 @@ if HAS_TRITON:
         r = tl.program_id(0).to(tl.int64)
         x_row = x_ptr + r * stride_x
         q_row = q_ptr + r * stride_q
-        mx, amax, tk, tp, z = _logits_stats(x_row, V, temperature, top_k, top_p, GREEDY, TOP_K,
+        mx, amax, ck, ci, z = _logits_stats(x_row, V, temperature, top_k, top_p, GREEDY, TOP_K,
                                             TOP_P, BLOCK)
         tok, accepted, u1 = _judge(x_row, q_row, t2d_ptr, tok_ptr, r, V, temperature, mx, amax,
-                                   tk, tp, z, u_ptr, stride_u, seed_ptr, offset_ptr,
+                                   ck, ci, z, u_ptr, stride_u, seed_ptr, offset_ptr,
                                    FROM_LOGITS=True, GREEDY=GREEDY, TOP_K=TOP_K, TOP_P=TOP_P,
                                    Q_MAPPED=True, PHILOX=PHILOX)
         out = tok
         if not accepted:
-            out = _draw_residual(x_row, q_row, t2d_ptr, V, u1, temperature, mx, amax, tk, tp, z,
+            out = _draw_residual(x_row, q_row, t2d_ptr, V, u1, temperature, mx, amax, ck, ci, z,
                                  FROM_LOGITS=True, GREEDY=GREEDY, TOP_K=TOP_K, TOP_P=TOP_P,
                                  Q_MAPPED=True, BLOCK=BLOCK)
         tl.store(out_tok_ptr + r, out)
@@ -85,15 +91,18 @@ if HAS_TRITON:
     @triton.jit
     def _logits_stats(x_row, V, temperature, top_k, top_p, GREEDY: tl.constexpr,
                       TOP_K: tl.constexpr, TOP_P: tl.constexpr, BLOCK: tl.constexpr):
-        """Of x = logits / T over the row: the max mx and its first index amax, the top-k and
-        top-p key thresholds tk, tp (0 when off) and the normaliser z = sum exp(x - mx) over the
-        kept tokens (0 when greedy, which reads only amax)."""
+        """Of x = logits / T over the row: the max mx and the argmax amax (torch.argmax's order),
+        the kept set (ck, ci) of top-k / top-p (see triton_helpers) and the normaliser
+        z = sum exp(x - mx) over it; z = 0 for a NaN / inf row (p one-hot at amax). The rules
+        are spd_kernels.sampling's: top-k keeps the first k tokens of the order, top-p the tie
+        group at its cut up to the count `_tie_keep` gives."""
         # Pass 1: the max (and its first index), the key range, and the online normaliser.
         ar = tl.arange(0, BLOCK)
         mx = tl.zeros([], dtype=tl.float32) + float("-inf")
         amax = tl.zeros([], dtype=tl.int32)
-        tk = tl.zeros([], dtype=tl.int32)
-        tp = tl.zeros([], dtype=tl.int32)
+        nan_i = tl.zeros([], dtype=tl.int32) + 2147483647
+        ck = tl.zeros([], dtype=tl.int32) - 2147483647 - 1
+        ci = tl.zeros([], dtype=tl.int32) + 2147483647
         kmin = tl.zeros([], dtype=tl.int32) + 2147483647
         kmax = tl.zeros([], dtype=tl.int32) - 2147483647
         z = tl.zeros([], dtype=tl.float32)
@@ -101,36 +110,49 @@ if HAS_TRITON:
             offs = v0 + ar
             mask = offs < V
             x = _x_chunk(x_row, offs, mask, temperature, GREEDY)
-            mx, amax, z = _online_max(x, offs, mx, amax, z, GREEDY)
+            mx, amax, z, nan_i = _online_max(x, offs, mx, amax, z, nan_i, GREEDY)
             if TOP_K or TOP_P:
                 key = float_key(x)
                 kmin = tl.minimum(kmin, tl.min(tl.where(mask, key, 2147483647), axis=0))
                 kmax = tl.maximum(kmax, tl.max(tl.where(mask, key, -2147483647), axis=0))
+        z, amax, deg = _degenerate(mx, amax, z, nan_i)
         if not GREEDY:
-            if TOP_K:
-                tk = _top_k_key(x_row, V, temperature, kmin, kmax, top_k, BLOCK)
-                z = _masked_exp_sum(x_row, V, temperature, mx, tk, tk.to(tl.int64) - 1, GREEDY,
-                                    TOP_K, BLOCK)
-            if TOP_P:
+            if not deg:
+                m_k = tl.zeros([], dtype=tl.int32)
                 if TOP_K:
-                    lo64 = tk.to(tl.int64) - 1
-                else:
-                    lo64 = kmin.to(tl.int64) - 1
-                tp = _top_p_key(x_row, V, temperature, mx, tk, lo64, kmax.to(tl.int64),
-                                top_p * z, TOP_K, BLOCK)
-                if TOP_K:
-                    tk2 = tl.maximum(tk, tp)
-                else:
-                    tk2 = tp
-                z = _masked_exp_sum(x_row, V, temperature, mx, tk2, tk2.to(tl.int64) - 1,
-                                    GREEDY, TOP_K, BLOCK)
-        return mx, amax, tk, tp, z
+                    tk = _top_k_key(x_row, V, temperature, kmin, kmax, top_k, BLOCK)
+                    gt, eq = _key_counts(x_row, 0, V, temperature, tk, BLOCK)
+                    m_k = top_k - gt  # the tied tokens at tk that top-k keeps
+                    ck = tk
+                    ci = _nth_tied_id(x_row, 0, V, temperature, tk, m_k, 0, BLOCK)
+                    z = _masked_exp_sum(x_row, V, temperature, mx, ck, ci,
+                                        kmin.to(tl.int64) - 1, GREEDY, True, BLOCK)
+                if TOP_P:
+                    if TOP_K:
+                        lo64 = ck.to(tl.int64) - 1
+                    else:
+                        lo64 = kmin.to(tl.int64) - 1
+                    bound = (tl.zeros([], dtype=tl.float64) + top_p) * z.to(tl.float64)
+                    tp = _top_p_key(x_row, V, temperature, mx, ck, ci, lo64, kmax.to(tl.int64),
+                                    bound, TOP_K, BLOCK)
+                    # the tie group at the cut: mass before it, its weight and size
+                    s = _masked_exp_sum(x_row, V, temperature, mx, ck, ci, tp.to(tl.int64),
+                                        GREEDY, TOP_K, BLOCK)
+                    w = tl.exp(_key_value(tp) - mx)
+                    gt, n = _key_counts(x_row, 0, V, temperature, tp, BLOCK)
+                    if TOP_K:
+                        n = tl.where(tp == ck, m_k, n)
+                    keep = _tie_keep(s, w, bound, n)
+                    ci = _nth_tied_id(x_row, 0, V, temperature, tp, keep, 0, BLOCK)
+                    ck = tp
+                    z = _masked_exp_sum(x_row, V, temperature, mx, ck, ci,
+                                        kmin.to(tl.int64) - 1, GREEDY, True, BLOCK)
+        return mx, amax, ck, ci, z
 
     @triton.jit
     def _top_k_key(x_row, V, temperature, kmin, kmax, top_k, BLOCK: tl.constexpr):
         """Largest key t with #{key >= t} >= top_k, by bisection over [kmin, kmax]: the k-th
-        largest value. The kept set is then {x >= kth}, ties included, exactly as the reference
-        masks."""
+        largest value (the tied tokens at it are then cut by id)."""
         lo = kmin
         hi = kmax
         for _ in range(32):
@@ -148,16 +170,16 @@ if HAS_TRITON:
         return lo
 
     @triton.jit
-    def _top_p_key(x_row, V, temperature, mx, tk, lo64, hi64, bound, TOP_K: tl.constexpr,
+    def _top_p_key(x_row, V, temperature, mx, ck, ci, lo64, hi64, bound, TOP_K: tl.constexpr,
                    BLOCK: tl.constexpr):
-        """Smallest key t in (lo64, hi64] whose strictly-larger kept mass is < bound =
-        top_p * z, by bisection: a token is kept iff the mass before it (in descending order)
-        is < top_p."""
+        """Smallest key t in (lo64, hi64] whose strictly-larger mass (in the top-k set) is
+        < bound = top_p * z (float64), by bisection: the key of the tie group at the cut."""
         for _ in range(34):
             if hi64 - lo64 > 1:
                 mid64 = (lo64 + hi64) >> 1
-                s = _masked_exp_sum(x_row, V, temperature, mx, tk, mid64, False, TOP_K, BLOCK)
-                ok = s < bound
+                s = _masked_exp_sum(x_row, V, temperature, mx, ck, ci, mid64, False, TOP_K,
+                                    BLOCK)
+                ok = s.to(tl.float64) < bound
                 hi64 = tl.where(ok, mid64, hi64)
                 lo64 = tl.where(ok, lo64, mid64)
         return hi64.to(tl.int32)
@@ -241,7 +263,7 @@ def _launch_rejection_logits(logits, q, t2d, tok, uniforms, philox_seed, philox_
         block, warps = _rejection_block(V)
         _rejection_logits_kernel[(R,)](
             logits, logits.stride(0), q, q.stride(0), t2d, tok, u, stride_u, seed, offset, out,
-            acc.view(torch.int8), V, temperature, int(top_k), float(top_p), GREEDY=greedy,
+            acc.view(torch.int8), V, temperature, int(top_k), top_p_float32(top_p), GREEDY=greedy,
             TOP_K=use_top_k, TOP_P=use_top_p, PHILOX=philox, BLOCK=block, num_warps=warps)
     if philox:
         philox_offset.add_(R)  # a separate tiny launch: every program above read the old value

@@ -107,9 +107,8 @@ def test_logits_kernel_matches_reference_bit_for_bit(R, V, Vd, temperature, top_
 @needs_triton
 @pytest.mark.parametrize("top_k,top_p", [(3, 1.0), (10, 1.0), (1, 1.0)])
 def test_logits_kernel_with_tied_logits(top_k, top_p):
-    """Top-k keeps every token tied with the k-th largest, as the reference's mask does. (Top-p
-    with ties at its boundary depends on the order of an unstable sort in the reference, so it is
-    left out here.)"""
+    """Top-k keeps the first k tokens of the order (ties by id), as the reference
+    (spd_kernels.sampling's rules; tests/kernels/test_sampling_ties.py tests top-p ties)."""
     logits, q, d2t, tok, u = logits_case(6, 120, 60, seed=11 + top_k, device=TRITON_DEVICE,
                                          ties=True)
     ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, 1.0, top_k, top_p)
@@ -326,22 +325,27 @@ def test_split_plan_philox_follows_target_distribution():
 # --- the split-row plan with top-k / top-p: thresholds by radix select ---------------------------
 
 def _sorted_thresholds(logits, temperature, top_k, top_p):
-    """Per row, by sorting in float64: the top-k key (the k-th largest), the top-p key (the key
-    at which the descending mass of the top-k set first reaches top_p * its total) and the mass
-    sum exp(x - max) of the kept set; keys as the kernels order floats."""
+    """Per row, by sorting (ties by lower id first, spd_kernels.sampling's order): the top-k key
+    (the k-th token's), the top-p key (the last kept token's: the mass before it in the order,
+    within the top-k set, is below top_p * that set's total) and the mass sum exp(x - max) of the
+    kept set, in float64; keys as the kernels order floats."""
     x = logits.float() / temperature
     bits = x.view(torch.int32)
     key = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
     e = torch.exp(x - x.max(-1, keepdim=True).values).double()
     out = []
     for kr, er in zip(key, e):
-        tk = kr.topk(top_k).values[-1] if 0 < top_k < kr.numel() else kr.min()
-        tp = tk
+        order = torch.sort(kr, descending=True, stable=True).indices
+        if 0 < top_k < kr.numel():
+            order = order[:top_k]
+        tk = kr[order[-1]]
+        m = er[order]
+        keep = torch.ones_like(m, dtype=torch.bool)
         if top_p < 1.0:
-            ks, order = kr[kr >= tk].sort(descending=True)
-            cum = er[kr >= tk][order].cumsum(0)
-            tp = ks[int((cum < top_p * cum[-1]).sum())]
-        out.append((int(tk), int(tp), er[kr >= max(tk, tp)].sum().item()))
+            keep = (m.cumsum(0) - m) < top_p * m.sum()
+            keep[0] = True
+        tp = kr[order[keep][-1]]
+        out.append((int(tk), int(tp), m[keep].sum().item()))
     return out
 
 
@@ -363,7 +367,7 @@ def test_radix_select_finds_the_sorted_thresholds(R, V, chunk, temperature, top_
         if use_k:
             assert int(thr[r, 0]) == tk
         if use_p:
-            assert int(thr[r, 1]) == tp
+            assert int(thr[r, 2]) == tp
         assert float(zsel[r]) == pytest.approx(z, rel=1e-5)
 
 
