@@ -125,8 +125,11 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--prompts", default=None, help="FastChat question .jsonl (first turn used)")
     ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     prompts = load_prompts(args.prompts, args.limit)
     m = args.max_new_tokens
@@ -136,7 +139,8 @@ def main() -> int:
         target = load_target(args.model, dtype=dtype)
         rows += bench_dtype(target, dtype, prompts, m, [int(x) for x in args.stages.split(",")])
     print(f"\nSingle-process engine, {target.name}, {len(prompts)} prompts x {m} new tokens, "
-          + describe_device("cpu"))
+          + describe_device("cpu") + "; one process: the stages run one after another, so SPD's "
+          "tok/s is not what n devices give (S_theory is)")
     table = Table([("dtype", "<9"), ("method", "<20"), ("n", ">3"), ("N", ">6"), ("K", ">6"),
                    ("alpha", ">8.3f"),
                    ("theoretical_speedup", ">10.2f", "S_theory"), ("decode_tok_s", ">8.1f", "tok/s"),

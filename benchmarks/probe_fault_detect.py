@@ -150,7 +150,7 @@ def main() -> int:
     for row in rows:
         for msg in row["messages"]:
             print(f"  {row['fault']}: {msg[:160]}")
-    out = args.json_out or RESULTS / f"probe-fault-detect-{time.strftime('%Y-%m-%d')}-cpu.json"
+    out = args.json_out or RESULTS / f"{time.strftime('%Y-%m-%d')}-fault-detect-cpu.json"
     write_json(out, run_meta("cpu", model=model, stages=args.stages, give_up_s=args.give_up),
                rows=rows)
     return 0
