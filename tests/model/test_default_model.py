@@ -11,6 +11,7 @@ from spd import SPDEngine
 from spd.cli import main
 from spd.draft.drafters import ReferenceDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN
+from spd.errors import SPDError
 from spd.model.prompt import encode_prompt
 
 pytestmark = pytest.mark.slow
@@ -238,3 +239,60 @@ def test_gpu_graphed_ar_and_spd_match_hf_generate(dtype):
             assert ar[:8] == hf[:8]
         for drafter in (None, ReferenceDrafter(ids + ar, 0.6, seed=1)):
             assert eng.generate(ids, NEW, drafter=drafter).token_ids == ar
+
+
+def test_text_messages_stop_strings_and_streaming(engines, default_target):
+    """The API as integrators use it: text and chat messages as prompts, stop strings (cut from
+    the text, the decode ended at the token that completed one), and the streamed pieces adding
+    up to the result's text, with an early break leaving the engine ready for the next call."""
+    t, eng = default_target, engines[2]
+    question = "Name three primary colors."
+    chat_ids = encode_prompt(t.tokenizer, question, True)
+    full = eng.generate(chat_ids, 40)
+    assert eng.generate([{"role": "user", "content": question}], 40).token_ids == full.token_ids
+    assert eng.generate(question, 8).token_ids == eng.generate(
+        t.tokenizer(question)["input_ids"], 8).token_ids
+    text = full.text
+    assert text == t.tokenizer.decode(full.token_ids, skip_special_tokens=True) and len(text) > 20
+    stop = text[12:16]
+    at = text.index(stop)
+    for generate in (eng.generate, eng.generate_ar):
+        res = generate(chat_ids, 40, stop=[stop, "\u2603never"])
+        assert res.finish_reason == "stop" and res.text == text[:at]
+        assert res.token_ids == full.token_ids[:len(res.token_ids)]
+        assert stop in t.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        assert stop not in t.tokenizer.decode(res.token_ids[:-1], skip_special_tokens=True)
+    for stop_arg, want in ((None, text), (stop, text[:at])):
+        stream = eng.stream(chat_ids, 40, stop=stop_arg)
+        pieces = list(stream)
+        assert "".join(p.text for p in pieces) == want == stream.result.text
+        assert [p.token_id for p in pieces if p.token_id is not None] == stream.result.token_ids
+    stream = eng.stream(chat_ids, 40)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    assert stream.result is None  # stopped, not finished
+    assert eng.generate(chat_ids, 40).token_ids == full.token_ids
+    with pytest.raises(SPDError, match="message 0 must have a string 'role'"):
+        eng.generate([{"content": "hi"}], 4)
+
+
+def test_cli_spd_summary_is_read_against_plain_decoding(capsys, monkeypatch, tmp_path):
+    """In one process SPD's summary says the stages ran one after another and gives the last
+    --mode ar speed of this model, device and dtype (recorded by an AR run), or says there is
+    none yet."""
+    from spd.cli import plain_speed
+    monkeypatch.setattr(plain_speed, "cache_dir", lambda: tmp_path)
+    argv = ["generate", "--prompt", "Hi", "--max-new-tokens", "6", "--stages", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "the 2 stages ran one after another" in out and "not measured here yet" in out
+    assert "3 devices" in out
+    assert main(argv + ["--mode", "ar"]) == 0
+    ar = capsys.readouterr().out
+    assert "one after another" not in ar
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    speed = json.loads((tmp_path / plain_speed.FILE).read_text())
+    (rec,) = speed.values()
+    assert f"ran at {rec['tok_s']:.1f} tok/s here on {rec['date']}" in out

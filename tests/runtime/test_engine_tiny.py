@@ -134,7 +134,7 @@ def test_bad_prompts():
 
 
 @pytest.mark.parametrize("prompt,msg", [
-    ("hello world", "the prompt is text: give its token ids"),
+    ("hello world", "a text prompt needs the target.s tokenizer"),
     (b"hello", "the prompt is text"),
     (torch.tensor([[1, 2, 3], [4, 5, 0]]), r"one sequence: .*got shape \(2, 3\)"),
     (torch.tensor([[[1, 2]]]), r"got shape \(1, 1, 2\)"),
@@ -252,3 +252,24 @@ def test_gpu_ar_graph_and_spd_equal_hf_greedy(model_type):
         assert res.token_ids == ar
     last = eng._stages[-1]
     assert last.verify_graphs.failed is None and last.verify_graphs.replays > 0
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_stop_token_ids_end_the_decode_like_eos(n):
+    """stop_token_ids: the decode ends at the first such token, which is kept; SPD (across
+    rejections) and AR agree, and the finish reason says why the decode ended."""
+    eng = SPDEngine(make_tiny_target(seed=2, vocab=32), n_stages=n)
+    full = eng.generate_ar(PROMPT, 30)
+    assert full.finish_reason == "length" and len(full.token_ids) == 30
+    stop_at = full.token_ids[7]
+    cut = full.token_ids[:full.token_ids.index(stop_at) + 1]
+    drafter = ReferenceDrafter(PROMPT + full.token_ids, 0.5, seed=4) if n > 1 else None
+    for res in (eng.generate_ar(PROMPT, 30, stop_token_ids=[stop_at]),
+                eng.generate(PROMPT, 30, drafter=drafter, stop_token_ids=[stop_at])):
+        assert res.token_ids == cut and res.finish_reason == "stop"
+    for bad, msg in (([40], r"must lie in \[0, 32\)"), ([1.5], "list of integer"),
+                     (7, "list of integer")):
+        with pytest.raises(SPDError, match=msg):
+            eng.generate(PROMPT, 4, stop_token_ids=bad)
+    with pytest.raises(SPDError, match="stop strings need the target's tokenizer"):
+        eng.generate(PROMPT, 4, stop="x")

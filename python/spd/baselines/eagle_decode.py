@@ -215,4 +215,4 @@ class EagleDecoder:
                 last = new_last
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
-        return GenerationResult(out, stats)
+        return GenerationResult(out, stats, "stop" if out[-1] in t.eos_token_ids else "length")

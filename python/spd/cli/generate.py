@@ -6,6 +6,7 @@ import sys
 from functools import partial
 
 from spd import env
+from spd.cli import plain_speed
 from spd.cli.common import (
     MAX_SEED,
     Streamer,
@@ -91,6 +92,11 @@ def cmd_generate(args) -> int:
     streamer = None if args.json else Streamer(target.tokenizer)
     result = engine.generate(prompt_ids, args.max_new_tokens, sampling, on_token=streamer)
     print_generation(target.tokenizer, result, args.json)
+    st = result.stats
+    if st.mode == "ar" and st.N:
+        plain_speed.record(target, args.device, st.decode_tok_s)
+    elif st.mode == "spd" and not args.json:
+        print(plain_speed.explain(target, args.device, st.n))
     return 0
 
 

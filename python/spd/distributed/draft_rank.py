@@ -254,4 +254,4 @@ class DistributedSPDEngine:
         stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats, verify_s)
         stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
         stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
-        return GenerationResult(dec.out, stats)
+        return GenerationResult(dec.out, stats, dec.stop.finish_reason)

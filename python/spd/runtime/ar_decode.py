@@ -16,6 +16,7 @@ import torch
 from spd.cuda_graphs import GraphSet, graphs_enabled
 from spd.model.target import Stage, TargetModel
 from spd.runtime.sequence import pick
+from spd.runtime.stopping import StopRule
 from spd.runtime.types import SamplingParams
 from spd_kernels import verify_greedy
 
@@ -69,20 +70,20 @@ class ARDecoder:
         return self._choose(h)
 
     def decode(self, first: int, pos: int, max_new: int, sampling: SamplingParams,
-               gen: torch.Generator, eos: set[int], on_token: Callable[[int], None] | None,
+               gen: torch.Generator, stop: StopRule, on_token: Callable[[int], None] | None,
                timer) -> list[int]:
-        """Tokens after `first` (the prefill's, at position `pos`) up to max_new in all. The
-        graphs (one greedy, one returning logits) are kept across calls: reuse a decoder for
-        the same stages."""
+        """Tokens after `first` (the prefill's, at position `pos`, already fed to `stop`) up to
+        max_new in all, or until `stop` ends the decode. The graphs (one greedy, one returning
+        logits) are kept across calls: reuse a decoder for the same stages."""
         self.sampling, self.gen = sampling, gen
         out = [first]
-        if max_new <= 1 or first in eos:
+        if max_new <= 1 or stop.ended:
             return out
         dev = self.t.device
         token = torch.tensor([first], dtype=torch.int64, device=dev)
         if self.sampling.greedy and dev.type == "cuda":
-            return self._decode_streamed(out, token, pos, max_new, eos, on_token, timer)
-        while len(out) < max_new and out[-1] not in eos:
+            return self._decode_streamed(out, token, pos, max_new, stop, on_token, timer)
+        while len(out) < max_new and not stop.ended:
             with timer("step"):
                 chosen = self._step(token, pos)
                 nxt = int(chosen[0]) if self.sampling.greedy else pick(chosen, self.sampling,
@@ -90,13 +91,14 @@ class ARDecoder:
             token = torch.tensor([nxt], dtype=torch.int64, device=dev)
             pos += 1
             out.append(nxt)
+            stop.feed(nxt)
             if on_token:
                 on_token(nxt)
         return out
 
-    def _decode_streamed(self, out, token, pos, max_new, eos, on_token, timer) -> list[int]:
-        """Greedy on a GPU: token k is read on the host while step k + 1 runs; the step after EOS
-        (or past max_new) is computed and dropped, never returned."""
+    def _decode_streamed(self, out, token, pos, max_new, stop, on_token, timer) -> list[int]:
+        """Greedy on a GPU: token k is read on the host while step k + 1 runs; the step after the
+        end (or past max_new) is computed and dropped, never returned."""
         pinned = torch.empty(2, dtype=torch.int64, pin_memory=True)
         events = [torch.cuda.Event(), torch.cuda.Event()]
         issued = 0
@@ -118,8 +120,9 @@ class ARDecoder:
                     nxt = int(pinned[slot])
                     issued -= 1
                     out.append(nxt)
+                    ended = stop.feed(nxt)
                     if on_token:
                         on_token(nxt)
-                    if nxt in eos:
+                    if ended:
                         break
         return out

@@ -16,10 +16,14 @@ import torch
 from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.draft.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
+from spd.errors import SPDError
 from spd.model.partition import DepthLayout
+from spd.model.prompt import encode_request_prompt
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
 from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
+from spd.runtime.stopping import StopRule
+from spd.runtime.streaming import TextStream
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 
 
@@ -89,13 +93,28 @@ class SPDEngine:
         return h
 
     # --- autoregressive path ------------------------------------------------------------------
+    def _request(self, prompt, max_new_tokens, stop, stop_token_ids):
+        """(prompt ids, max new tokens, StopRule) for a prompt given as token ids, text (encoded
+        as it is) or chat messages (the chat template applied)."""
+        t = self.target
+        ids, max_new = check_prompt(t, encode_request_prompt(t.tokenizer, prompt),
+                                    max_new_tokens)
+        rule = StopRule(t.eos_token_ids, stop_token_ids, stop, t.tokenizer, t.vocab_size)
+        return ids, max_new, rule
+
+    @staticmethod
+    def _result(out: list[int], stats: DecodeStats, rule: StopRule) -> GenerationResult:
+        text = rule.text() if rule.tokenizer is not None else None
+        return GenerationResult(out, stats, rule.finish_reason, text)
+
     @torch.no_grad()
     def generate_ar(self, prompt_ids, max_new_tokens: int = 64,
                     sampling: SamplingParams = SamplingParams(),
-                    on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                    on_token: Callable[[int], None] | None = None, *, stop=None,
+                    stop_token_ids=None) -> GenerationResult:
         """Plain decoding through the same stages: one full forward per token (on a GPU one CUDA
-        graph per token: spd.runtime.ar_decode)."""
-        ids, max_new = check_prompt(self.target, prompt_ids, max_new_tokens)
+        graph per token: spd.runtime.ar_decode). Takes what `generate` takes."""
+        ids, max_new, rule = self._request(prompt_ids, max_new_tokens, stop, stop_token_ids)
         t = self.target
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
         stats = DecodeStats(mode="ar", n=1)
@@ -105,30 +124,53 @@ class SPDEngine:
         h = self._prefill(stages, ids)
         token = pick(t.logits(h[-1:])[0], sampling, gen)
         stats.prefill_s = time.perf_counter() - t0
+        rule.feed(token)
         if on_token:
             on_token(token)
         t0 = time.perf_counter()
         if self._ar is None or self._ar.stages is not stages:
             self._ar = ARDecoder(t, stages)  # its graphs live as long as these stages
-        out = self._ar.decode(token, ids.numel(), max_new, sampling, gen, t.eos_token_ids,
-                              on_token, timer)
+        out = self._ar.decode(token, ids.numel(), max_new, sampling, gen, rule, on_token, timer)
         stats.K = stats.N = len(out) - 1
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
-        return GenerationResult(out, stats)
+        return self._result(out, stats, rule)
+
+    def stream(self, prompt, max_new_tokens: int = 64,
+               sampling: SamplingParams = SamplingParams(), *, stop=None, stop_token_ids=None,
+               mode: str = "spd") -> TextStream:
+        """`generate` (mode "spd") or `generate_ar` ("ar") as an iterator of TextPiece(token_id,
+        text); `stream.result` holds the GenerationResult afterwards. Breaking out of the loop
+        stops the decode."""
+        if mode not in ("spd", "ar"):
+            raise SPDError(f"mode must be 'spd' or 'ar', got {mode!r}")
+        run = self.generate if mode == "spd" else self.generate_ar
+        rule = StopRule(stop=stop, tokenizer=self.target.tokenizer)  # checks stop up front
+        return TextStream(lambda on_token: run(prompt, max_new_tokens, sampling,
+                                               on_token=on_token, stop=stop,
+                                               stop_token_ids=stop_token_ids),
+                          self.target.tokenizer, rule.stop_strings)
 
     # --- speculative pipeline decoding --------------------------------------------------------
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(), drafter=None,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int], None] | None = None, *, stop=None,
+                 stop_token_ids=None) -> GenerationResult:
+        """Decode one sequence. prompt_ids: token ids (a list of ints, a 1-D or [1, L] integer
+        tensor), text (tokenized as it is) or chat messages ([{"role": ..., "content": ...}],
+        the chat template applied); a batch is refused. on_token(id) is called with each new
+        token as it is committed. stop: a string or strings that end the decode where they
+        appear in the text (cut from `result.text`); stop_token_ids: ids that end it like EOS.
+        `result.finish_reason` is "stop" or "length"."""
         if self.n < 2:
-            return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token)
-        ids, max_new = check_prompt(self.target, prompt_ids, max_new_tokens)
+            return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
+                                    stop_token_ids=stop_token_ids)
+        ids, max_new, rule = self._request(prompt_ids, max_new_tokens, stop, stop_token_ids)
         t, n, layout = self.target, self.n, self.layout
         drafter = drafter or self.drafter
         dec = SequenceDecode(t, layout, drafter, ids, max_new, sampling,
-                             DecodeStats(mode="spd", n=n), on_token)
+                             DecodeStats(mode="spd", n=n), on_token, rule)
         stages = self._prepare_stages(dec.capacity, n)
         # The hidden state an in-flight token carries from one stage to the next.
         carry = torch.zeros(dec.capacity, t.hidden_size, device=t.device, dtype=t.dtype)
@@ -182,4 +224,4 @@ class SPDEngine:
                 for hook in self.rollback_hooks:
                     hook(stages, drafter, dec.tokens, rollback_to)
         dec.finish()
-        return GenerationResult(dec.out, dec.stats)
+        return self._result(dec.out, dec.stats, rule)

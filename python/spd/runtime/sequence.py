@@ -33,6 +33,7 @@ from spd.draft.drafters import Draft
 from spd.draft.lookup import NgramLookup
 from spd.errors import SPDError
 from spd.runtime.schedule import PipelineSchedule
+from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd_kernels import filtered_probs, rejection_sample_logits, sample_from_probs, verify_greedy
 
@@ -172,11 +173,13 @@ class SequenceDecode:
 
     def __init__(self, target: TargetModel, layout: DepthLayout, drafter, ids: torch.Tensor,
                  max_new: int, sampling: SamplingParams, stats: DecodeStats,
-                 on_token: Callable[[int], None] | None = None):
+                 on_token: Callable[[int], None] | None = None, stop: StopRule | None = None):
         t, n = target, layout.n
         self.target, self.layout, self.n = target, layout, n
         self.drafter, self.sampling, self.stats, self.on_token = drafter, sampling, stats, on_token
         self.max_new = max_new
+        # where the decode ends besides max_new (default: the model's EOS ids)
+        self.stop = stop if stop is not None else StopRule(t.eos_token_ids)
         self.prompt_len = ids.numel()
         self.capacity = self.prompt_len + max_new + n + 2
         drafter.begin(self.capacity, t.vocab_size)
@@ -321,6 +324,6 @@ class SequenceDecode:
         self.out.append(token)
         if self.lookup is not None:
             self.lookup.append(token)
+        self.done = self.stop.feed(token) or len(self.out) >= self.max_new
         if self.on_token:
             self.on_token(token)
-        self.done = token in self.target.eos_token_ids or len(self.out) >= self.max_new

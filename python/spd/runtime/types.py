@@ -97,3 +97,5 @@ class DecodeStats:
 class GenerationResult:
     token_ids: list[int]   # new tokens only
     stats: DecodeStats
+    finish_reason: str = "length"  # "stop": EOS, a stop token or a stop string; "length": budget
+    text: str | None = None        # the new text, cut before a stop string (when decodable)
