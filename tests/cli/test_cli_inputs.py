@@ -107,3 +107,31 @@ def test_dtype_flag_takes_the_short_forms():
     for given, name in (("bf16", "bfloat16"), ("FP32", "float32"), ("half", "float16"),
                         ("auto", "auto")):
         assert build_parser().parse_args(GEN + ["--dtype", given]).dtype == name
+
+
+def test_prompt_file_stdin_system_threads_quiet_parse_and_refuse(tmp_path, capsys, monkeypatch):
+    """--prompt-file (a file or '-' for stdin) stands in for --prompt, never both; a missing,
+    empty or non-UTF-8 file is one line before any model loads; --threads >= 1."""
+    import io
+
+    from spd.cli.generate import read_prompt
+    from spd.cli.main import build_parser
+    good = tmp_path / "p.txt"
+    good.write_text("Explain caches.\nIn detail.", encoding="utf-8")
+    parse = build_parser().parse_args
+    args = parse(["generate", "--prompt-file", str(good), "--system", "Be brief.",
+                  "--threads", "1", "--quiet"])
+    assert read_prompt(args) == "Explain caches.\nIn detail."
+    assert (args.system, args.threads, args.quiet) == ("Be brief.", 1, True)
+    monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO("from stdin".encode())))
+    assert read_prompt(parse(["generate", "--prompt-file", "-"])) == "from stdin"
+    (tmp_path / "empty.txt").write_text("  \n")
+    (tmp_path / "latin1.txt").write_bytes(b"caf\xe9")
+    for name, msg in (("missing.txt", "No such file"), ("empty.txt", "the prompt is empty"),
+                      ("latin1.txt", "not UTF-8 text")):
+        assert main(["generate", "--prompt-file", str(tmp_path / name)]) == 2
+        assert msg in _err(capsys)
+    assert main(["generate", "--prompt", "a", "--prompt-file", str(good)]) == 2
+    assert "not allowed with argument" in _err(capsys)
+    assert main(["generate", "--prompt", "a", "--threads", "0"]) == 2
+    assert "argument --threads: must be an integer >= 1" in _err(capsys)

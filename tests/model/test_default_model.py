@@ -296,3 +296,16 @@ def test_cli_spd_summary_is_read_against_plain_decoding(capsys, monkeypatch, tmp
     speed = json.loads((tmp_path / plain_speed.FILE).read_text())
     (rec,) = speed.values()
     assert f"ran at {rec['tok_s']:.1f} tok/s here on {rec['date']}" in out
+
+
+def test_cli_system_message_and_quiet(capsys, default_target):
+    """--system reaches the chat template (other tokens than without it); --quiet prints the
+    text alone."""
+    tok = default_target.tokenizer
+    with_system = encode_prompt(tok, "Hi", True, "Answer in French.")
+    assert with_system != encode_prompt(tok, "Hi", True)
+    assert "Answer in French." in tok.decode(with_system)
+    rc = main(["generate", "--prompt", "Hi", "--max-new-tokens", "6", "--system",
+               "Answer in French.", "--quiet", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0 and out.strip() and "[spd]" not in out

@@ -138,16 +138,17 @@ class Streamer:
         self.shown = text
 
 
-def print_generation(tokenizer, result, as_json: bool) -> None:
-    """The end of `generate`: one JSON object, or a newline after the streamed text and the
-    summary line."""
+def print_generation(tokenizer, result, as_json: bool, quiet: bool = False) -> None:
+    """The end of `generate`: one JSON object, or a newline after the streamed text and (unless
+    quiet) the summary line."""
     text = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     st = result.stats
     if as_json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, "stats": st.as_dict()}))
     else:
         print()
-        print(f"[spd] {st.summary()} prefill={st.prefill_s * 1000:.0f} ms")
+        if not quiet:
+            print(f"[spd] {st.summary()} prefill={st.prefill_s * 1000:.0f} ms")
     sys.stdout.flush()
 
 

@@ -30,7 +30,12 @@ def add_generate(sub) -> None:
     p = sub.add_parser("generate", help="decode one prompt with SPD (or autoregressively)",
                        description="Decode one prompt with speculative pipeline decoding. The "
                        "output is exactly the target's own (greedy or sampled).")
-    p.add_argument("--prompt", required=True, help="the prompt text")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="the prompt text")
+    src.add_argument("--prompt-file", metavar="PATH",
+                     help="read the prompt from a UTF-8 text file ('-': standard input)")
+    p.add_argument("--system", default=None,
+                   help="a system message for the chat template (with --chat)")
     p.add_argument("--model", default=None,
                    help="local Hugging Face folder (Llama/Qwen2/Qwen3); default: "
                         "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
@@ -59,13 +64,43 @@ def add_generate(sub) -> None:
     add_dtype_arg(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object (text, token_ids, stats) instead of streaming")
+    p.add_argument("--threads", type=int_in(1), default=None,
+                   help="torch CPU threads (per rank with --distributed; default: torch's)")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only the generated text: no summary lines, no warnings")
     add_distributed_args(p)
     add_lookup_arg(p)
     p.set_defaults(func=cmd_generate)
 
 
+def read_prompt(args) -> str:
+    """--prompt, or --prompt-file's text (standard input for '-'), checked before any load."""
+    if args.prompt_file is None:
+        return check_prompt(args.prompt)
+    path = args.prompt_file
+    try:
+        if path == "-":
+            text = sys.stdin.buffer.read().decode("utf-8")
+        else:
+            with open(path, "rb") as f:
+                text = f.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise SPDError(f"--prompt-file {path}: not UTF-8 text") from None
+    except OSError as exc:
+        raise SPDError(f"--prompt-file {path}: {exc.strerror or exc}") from None
+    if not text.strip():
+        raise SPDError(f"--prompt-file {path}: the prompt is empty")
+    return text
+
+
 def cmd_generate(args) -> int:
-    check_prompt(args.prompt)  # before any model loads (that takes seconds)
+    args.prompt = read_prompt(args)  # before any model loads (that takes seconds)
+    if args.quiet:
+        import warnings
+        warnings.simplefilter("ignore")
+    if args.threads:
+        import torch
+        torch.set_num_threads(args.threads)
     if args.max_new_tokens < 1:
         raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     precheck_pdm(args.pdm)
@@ -86,16 +121,16 @@ def cmd_generate(args) -> int:
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        pdm_layers=args.pdm_layers, warn_untrained=False,
                        lookup=check_lookup(args.lookup))
-    if engine.pdm_source == "untrained":
+    if engine.pdm_source == "untrained" and not args.quiet:
         warn_untrained_pdm()
-    prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat)
+    prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat, args.system)
     streamer = None if args.json else Streamer(target.tokenizer)
     result = engine.generate(prompt_ids, args.max_new_tokens, sampling, on_token=streamer)
-    print_generation(target.tokenizer, result, args.json)
+    print_generation(target.tokenizer, result, args.json, args.quiet)
     st = result.stats
     if st.mode == "ar" and st.N:
         plain_speed.record(target, args.device, st.decode_tok_s)
-    elif st.mode == "spd" and not args.json:
+    elif st.mode == "spd" and not (args.json or args.quiet):
         print(plain_speed.explain(target, args.device, st.n))
     return 0
 
@@ -136,7 +171,7 @@ def config_from_args(args):
     return DistConfig(n_stages=args.stages, split=parse_ints(args.split, "--split"),
                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                       pdm_layers=args.pdm_layers, model=args.model, device=args.device,
-                      dtype=args.dtype,
+                      dtype=args.dtype, threads=getattr(args, "threads", None),
                       fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
                       speculative_control=getattr(args, "speculative_control", "auto"),
                       backend=getattr(args, "backend", None),
@@ -150,13 +185,13 @@ def cli_job(opts: dict, engine):
 
     target = engine.target
     sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
-    prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"])
+    prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"], opts["system"])
     if getattr(engine.engine, "pdm_source", "untrained" if opts["pdm"] is None else "") \
-            == "untrained":
+            == "untrained" and not opts["quiet"]:
         warn_untrained_pdm()
     streamer = None if opts["json"] else Streamer(target.tokenizer)
     result = engine.generate(prompt_ids, opts["max_new_tokens"], sampling, on_token=streamer)
-    print_generation(target.tokenizer, result, opts["json"])
+    print_generation(target.tokenizer, result, opts["json"], opts["quiet"])
     return {"token_ids": result.token_ids}
 
 
@@ -168,8 +203,9 @@ def cmd_generate_distributed(args) -> int:
     if not args.prompt:
         raise SPDError("the prompt is empty: pass --prompt TEXT")
     config = config_from_args(args)
-    opts = {k: getattr(args, k) for k in ("prompt", "chat", "temperature", "top_k", "top_p",
-                                          "seed", "max_new_tokens", "json", "pdm")}
+    opts = {k: getattr(args, k) for k in ("prompt", "chat", "system", "temperature", "top_k",
+                                          "top_p", "seed", "max_new_tokens", "json", "pdm",
+                                          "quiet")}
     job = partial(cli_job, opts)
     if under_torchrun():
         return run_torchrun(config, job)

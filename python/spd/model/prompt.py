@@ -4,11 +4,14 @@ from __future__ import annotations
 from spd.errors import SPDError
 
 
-def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+def encode_prompt(tokenizer, text: str, chat: bool, system: str | None = None) -> list[int]:
+    """The prompt's ids: through the chat template as the user's turn (after `system`, when
+    given) when `chat` and the model has a template, else the text as it is."""
     if not text:
         raise SPDError("the prompt is empty: pass --prompt TEXT")
     if chat and getattr(tokenizer, "chat_template", None):
-        return encode_messages(tokenizer, [{"role": "user", "content": text}])
+        turns = [{"role": "system", "content": system}] if system else []
+        return encode_messages(tokenizer, turns + [{"role": "user", "content": text}])
     return tokenizer(text)["input_ids"]
 
 
