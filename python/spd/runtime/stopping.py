@@ -46,7 +46,7 @@ class StopRule:
                  tokenizer=None, vocab_size: int | None = None):
         self.stop_ids = frozenset(eos_ids) | _ids(stop_token_ids, vocab_size)
         self.stop_strings = _strings(stop)
-        if self.stop_strings and tokenizer is None:
+        if self.stop_strings and not hasattr(tokenizer, "decode"):
             raise SPDError("stop strings need the target's tokenizer")
         self.tokenizer = tokenizer
         self.ids: list[int] = []

@@ -78,7 +78,7 @@ class TextStream:
         try:
             while (item := self._queue.get()) is not self._END:
                 ids.append(item)
-                text = self._safe_text(ids) if self.tokenizer is not None else ""
+                text = self._safe_text(ids) if hasattr(self.tokenizer, "decode") else ""
                 piece = text[len(sent):] if text.startswith(sent) else ""
                 sent += piece
                 yield TextPiece(item, piece)
