@@ -26,14 +26,20 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import date
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_kernels import MODELS  # noqa: E402
-from harness import RESULTS, Timer, device_tag, run_meta, write_json  # noqa: E402
+from harness import (  # noqa: E402
+    RESULTS,
+    add_device_args,
+    device_setup,
+    device_tag,
+    run_meta,
+    write_json,
+)
 
 from spd.draft.drafters import PDMDrafter  # noqa: E402
 from spd.draft.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
@@ -42,8 +48,6 @@ from spd.model.partition import DepthLayout  # noqa: E402
 from spd.model.target import Stage, TargetModel  # noqa: E402
 from spd.runtime.sequence import verify  # noqa: E402
 from spd.runtime.types import SamplingParams  # noqa: E402
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def stage_target(shape, layers: int, device, dtype) -> TargetModel:
@@ -133,7 +137,6 @@ def measure(args, shape, n: int, pdm_layers: list[int], device, dtype, timer) ->
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--model", default="qwen3-4b", choices=sorted(MODELS))
     ap.add_argument("--stages", default="4,8", help="comma-separated n")
     ap.add_argument("--pdm-layers", default="2,3", help="comma-separated L_s")
@@ -141,21 +144,9 @@ def main() -> int:
     ap.add_argument("--pdm-intermediate", default=None,
                     help="comma-separated MLP widths of the PDM (default: the target's)")
     ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="default bf16 on a GPU, fp32 on the CPU")
-    ap.add_argument("--iters", type=int, default=None, help="timed calls (default 50 GPU, 5 CPU)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--date", default=str(date.today()))
-    ap.add_argument("--json-out", default=None)
+    add_device_args(ap)
     args = ap.parse_args()
-    device = torch.device(args.device)
-    gpu = device.type == "cuda"
-    if gpu and not torch.cuda.is_available():
-        sys.exit("--device cuda: no CUDA device is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    device, dtype, timer = device_setup(args)
     try:
         stages = [int(x) for x in args.stages.split(",")]
         pdm_layers = [int(x) for x in args.pdm_layers.split(",")]
@@ -171,8 +162,6 @@ def main() -> int:
     bad = [n for n in stages if not 1 <= n <= shape.layers]
     if bad or min(pdm_layers) < 1:
         sys.exit(f"--stages must lie in 1..{shape.layers} and --pdm-layers be >= 1")
-    timer = Timer(device, args.iters or (50 if gpu else 5),
-                  args.warmup if args.warmup is not None else (5 if gpu else 1), flush=False)
     print(f"{shape.name} on {describe_device(device)}, {str(dtype)[6:]}, context {args.context}, "
           f"draft vocabulary {args.draft_vocab}")
     head = (f"{'n':>3}{'L_s':>5}{'MLP':>7}{'draft':>7}{'stage layers':>14}{'stage us':>11}{'draft us':>11}"

@@ -18,15 +18,23 @@ from __future__ import annotations
 
 import argparse
 import sys
-from datetime import date
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, when loaded by path
-from bench_draft_hiding import DTYPES, stage_target  # noqa: E402
+from bench_draft_hiding import stage_target  # noqa: E402
 from bench_kernels import MODELS, copy_bandwidth, layer_bytes  # noqa: E402
-from harness import RESULTS, Table, Timer, device_tag, run_meta, write_json  # noqa: E402
+from harness import (  # noqa: E402
+    RESULTS,
+    Table,
+    Timer,
+    add_device_args,
+    device_setup,
+    device_tag,
+    run_meta,
+    write_json,
+)
 
 from spd.model.loading import describe_device  # noqa: E402
 from spd.model.target import Stage  # noqa: E402
@@ -125,25 +133,15 @@ def ar_row(target, context: int, timer: Timer, gpu: bool) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--models", default="qwen3-4b,qwen3-8b")
     ap.add_argument("--layers", default="3,5,9", help="stage sizes, comma-separated")
     ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
     ap.add_argument("--no-ar", action="store_true", help="skip the whole-model AR step")
-    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                    help="default bf16 on a GPU, fp32 on the CPU")
-    ap.add_argument("--iters", type=int, default=None, help="timed calls (default 50 GPU, 5 CPU)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    ap.add_argument("--date", default=str(date.today()))
-    ap.add_argument("--json-out", default=None)
+    add_device_args(ap)
     args = ap.parse_args()
-    device = torch.device(args.device)
+    # on a GPU, L2 flushed between calls: weights come from HBM as in a real decode step
+    device, dtype, timer = device_setup(args, flush=True)
     gpu = device.type == "cuda"
-    if gpu and not torch.cuda.is_available():
-        sys.exit("--device cuda: no CUDA device is available")
-    if args.threads:
-        torch.set_num_threads(args.threads)
     models = args.models.split(",")
     unknown = [m for m in models if m not in MODELS]
     try:
@@ -152,9 +150,6 @@ def main() -> int:
         sys.exit(f"--layers takes comma-separated integers, got {args.layers!r}")
     if unknown or min(layer_counts) < 1 or args.context < 1:
         sys.exit(f"--models from {', '.join(MODELS)}; --layers and --context >= 1")
-    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
-    timer = Timer(device, args.iters or (50 if gpu else 5),
-                  args.warmup if args.warmup is not None else (5 if gpu else 1), flush=gpu)
     bandwidth = copy_bandwidth(device, Timer(device, 10, 2))
     tag = device_tag(device)
     print(f"{describe_device(device)}, {str(dtype)[6:]}, context {args.context}, copy bandwidth "

@@ -24,6 +24,7 @@ import torch
 from spd.model.loading import describe_device
 
 RESULTS = Path(__file__).resolve().parent / "results"
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 class Timer:
@@ -136,3 +137,30 @@ class Table:
 
     def print(self, row: dict) -> None:
         print(self.line(row), flush=True)
+
+
+def add_device_args(ap) -> None:
+    """The options every device benchmark takes: device, dtype, timing, threads, output."""
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="default bf16 on a GPU, fp32 on the CPU")
+    ap.add_argument("--iters", type=int, default=None, help="timed calls (default 50 GPU, 5 CPU)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed calls (default 5 GPU, 1 CPU)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    ap.add_argument("--date", default=str(date.today()))
+    ap.add_argument("--json-out", default=None)
+
+
+def device_setup(args, flush: bool = False) -> tuple[torch.device, torch.dtype, Timer]:
+    """(device, dtype, timer) from add_device_args' options; exits with a message when the
+    device asked for is missing. flush: the timer flushes L2 between calls on a GPU."""
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if gpu and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype or ("bf16" if gpu else "fp32")]
+    timer = Timer(device, args.iters or (50 if gpu else 5),
+                  args.warmup if args.warmup is not None else (5 if gpu else 1), flush=flush)
+    return device, dtype, timer

@@ -260,10 +260,10 @@ def test_raising_draft_rank_stops_every_rank():
     assert not any(_alive(p) for p in pids.values())
 
 
-def test_killed_stage_rank_ends_the_run_within_the_bound():
+def _run_forever_in_thread(config):
+    """launch_local of a long generation in a thread: (thread, event set at rank 0's first
+    token, {rank: pid}, {"error": what the launcher raised})."""
     started = mp.get_context("spawn").Event()
-    config = DistConfig(n_stages=3, target_factory=partial(tiny_factory, 5), fault_timeout=3.0,
-                        op_timeout=60.0)
     pids, box = {}, {}
 
     def run():
@@ -275,6 +275,13 @@ def test_killed_stage_rank_ends_the_run_within_the_bound():
 
     th = threading.Thread(target=run, daemon=True)
     th.start()
+    return th, started, pids, box
+
+
+def test_killed_stage_rank_ends_the_run_within_the_bound():
+    config = DistConfig(n_stages=3, target_factory=partial(tiny_factory, 5), fault_timeout=3.0,
+                        op_timeout=60.0)
+    th, started, pids, box = _run_forever_in_thread(config)
     try:
         assert started.wait(120), "rank 0 never produced a token"
         t_kill = time.monotonic()
@@ -299,20 +306,9 @@ def test_frozen_stage_rank_ends_every_rank_within_the_timeout():
     """SIGSTOP on a stage rank: its heartbeat stops, a watchdog names it after the fault timeout,
     and the launcher kills the frozen rank at once (it cannot leave by itself): every rank is
     gone within the timeout plus a watchdog interval and the launcher's poll."""
-    started = mp.get_context("spawn").Event()
     config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 6), fault_timeout=3.0,
                         op_timeout=60.0)
-    pids, box = {}, {}
-
-    def run():
-        try:
-            launch_local(config, partial(run_forever, GenerateRequest(PROMPT, 40),
-                                         progress=started), on_spawn=pids.update, timeout=150)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test thread
-            box["error"] = exc
-
-    th = threading.Thread(target=run, daemon=True)
-    th.start()
+    th, started, pids, box = _run_forever_in_thread(config)
     try:
         assert started.wait(120), "rank 0 never produced a token"
         t_stop = time.monotonic()

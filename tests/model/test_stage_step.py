@@ -26,6 +26,18 @@ def _randomised(model_type, seed):
     return t
 
 
+def _randomised_on_gpu(model_type, seed):
+    from spd.model.target import TargetModel
+    cpu = _randomised(model_type, seed)
+    return TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+
+
+def _graphed_and_eager(t, capacity):
+    """Two one-stage pipelines over every layer: graphed (on a GPU) and eager."""
+    return (Stage(t, 0, range(t.num_layers), capacity=capacity, poison=True),
+            Stage(t, 0, range(t.num_layers), capacity=capacity, poison=True, cuda_graphs=False))
+
+
 def _hf_states(t, ids):
     with torch.no_grad():
         return t.hf(ids[None], output_hidden_states=True)
@@ -138,12 +150,9 @@ def test_layers_the_stage_step_does_not_compute_are_refused():
 def test_gpu_stage_graph_replays_equal_the_eager_step(model_type):
     """Graph replays at every position across rollbacks equal the eager kernel step, bit for bit,
     and a replay makes no host synchronisation."""
-    from spd.model.target import TargetModel
-    cpu = _randomised(model_type, seed=10)
-    t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+    t = _randomised_on_gpu(model_type, seed=10)
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(5)).cuda()
-    graphed = Stage(t, 0, range(t.num_layers), capacity=48, poison=True)
-    eager = Stage(t, 0, range(t.num_layers), capacity=48, poison=True, cuda_graphs=False)
+    graphed, eager = _graphed_and_eager(t, capacity=48)
     for st in (graphed, eager):
         st.forward(t.embed_tokens(ids[:6]), 0)
     pos = 6
@@ -217,11 +226,8 @@ def test_fused_last_stage_judges_with_the_stage_output(model_type):
 def test_gpu_fused_last_stage_graph_replays_without_host_sync(model_type):
     """On a GPU the fused step + verify replays as one graph with no host synchronisation, and
     equals the eager plain step across rollbacks."""
-    from spd.model.target import TargetModel
-    cpu = _randomised(model_type, seed=15)
-    t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+    t = _randomised_on_gpu(model_type, seed=15)
     ids = torch.randint(0, VOCAB, (30,), generator=torch.Generator().manual_seed(6)).cuda()
-    last = Stage(t, 0, range(t.num_layers), capacity=40, poison=True)
-    plain = Stage(t, 0, range(t.num_layers), capacity=40, poison=True, cuda_graphs=False)
+    last, plain = _graphed_and_eager(t, capacity=40)
     assert _verify_walk(t, last, plain, ids, sync_check=True) == 12
     assert last.verify_graphs.failed is None and last.verify_graphs.replays > 15

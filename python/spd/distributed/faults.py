@@ -390,11 +390,11 @@ def proc_key(rank: int) -> str:
     return f"proc/{rank}"
 
 
-class _Watchdog(threading.Thread):
-    """Heartbeats into the store and stops this process when another rank failed or went silent."""
+class _RankThread(threading.Thread):
+    """A daemon thread of a rank that wakes every watchdog interval until stopped."""
 
-    def __init__(self, rt: FaultHandling):
-        super().__init__(name=f"spd-watchdog-{rt.rank}", daemon=True)
+    def __init__(self, rt: FaultHandling, name: str):
+        super().__init__(name=f"spd-{name}-{rt.rank}", daemon=True)
         self.rt = rt
         self.interval = watchdog_interval(rt.config.fault_timeout)
         self._stop_event = threading.Event()
@@ -403,6 +403,13 @@ class _Watchdog(threading.Thread):
         self._stop_event.set()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(timeout=5)
+
+
+class _Watchdog(_RankThread):
+    """Heartbeats into the store and stops this process when another rank failed or went silent."""
+
+    def __init__(self, rt: FaultHandling):
+        super().__init__(rt, "watchdog")
 
     def run(self) -> None:
         rt, store = self.rt, self.rt.wd_store
@@ -450,21 +457,13 @@ def watchdog_interval(fault_timeout: float) -> float:
     return max(0.05, min(1.0, fault_timeout / 10))
 
 
-class _LauncherGuard(threading.Thread):
+class _LauncherGuard(_RankThread):
     """Never touches the store, so it cannot block: ends the rank when SIGTERM arrived (the main
     thread may be inside gloo), when the launcher is gone, or when the store has not answered
     the watchdog for `fault_timeout` seconds (its host, the launcher, is frozen)."""
 
     def __init__(self, rt: FaultHandling):
-        super().__init__(name=f"spd-guard-{rt.rank}", daemon=True)
-        self.rt = rt
-        self.interval = watchdog_interval(rt.config.fault_timeout)
-        self._stop_event = threading.Event()
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        if self.is_alive() and threading.current_thread() is not self:
-            self.join(timeout=5)
+        super().__init__(rt, "guard")
 
     def run(self) -> None:
         rt = self.rt
