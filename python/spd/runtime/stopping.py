@@ -36,6 +36,12 @@ def _ids(ids, vocab_size: int | None) -> frozenset[int]:
     return frozenset(ids)
 
 
+def find_stop(text: str, stop_strings, since: int = 0) -> int | None:
+    """Where the first stop string found in text[since:] begins, or None."""
+    hits = [i for i in (text.find(s, since) for s in stop_strings) if i >= 0]
+    return min(hits) if hits else None
+
+
 class StopRule:
     """Feed every new token once, in order (`feed`); `ended` says whether the decode ends there.
 
@@ -62,9 +68,9 @@ class StopRule:
             text = self.decoded()
             # search only what can hold a stop string that ends in the new characters
             since = max(0, self._checked - max(len(s) for s in self.stop_strings) + 1)
-            hits = [i for i in (text.find(s, since) for s in self.stop_strings) if i >= 0]
-            if hits:
-                self.ended, self.cut = True, min(hits)
+            cut = find_stop(text, self.stop_strings, since)
+            if cut is not None:
+                self.ended, self.cut = True, cut
             self._checked = len(text)
         return self.ended
 
@@ -79,8 +85,3 @@ class StopRule:
         """The decoded text of the fed tokens, cut before the stop string that ended it."""
         text = self.decoded()
         return text if self.cut is None else text[:self.cut]
-
-    def holdback(self) -> int:
-        """Characters at the end of the text a stream must hold back while the decode goes on:
-        they may be the start of a stop string."""
-        return max((len(s) - 1 for s in self.stop_strings), default=0)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from spd.errors import SPDError
+from spd.runtime.stopping import find_stop
 
 
 @dataclass
@@ -60,9 +61,9 @@ class TextStream:
         """The text so far, cut before a stop string found in it, without a partial character
         at the end or a tail that may still become a stop string."""
         text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
-        if hits:
-            return text[:min(hits)]
+        cut = find_stop(text, self.stop_strings)
+        if cut is not None:
+            return text[:cut]
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
             text = text[:-1]
         hold = max((len(s) - 1 for s in self.stop_strings), default=0)
