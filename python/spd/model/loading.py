@@ -183,7 +183,7 @@ def model_config(path=None):
 
 
 def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | None = None,
-                embed: bool = True, head: bool = True):
+                embed: bool = True, head: bool = True, tokenizer: bool = True):
     """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`, its weights
     in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU by default).
 
@@ -192,7 +192,8 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
     held when either is). The rest stays on the meta device and is never read: from safetensors
     files each kept tensor is read by name into its final buffer (one copy of every weight, the
     packed q/k/v and gate/up groups included). Other formats (pytorch_model*.bin) cannot be read
-    in part: they load whole, and a part is then cut from it, with a logged warning."""
+    in part: they load whole, and a part is then cut from it, with a logged warning.
+    `tokenizer=False` leaves `target.tokenizer` None (a stage rank: ~50 MB less resident)."""
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -219,18 +220,22 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
         model = _load_part(folder, config, weights, device, dtype, layers, embed, head)
     else:
         model = _load_whole(folder, device, dtype)
-        if layers is not None or not (embed and head):
-            log(f"{folder}: {files[0].name} cannot be read in part (not safetensors): loading "
-                "the whole model, then dropping what this process does not use")
-            for name, names in _param_names(model).items():
-                if not any(_wanted(a, layers, embed, head) for a in names):
-                    meta = torch.nn.Parameter(model.get_parameter(name).to("meta"))
-                    for a in names:
-                        _set_param(model, a, meta)
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
-    return TargetModel(model.eval(), tokenizer, name=str(folder), weights=weights)
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(folder)
+        tok.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
+    target = TargetModel(model.eval(), tok, name=str(folder), weights=weights)
+    if weights is None and (layers is not None or not (embed and head)):
+        log(f"{folder}: {files[0].name} cannot be read in part (not safetensors): loading the "
+            "whole model, then dropping what this process does not use")
+        target.fingerprint()  # now: what is dropped cannot be read again
+        for name, names in _param_names(model).items():
+            if not any(_wanted(a, layers, embed, head) for a in names):
+                meta = torch.nn.Parameter(model.get_parameter(name).to("meta"))
+                for a in names:
+                    _set_param(model, a, meta)
+    return target
 
 
 def _load_whole(folder: Path, device: str, dtype):
