@@ -19,7 +19,8 @@ PARTS = {  # what each kind of rank holds (n = 2 of a 4-layer model; stage 1 of 
 }
 
 
-def _tiny_folder(root, model_type: str, tied: bool = False, bin_format: bool = False):
+def _tiny_folder(root, model_type: str, tied: bool = False, bin_format: bool = False,
+                 sharded: bool = False):
     """A random 4-layer model of that type with the default model's tokenizer files."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
     cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[model_type]
@@ -29,7 +30,7 @@ def _tiny_folder(root, model_type: str, tied: bool = False, bin_format: bool = F
     torch.manual_seed(1)
     folder = root / f"{model_type}{'-tied' if tied else ''}{'-bin' if bin_format else ''}"
     model = AutoModelForCausalLM.from_config(cfg)
-    model.save_pretrained(folder)
+    model.save_pretrained(folder, **({"max_shard_size": "20KB"} if sharded else {}))
     if bin_format:  # a pickle checkpoint, as older folders have (save_pretrained writes none)
         (folder / "model.safetensors").unlink()
         torch.save(model.state_dict(), folder / "pytorch_model.bin")
@@ -39,10 +40,11 @@ def _tiny_folder(root, model_type: str, tied: bool = False, bin_format: bool = F
     return folder
 
 
-@pytest.fixture(scope="module", params=["llama", "llama-tied", "qwen2", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "llama-tied", "llama-sharded", "qwen2", "qwen3"])
 def tiny_folder(request, tmp_path_factory):
-    kind, _, tied = request.param.partition("-")
-    return _tiny_folder(tmp_path_factory.mktemp("m"), kind, tied=bool(tied))
+    kind, _, variant = request.param.partition("-")
+    return _tiny_folder(tmp_path_factory.mktemp("m"), kind, tied=variant == "tied",
+                        sharded=variant == "sharded")
 
 
 def _whole(folder, dtype=torch.float32) -> TargetModel:
@@ -132,7 +134,7 @@ def _storages(tensors) -> dict[int, int]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_whole_load_holds_one_copy_of_each_weight(tiny_folder, dtype):
     t = load_target(str(tiny_folder), dtype=dtype, tokenizer=False)
-    files = WeightFiles(sorted(tiny_folder.glob("*.safetensors")))
+    files = WeightFiles(sorted(tiny_folder.glob("model*.safetensors")))
     stored = sum(e.numel for e in files.entries.values()) * dtype.itemsize
     params = list(t.hf.parameters())  # a tied head is listed once
     assert all(p.dtype == dtype for p in params)
@@ -160,3 +162,13 @@ def test_the_engine_uses_the_targets_weights_without_copies(default_target):
     vocab_rows = t.vocab_size * t.hidden_size
     assert all(p.numel() < vocab_rows for p in pdm)
 
+
+
+def test_a_sharded_folder_reads_the_shards_its_index_names(tmp_path):
+    folder = _tiny_folder(tmp_path, "qwen2", sharded=True)
+    whole = _whole(folder)
+    shutil.copy(sorted(folder.glob("model-*.safetensors"))[0], folder / "consolidated.safetensors")
+    kw = PARTS["last stage"]
+    t = load_target(str(folder), tokenizer=False, **kw)
+    _check_part(t, whole, **kw)
+    assert t.fingerprint() == whole.fingerprint()

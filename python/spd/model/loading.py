@@ -216,6 +216,12 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
     weights = None
     if files[0].suffix == ".safetensors":
         from spd.model.weight_files import WeightFiles
+        index = folder / "model.safetensors.index.json"
+        if index.exists():  # the shards it names (a folder may hold other *.safetensors too)
+            shards = read_json_object(index, "weights index").get("weight_map")
+            if not isinstance(shards, dict):
+                raise SPDError(f"{index} has no weight_map")
+            files = [folder / f for f in sorted(set(shards.values()))]
         weights = WeightFiles(files)
         model = _load_part(folder, config, weights, device, dtype, layers, embed, head)
     else:
