@@ -219,6 +219,9 @@ def main() -> None:
     out = args.json_out or RESULTS / "2026-12-03-rank-memory-cpu.json"
     write_json(out, run_meta("cpu", model=args.model or "default", stages=args.stages,
                              baseline_torch_mb=base_torch / 1024,
+                             note="base = each checkout's tiny-model run less the bytes of the "
+                                  "rank's part; where ranks load the whole model (before), "
+                                  "that base is high by the rest of the tiny model (~25 MB)",
                              spd_paths={k: v["spd"] for k, v in runs.items()}), rows=rows)
 
 

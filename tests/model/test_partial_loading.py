@@ -7,6 +7,7 @@ import shutil
 import pytest
 import torch
 
+from spd.errors import SPDError
 from spd.model.loading import _load_whole, load_target, resolve_model_path
 from spd.model.target import TargetModel
 from spd.model.weight_files import WeightFiles
@@ -120,10 +121,10 @@ def test_a_pickle_checkpoint_loads_whole_then_drops_the_rest_with_a_warning(tmp_
     assert "cannot be read in part" not in capsys.readouterr().err
 
 
-def test_layers_outside_the_model_are_refused(tiny_folder):
-    from spd.errors import SPDError
+@pytest.mark.parametrize("layers", [range(2, 5), range(-1, 2), range(0, 4, 2), [0, 1]])
+def test_layers_outside_the_model_are_refused(tiny_folder, layers):
     with pytest.raises(SPDError, match="not a block of the model's 4 layers"):
-        load_target(str(tiny_folder), layers=range(2, 5), tokenizer=False)
+        load_target(str(tiny_folder), layers=layers, tokenizer=False)
 
 
 def _storages(tensors) -> dict[int, int]:
@@ -172,3 +173,7 @@ def test_a_sharded_folder_reads_the_shards_its_index_names(tmp_path):
     t = load_target(str(folder), tokenizer=False, **kw)
     _check_part(t, whole, **kw)
     assert t.fingerprint() == whole.fingerprint()
+    gone = sorted(folder.glob("model-*.safetensors"))[1]
+    gone.unlink()
+    with pytest.raises(SPDError, match=f"names shards that are not there: {gone.name}"):
+        load_target(str(folder), tokenizer=False, **kw)

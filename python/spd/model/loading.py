@@ -207,11 +207,10 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
     folder = resolve_model_path(path)
     config = model_config(folder)
     dtype = resolve_dtype(dtype, device)
-    if layers is not None:
-        layers = range(layers.start, layers.stop)
-        if layers.start < 0 or layers.stop > config.num_hidden_layers or layers.step != 1:
-            raise SPDError(f"layers {layers} are not a block of the model's "
-                           f"{config.num_hidden_layers} layers")
+    if layers is not None and (not isinstance(layers, range) or layers.step != 1 or
+                               layers.start < 0 or layers.stop > config.num_hidden_layers):
+        raise SPDError(f"layers {layers} are not a block of the model's "
+                       f"{config.num_hidden_layers} layers")
     files = _weight_files(folder)
     weights = None
     if files[0].suffix == ".safetensors":
@@ -222,6 +221,9 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
             if not isinstance(shards, dict):
                 raise SPDError(f"{index} has no weight_map")
             files = [folder / f for f in sorted(set(shards.values()))]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise SPDError(f"{index} names shards that are not there: {', '.join(absent)}")
         weights = WeightFiles(files)
         model = _load_part(folder, config, weights, device, dtype, layers, embed, head)
     else:
