@@ -233,7 +233,7 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(folder)
         tok.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
-    target = TargetModel(model.eval(), tok, name=str(folder), weights=weights)
+    target = TargetModel(model.eval(), tok, name=str(folder), weight_files=weights)
     if weights is None and (layers is not None or not (embed and head)):
         log(f"{folder}: {files[0].name} cannot be read in part (not safetensors): loading the "
             "whole model, then dropping what this process does not use")

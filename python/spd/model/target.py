@@ -49,8 +49,8 @@ def check_layers_supported(hf_model, name: str) -> None:
 class TargetModel:
     """A Hugging Face Llama/Qwen2/Qwen3 causal LM, exposed layer by layer."""
 
-    def __init__(self, hf_model, tokenizer, name: str = "target", weights=None):
-        """weights: the model's files (spd.model.weight_files.WeightFiles) when a part of it is
+    def __init__(self, hf_model, tokenizer, name: str = "target", weight_files=None):
+        """weight_files: the model's files (spd.model.weight_files.WeightFiles) when a part of it is
         on the meta device (a distributed rank's): the fingerprint reads its sample there."""
         cfg = hf_model.config
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
@@ -59,7 +59,7 @@ class TargetModel:
         for layer in hf_model.model.layers:  # one buffer per q/k/v and per gate/up group
             if not _on_meta(layer):
                 pack_layer_(layer)
-        self.weights = weights
+        self.weight_files = weight_files
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.name = name
@@ -148,11 +148,12 @@ class TargetModel:
             return flat[::max(1, flat.numel() // count)][:count]
         name = next((n for n, p in self.hf.named_parameters(remove_duplicate=False)
                      if p is w), None)
-        key = None if self.weights is None or name is None else self.weights.key(name)
+        key = (None if self.weight_files is None or name is None
+               else self.weight_files.key(name))
         if key is None:
             raise SPDError(f"{self.name}: {name or 'a weight'} is not loaded here and there is "
                            "no model file to read it from")
-        return self.weights.sample(key, count)
+        return self.weight_files.sample(key, count)
 
     def new_cache(self, layers: int, capacity: int, poison: bool = False) -> KVCache:
         return KVCache(layers, self.num_kv_heads, self.head_dim, capacity, self.device,
