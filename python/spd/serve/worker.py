@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from spd.errors import SPDError
-from spd.runtime.stopping import StopRule
 from spd.runtime.streaming import safe_text
 from spd.serve.backends import DecodeCancelled
 from spd.serve.jobs import Job
@@ -66,6 +65,10 @@ class EngineWorker:
     def stop(self) -> None:
         self._stop.set()
 
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
     def run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -93,7 +96,7 @@ class EngineWorker:
             self.counts["cancelled"] += 1
             return
         tok = self.backend.target.tokenizer
-        stop_strings = StopRule(stop=job.stop).stop_strings
+        stop_strings = tuple(job.stop or ())  # checked when the job was made
         ids: list[int] = []
         sent = ""
 
