@@ -299,3 +299,39 @@ def test_default_model_chat_equals_generate(default_target):
     finally:
         server.stop()
         thread.join(10)
+
+
+def test_each_request_is_logged_with_its_id_and_token_counts(served, caplog):
+    import logging
+    _, engine, client = served
+    with caplog.at_level(logging.INFO, logger="spd.serve"):
+        resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=5,
+                                              temperature=0)
+        deadline = time.monotonic() + 10
+        while not any(resp.id in r.getMessage() for r in caplog.records):
+            assert time.monotonic() < deadline, "no log line for the request"
+            time.sleep(0.02)
+    line = next(r.getMessage() for r in caplog.records if resp.id in r.getMessage())
+    assert f"prompt={resp.usage.prompt_tokens} new={resp.usage.completion_tokens}" in line
+    assert "time=" in line
+
+
+def test_log_level_flag(tmp_path):
+    import logging
+
+    from spd.cli.logs import setup_logging
+    from spd.cli.main import build_parser
+    p = build_parser()
+    assert p.parse_args(["serve"]).log_level == "info"
+    assert p.parse_args(["generate", "--prompt", "x"]).log_level == "warning"
+    spd = logging.getLogger("spd")
+    try:
+        setup_logging("error")
+        assert spd.getEffectiveLevel() == logging.ERROR
+        setup_logging("debug")
+        assert len([h for h in spd.handlers if getattr(h, "_spd", False)]) == 1
+    finally:  # leave the logger as the other tests expect it
+        for h in [h for h in spd.handlers if getattr(h, "_spd", False)]:
+            spd.removeHandler(h)
+        spd.setLevel(logging.NOTSET)
+        spd.propagate = True

@@ -17,6 +17,7 @@ from spd.cli.common import (
     warn_untrained_pdm,
 )
 from spd.cli.generate import add_distributed_args, wants_distributed
+from spd.cli.logs import add_log_level_arg, setup_logging
 from spd.errors import SPDError
 
 log = logging.getLogger("spd.serve")
@@ -57,9 +58,18 @@ def add_serve(sub) -> None:
     add_dtype_arg(p)
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
+    add_log_level_arg(p, "info")
     add_distributed_args(p)
     add_lookup_arg(p)
     p.set_defaults(func=cmd_serve)
+
+
+def setup_serve_logging(level: str) -> None:
+    """spd's messages at `level` (each request at info); uvicorn's at warning and above (its
+    start-up lines repeat ours), debug included when asked."""
+    setup_logging(level, ("uvicorn",))
+    logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLevelName(
+        level.upper())) if level != "debug" else logging.DEBUG)
 
 
 def model_name(args) -> str:
@@ -87,6 +97,7 @@ def cmd_serve(args) -> int:
     from spd.serve.server import bind_socket
 
     require_serve_deps()
+    setup_serve_logging(args.log_level)
     bind_socket(args.host, args.port).close()  # a busy port is refused before the model loads
     precheck_pdm(args.pdm)
     if wants_distributed(args):

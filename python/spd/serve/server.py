@@ -78,7 +78,7 @@ class Server:
             if not self._http_thread.is_alive() or time.monotonic() > deadline:
                 raise SPDError(f"the HTTP server did not start on {self.url}")
             time.sleep(0.01)
-        log.info("serving on %s (backend: %s)", self.url, self.worker.backend.describe())
+        log.debug("serving on %s (backend: %s)", self.url, self.worker.backend.describe())
 
     def run(self) -> None:
         """Serve until stopped; the engine runs on this thread."""
