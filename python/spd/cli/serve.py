@@ -3,7 +3,9 @@ of the distributed runtime with --distributed / torchrun)."""
 from __future__ import annotations
 
 import logging
+import os
 import sys
+from functools import partial
 from pathlib import Path
 
 from spd.cli.common import (
@@ -98,7 +100,8 @@ def cmd_serve(args) -> int:
 
     require_serve_deps()
     setup_serve_logging(args.log_level)
-    bind_socket(args.host, args.port).close()  # a busy port is refused before the model loads
+    if os.environ.get("RANK", "0") == "0":  # the rank that will listen (torchrun: rank 0)
+        bind_socket(args.host, args.port).close()  # a busy port: refused before loading
     precheck_pdm(args.pdm)
     if wants_distributed(args):
         return cmd_serve_distributed(args)
@@ -128,5 +131,43 @@ def cmd_serve(args) -> int:
     return 0
 
 
+# --- distributed: rank 0 serves HTTP, the stage ranks wait for each request ----------------------
+def serve_job(opts: dict, engine):
+    """Rank 0's job: the HTTP server over DistributedSPDEngine until it stops. A rank that dies
+    fails the request in flight (5xx) and stops the server; this rank then leaves naming it."""
+    from spd.serve.backends import DistributedBackend
+    from spd.serve.server import Server
+
+    opts = dict(opts)
+    setup_serve_logging(opts.pop("log_level"))
+    if getattr(engine.engine, "pdm_source", "") == "untrained":
+        warn_untrained_pdm()
+    backend = DistributedBackend(engine)
+    server = Server(backend, **opts)
+    # the watchdog may end this process first (a peer's failure record): answer before leaving
+    engine.rt.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
+    server.start_http()
+    _announce(server)
+    server.run()
+    if backend.failure is not None:
+        engine.rt.stop_for(backend.failure)  # leaves the process, naming the failed rank
+    if server.fatal_error is not None:
+        raise RuntimeError(server.fatal_error)
+    return dict(server.worker.counts)
+
+
 def cmd_serve_distributed(args) -> int:
-    raise SPDError("spd serve --distributed is not available yet")
+    from spd.cli.generate import config_from_args
+    from spd.distributed.faults import RankFailedError
+    from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
+
+    config = config_from_args(args)
+    job = partial(serve_job, {**server_opts(args), "log_level": args.log_level})
+    if under_torchrun():
+        return run_torchrun(config, job)
+    try:
+        launch_local(config, job, master_addr=args.master_addr, master_port=args.master_port)
+    except RankFailedError as exc:
+        print(f"spd: error: the server stopped: {exc}", file=sys.stderr)
+        return 1
+    return 0

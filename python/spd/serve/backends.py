@@ -30,3 +30,39 @@ class LocalBackend:
         run = self.engine.generate if self.mode == "spd" else self.engine.generate_ar
         return run(job.prompt_ids, job.max_new, job.sampling, on_token=tick, stop=job.stop,
                    stop_token_ids=job.stop_token_ids)
+
+
+class RankFailure(Exception):
+    """A rank of the distributed runtime failed mid-decode: the runtime cannot serve again."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record
+
+
+class DistributedBackend:
+    """Rank 0 of the distributed runtime (DistributedSPDEngine); the stage ranks wait for the
+    next request between jobs, their caches reused. A cancelled job ends at its next token as
+    EOS would, so every rank stays in step. Any failure mid-decode is fatal: the stages may be
+    mid-cycle. `failure` keeps the blame record of a lost rank for the caller to leave with."""
+
+    fatal: tuple[type[BaseException], ...] = (Exception,)
+
+    def __init__(self, engine):
+        self.engine, self.target = engine, engine.target
+        self.failure: dict | None = None
+
+    def describe(self) -> str:
+        return f"distributed, {self.engine.n} stage ranks + 1 draft rank"
+
+    def generate(self, job: Job, on_token):
+        from spd.distributed.faults import describe_failure
+        from spd.distributed.transport import CommError
+        try:
+            return self.engine.generate(job.prompt_ids, job.max_new, job.sampling,
+                                        on_token=on_token, stop=job.stop,
+                                        stop_token_ids=job.stop_token_ids, cancel=job.cancel)
+        except CommError as exc:  # usually a peer died: name it, as run_rank would
+            rt = self.engine.rt
+            self.failure = rt.blame_after_comm_error(exc, min(1.0, rt.config.fault_timeout))
+            raise RankFailure(describe_failure(self.failure), self.failure) from exc

@@ -89,6 +89,14 @@ class Server:
         finally:
             self.stop()
 
+    def fail(self, message: str, wait_s: float = 3.0) -> None:
+        """The backend died (called from any thread, e.g. a rank's exit hook): every request
+        in flight or waiting gets its 5xx / 503, then HTTP stops (up to wait_s to send them)."""
+        self.worker.fail_in_flight(message)
+        self._stop_http()
+        if self._http_thread.is_alive() and threading.current_thread() is not self._http_thread:
+            self._http_thread.join(wait_s)
+
     def stop(self) -> None:
         self.worker.stop()
         self._stop_http()

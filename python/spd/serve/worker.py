@@ -53,6 +53,7 @@ class EngineWorker:
         self.fatal_error: str | None = None
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
         self.busy = False
+        self._current: Job | None = None
 
     def submit(self, job: Job) -> None:
         if self._stop.is_set():
@@ -109,7 +110,7 @@ class EngineWorker:
             job.emit(TokenEvent(token, piece))
 
         t0 = time.perf_counter()
-        self.busy = True
+        self.busy, self._current = True, job
         try:
             result = self.backend.generate(job, on_token)
         except DecodeCancelled:
@@ -130,7 +131,7 @@ class EngineWorker:
             job.emit(ErrorEvent(500, f"internal error: {type(exc).__name__}: {exc}"))
             return
         finally:
-            self.busy = False
+            self.busy, self._current = False, None
         if job.cancel.is_set():
             self.counts["cancelled"] += 1
         else:
@@ -143,12 +144,21 @@ class EngineWorker:
                  len(job.prompt_ids), len(result.token_ids), result.finish_reason,
                  time.perf_counter() - t0, t0 - job.queued_at, st.summary())
 
-    def _fail(self, job: Job, message: str) -> None:
+    def _fail(self, job: Job | None, message: str) -> None:
         """The backend cannot serve again (a rank died): fail this job, stop the server."""
+        if self.fatal_error is not None:  # told already (the rank's exit hook, then the error)
+            return
         self.fatal_error = message
-        self.counts["failed"] += 1
         log.error("the engine failed; stopping the server: %s", message)
-        job.emit(ErrorEvent(500, f"the engine failed: {message}"))
+        if job is not None:
+            self.counts["failed"] += 1
+            job.emit(ErrorEvent(500, f"the engine failed: {message}"))
         self._stop.set()
+        self._drain()
         if self.on_fatal is not None:
             self.on_fatal(message)
+
+    def fail_in_flight(self, message: str) -> None:
+        """From another thread, when the backend is known to be dead (the process is leaving):
+        the request being decoded and those waiting get their error now."""
+        self._fail(self._current, message)
