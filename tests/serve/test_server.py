@@ -241,6 +241,28 @@ def test_disconnect_mid_stream_stops_the_decode_and_the_next_request_is_right(se
     assert resp.choices[0].message.content == ref.text
 
 
+def test_disconnect_while_waiting_for_a_whole_answer_stops_the_decode(served):
+    server, engine, client = served
+    wait_idle(server)
+    before = health(server)["cancelled"]
+    conn = _conn(server)
+    conn.request("POST", "/v1/chat/completions", headers={"content-type": "application/json"},
+                 body=json.dumps({"model": MODEL, "messages": MESSAGES, "max_tokens": 3000,
+                                  "temperature": 0}))
+    deadline = time.monotonic() + 20
+    while not health(server)["busy"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    conn.close()
+    t0 = time.monotonic()
+    assert wait_idle(server)["cancelled"] == before + 1
+    assert time.monotonic() - t0 < 20
+    ref = engine.generate(MESSAGES, 12)
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                          temperature=0)
+    assert resp.choices[0].message.content == ref.text
+
+
 def test_full_queue_gets_429_and_the_waiting_request_still_completes(served):
     server, engine, client = served
     wait_idle(server)

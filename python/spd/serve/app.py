@@ -51,6 +51,11 @@ def create_app(worker: EngineWorker, model_name: str, default_max_tokens: int = 
         msg, param = _validation_message(exc)
         return JSONResponse(error_body(400, msg, param), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_request, exc: Exception):  # a bug still answers in OpenAI's shape
+        return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
+                            status_code=500)
+
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_request, exc: StarletteHTTPException):
         return JSONResponse(error_body(exc.status_code, str(exc.detail)),
@@ -104,14 +109,26 @@ def create_app(worker: EngineWorker, model_name: str, default_max_tokens: int = 
             else:
                 raise APIError(ev.status, ev.message)
 
-    async def _complete(req, prefix: str, respond, chunk, obj: str):
+    async def _finish_unless_gone(job: Job, request: Request):
+        """_finish, but a client that disconnects meanwhile stops the decode."""
+        done = asyncio.ensure_future(_finish(job))
+        try:
+            while True:
+                finished, _ = await asyncio.wait({done}, timeout=0.25)
+                if finished:
+                    return done.result()
+                if await request.is_disconnected():  # nobody to answer: stop, free the engine
+                    job.cancel.set()
+                    raise APIError(499, "the client closed the connection")
+        finally:
+            job.cancel.set()
+            done.cancel()
+
+    async def _complete(req, request: Request, prefix: str, respond, chunk, obj: str):
         job = await _start(req, prefix)
         n_prompt = len(job.prompt_ids)
         if not req.stream:
-            try:
-                text, result = await _finish(job)
-            finally:
-                job.cancel.set()  # a client that left stops the decode
+            text, result = await _finish_unless_gone(job, request)
             return respond(job.id, model_name, text, result, n_prompt)
         # The first event decides the status: an error before any token is a real 4xx / 5xx.
         first = await job.events.get()
@@ -150,21 +167,13 @@ def create_app(worker: EngineWorker, model_name: str, default_max_tokens: int = 
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
-        return await _complete(req, "chatcmpl", schemas.chat_response, schemas.chat_chunk,
+    async def chat_completions(req: ChatCompletionRequest, request: Request):
+        return await _complete(req, request, "chatcmpl", schemas.chat_response, schemas.chat_chunk,
                                "chat.completion.chunk")
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await _complete(req, "cmpl", schemas.completion_response,
+    async def completions(req: CompletionRequest, request: Request):
+        return await _complete(req, request, "cmpl", schemas.completion_response,
                                schemas.completion_chunk, "text_completion")
-
-    @app.middleware("http")
-    async def _unexpected(request: Request, call_next):
-        try:
-            return await call_next(request)
-        except Exception as exc:  # noqa: BLE001 - a bug must still answer in OpenAI's shape
-            return JSONResponse(error_body(500, f"internal error: {type(exc).__name__}"),
-                                status_code=500)
 
     return app
