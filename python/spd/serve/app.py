@@ -97,41 +97,48 @@ def create_app(worker: EngineWorker, model_name: str, default_max_tokens: int = 
                            "queue_full") from None
         return job
 
-    async def _finish(job: Job):
-        """(text, result) of a job, once it is done."""
-        parts = []
-        while True:
-            ev = await job.events.get()
-            if isinstance(ev, TokenEvent):
-                parts.append(ev.text)
-            elif isinstance(ev, DoneEvent):
-                return "".join(parts) + ev.tail, ev.result
-            else:
-                raise APIError(ev.status, ev.message)
-
-    async def _finish_unless_gone(job: Job, request: Request):
-        """_finish, but a client that disconnects meanwhile stops the decode."""
-        done = asyncio.ensure_future(_finish(job))
+    async def _next_event(job: Job, request: Request):
+        """The job's next event; a client that disconnects meanwhile stops the decode (and
+        the job, if it was still waiting in the queue)."""
+        get = asyncio.ensure_future(job.events.get())
         try:
             while True:
-                finished, _ = await asyncio.wait({done}, timeout=0.25)
+                # every quarter second, also while tokens keep coming
+                now = time.monotonic()
+                if now - job.checked_at >= 0.25:
+                    job.checked_at = now
+                    if await request.is_disconnected():  # nobody to answer: free the engine
+                        job.cancel.set()
+                        raise APIError(499, "the client closed the connection")
+                finished, _ = await asyncio.wait({get}, timeout=0.25)
                 if finished:
-                    return done.result()
-                if await request.is_disconnected():  # nobody to answer: stop, free the engine
-                    job.cancel.set()
-                    raise APIError(499, "the client closed the connection")
+                    return get.result()
+        finally:
+            get.cancel()  # a no-op once it has its event
+
+    async def _finish(job: Job, request: Request):
+        """(text, result) of a job, once it is done."""
+        parts = []
+        try:
+            while True:
+                ev = await _next_event(job, request)
+                if isinstance(ev, TokenEvent):
+                    parts.append(ev.text)
+                elif isinstance(ev, DoneEvent):
+                    return "".join(parts) + ev.tail, ev.result
+                else:
+                    raise APIError(ev.status, ev.message)
         finally:
             job.cancel.set()
-            done.cancel()
 
     async def _complete(req, request: Request, prefix: str, respond, chunk, obj: str):
         job = await _start(req, prefix)
         n_prompt = len(job.prompt_ids)
         if not req.stream:
-            text, result = await _finish_unless_gone(job, request)
+            text, result = await _finish(job, request)
             return respond(job.id, model_name, text, result, n_prompt)
         # The first event decides the status: an error before any token is a real 4xx / 5xx.
-        first = await job.events.get()
+        first = await _next_event(job, request)
         if isinstance(first, ErrorEvent):
             raise APIError(first.status, first.message)
         created = int(time.time())

@@ -33,6 +33,7 @@ class Job:
     events: object = None  # the request's own queue of those events (the app's)
     cancel: threading.Event = field(default_factory=threading.Event)
     queued_at: float = field(default_factory=time.perf_counter)
+    checked_at: float = 0.0  # when the app last asked whether the client is still there
 
 
 def new_id(prefix: str) -> str:
