@@ -96,7 +96,7 @@ def test_two_requests_equal_the_single_process_engine_and_a_disconnect(tiny_dir)
             assert resp.usage.completion_tokens == len(ref.token_ids)
             assert resp.usage.prompt_tokens == len(encode_messages(target.tokenizer, messages))
             spd = resp.usage.model_extra["spd"]
-            assert (spd["n"], spd["N"]) == (3, ref.stats.N)
+            assert (spd["n"], spd["N"], spd["K"]) == (3, ref.stats.N, ref.stats.K)
         # a client that leaves mid-stream: the ranks finish that decode early and serve on
         stream = client.chat.completions.create(model=MODEL, messages=asks[0], max_tokens=2000,
                                                 temperature=0, stream=True)
