@@ -12,7 +12,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+from spd.runtime.types import MAX_SEED
 
 
 class StreamOptions(BaseModel):

@@ -12,7 +12,7 @@ from typing import Callable
 
 from spd.errors import SPDError
 from spd.runtime.streaming import safe_text
-from spd.serve.backends import DecodeCancelled
+from spd.serve.backends import DecodeCancelled, RankFailure
 from spd.serve.jobs import Job
 
 log = logging.getLogger("spd.serve")
@@ -123,7 +123,8 @@ class EngineWorker:
             job.emit(ErrorEvent(400, str(exc)))
             return
         except self.backend.fatal as exc:
-            self._fail(job, str(exc))
+            self._fail(job, str(exc) if isinstance(exc, RankFailure)
+                       else f"{type(exc).__name__}: {exc}")
             return
         except Exception as exc:  # a bug: this request fails, the next one starts afresh
             self.counts["failed"] += 1
