@@ -357,3 +357,32 @@ def test_log_level_flag(tmp_path):
             spd.removeHandler(h)
         spd.setLevel(logging.NOTSET)
         spd.propagate = True
+
+
+def test_a_fatal_engine_error_fails_the_request_and_stops_the_server(served):
+    from spd.serve.backends import RankFailure
+
+    _, engine, _ = served
+
+    class Dying(LocalBackend):
+        """Fails as the distributed backend does when a rank dies mid-decode."""
+        fatal = (RankFailure,)
+
+        def generate(self, job, on_token):
+            on_token(engine.generate(MESSAGES, 1).token_ids[0])
+            raise RankFailure("rank 2 (stage 1) was killed: killed by SIGKILL")
+
+    server, thread = start_background(Dying(engine), model_name=MODEL, port=0)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        with pytest.raises(openai.InternalServerError) as info:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert info.value.status_code == 500
+        assert "rank 2 (stage 1) was killed" in info.value.message
+        thread.join(15)
+        assert not thread.is_alive() and not server._http_thread.is_alive()
+        assert server.fatal_error == "rank 2 (stage 1) was killed: killed by SIGKILL"
+    finally:
+        server.stop()
+        thread.join(10)
