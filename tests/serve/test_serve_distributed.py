@@ -1,7 +1,9 @@
 """`spd serve --distributed --stages 3` on gloo and the CPU, as a user starts it: two requests in
 a row give exactly the single-process engine's text, a client that leaves mid-stream frees the
 ranks for the next request, and a stage rank that dies fails the request in flight with a 500
-naming it and stops the server (exit status 1, the same message).
+naming it and stops the server (exit status 1, the same message). Without HTTP: rank 0's
+`generate` ends a cancelled decode at its next token and a stop id where the single-process
+engine does, and the next decode is whole.
 
 Every server is started in its own process group and killed in a finally block."""
 from __future__ import annotations
@@ -12,7 +14,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -20,7 +24,11 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
+from conftest import make_tiny_target  # noqa: E402
+
 from spd import SPDEngine  # noqa: E402
+from spd.distributed.config import DistConfig  # noqa: E402
+from spd.distributed.launch import launch_local  # noqa: E402
 from spd.model.prompt import encode_messages  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,3 +136,36 @@ def test_a_stage_rank_that_dies_fails_the_request_and_stops_the_server(tiny_dir)
     finally:
         if proc.poll() is None:
             _kill_group(proc)
+
+
+# --- DistributedSPDEngine.generate's serving contract, without HTTP -------------------------------
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+
+
+def _tiny(rank: int):
+    return make_tiny_target(seed=5, vocab=48, layers=4)
+
+
+def _cancel_stop_then_continue(stop_id: int, engine):
+    """Rank 0's job: a decode cancelled at its 5th token, one ended by a stop id, a whole one."""
+    cancel, seen = threading.Event(), []
+
+    def tick(token):
+        seen.append(token)
+        if len(seen) == 5:
+            cancel.set()
+    cut = engine.generate(PROMPT, 40, on_token=tick, cancel=cancel)
+    stopped = engine.generate(PROMPT, 40, stop_token_ids=[stop_id])
+    whole = engine.generate(PROMPT, 40)
+    return [(r.token_ids, r.finish_reason) for r in (cut, stopped, whole)]
+
+
+def test_distributed_cancel_and_stop_ids_keep_the_ranks_in_step():
+    full = SPDEngine(_tiny(0), n_stages=3, warn_untrained=False).generate(PROMPT, 40).token_ids
+    stop_id = full[9]
+    config = DistConfig(n_stages=3, target_factory=_tiny, fault_timeout=5.0, op_timeout=60.0)
+    cut, stopped, whole = launch_local(config, partial(_cancel_stop_then_continue, stop_id),
+                                       timeout=150)
+    assert cut == (full[:6], "stop")  # ends at the token after the one that cancelled
+    assert stopped == (full[:full.index(stop_id) + 1], "stop")
+    assert whole == (full, "length")
