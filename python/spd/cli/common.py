@@ -112,7 +112,9 @@ def add_dtype_arg(p) -> None:
 
 
 def add_model_layout_args(p) -> None:
-    p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face folder, or org/name from the local HF cache "
+                        "(default: SmolLM2)")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages n")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7")
     p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")

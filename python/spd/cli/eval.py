@@ -29,7 +29,9 @@ def add_eval(sub) -> None:
         "--stages, --pdm-layers, --datasets and --temperature lists), check every greedy output "
         "against autoregressive decoding, and write grid.json, report.md and plots to --out-dir "
         "(rerun the same command to resume).")
-    p.add_argument("--model", default=None, help="local Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face folder, or org/name from the local HF cache "
+                        "(default: SmolLM2)")
     p.add_argument("--stages", default="4",
                    help="pipeline stages n (a comma list with --methods, e.g. 2,4,6)")
     p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (single run)")

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+import time
 from functools import partial
 
 from spd import env
@@ -21,9 +23,12 @@ from spd.cli.common import (
     print_generation,
     warn_untrained_pdm,
 )
+from spd.cli.logs import add_log_level_arg, setup_logging
 from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 from spd.errors import SPDError
 from spd.model.prompt import encode_prompt
+
+log = logging.getLogger("spd.cli")
 
 
 def add_generate(sub) -> None:
@@ -37,7 +42,8 @@ def add_generate(sub) -> None:
     p.add_argument("--system", default=None,
                    help="a system message for the chat template (with --chat)")
     p.add_argument("--model", default=None,
-                   help="local Hugging Face folder (Llama/Qwen2/Qwen3); default: "
+                   help="local Hugging Face folder (Llama/Qwen2/Qwen3), or a repo id (org/name) "
+                        "found in the local Hugging Face cache; default: "
                         "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
     p.add_argument("--pdm", default=None,
                    help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
@@ -68,6 +74,7 @@ def add_generate(sub) -> None:
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
     p.add_argument("--quiet", action="store_true",
                    help="print only the generated text: no summary lines, no warnings")
+    add_log_level_arg(p, "warning")
     add_distributed_args(p)
     add_lookup_arg(p)
     p.set_defaults(func=cmd_generate)
@@ -95,6 +102,7 @@ def read_prompt(args) -> str:
 
 def cmd_generate(args) -> int:
     args.prompt = read_prompt(args)  # before any model loads (that takes seconds)
+    setup_logging(args.log_level)
     if args.quiet:
         import warnings
         warnings.simplefilter("ignore")
@@ -115,7 +123,10 @@ def cmd_generate(args) -> int:
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SPDError("--device cuda was requested but no CUDA device is available")
+    t0 = time.perf_counter()
     target = load_target(args.model, device=args.device, dtype=args.dtype)
+    log.info("loaded %s (%d layers, %s) in %.1f s", target.name, target.num_layers,
+             args.device, time.perf_counter() - t0)
     n = 1 if args.mode == "ar" else args.stages
     engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
@@ -123,7 +134,9 @@ def cmd_generate(args) -> int:
                        lookup=check_lookup(args.lookup))
     if engine.pdm_source == "untrained" and not args.quiet:
         warn_untrained_pdm()
+    log.info("engine: n=%d, PDM %s", engine.n, engine.pdm_source)
     prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat, args.system)
+    log.info("prompt: %d tokens", len(prompt_ids))
     streamer = None if args.json else Streamer(target.tokenizer)
     result = engine.generate(prompt_ids, args.max_new_tokens, sampling, on_token=streamer)
     print_generation(target.tokenizer, result, args.json, args.quiet)
@@ -183,6 +196,7 @@ def cli_job(opts: dict, engine):
     """Rank 0's job for `generate`: encode, decode (streaming or --json), print."""
     from spd.runtime.types import SamplingParams
 
+    setup_logging(opts.get("log_level", "warning"))  # this rank's process
     target = engine.target
     sampling = SamplingParams(opts["temperature"], opts["top_k"], opts["top_p"], opts["seed"])
     prompt_ids = encode_prompt(target.tokenizer, opts["prompt"], opts["chat"], opts["system"])
@@ -205,7 +219,7 @@ def cmd_generate_distributed(args) -> int:
     config = config_from_args(args)
     opts = {k: getattr(args, k) for k in ("prompt", "chat", "system", "temperature", "top_k",
                                           "top_p", "seed", "max_new_tokens", "json", "pdm",
-                                          "quiet")}
+                                          "quiet", "log_level")}
     job = partial(cli_job, opts)
     if under_torchrun():
         return run_torchrun(config, job)

@@ -1,4 +1,4 @@
-"""Command line: `python -m spd generate|train|eval ...` (each subcommand in its own module)."""
+"""Command line: `python -m spd generate|train|eval|serve ...` (each subcommand in its own module)."""
 from __future__ import annotations
 
 import argparse
@@ -7,7 +7,7 @@ import sys
 from functools import partial
 
 from spd.cli import eval as eval_cmd
-from spd.cli import generate, train
+from spd.cli import generate, serve, train
 from spd.errors import SPDError
 from spd.version import __version__
 from spd_kernels import SPDBackendError, _cuda
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_generate(sub)
     train.add_train(sub)
     eval_cmd.add_eval(sub)
+    serve.add_serve(sub)
     _document_defaults(parser)
     return parser
 

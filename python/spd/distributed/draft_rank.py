@@ -17,7 +17,7 @@ from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
 from spd.runtime.schedule import PipelineSchedule
-from spd.runtime.sequence import SequenceDecode, check_prompt
+from spd.runtime.sequence import SequenceDecode
 
 
 class DraftRankStreams:
@@ -145,12 +145,17 @@ class DistributedSPDEngine:
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(), drafter=None,
-                 on_token: Callable[[int], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int], None] | None = None, *, stop=None,
+                 stop_token_ids=None, cancel=None) -> GenerationResult:
+        """`SPDEngine.generate`'s contract; `cancel` (an Event), once set, ends the decode at
+        its next token as EOS would (the stages stay in step: the server's disconnects)."""
         rt, t, n = self.rt, self.target, self.n
-        ids, max_new = check_prompt(t, prompt_ids, max_new_tokens)
+        ids, max_new, rule = self.engine._request(prompt_ids, max_new_tokens, stop,
+                                                  stop_token_ids)
+        rule.cancel = cancel
         drafter = drafter or self.engine.drafter
         dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
-                             DistributedDecodeStats(mode="spd", n=n), on_token)
+                             DistributedDecodeStats(mode="spd", n=n), on_token, rule)
         prompt_len = dec.prompt_len
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
                                 "prompt_len": prompt_len, "capacity": dec.capacity})
@@ -254,4 +259,4 @@ class DistributedSPDEngine:
         stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats, verify_s)
         stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
         stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
-        return GenerationResult(dec.out, stats, dec.stop.finish_reason)
+        return self.engine._result(dec.out, stats, rule)

@@ -188,6 +188,8 @@ class FaultHandling:
     def _start_fault_handling(self) -> None:
         self._exit_lock = threading.Lock()
         self._exiting = False
+        # called as hook(message) just before the process leaves (a server fails its request)
+        self.exit_hooks: list = []
         self._parent = os.getppid()
         self._store_ok = time.monotonic()  # last answer of the store to the watchdog
         self._siblings: dict[int, dict] = {}
@@ -215,6 +217,11 @@ class FaultHandling:
             self._exiting = True
         if message:
             print(f"spd: rank {self.rank} ({role_of(self.rank)}): {message}", file=sys.stderr)
+        for hook in self.exit_hooks:
+            try:
+                hook(message or f"rank {self.rank} is stopping")
+            except Exception:  # noqa: BLE001 - leaving regardless
+                pass
         try:
             sys.stdout.flush()
             sys.stderr.flush()

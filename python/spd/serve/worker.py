@@ -1,0 +1,165 @@
+"""EngineWorker: the one thread that owns the backend. Jobs wait in a bounded queue and are
+decoded one at a time; each new token goes to its request as a TokenEvent (the id and the text
+it adds, nothing of a stop string), then a DoneEvent or an ErrorEvent."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from spd.errors import SPDError
+from spd.runtime.streaming import safe_text
+from spd.serve.backends import DecodeCancelled, RankFailure
+from spd.serve.jobs import Job
+
+log = logging.getLogger("spd.serve")
+
+
+@dataclass
+class TokenEvent:
+    token_id: int
+    text: str       # the text it adds (may be empty: a partial character, held-back text)
+
+
+@dataclass
+class DoneEvent:
+    result: object  # GenerationResult
+    tail: str       # text held back until the end (never part of a stop string)
+
+
+@dataclass
+class ErrorEvent:
+    status: int
+    message: str
+
+
+class QueueFull(Exception):
+    pass
+
+
+class EngineWorker:
+    """Call `run()` on the thread that owns the backend (it returns after `stop()` or a fatal
+    backend error, which `on_fatal(message)` is told); `submit` from any thread."""
+
+    def __init__(self, backend, max_queue: int = 16,
+                 on_fatal: Callable[[str], None] | None = None):
+        self.backend = backend
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._stop = threading.Event()
+        self.on_fatal = on_fatal
+        self.fatal_error: str | None = None
+        self.counts = {"served": 0, "cancelled": 0, "failed": 0}
+        self.busy = False
+        self._current: Job | None = None
+
+    def submit(self, job: Job) -> None:
+        if self._stop.is_set():
+            raise QueueFull("the server is stopping")
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise QueueFull(f"{self._queue.maxsize} requests are waiting already") from None
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    @property
+    def queued(self) -> int:
+        return self._queue.qsize()
+
+    def run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                try:
+                    job = self._queue.get(timeout=0.2)
+                except queue.Empty:
+                    continue
+                self._run_job(job)
+        finally:
+            self._stop.set()
+            self._drain()
+
+    def _drain(self) -> None:
+        """Jobs still queued when the worker stops get a 503."""
+        why = self.fatal_error or "the server is stopping"
+        while True:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                return
+            job.emit(ErrorEvent(503, why))
+
+    def _run_job(self, job: Job) -> None:
+        if job.cancel.is_set():  # the client left while it waited
+            self.counts["cancelled"] += 1
+            return
+        tok = self.backend.target.tokenizer
+        stop_strings = tuple(job.stop or ())  # checked when the job was made
+        ids: list[int] = []
+        sent = ""
+
+        def on_token(token: int) -> None:
+            nonlocal sent
+            ids.append(token)
+            text = safe_text(tok, ids, stop_strings)
+            piece = text[len(sent):] if text.startswith(sent) else ""
+            sent += piece
+            job.emit(TokenEvent(token, piece))
+
+        t0 = time.perf_counter()
+        self.busy, self._current = True, job
+        try:
+            result = self.backend.generate(job, on_token)
+        except DecodeCancelled:
+            self.counts["cancelled"] += 1
+            log.info("%s cancelled (client left) after %d tokens, %.2f s", job.id, len(ids),
+                     time.perf_counter() - t0)
+            return
+        except SPDError as exc:
+            self.counts["failed"] += 1
+            job.emit(ErrorEvent(400, str(exc)))
+            return
+        except self.backend.fatal as exc:
+            self._fail(job, str(exc) if isinstance(exc, RankFailure)
+                       else f"{type(exc).__name__}: {exc}")
+            return
+        except Exception as exc:  # a bug: this request fails, the next one starts afresh
+            self.counts["failed"] += 1
+            log.exception("%s failed", job.id)
+            job.emit(ErrorEvent(500, f"internal error: {type(exc).__name__}: {exc}"))
+            return
+        finally:
+            self.busy, self._current = False, None
+        if job.cancel.is_set():
+            self.counts["cancelled"] += 1
+        else:
+            self.counts["served"] += 1
+        final = result.text if result.text is not None else sent
+        tail = final[len(sent):] if final.startswith(sent) else ""
+        job.emit(DoneEvent(result, tail))
+        st = result.stats
+        log.info("%s prompt=%d new=%d finish=%s time=%.2f s (queued %.2f s) %s", job.id,
+                 len(job.prompt_ids), len(result.token_ids), result.finish_reason,
+                 time.perf_counter() - t0, t0 - job.queued_at, st.summary())
+
+    def _fail(self, job: Job | None, message: str) -> None:
+        """The backend cannot serve again (a rank died): fail this job, stop the server."""
+        if self.fatal_error is not None:  # told already (the rank's exit hook, then the error)
+            return
+        self.fatal_error = message
+        log.error("the engine failed; stopping the server: %s", message)
+        if job is not None:
+            self.counts["failed"] += 1
+            job.emit(ErrorEvent(500, f"the engine failed: {message}"))
+        self._stop.set()
+        self._drain()
+        if self.on_fatal is not None:
+            self.on_fatal(message)
+
+    def fail_in_flight(self, message: str) -> None:
+        """From another thread, when the backend is known to be dead (the process is leaving):
+        the request being decoded and those waiting get their error now."""
+        self._fail(self._current, message)
