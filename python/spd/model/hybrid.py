@@ -197,3 +197,14 @@ class HybridCache(KVCache):
             if dropped:
                 self.conv[:, dropped] = float("nan")
                 self.state[:, dropped] = float("nan")
+
+
+def ring_bytes(config, layer_ids: range, ring: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the state rings a stage over `layer_ids` keeps (from the config alone): per
+    DeltaNet layer `ring` fp32 states [Hv, dk, dv] and `ring` conv histories [K-1, C] in the
+    model dtype."""
+    linear = sum(config.layer_types[i] == "linear_attention" for i in layer_ids)
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    conv = (config.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv) * dtype_bytes
+    return linear * ring * (hv * dk * dv * 4 + conv)
