@@ -45,3 +45,17 @@ def test_vision_language_form_is_its_text_model(folders):
     assert type(vl.hf).__name__ == "Qwen3_5ForCausalLM"
     assert len({text.fingerprint(), vl.fingerprint(),
                 load_target(str(folders["qwen3_next"])).fingerprint()}) == 3
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_next"])
+def test_cli_generates_from_a_hybrid_folder(folders, name, capsys):
+    import json
+
+    from spd.cli import main
+    args = ["generate", "--model", str(folders[name]), "--stages", "2", "--prompt", "Hello",
+            "--max-new-tokens", "8", "--json", "--no-chat"]
+    assert main(args) == 0
+    spd = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert main(args + ["--mode", "ar"]) == 0
+    ar = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(spd["token_ids"]) == 8 and spd["token_ids"] == ar["token_ids"]
