@@ -103,7 +103,8 @@ class EagleDecoder:
         if sampling.greedy:
             # The last row judges nothing: its draft slot is a placeholder.
             cand = torch.tensor(drafts + [0], dtype=torch.int64, device=dev)
-            best, ok = verify_greedy(hidden, t.final_norm_weight(), t.rms_eps, t.lm_head.weight, cand)
+            best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, cand,
+                                     t.norm_offset)
             ok = ok[:k].tolist()
             a = ok.index(False) if False in ok else k
             return a, int(best[a])

@@ -153,8 +153,8 @@ class TargetModel:
         return self._fingerprint
 
     def final_norm_weight(self) -> torch.Tensor:
-        """The final norm's effective weight for the verifier: w, or 1 + w on hybrid targets
-        (computed once)."""
+        """The final norm's effective weight w, or 1 + w on hybrid targets (computed once): for
+        draft heads that start from the target's norm. The verifier takes w and norm_offset."""
         if not self.hybrid:
             return self.norm.weight
         if getattr(self, "_final_norm", None) is None:
@@ -216,7 +216,8 @@ class Stage:
 
     def _verify(self, last: torch.Tensor, draft: torch.Tensor):
         t = self.target
-        return verify_greedy(last, t.final_norm_weight(), t.rms_eps, t.lm_head.weight, draft)
+        return verify_greedy(last, t.norm.weight, t.rms_eps, t.lm_head.weight, draft,
+                             t.norm_offset)
 
     def _graphed_verify(self, hidden: torch.Tensor, draft: torch.Tensor):
         outs = self._graphed_step(hidden)
