@@ -153,3 +153,6 @@ def gated_delta_step_reference(q, k, v, g, beta, state_ring, start):
             kept.append(state)
     state_ring.index_copy_(0, write, torch.stack(kept))
     return out.to(out_dtype)
+
+
+from spd_kernels import deltanet_triton  # noqa: E402,F401  (registers the Triton backends)
