@@ -141,17 +141,15 @@ def gated_delta_step_reference(q, k, v, g, beta, state_ring, start):
     v, g, beta = v.float(), g.float(), beta.float()
     state = state_ring.index_select(0, read)[0]
     out = torch.empty(T, Hv, v.shape[-1], dtype=torch.float32, device=q.device)
-    keep = write.shape[0]
-    kept = []
+    first_kept = T - write.shape[0]
     for t in range(T):
         state = state * g[t].exp()[:, None, None]
         kv_mem = (state * k[t][..., None]).sum(dim=-2)
         delta = (v[t] - kv_mem) * beta[t][:, None]
         state = state + k[t][..., None] * delta[:, None, :]
         out[t] = (state * q[t][..., None]).sum(dim=-2)
-        if t >= T - keep:
-            kept.append(state)
-    state_ring.index_copy_(0, write, torch.stack(kept))
+        if t >= first_kept:  # straight into its slot (the slot read was copied out first)
+            state_ring.index_copy_(0, write[t - first_kept:t - first_kept + 1], state[None])
     return out.to(out_dtype)
 
 
