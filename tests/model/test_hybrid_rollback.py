@@ -87,3 +87,24 @@ def test_truncate_to_zero_resets_and_poison_marks_dropped_slots():
     st.cache.truncate(0)
     out = st.forward(t.embed_tokens(ids[:3]), 0)
     assert not out.isnan().any()
+
+
+def test_chunked_prefill_leaves_its_last_lengths_restorable():
+    """A prefill of 9 rows with a ring of 4: lengths 6, 7 and 8 restore exactly (as a fresh
+    prefill of that many tokens, then the same next step); length 5 is refused."""
+    t = make_tiny_hybrid(seed=5, vocab=VOCAB)
+    ids = torch.randint(0, VOCAB, (10,), generator=torch.Generator().manual_seed(9))
+    for length in (6, 7, 8):
+        st = Stage(t, 0, range(4), capacity=16, poison=True, max_rollback=3)
+        st.forward(t.embed_tokens(ids[:9]), 0)
+        st.cache.truncate(length)
+        ref = _fresh(t, [range(4)], ids[:length], 3)[0]
+        for got, want in zip(_state(st, length), _state(ref, length)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        nxt = t.embed_tokens(ids[length:length + 1])
+        torch.testing.assert_close(st.forward(nxt, length), ref.forward(nxt, length),
+                                   rtol=1e-5, atol=1e-6)
+    st = Stage(t, 0, range(4), capacity=16, max_rollback=3)
+    st.forward(t.embed_tokens(ids[:9]), 0)
+    with pytest.raises(SPDError, match="holds lengths 6..9"):
+        st.cache.truncate(5)
