@@ -59,3 +59,16 @@ def test_cli_generates_from_a_hybrid_folder(folders, name, capsys):
     assert main(args + ["--mode", "ar"]) == 0
     ar = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert len(spd["token_ids"]) == 8 and spd["token_ids"] == ar["token_ids"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_next"])
+def test_a_part_of_a_hybrid_folder_is_its_stage(folders, name):
+    """A rank's part (layers 2..3, no embedding): loaded whole, the rest dropped; the same
+    fingerprint and stage outputs as the whole model's."""
+    whole = load_target(str(folders[name]))
+    part = load_target(str(folders[name]), layers=range(2, 4), embed=False, tokenizer=False)
+    assert part.fingerprint() == whole.fingerprint()
+    assert part.hf.model.layers[0].input_layernorm.weight.is_meta
+    h = torch.randn(5, whole.hidden_size, generator=torch.Generator().manual_seed(1))
+    outs = [Stage(t, 1, range(2, 4), capacity=8).forward(h, 0) for t in (whole, part)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)

@@ -54,6 +54,21 @@ def _drop_unused_layers(target, keep: range) -> None:
             target.layers[lid].to("meta")
 
 
+def _load_own_part(config: DistConfig, rank: int, device: str):
+    """The target as this rank holds it, reading only that from the files: rank 0 the embedding,
+    final norm and LM head (it drafts, embeds the committed tokens and verifies); stage s its
+    layers, and stage 0 the embedding (it embeds the token it is sent); a stage rank needs no
+    tokenizer."""
+    from spd.model.loading import load_target, model_config
+    if rank == DRAFT_RANK:
+        return load_target(config.model, device=device, dtype=config.dtype, layers=range(0))
+    layout = DepthLayout.build(model_config(config.model).num_hidden_layers, config.n_stages,
+                               config.split, config.anchors)
+    return load_target(config.model, device=device, dtype=config.dtype,
+                       layers=layout.stages[rank - 1], embed=rank == 1, head=False,
+                       tokenizer=False)
+
+
 def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:
     if config.device.startswith("cuda"):
         if not torch.cuda.is_available():
@@ -93,8 +108,7 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
         if config.target_factory is not None:
             target = config.target_factory(rank)
         else:
-            from spd.model.loading import load_target
-            target = load_target(config.model, device=device, dtype=config.dtype)
+            target = _load_own_part(config, rank, device)
         layout = DepthLayout.build(target.num_layers, config.n_stages, config.split,
                                    config.anchors)
         target.fingerprint()

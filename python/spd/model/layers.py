@@ -116,13 +116,29 @@ def _pack_(modules, name: str) -> None:
         t.data = view
 
 
+# Linear layers of a decoder layer whose weights (and biases) lie back to back in one buffer.
+PACKED_GROUPS = ((("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  ("weight", "bias")),
+                 (("mlp.gate_proj", "mlp.up_proj"), ("weight",)))
+
+
+def packed_groups(layer: nn.Module) -> list[list[str]]:
+    """The layer's parameter names (relative to it) packed together, group by group: the
+    loader reads each group straight into one buffer."""
+    out = []
+    for modules, attrs in PACKED_GROUPS:
+        for attr in attrs:
+            if all(getattr(layer.get_submodule(m), attr, None) is not None for m in modules):
+                out.append([f"{m}.{attr}" for m in modules])
+    return out
+
+
 def pack_layer_(layer: nn.Module) -> nn.Module:
     """Put a decoder layer's q, k and v projections (weights and biases) back to back, and its
     gate and up projections, each in one buffer: the kernels then stream each group as one
     product. Parameters become views (one copy of every weight); for inference, since an
     optimizer holding the old tensors would lose track."""
-    a, m = layer.self_attn, layer.mlp
-    for name in ("weight", "bias"):
-        _pack_((a.q_proj, a.k_proj, a.v_proj), name)
-    _pack_((m.gate_proj, m.up_proj), "weight")
+    for modules, attrs in PACKED_GROUPS:
+        for attr in attrs:
+            _pack_([layer.get_submodule(m) for m in modules], attr)
     return layer

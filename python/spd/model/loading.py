@@ -165,22 +165,11 @@ def resolve_model_path(path: str | os.PathLike | None) -> Path:
     return target
 
 
-def load_target(path=None, *, device: str = "cpu", dtype=None):
-    """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 / Qwen3-Next causal LM and its tokenizer as a
-    `TargetModel`, its weights in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU
-    by default). A Qwen3.5 vision-language folder (weights under model.language_model.) gives
-    its text model."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+def model_config(path=None):
+    """The Hugging Face config of a model folder (default: the default model), its model type
+    checked; a rank reads it to know its layers before it loads them."""
+    from transformers import AutoConfig
 
-    from spd.model.target import TargetModel
-
-    hf_logging.set_verbosity_error()  # keep load-time progress bars and notices off the terminal
-    hf_logging.disable_progress_bar()
-    check_device(device)
-    if str(device).startswith("cuda") and not torch.cuda.is_available():
-        raise SPDError(f"--device {device} was requested but no CUDA device is available")
     folder = resolve_model_path(path)
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -190,7 +179,82 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
     if config.model_type not in SUPPORTED_MODEL_TYPES:
         raise SPDError(f"{folder}: model type '{config.model_type}' is not supported; "
                        f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    return config
+
+
+def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | None = None,
+                embed: bool = True, head: bool = True, tokenizer: bool = True):
+    """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 / Qwen3-Next causal LM and its tokenizer as a
+    `TargetModel`, its weights in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU
+    by default). A Qwen3.5 vision-language folder (weights under model.language_model.) gives
+    its text model.
+
+    A part of it (a rank of the distributed runtime): the decoder layers `layers` (None: all),
+    the embedding (`embed`), the final norm and LM head (`head`; a tied head is the embedding,
+    held when either is). The rest stays on the meta device and is never read: from safetensors
+    files each kept tensor is read by name into its final buffer (one copy of every weight, the
+    packed q/k/v and gate/up groups included). Other formats (pytorch_model*.bin) cannot be read
+    in part: they load whole, and a part is then cut from it, with a logged warning.
+    `tokenizer=False` leaves `target.tokenizer` None (a stage rank: ~50 MB less resident)."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from spd.model.target import TargetModel
+
+    hf_logging.set_verbosity_error()  # keep load-time progress bars and notices off the terminal
+    hf_logging.disable_progress_bar()
+    check_device(device)
+    if str(device).startswith("cuda") and not torch.cuda.is_available():
+        raise SPDError(f"--device {device} was requested but no CUDA device is available")
+    from spd.model.hybrid import is_hybrid
+
+    folder = resolve_model_path(path)
+    config = model_config(folder)
+    text = config.get_text_config()  # Qwen3.5's vision-language form: its text model
     dtype = resolve_dtype(dtype, device)
+    if layers is not None and (not isinstance(layers, range) or layers.step != 1 or
+                               layers.start < 0 or layers.stop > text.num_hidden_layers):
+        raise SPDError(f"layers {layers} are not a block of the model's "
+                       f"{text.num_hidden_layers} layers")
+    files = _weight_files(folder)
+    weights = None
+    # Hybrid targets load whole (then a part is cut from it): the partial reader knows the
+    # Llama-style names and q/k/v packing only.
+    if files[0].suffix == ".safetensors" and not is_hybrid(text):
+        from spd.model.weight_files import WeightFiles
+        index = folder / "model.safetensors.index.json"
+        if index.exists():  # the shards it names (a folder may hold other *.safetensors too)
+            shards = read_json_object(index, "weights index").get("weight_map")
+            if not isinstance(shards, dict):
+                raise SPDError(f"{index} has no weight_map")
+            files = [folder / f for f in sorted(set(shards.values()))]
+            absent = [f.name for f in files if not f.is_file()]
+            if absent:
+                raise SPDError(f"{index} names shards that are not there: {', '.join(absent)}")
+        weights = WeightFiles(files)
+        model = _load_part(folder, config, weights, device, dtype, layers, embed, head)
+    else:
+        model = _load_whole(folder, device, dtype)
+    tok = None
+    if tokenizer:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(folder)
+        tok.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
+    target = TargetModel(model.eval(), tok, name=str(folder), weight_files=weights)
+    if weights is None and (layers is not None or not (embed and head)):
+        log(f"{folder}: {files[0].name} cannot be read in part (not safetensors): loading the "
+            "whole model, then dropping what this process does not use")
+        target.fingerprint()  # now: what is dropped cannot be read again
+        for name, names in _param_names(model).items():
+            if not any(_wanted(a, layers, embed, head) for a in names):
+                meta = torch.nn.Parameter(model.get_parameter(name).to("meta"))
+                for a in names:
+                    _set_param(model, a, meta)
+    return target
+
+
+def _load_whole(folder: Path, device: str, dtype):
+    from transformers import AutoModelForCausalLM
     try:
         model, info = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
                                                            output_loading_info=True)
@@ -198,10 +262,94 @@ def load_target(path=None, *, device: str = "cpu", dtype=None):
         raise SPDError(f"{folder}: the weights do not match config.json (tensors of other "
                        "shapes than it implies)") from exc
     _check_loading_info(folder, info)
-    model = model.to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.clean_up_tokenization_spaces = False  # destructive for BPE tokenizers
-    return TargetModel(model, tokenizer, name=str(folder))
+    return model.to(device)
+
+
+def _param_names(model) -> dict[str, list[str]]:
+    """Each parameter's first name -> all its names (a tied LM head is the embedding too)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return {ns[0]: ns for ns in names.values()}
+
+
+def _wanted(name: str, layers: range | None, embed: bool, head: bool) -> bool:
+    """Whether a process holding `layers`, the embedding (`embed`) and the final norm and LM
+    head (`head`) needs the parameter `name` (anything else, e.g. a new module, is kept)."""
+    if name.startswith("model.layers."):
+        return layers is None or int(name.split(".")[2]) in layers
+    if name == "model.embed_tokens.weight":
+        return embed
+    if name in ("model.norm.weight", "lm_head.weight"):
+        return head
+    return True
+
+
+def _set_param(model, name: str, param) -> None:
+    owner, _, attr = name.rpartition(".")
+    model.get_submodule(owner)._parameters[attr] = param
+
+
+def _load_part(folder: Path, config, weights, device: str, dtype, layers, embed: bool,
+               head: bool):
+    """The model built on the meta device, then the wanted parameters read from `weights`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from spd.model.layers import packed_groups
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    inner = model.model
+    inner.rotary_emb = type(inner.rotary_emb)(config).to(device)  # computed, not stored
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json: the one derived from config.json stays
+        pass
+    aliases = _param_names(model)
+    keys = _check_against_files(folder, model, aliases, weights)
+    wanted = [n for n, ns in aliases.items()
+              if any(_wanted(a, layers, embed, head) for a in ns)]
+    # groups read into one buffer each (q/k/v, gate/up: spd.model.layers.pack_layer_)
+    groups, grouped = [], set()
+    for i in (range(config.num_hidden_layers) if layers is None else layers):
+        for group in packed_groups(inner.layers[i]):
+            names = [f"model.layers.{i}.{g}" for g in group]
+            groups.append(names)
+            grouped.update(names)
+    groups += [[n] for n in wanted if n not in grouped]
+    for names in groups:
+        metas = [model.get_parameter(n) for n in names]
+        rows = [m.shape[0] if m.dim() else 1 for m in metas]
+        buf = torch.empty((sum(rows), *metas[0].shape[1:]), dtype=metas[0].dtype, device=device)
+        for n, m, view in zip(names, metas, buf.split(rows)):
+            view = view.view(m.shape)
+            weights.read_into(keys[n], view)
+            param = torch.nn.Parameter(view)
+            for a in aliases[n]:
+                _set_param(model, a, param)
+    return model
+
+
+def _check_against_files(folder: Path, model, aliases: dict[str, list[str]], weights) -> dict:
+    """Every parameter in the files with the shape config.json implies, and nothing else (from
+    the headers: nothing is read). Returns parameter name -> the name stored in the files."""
+    keys, missing, mismatched = {}, [], []
+    for name, names in aliases.items():
+        key = next((k for k in map(weights.key, names) if k is not None), None)
+        if key is None:
+            missing.append(name)
+            continue
+        keys[name] = key
+        if weights.entries[key].shape != tuple(model.get_parameter(name).shape):
+            mismatched.append(key)
+    used = set(keys.values())
+    for names in aliases.values():  # a tied head may be stored too: not unexpected
+        used.update(k for k in map(weights.key, names) if k is not None)
+    unexpected = [k for k in weights.names() if k not in used]
+    _check_loading_info(folder, {"missing_keys": missing, "unexpected_keys": unexpected,
+                                 "mismatched_keys": mismatched})
+    return keys
 
 
 def _check_loading_info(folder: Path, info: dict) -> None:

@@ -29,6 +29,12 @@ from spd_kernels.stage import LayerWeights, StageWeights, stage_step
 # Steps of at most this many rows are graphed (decoding: 1 row; EAGLE-3 verifies k + 1); longer
 # chunks (prefill) run eagerly, where launch gaps are small beside the work.
 GRAPH_MAX_ROWS = 16
+# Elements of each sampled weight that identify the target (TargetModel.fingerprint).
+FINGERPRINT_SAMPLE = 4096
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    return any(p.is_meta for p in module.parameters())
 
 
 def check_layers_supported(hf_model, name: str) -> None:
@@ -54,7 +60,9 @@ class TargetModel:
     """A Hugging Face Llama/Qwen2/Qwen3 causal LM, or a hybrid Qwen3.5 / Qwen3-Next one
     (spd.model.hybrid), exposed layer by layer."""
 
-    def __init__(self, hf_model, tokenizer, name: str = "target"):
+    def __init__(self, hf_model, tokenizer, name: str = "target", weight_files=None):
+        """weight_files: the model's files (spd.model.weight_files.WeightFiles) when a part of it is
+        on the meta device (a distributed rank's): the fingerprint reads its sample there."""
         cfg = hf_model.config
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise SPDError(f"{name}: sliding-window attention is not supported")
@@ -62,8 +70,9 @@ class TargetModel:
         # Hybrid targets: DeltaNet layers with state rings, zero-centred norms x * (1 + w)
         self.hybrid = is_hybrid(cfg)
         for layer in hf_model.model.layers:  # one buffer per q/k/v and per gate/up group
-            if not self.hybrid:
+            if not self.hybrid and not _on_meta(layer):
                 pack_layer_(layer)
+        self.weight_files = weight_files
         self.hf = hf_model
         self.tokenizer = tokenizer
         self.name = name
@@ -85,7 +94,9 @@ class TargetModel:
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_context = getattr(cfg, "max_position_embeddings", 4096)
         self.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
-        self.device = self.embed.weight.device
+        # the device of what this process holds (a stage rank may hold no embedding)
+        self.device = next((p.device for p in hf_model.parameters() if not p.is_meta),
+                           self.embed.weight.device)
         self.dtype = self.embed.weight.dtype
         self.eos_token_ids = self._eos_ids()
         self._rope_cache = None
@@ -146,11 +157,25 @@ class TargetModel:
                      else first.linear_attn.out_proj)  # hybrid targets
             down = last.down_proj if hasattr(last, "down_proj") else last.shared_expert.down_proj
             for w in (self.embed.weight, mixer.weight, down.weight, self.norm.weight):
-                flat = w.detach().reshape(-1)
-                sample = flat[:: max(1, flat.numel() // 4096)][:4096]
-                h.update(sample.detach().to(torch.bfloat16).float().cpu().numpy().tobytes())
+                sample = self._sample(w, FINGERPRINT_SAMPLE)
+                h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
+
+    def _sample(self, w: torch.Tensor, count: int) -> torch.Tensor:
+        """flat[::max(1, numel // count)][:count] of a weight; of one this process does not hold
+        (meta), the same elements read from the model's files by the weight's name."""
+        if not w.is_meta:
+            flat = w.detach().reshape(-1)
+            return flat[::max(1, flat.numel() // count)][:count]
+        name = next((n for n, p in self.hf.named_parameters(remove_duplicate=False)
+                     if p is w), None)
+        key = (None if self.weight_files is None or name is None
+               else self.weight_files.key(name))
+        if key is None:
+            raise SPDError(f"{self.name}: {name or 'a weight'} is not loaded here and there is "
+                           "no model file to read it from")
+        return self.weight_files.sample(key, count)
 
     def final_norm_weight(self) -> torch.Tensor:
         """The final norm's effective weight w, or 1 + w on hybrid targets (computed once): for
