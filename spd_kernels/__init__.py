@@ -12,6 +12,7 @@ from importlib import metadata as _metadata
 from spd_kernels import on_request  # noqa: F401  (registers the on-request kernels)
 from spd_kernels.attention import cache_attention
 from spd_kernels.checks import SPDInputError
+from spd_kernels.deltanet import conv_ring_step, gated_delta_step
 from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
 from spd_kernels.kv_cache import truncate_kv_
@@ -32,9 +33,11 @@ __all__ = [
     "SPDInputError",
     "anchor_projection",
     "cache_attention",
+    "conv_ring_step",
     "filtered_probs",
     "fused_linear",
     "fused_swiglu",
+    "gated_delta_step",
     "pdm_step",
     "qkv_rope_append",
     "rejection_sample",

@@ -115,10 +115,11 @@ def _variants():
         out.append((f"verify._greedy_partial_kernel[{tag}]", verify.triton_greedy._greedy_partial_kernel,
                     dict(h_ptr=ptr(dt), g_ptr=ptr(dt), w_ptr=ptr(dt), pval_ptr="*fp32",
                          pidx_ptr="*i32", R="i32", D="i32", V="i32", NB="i32", stride_h="i32",
-                         stride_w="i32", eps="fp32", R_H="constexpr", R_G="constexpr",
+                         stride_w="i32", eps="fp32", norm_offset="fp32",
+                         CENTRED="constexpr", R_H="constexpr", R_G="constexpr",
                          R_L="constexpr", BLOCK_R="constexpr", BLOCK_V="constexpr",
                          BLOCK_D="constexpr"),
-                    dict(R_H=code, R_G=code, R_L=code, BLOCK_R=br, BLOCK_V=bv, BLOCK_D=bd)))
+                    dict(CENTRED=False, R_H=code, R_G=code, R_L=code, BLOCK_R=br, BLOCK_V=bv, BLOCK_D=bd)))
     out.append(("verify._greedy_reduce_kernel", verify.triton_greedy._greedy_reduce_kernel,
                 dict(pval_ptr="*fp32", pidx_ptr="*i32", draft_ptr="*i64", target_ptr="*i64",
                      accepted_ptr="*i8", NB="i32", BLOCK_NB="constexpr"), dict(BLOCK_NB=1024)))

@@ -65,3 +65,38 @@ def _quiet_untrained_warning():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="no trained PDM")
         yield
+
+
+def make_tiny_hybrid(seed: int = 0, vocab: int = 16, model_type: str = "qwen3_5",
+                     layer_types=("linear_attention", "full_attention", "linear_attention",
+                                  "linear_attention"),
+                     hidden: int = 32, head_scale: float = 4.0, max_pos: int = 256,
+                     randomise_norms: bool = True):
+    """A random hybrid (Qwen3.5 text / Qwen3-Next) target with peaky next-token distributions.
+    Norm weights, A_log and dt_bias are random too (HF initialises the norms to 0 / 1)."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig, Qwen3NextConfig
+
+    from spd.model.target import TargetModel
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                  num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                  linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  max_position_embeddings=max_pos, tie_word_embeddings=False,
+                  eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if model_type == "qwen3_next":  # mixture-of-experts MLP on every second layer
+        cfg = Qwen3NextConfig(**common, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=16, shared_expert_intermediate_size=16,
+                              decoder_sparse_step=2)
+    else:
+        cfg = Qwen3_5TextConfig(**common)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(head_scale)
+        for name, p in model.named_parameters():
+            if randomise_norms and ("norm" in name or "dt_bias" in name or "A_log" in name):
+                p.copy_(p + 0.2 * torch.randn(p.shape, generator=g))
+    model.generation_config.eos_token_id = None
+    return TargetModel(model, tokenizer=None, name=f"tiny-{model_type}-{seed}")

@@ -112,7 +112,7 @@ PYBIND11_MODULE(SPD_MODULE, m) {
       "verify_greedy",
       [](Buf hidden, int64_t stride_h, Buf norm_weight, Buf weight, int64_t stride_w, Buf draft,
          bool draft_i64, Buf pval, Buf pidx, Buf target, Buf accepted, int R, int D, int V,
-         float eps, int dtype, uintptr_t stream) {
+         float eps, float norm_offset, int dtype, uintptr_t stream) {
         require_device();
         SPD_BINDING("verify_greedy");
         SPD_CHECK_GE(R, 0, "rows of hidden");
@@ -145,13 +145,14 @@ PYBIND11_MODULE(SPD_MODULE, m) {
         check(spd::verify_greedy(ptr<const void>(hidden), stride_h, ptr<const void>(norm_weight),
                                  ptr<const void>(weight), stride_w, ptr<const void>(draft),
                                  draft_i64, ptr<float>(pval), ptr<int>(pidx), ptr<int64_t>(target),
-                                 ptr<bool>(accepted), R, D, V, eps, dtype, ptr<void>(stream)),
+                                 ptr<bool>(accepted), R, D, V, eps, norm_offset, dtype,
+                                 ptr<void>(stream)),
               "verify_greedy");
       },
       py::arg("hidden"), py::arg("stride_h"), py::arg("norm_weight"), py::arg("weight"),
       py::arg("stride_w"), py::arg("draft"), py::arg("draft_i64"), py::arg("pval"),
       py::arg("pidx"), py::arg("target"), py::arg("accepted"), py::arg("R"), py::arg("D"),
-      py::arg("V"), py::arg("eps"), py::arg("dtype"), py::arg("stream"),
+      py::arg("V"), py::arg("eps"), py::arg("norm_offset"), py::arg("dtype"), py::arg("stream"),
       py::call_guard<py::gil_scoped_release>());
 
   m.def(

@@ -26,8 +26,8 @@ bool programmatic_launch();
 int verify_greedy_num_blocks(int V);
 int verify_greedy(const void* hidden, int64_t stride_h, const void* norm_weight, const void* weight,
                   int64_t stride_w, const void* draft, bool draft_i64, float* pval, int* pidx,
-                  int64_t* target, bool* accepted, int R, int D, int V, float eps, int dtype,
-                  void* stream);
+                  int64_t* target, bool* accepted, int R, int D, int V, float eps,
+                  float norm_offset, int dtype, void* stream);
 
 // KV truncation: lengths[c] = min(lengths[c], max(new_lengths[c * new_stride], 0)).
 int kv_truncate(int64_t* lengths, const int64_t* new_lengths, int new_stride, int C, void* stream);

@@ -122,7 +122,8 @@ template <typename T, int MAXR, int NV, int U>
 __global__ void __launch_bounds__(kThreads)
 greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ g,
                const T* __restrict__ w, int64_t stride_w, float* __restrict__ pval,
-               int* __restrict__ pidx, int R, int D, int V, int NB, float eps, bool vec) {
+               int* __restrict__ pidx, int R, int D, int V, int NB, float eps, float norm_offset,
+               bool vec) {
   SPD_DYNAMIC_SHARED(float4, s_h4);  // [MAXR][D] fp32; float4 for 16-byte alignment
   float* s_h = reinterpret_cast<float*>(s_h4);
   __shared__ float s_part[kWarps][MAXR];
@@ -182,8 +183,10 @@ greedy_partial(const T* __restrict__ h, int64_t stride_h, const T* __restrict__ 
       const T* x = h + (int64_t)(r0 + r) * stride_h;
       const float rs = s_rstd[r];
       for (int k = threadIdx.x; k < D; k += kThreads) {
-        const float v = round_to<T>(to_f(x[k]) * rs);
-        s_h[r * D + k] = round_to<T>(to_f(g[k]) * v);
+        // zero-centred (norm_offset != 0): (h * (offset + w)).to(dtype), as Qwen3.5 / Qwen3-Next
+        s_h[r * D + k] = norm_offset != 0.f
+                             ? round_to<T>(to_f(x[k]) * rs * (norm_offset + to_f(g[k])))
+                             : round_to<T>(to_f(g[k]) * round_to<T>(to_f(x[k]) * rs));
       }
     }
   }
@@ -325,7 +328,7 @@ int resident_blocks(K kernel, size_t smem, std::atomic<unsigned long long>* cach
 template <typename T, int MAXR, int NV, int U>
 int launch_partial(const void* hidden, int64_t stride_h, const void* norm_weight,
                    const void* weight, int64_t stride_w, float* pval, int* pidx, int R, int D,
-                   int V, int NB, float eps, cudaStream_t stream, int* np) {
+                   int V, int NB, float eps, float norm_offset, cudaStream_t stream, int* np) {
   static std::atomic<unsigned long long> cache[kMaxDevices];
   const size_t smem = (size_t)MAXR * D * sizeof(float);
   auto kernel = greedy_partial<T, MAXR, NV, U>;
@@ -343,7 +346,7 @@ int launch_partial(const void* hidden, int64_t stride_h, const void* norm_weight
                    (reinterpret_cast<uintptr_t>(weight) & 15u) == 0;
   SPD_LAUNCH(kernel, dim3(gx, gy), kThreads, smem, stream)(
       static_cast<const T*>(hidden), stride_h, static_cast<const T*>(norm_weight),
-      static_cast<const T*>(weight), stride_w, pval, pidx, R, D, V, NB, eps, vec);
+      static_cast<const T*>(weight), stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, vec);
   *np = gx;
   return cudaGetLastError();
 }
@@ -362,26 +365,26 @@ int variant() {
 template <typename T, int MAXR>
 int dispatch_variant(const void* hidden, int64_t stride_h, const void* norm_weight,
                      const void* weight, int64_t stride_w, float* pval, int* pidx, int R, int D,
-                     int V, int NB, float eps, cudaStream_t stream, int* np) {
+                     int V, int NB, float eps, float norm_offset, cudaStream_t stream, int* np) {
   switch (variant()) {
-    case 1: return launch_partial<T, MAXR, 4, 2>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
-    case 2: return launch_partial<T, MAXR, 2, 8>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
-    default: return launch_partial<T, MAXR, 2, 4>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
+    case 1: return launch_partial<T, MAXR, 4, 2>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
+    case 2: return launch_partial<T, MAXR, 2, 8>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
+    default: return launch_partial<T, MAXR, 2, 4>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
   }
 }
 
 template <typename T>
 int dispatch_rows(const void* hidden, int64_t stride_h, const void* norm_weight,
                   const void* weight, int64_t stride_w, float* pval, int* pidx, int R, int D,
-                  int V, int NB, float eps, cudaStream_t stream, int* np) {
+                  int V, int NB, float eps, float norm_offset, cudaStream_t stream, int* np) {
   const int fit = kMaxSmem / (D * (int)sizeof(float));  // hidden rows whose normed copy fits
   int maxr = 1;
   while (maxr < 8 && maxr < R && maxr * 2 <= fit) maxr *= 2;
   switch (maxr) {
-    case 8: return dispatch_variant<T, 8>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
-    case 4: return dispatch_variant<T, 4>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
-    case 2: return dispatch_variant<T, 2>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
-    default: return dispatch_variant<T, 1>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, np);
+    case 8: return dispatch_variant<T, 8>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
+    case 4: return dispatch_variant<T, 4>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
+    case 2: return dispatch_variant<T, 2>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
+    default: return dispatch_variant<T, 1>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, np);
   }
 }
 
@@ -395,8 +398,8 @@ int verify_greedy_num_blocks(int V) {
 
 int verify_greedy(const void* hidden, int64_t stride_h, const void* norm_weight, const void* weight,
                   int64_t stride_w, const void* draft, bool draft_i64, float* pval, int* pidx,
-                  int64_t* target, bool* accepted, int R, int D, int V, float eps, int dtype,
-                  void* stream_ptr) {
+                  int64_t* target, bool* accepted, int R, int D, int V, float eps,
+                  float norm_offset, int dtype, void* stream_ptr) {
   if (R <= 0) return cudaSuccess;
   if (D <= 0 || V <= 0 || D * (int)sizeof(float) > kMaxSmem) return cudaErrorInvalidValue;
   cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -404,9 +407,9 @@ int verify_greedy(const void* hidden, int64_t stride_h, const void* norm_weight,
   int np = 0;
   int err;
   switch (dtype) {
-    case kBF16: err = dispatch_rows<__nv_bfloat16>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, &np); break;
-    case kF16: err = dispatch_rows<__half>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, &np); break;
-    case kF32: err = dispatch_rows<float>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, stream, &np); break;
+    case kBF16: err = dispatch_rows<__nv_bfloat16>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, &np); break;
+    case kF16: err = dispatch_rows<__half>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, &np); break;
+    case kF32: err = dispatch_rows<float>(hidden, stride_h, norm_weight, weight, stride_w, pval, pidx, R, D, V, NB, eps, norm_offset, stream, &np); break;
     default: return cudaErrorInvalidValue;
   }
   if (err != cudaSuccess) return err;

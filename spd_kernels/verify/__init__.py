@@ -42,11 +42,17 @@ from spd_kernels.sampling import check_sampling_params, filtered_probs, sample_f
 # ------------------------------------------------------------------------------------------------
 
 def final_logits(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                 lm_head_weight: torch.Tensor) -> torch.Tensor:
-    """RMSNorm (computed in fp32, as Llama/Qwen do) then the LM head: [R, d] -> [R, V]."""
+                 lm_head_weight: torch.Tensor, norm_offset: float = 0.0) -> torch.Tensor:
+    """RMSNorm (computed in fp32, as Llama/Qwen do) then the LM head: [R, d] -> [R, V].
+
+    norm_offset 0: w * h.to(dtype) (Llama / Qwen2 / Qwen3). Otherwise the zero-centred norm of
+    Qwen3.5 / Qwen3-Next: (h * (norm_offset + w)) in fp32, then rounded to the dtype."""
     h = hidden.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    h = norm_weight * h.to(hidden.dtype)
+    if norm_offset:
+        h = (h * (norm_offset + norm_weight.float())).to(hidden.dtype)
+    else:
+        h = norm_weight * h.to(hidden.dtype)
     return torch.nn.functional.linear(h, lm_head_weight)
 
 
@@ -71,9 +77,12 @@ def _check_heads(hidden, norm_weight, lm_head_weight):
 
 @op("verify_greedy")
 def verify_greedy(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                  lm_head_weight: torch.Tensor, draft_tokens: torch.Tensor, *,
+                  lm_head_weight: torch.Tensor, draft_tokens: torch.Tensor,
+                  norm_offset: float = 0.0, *,
                   backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden [R, d], draft_tokens [R] -> (target argmax [R] int64, accepted [R] bool).
+    norm_offset: 1.0 for the zero-centred final norm x * (1 + w) of hybrid targets (see
+    final_logits).
 
     The argmax follows torch.argmax on every backend: NaN ranks above every number and ties go
     to the lowest id, so a row with a NaN logit gives its first NaN id (0 for an all-NaN row);
@@ -85,12 +94,14 @@ def verify_greedy(hidden: torch.Tensor, norm_weight: torch.Tensor, eps: float,
         raise SPDInputError(f"{draft_tokens.shape[0]} draft tokens for {hidden.shape[0]} rows")
     if not (eps >= 0.0):
         raise SPDInputError(f"eps must be >= 0, got {eps}")
+    if not (abs(norm_offset) < float("inf")):
+        raise SPDInputError(f"norm_offset must be finite, got {norm_offset}")
     return dispatch.call("verify_greedy", hidden.device, hidden, norm_weight, float(eps),
-                         lm_head_weight, draft_tokens, backend=backend)
+                         lm_head_weight, draft_tokens, float(norm_offset), backend=backend)
 
 
 @verify_greedy.register_fake
-def _(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+def _(hidden, norm_weight, eps, lm_head_weight, draft_tokens, norm_offset=0.0):
     _check_heads(hidden, norm_weight, lm_head_weight)
     return _token_outputs(hidden)
 
@@ -102,8 +113,9 @@ def _token_outputs(like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dispatch.register("verify_greedy", "reference")
-def verify_greedy_reference(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
-    target = final_logits(hidden, norm_weight, eps, lm_head_weight).argmax(-1)
+def verify_greedy_reference(hidden, norm_weight, eps, lm_head_weight, draft_tokens,
+                            norm_offset=0.0):
+    target = final_logits(hidden, norm_weight, eps, lm_head_weight, norm_offset).argmax(-1)
     return target, target == draft_tokens.long()
 
 

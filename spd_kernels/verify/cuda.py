@@ -12,7 +12,8 @@ from spd_kernels.verify.triton_greedy import _triton_greedy_supports
 # CUDA C++ (csrc/kernels/verify.cu)
 # ------------------------------------------------------------------------------------------------
 
-def _cuda_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+def _cuda_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens,
+                          norm_offset=0.0):
     if not (hidden.dtype == norm_weight.dtype == lm_head_weight.dtype):
         return (f"the CUDA kernel needs one dtype for hidden, norm_weight and lm_head_weight, got "
                 f"{hidden.dtype}, {norm_weight.dtype}, {lm_head_weight.dtype}")
@@ -20,7 +21,8 @@ def _cuda_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens
 
 
 @dispatch.register("verify_greedy", "cuda", supports=_cuda_greedy_supports)
-def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens,
+                       norm_offset=0.0):
     ext = _cuda.ext()
     R, D = hidden.shape
     V = lm_head_weight.shape[0]
@@ -36,5 +38,6 @@ def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
                       lm_head_weight, lm_head_weight.stride(0),
                       draft_tokens, draft_tokens.dtype == torch.int64,
                       pval, pidx, target, accepted,
-                      R, D, V, float(eps), dtype_code(hidden.dtype), _cuda.stream_of(hidden))
+                      R, D, V, float(eps), float(norm_offset), dtype_code(hidden.dtype),
+                      _cuda.stream_of(hidden))
     return target, accepted

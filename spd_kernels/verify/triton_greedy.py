@@ -20,8 +20,8 @@ if HAS_TRITON:
 
     @triton.jit
     def _greedy_partial_kernel(h_ptr, g_ptr, w_ptr, pval_ptr, pidx_ptr,
-                               R, D, V, NB, stride_h, stride_w, eps,
-                               R_H: tl.constexpr, R_G: tl.constexpr, R_L: tl.constexpr,
+                               R, D, V, NB, stride_h, stride_w, eps, norm_offset,
+                               CENTRED: tl.constexpr, R_H: tl.constexpr, R_G: tl.constexpr, R_L: tl.constexpr,
                                BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr,
                                BLOCK_D: tl.constexpr):
         """Program (v, r): rows r*BLOCK_R.. against vocabulary rows v*BLOCK_V..; writes the block's
@@ -49,8 +49,11 @@ if HAS_TRITON:
             x = tl.load(h_rows + cols[None, :], mask=rmask[:, None] & cmask[None, :],
                         other=0.0).to(tl.float32)
             g = tl.load(g_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
-            hn = round_to(x * rstd[:, None], R_H)          # h.to(hidden.dtype)
-            hn = round_to(g[None, :] * hn, R_G)             # norm_weight * h
+            if CENTRED:  # zero-centred: (h * (offset + norm_weight)).to(hidden.dtype)
+                hn = round_to(x * rstd[:, None] * (norm_offset + g[None, :]), R_H)
+            else:
+                hn = round_to(x * rstd[:, None], R_H)      # h.to(hidden.dtype)
+                hn = round_to(g[None, :] * hn, R_G)         # norm_weight * h
             w = tl.load(w_rows + cols[None, :], mask=vmask[:, None] & cmask[None, :],
                         other=0.0).to(tl.float32)
             acc += tl.sum(hn[:, None, :] * w[None, :, :], axis=2)
@@ -110,7 +113,8 @@ def _greedy_blocks(R, D, V):
     return block_r, block_v, block_d, 4
 
 
-def _triton_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+def _triton_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_tokens,
+                            norm_offset=0.0):
     for name, t in (("hidden", hidden), ("norm_weight", norm_weight),
                     ("lm_head_weight", lm_head_weight)):
         why = check_kernel_float(name, t) or last_dim_contiguous(name, t)
@@ -120,7 +124,8 @@ def _triton_greedy_supports(hidden, norm_weight, eps, lm_head_weight, draft_toke
 
 
 @dispatch.register("verify_greedy", "triton", supports=_triton_greedy_supports)
-def verify_greedy_triton(hidden, norm_weight, eps, lm_head_weight, draft_tokens):
+def verify_greedy_triton(hidden, norm_weight, eps, lm_head_weight, draft_tokens,
+                         norm_offset=0.0):
     R, D = hidden.shape
     V = lm_head_weight.shape[0]
     target = _alloc.empty(R, dtype=torch.int64, device=hidden.device)
@@ -134,8 +139,8 @@ def verify_greedy_triton(hidden, norm_weight, eps, lm_head_weight, draft_tokens)
     pidx = _alloc.empty(R, nb, dtype=torch.int32, device=hidden.device)
     _greedy_partial_kernel[(nb, triton.cdiv(R, block_r))](
         hidden, norm_weight, lm_head_weight, pval, pidx, R, D, V, nb,
-        hidden.stride(0), lm_head_weight.stride(0), eps,
-        R_H=dtype_code(hidden.dtype),
+        hidden.stride(0), lm_head_weight.stride(0), eps, float(norm_offset),
+        CENTRED=norm_offset != 0.0, R_H=dtype_code(hidden.dtype),
         R_G=dtype_code(torch.result_type(norm_weight, hidden)),
         R_L=dtype_code(lm_head_weight.dtype),
         BLOCK_R=block_r, BLOCK_V=block_v, BLOCK_D=block_d, num_warps=warps)

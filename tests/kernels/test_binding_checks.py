@@ -70,7 +70,7 @@ def case_verify_greedy():
               draft=torch.tensor([3, 7], dtype=torch.int64), draft_i64=True,
               pval=flat(F32, R * nb, "zeros"), pidx=flat(torch.int32, R * nb, "zeros"),
               target=flat(torch.int64, R, "zeros"), accepted=flat(torch.bool, R, "zeros"),
-              R=R, D=D, V=V, eps=1e-6, dtype=0, stream=0)
+              R=R, D=D, V=V, eps=1e-6, norm_offset=0.0, dtype=0, stream=0)
 
     def check(kw):
         h = view(kw["hidden"], (R, D), (sh, 1))

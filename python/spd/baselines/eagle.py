@@ -33,7 +33,7 @@ from spd.draft.checkpoint import (
     load_weights,
     read_config,
 )
-from spd.draft.pdm import SHIPPED_DIR, _Layer
+from spd.draft.pdm import SHIPPED_DIR, _Layer, attention_shape_for
 from spd.errors import SPDError
 from spd.model.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
 from spd.model.partition import default_anchors
@@ -87,13 +87,14 @@ def eagle_config_for(target, feature_layers=None, draft_vocab_size: int = 8192,
                      intermediate_size: int | None = None,
                      draft_steps: int = DEFAULT_DRAFT_STEPS) -> EagleConfig:
     cfg = target.config
+    heads, kv_heads, head_dim = attention_shape_for(target)
     layers = default_feature_layers(target.num_layers) if feature_layers is None \
         else check_feature_layers(feature_layers, target.num_layers)
     return EagleConfig(
         target_fingerprint=target.fingerprint(), target_num_layers=target.num_layers,
         target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
-        feature_layers=layers, hidden_size=target.hidden_size, num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
+        feature_layers=layers, hidden_size=target.hidden_size, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=intermediate_size or cfg.intermediate_size,
         draft_vocab_size=min(draft_vocab_size, target.vocab_size), rms_eps=target.rms_eps,
         rope_theta=float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
@@ -138,7 +139,7 @@ class EagleHead(nn.Module, SavedDrafter):
             if cfg.hidden_size == d:
                 head.fc.weight[:, 2 * d:] += torch.eye(d)
                 head.in_proj.weight[:, d:] += torch.eye(d)
-            head.norm.weight.copy_(target.norm.weight.detach().float().cpu())
+            head.norm.weight.copy_(target.final_norm_weight().detach().float().cpu())
             head.draft_to_target.copy_(vocab)
             head.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[vocab])
         head.lm_head.weight.requires_grad_(False)

@@ -76,7 +76,9 @@ class EagleDecoder:
     def _prepare(self, capacity: int):
         t = self.target
         if self._stage is None or self._stage.cache.capacity < capacity:
-            self._stage = Stage(t, 0, range(0, t.num_layers), capacity, self.debug_poison)
+            # a round drops at most draft_steps rows (hybrid targets' state rings)
+            self._stage = Stage(t, 0, range(0, t.num_layers), capacity, self.debug_poison,
+                                max_rollback=self.draft_steps)
             self._cache = self.head.new_cache(capacity, self.debug_poison)
         self._stage.cache.truncate(0)
         self._cache.truncate(0)
@@ -101,7 +103,8 @@ class EagleDecoder:
         if sampling.greedy:
             # The last row judges nothing: its draft slot is a placeholder.
             cand = torch.tensor(drafts + [0], dtype=torch.int64, device=dev)
-            best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, cand)
+            best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, cand,
+                                     t.norm_offset)
             ok = ok[:k].tolist()
             a = ok.index(False) if False in ok else k
             return a, int(best[a])

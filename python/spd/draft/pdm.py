@@ -87,18 +87,29 @@ def default_pdm_layers(num_layers: int, n_stages: int) -> int:
     return max(1, min(4, num_layers // n_stages - 1))
 
 
+def attention_shape_for(target) -> tuple[int, int, int]:
+    """(heads, KV heads, head_dim) of a draft model's standard attention for `target`: the
+    target's, except that a head size over 128 (Qwen3.5's 256) is split into heads of 128, which
+    the draft kernels take; the projections keep their widths."""
+    heads, kv, hd = target.num_heads, target.num_kv_heads, target.head_dim
+    if hd > 128 and hd % 128 == 0:
+        f = hd // 128
+        return heads * f, kv * f, 128
+    return heads, kv, hd
+
+
 def pdm_config_for(target, layout: DepthLayout, num_layers: int | None = None,
                    draft_vocab_size: int = 8192) -> PDMConfig:
     cfg = target.config
+    heads, kv_heads, head_dim = attention_shape_for(target)
     return PDMConfig(
         target_fingerprint=target.fingerprint(), target_num_layers=target.num_layers,
         target_hidden_size=target.hidden_size, target_vocab_size=target.vocab_size,
         n_stages=layout.n, stage_split=layout.split, anchors=list(layout.anchors),
         num_layers=num_layers if num_layers is not None else default_pdm_layers(
             target.num_layers, layout.n),
-        hidden_size=target.hidden_size, num_heads=target.num_heads,
-        num_kv_heads=target.num_kv_heads, head_dim=target.head_dim,
-        intermediate_size=cfg.intermediate_size,
+        hidden_size=target.hidden_size, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=cfg.intermediate_size,
         draft_vocab_size=min(draft_vocab_size, target.vocab_size), rms_eps=target.rms_eps,
         rope_theta=float((getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
         target_name=Path(target.name).name)

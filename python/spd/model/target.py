@@ -14,8 +14,16 @@ import torch
 from spd.cuda_graphs import GraphSet, graphs_enabled
 from spd.errors import SPDError
 from spd.model.cache import KVCache
+from spd.model.hybrid import (
+    HybridCache,
+    full_width_rope,
+    hybrid_stage_weights,
+    is_hybrid,
+    rotary_dim,
+)
 from spd.model.layers import pack_layer_
 from spd_kernels import verify_greedy
+from spd_kernels.hybrid_stage import hybrid_stage_step
 from spd_kernels.stage import LayerWeights, StageWeights, stage_step
 
 # Steps of at most this many rows are graphed (decoding: 1 row; EAGLE-3 verifies k + 1); longer
@@ -37,6 +45,8 @@ def check_layers_supported(hf_model, name: str) -> None:
     if act not in ("silu", "swish"):
         raise SPDError(f"{name}: hidden_act={act!r} is not supported (the stage step computes "
                        "SwiGLU with SiLU)")
+    if is_hybrid(cfg):  # spd.model.hybrid checks its layers as it reads them
+        return
     layer = hf_model.model.layers[0]
     a, m = layer.self_attn, layer.mlp
     for where, lin in (("o_proj", a.o_proj), ("gate_proj", m.gate_proj), ("up_proj", m.up_proj),
@@ -47,7 +57,8 @@ def check_layers_supported(hf_model, name: str) -> None:
 
 
 class TargetModel:
-    """A Hugging Face Llama/Qwen2/Qwen3 causal LM, exposed layer by layer."""
+    """A Hugging Face Llama/Qwen2/Qwen3 causal LM, or a hybrid Qwen3.5 / Qwen3-Next one
+    (spd.model.hybrid), exposed layer by layer."""
 
     def __init__(self, hf_model, tokenizer, name: str = "target", weight_files=None):
         """weight_files: the model's files (spd.model.weight_files.WeightFiles) when a part of it is
@@ -56,8 +67,10 @@ class TargetModel:
         if getattr(cfg, "use_sliding_window", False) and getattr(cfg, "sliding_window", None):
             raise SPDError(f"{name}: sliding-window attention is not supported")
         check_layers_supported(hf_model, name)
+        # Hybrid targets: DeltaNet layers with state rings, zero-centred norms x * (1 + w)
+        self.hybrid = is_hybrid(cfg)
         for layer in hf_model.model.layers:  # one buffer per q/k/v and per gate/up group
-            if not _on_meta(layer):
+            if not self.hybrid and not _on_meta(layer):
                 pack_layer_(layer)
         self.weight_files = weight_files
         self.hf = hf_model
@@ -75,6 +88,9 @@ class TargetModel:
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.rotary_dim = rotary_dim(cfg, self.head_dim) if self.hybrid else self.head_dim
+        # the final norm's weight is used as norm_offset + w (1 on hybrid targets)
+        self.norm_offset = 1.0 if self.hybrid else 0.0
         self.vocab_size = self.lm_head.weight.shape[0]
         self.max_context = getattr(cfg, "max_position_embeddings", 4096)
         self.rms_eps = float(getattr(cfg, "rms_norm_eps", 1e-6))
@@ -116,7 +132,10 @@ class TargetModel:
         return cos[start:need], sin[start:need]
 
     def stage_weights(self, layer_ids: range) -> StageWeights:
-        """Layers `layer_ids` as plain tensors for spd_kernels.stage_step (views, no copies)."""
+        """Layers `layer_ids` as plain tensors for spd_kernels.stage_step (views, no copies;
+        on a hybrid target spd_kernels.hybrid_stage's layers)."""
+        if self.hybrid:
+            return hybrid_stage_weights(self, layer_ids)
         return StageWeights([LayerWeights.from_module(self.layers[i]) for i in layer_ids],
                             self.num_heads, self.num_kv_heads, self.head_dim, self.rms_eps)
 
@@ -133,8 +152,11 @@ class TargetModel:
             h = hashlib.sha256()
             h.update(repr((self.config.model_type, self.num_layers, self.hidden_size,
                            self.vocab_size, self.num_heads, self.num_kv_heads)).encode())
-            for w in (self.embed.weight, self.layers[0].self_attn.q_proj.weight,
-                      self.layers[-1].mlp.down_proj.weight, self.norm.weight):
+            first, last = self.layers[0], self.layers[-1].mlp
+            mixer = (first.self_attn.q_proj if hasattr(first, "self_attn")
+                     else first.linear_attn.out_proj)  # hybrid targets
+            down = last.down_proj if hasattr(last, "down_proj") else last.shared_expert.down_proj
+            for w in (self.embed.weight, mixer.weight, down.weight, self.norm.weight):
                 sample = self._sample(w, FINGERPRINT_SAMPLE)
                 h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
@@ -155,7 +177,22 @@ class TargetModel:
                            "no model file to read it from")
         return self.weight_files.sample(key, count)
 
-    def new_cache(self, layers: int, capacity: int, poison: bool = False) -> KVCache:
+    def final_norm_weight(self) -> torch.Tensor:
+        """The final norm's effective weight w, or 1 + w on hybrid targets (computed once): for
+        draft heads that start from the target's norm. The verifier takes w and norm_offset."""
+        if not self.hybrid:
+            return self.norm.weight
+        if getattr(self, "_final_norm", None) is None:
+            w = self.norm.weight.detach()
+            self._final_norm = (self.norm_offset + w.float()).to(w.dtype)
+        return self._final_norm
+
+    def new_cache(self, layers: int, capacity: int, poison: bool = False,
+                  layer_ids: range | None = None, ring: int = 2) -> KVCache:
+        """The cache of a stage of `layers` layers (`layer_ids` on a hybrid target, whose
+        DeltaNet layers keep `ring` states: rollbacks of up to ring - 1 positions)."""
+        if self.hybrid:
+            return HybridCache(self, layer_ids, capacity, ring, poison)
         return KVCache(layers, self.num_kv_heads, self.head_dim, capacity, self.device,
                        self.dtype, poison_on_truncate=poison)
 
@@ -164,14 +201,19 @@ class Stage:
     """Layers [first, last) of the target plus their KV cache."""
 
     def __init__(self, target: TargetModel, index: int, layer_ids: range, capacity: int,
-                 poison: bool = False, cuda_graphs: bool = True):
+                 poison: bool = False, cuda_graphs: bool = True, max_rollback: int = 8):
+        """max_rollback: on a hybrid target, the deepest truncation the stage's DeltaNet state
+        rings must allow (a ring of max_rollback + 1 states; the engines give n)."""
         self.target = target
         self.index = index
         self.layer_ids = layer_ids
-        self.cache = target.new_cache(len(layer_ids), capacity, poison)
+        self.cache = target.new_cache(len(layer_ids), capacity, poison, layer_ids,
+                                      ring=max_rollback + 1)
         self.weights = target.stage_weights(layer_ids)
         # Full tables for every position the cache holds: a graph keeps them by address.
         self.cos, self.sin = target.rope(0, capacity)
+        if target.hybrid:  # partial rotation as full-width RoPE (spd.model.hybrid)
+            self.cos, self.sin = full_width_rope(self.cos, self.sin, target.head_dim)
         self.graphs = self.verify_graphs = None
         if cuda_graphs and graphs_enabled(target.device):
             # undo(hidden, ...): the warm-up before a capture advanced the device length
@@ -183,6 +225,10 @@ class Stage:
 
     def step(self, hidden: torch.Tensor, start) -> list[torch.Tensor]:
         """The kernel step: every layer's output for rows hidden [T, d] at positions start.."""
+        if self.target.hybrid:
+            c = self.cache
+            return hybrid_stage_step(hidden, self.weights, c.k, c.v, c.conv, c.state, start,
+                                     self.cos, self.sin)
         return stage_step(hidden, self.weights, self.cache.k, self.cache.v, start, self.cos,
                           self.sin)
 
@@ -195,7 +241,8 @@ class Stage:
 
     def _verify(self, last: torch.Tensor, draft: torch.Tensor):
         t = self.target
-        return verify_greedy(last, t.norm.weight, t.rms_eps, t.lm_head.weight, draft)
+        return verify_greedy(last, t.norm.weight, t.rms_eps, t.lm_head.weight, draft,
+                             t.norm_offset)
 
     def _graphed_verify(self, hidden: torch.Tensor, draft: torch.Tensor):
         outs = self._graphed_step(hidden)

@@ -39,7 +39,7 @@ class ARDecoder:
         t = self.t
         if self.sampling.greedy:
             return verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight,
-                                 self._no_draft)[0]
+                                 self._no_draft, t.norm_offset)[0]
         return t.logits(hidden)[0]
 
     def _device_step(self, token: torch.Tensor) -> torch.Tensor:

@@ -78,8 +78,9 @@ class SPDEngine:
         reuse = (len(self._stages) == n and self._stages[0].cache.capacity >= capacity
                  and [s.layer_ids for s in self._stages] == list(layout.stages))
         if not reuse:
-            self._stages = [Stage(self.target, i, r, capacity, self.debug_poison)
-                            for i, r in enumerate(layout.stages)]
+            # max_rollback: stage s drops at most n - 1 - s rows (hybrid targets' state rings)
+            self._stages = [Stage(self.target, i, r, capacity, self.debug_poison,
+                                  max_rollback=n) for i, r in enumerate(layout.stages)]
         for s in self._stages:
             s.cache.truncate(0)
         return self._stages

@@ -127,7 +127,8 @@ def verify(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
     against the draft distribution q."""
     t = target
     if sampling.greedy:
-        best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token)
+        best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token,
+                                 t.norm_offset)
         return bool(ok[0]), int(best[0])
     logits = t.logits(hidden)
     u = torch.rand(1, 2, generator=gen).to(logits.device)

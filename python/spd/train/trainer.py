@@ -119,7 +119,7 @@ def init_pdm(target, layout: DepthLayout, cfg: TrainConfig, vocab: torch.Tensor)
                 continue  # type 0 is the embedding alone: identity there would predict a repeat
             proj.weight.mul_(0.1)
             proj.weight[:, e * d:(e + 1) * d] += torch.eye(d)
-        pdm.norm.weight.copy_(target.norm.weight.detach().float())
+        pdm.norm.weight.copy_(target.final_norm_weight().detach().float())  # 1 + w on hybrids
         pdm.draft_to_target.copy_(vocab)
         pdm.lm_head.weight.copy_(target.lm_head.weight.detach().float()[vocab])
     pdm.lm_head.weight.requires_grad_(False)

@@ -1,0 +1,210 @@
+"""Hybrid linear-attention targets (Qwen3.5, Qwen3-Next): their layers as plain tensors for
+spd_kernels.hybrid_stage, the RoPE tables of their partial rotation, and a stage cache whose
+linear-attention state rolls back by length.
+
+Qwen3-Next's DeltaNet projections interleave q/k/v/z (and b/a) per key head; they are reordered
+here into Qwen3.5's layout (one q/k/v block, then z, b, a), so one step serves both.
+"""
+from __future__ import annotations
+
+import torch
+
+from spd.errors import SPDError
+from spd.model.cache import KVCache
+from spd_kernels import truncate_kv_
+from spd_kernels.hybrid_stage import (
+    DeltaNetWeights,
+    GatedAttentionWeights,
+    HybridStageWeights,
+    MLPWeights,
+)
+from spd_kernels.qkv_rope import pack_back_to_back
+
+HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
+
+
+def is_hybrid(config) -> bool:
+    return "linear_attention" in (getattr(config, "layer_types", None) or ())
+
+
+def rotary_dim(config, head_dim: int) -> int:
+    rope = getattr(config, "rope_parameters", None) or {}
+    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
+    return int(head_dim * factor)
+
+
+def head_permutation(head_dim: int, rot: int) -> torch.Tensor:
+    """New order of a head's dimensions: [rot first half | pass first half | rot second half |
+    pass second half], so the rotated pairs (i, i + rot/2) lie head_dim/2 apart."""
+    r2, p2 = rot // 2, (head_dim - rot) // 2
+    return torch.cat([torch.arange(0, r2), torch.arange(rot, rot + p2), torch.arange(r2, rot),
+                      torch.arange(rot + p2, head_dim)])
+
+
+def full_width_rope(cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+    """Partial-rotation tables cos/sin [P, rot] -> [P, head_dim] in the permuted order: the
+    unrotated dimensions get cos 1, sin 0 (x * 1 + y * 0 = x exactly)."""
+    P, rot = cos.shape
+    r2, p2 = rot // 2, (head_dim - rot) // 2
+    one, zero = cos.new_ones(P, p2), sin.new_zeros(P, p2)
+    return (torch.cat([cos[:, :r2], one, cos[:, r2:], one], dim=1),
+            torch.cat([sin[:, :r2], zero, sin[:, r2:], zero], dim=1))
+
+
+def _offset(norm) -> torch.Tensor:
+    """A zero-centred RMSNorm's effective weight 1 + w, in the weight's dtype."""
+    return (1.0 + norm.weight.detach().float()).to(norm.weight.dtype)
+
+
+def _mlp(layer, eps_unused=None) -> MLPWeights:
+    m = layer.mlp
+    post = _offset(layer.post_attention_layernorm)
+    if not hasattr(m, "gate_proj"):  # Qwen3-Next's sparse mixture of experts
+        return MLPWeights(post, moe=m)
+    gate, up = pack_back_to_back(m.gate_proj.weight.detach(), m.up_proj.weight.detach())
+    return MLPWeights(post, gate, up, m.down_proj.weight.detach())
+
+
+def attention_weights(layer, num_heads: int, num_kv_heads: int, head_dim: int,
+                      rot: int) -> GatedAttentionWeights:
+    a = layer.self_attn
+    for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
+        if getattr(p, "bias", None) is not None:
+            raise SPDError("attention biases are not supported on hybrid targets")
+    perm = head_permutation(head_dim, rot).to(a.q_proj.weight.device)
+    d = a.q_proj.weight.shape[1]
+    qg = a.q_proj.weight.detach().view(num_heads, 2 * head_dim, d)
+    q = qg[:, :head_dim][:, perm].reshape(-1, d)
+    gate = qg[:, head_dim:].reshape(-1, d).clone()
+    k = a.k_proj.weight.detach().view(num_kv_heads, head_dim, d)[:, perm].reshape(-1, d)
+    wq, wk, wv = pack_back_to_back(q, k, a.v_proj.weight.detach())
+    return GatedAttentionWeights(_offset(layer.input_layernorm), wq, gate, wk, wv,
+                                 _offset(a.q_norm)[perm], _offset(a.k_norm)[perm],
+                                 a.o_proj.weight.detach(), _mlp(layer))
+
+
+def deltanet_weights(layer) -> DeltaNetWeights:
+    la = layer.linear_attn
+    hk, hv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
+    if hasattr(la, "in_proj_qkv"):  # Qwen3.5
+        w_qkv, w_z = la.in_proj_qkv.weight.detach(), la.in_proj_z.weight.detach()
+        w_b, w_a = la.in_proj_b.weight.detach(), la.in_proj_a.weight.detach()
+    else:  # Qwen3-Next: per key head [q | k | v (rep heads) | z (rep heads)] and [b | a]
+        d, rep = la.in_proj_qkvz.weight.shape[1], hv // hk
+        w = la.in_proj_qkvz.weight.detach().view(hk, 2 * dk + 2 * rep * dv, d)
+        q, k, v, z = w.split([dk, dk, rep * dv, rep * dv], dim=1)
+        w_qkv = torch.cat([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)])
+        w_z = z.reshape(-1, d).contiguous()
+        ba = la.in_proj_ba.weight.detach().view(hk, 2 * rep, d)
+        w_b, w_a = ba[:, :rep].reshape(-1, d).contiguous(), ba[:, rep:].reshape(-1, d).contiguous()
+    if la.conv1d.bias is not None:
+        raise SPDError("a bias on the DeltaNet convolution is not supported")
+    return DeltaNetWeights(_offset(layer.input_layernorm), w_qkv, w_z, w_b, w_a,
+                           la.conv1d.weight.detach()[:, 0], la.A_log.detach(),
+                           la.dt_bias.detach(), la.norm.weight.detach(),
+                           la.out_proj.weight.detach(), _mlp(layer), hk, hv, dk, dv)
+
+
+def hybrid_stage_weights(target, layer_ids: range) -> HybridStageWeights:
+    layers = []
+    for i in layer_ids:
+        layer = target.layers[i]
+        if hasattr(layer, "linear_attn"):
+            layers.append(deltanet_weights(layer))
+        else:
+            layers.append(attention_weights(layer, target.num_heads, target.num_kv_heads,
+                                            target.head_dim, target.rotary_dim))
+    return HybridStageWeights(layers, target.num_heads, target.num_kv_heads, target.head_dim,
+                              target.rms_eps)
+
+
+class HybridCache(KVCache):
+    """A stage's cache on a hybrid target: KV buffers for its full-attention layers (in-place
+    truncation, as KVCache) and, for its DeltaNet layers, rings of `ring` states and conv
+    histories indexed by length mod ring (spd_kernels.deltanet).
+
+    A truncation may go back at most ring - 1 positions from the furthest length written since
+    (`restorable_from`); deeper is an SPDError, since the state it needs is overwritten.
+    Truncating to 0 is a reset (the empty state is zeros). With poisoning the slots of dropped
+    lengths are NaN'd, so a step that read one would give NaN.
+    """
+
+    def __init__(self, target, layer_ids: range, capacity: int, ring: int,
+                 poison_on_truncate: bool = False):
+        attn = [i for i in layer_ids if not hasattr(target.layers[i], "linear_attn")]
+        lin = [target.layers[i].linear_attn for i in layer_ids
+               if hasattr(target.layers[i], "linear_attn")]
+        super().__init__(max(len(attn), 1), target.num_kv_heads, target.head_dim,
+                         capacity if attn else 0, target.device, target.dtype, poison_on_truncate)
+        self.num_attention = len(attn)
+        if not attn:  # no KV buffers; `lengths` still holds the stage's device length
+            self.k = self.k[:0]
+            self.v = self.v[:0]
+        if ring < 2:
+            raise SPDError(f"a state ring needs at least 2 slots, got {ring}")
+        self.capacity = capacity
+        self.ring = ring
+        dev = target.device
+        if lin:
+            la = lin[0]
+            conv_dim, kernel = la.conv1d.weight.shape[0], la.conv1d.weight.shape[-1]
+            self.conv = torch.zeros(len(lin), ring, kernel - 1, conv_dim, device=dev,
+                                    dtype=target.dtype)
+            self.state = torch.zeros(len(lin), ring, la.num_v_heads, la.head_k_dim,
+                                     la.head_v_dim, device=dev, dtype=torch.float32)
+        else:
+            self.conv = torch.zeros(0, ring, 0, 0, device=dev, dtype=target.dtype)
+            self.state = torch.zeros(0, ring, 0, 0, 0, device=dev, dtype=torch.float32)
+        self.restorable_from = 0
+
+    def ring_bytes(self) -> int:
+        return self.conv.numel() * self.conv.element_size() + self.state.numel() * 4
+
+    def reserve(self, start: int, rows: int, *, advance: bool = True) -> None:
+        super().reserve(start, rows, advance=advance)
+        self.restorable_from = max(self.restorable_from, start + rows - self.ring + 1)
+
+    def truncate(self, length: int) -> None:
+        if length < 0:
+            raise SPDError(f"cannot truncate a cache to negative length {length}")
+        old = self._length
+        if length == 0:  # a reset: the empty state is zeros
+            self.restorable_from = 0
+            if self.num_attention:
+                super().truncate(0)
+            else:
+                self.lengths.fill_(0)
+                self._length = 0
+            self.conv[:, 0].zero_()
+            self.state[:, 0].zero_()
+            if self.poison_on_truncate:
+                self.conv[:, 1:].fill_(float("nan"))
+                self.state[:, 1:].fill_(float("nan"))
+            return
+        if length >= old:
+            return
+        if length < self.restorable_from:
+            raise SPDError(f"cannot roll a linear-attention state back to length {length}: the "
+                           f"ring of {self.ring} states holds lengths {self.restorable_from}.."
+                           f"{old} (a rollback of at most {self.ring - 1} positions)")
+        if self.num_attention:
+            super().truncate(length)
+        else:
+            truncate_kv_(self.lengths, torch.tensor(length, device=self.lengths.device))
+            self._length = length
+        if self.poison_on_truncate:
+            dropped = [p % self.ring for p in range(length + 1, old + 1)]
+            if dropped:
+                self.conv[:, dropped] = float("nan")
+                self.state[:, dropped] = float("nan")
+
+
+def ring_bytes(config, layer_ids: range, ring: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the state rings a stage over `layer_ids` keeps (from the config alone): per
+    DeltaNet layer `ring` fp32 states [Hv, dk, dv] and `ring` conv histories [K-1, C] in the
+    model dtype."""
+    linear = sum(config.layer_types[i] == "linear_attention" for i in layer_ids)
+    hk, hv = config.linear_num_key_heads, config.linear_num_value_heads
+    dk, dv = config.linear_key_head_dim, config.linear_value_head_dim
+    conv = (config.linear_conv_kernel_dim - 1) * (2 * hk * dk + hv * dv) * dtype_bytes
+    return linear * ring * (hv * dk * dv * 4 + conv)

@@ -1,0 +1,142 @@
+"""The stage step of a hybrid target (Qwen3.5 / Qwen3-Next): Gated DeltaNet layers and gated
+full-attention layers, each followed by a SwiGLU MLP (or a mixture of experts).
+
+Every RMSNorm of these models computes x * (1 + w); the weights here already hold 1 + w
+(spd.model.hybrid builds them), so the project's norms (w * x) compute the same thing (exactly in
+fp32). Gated attention is the standard layer with q/k norms (`qkv_rope_append`,
+`cache_attention`) plus an output gate; its partial RoPE runs as full-width RoPE because the
+builder permutes the q/k head dimensions so that the rotated pairs lie head_dim / 2 apart and
+gives the unrotated ones cos 1, sin 0 (q . k is unchanged by a common permutation).
+A DeltaNet layer reads and writes its state rings (spd_kernels.deltanet).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from spd_kernels.attention import cache_attention
+from spd_kernels.deltanet import conv_ring_step, gated_delta_step
+from spd_kernels.linear import fused_linear, fused_swiglu, rms_norm
+from spd_kernels.qkv_rope import qkv_rope_append
+
+
+@dataclass
+class MLPWeights:
+    """Dense SwiGLU (w_gate/w_up/w_down), or `moe` (a module called on the normed rows)."""
+    post_norm: torch.Tensor
+    w_gate: torch.Tensor | None = None
+    w_up: torch.Tensor | None = None
+    w_down: torch.Tensor | None = None
+    moe: Callable | None = None
+
+
+@dataclass
+class GatedAttentionWeights:
+    input_norm: torch.Tensor
+    wq: torch.Tensor       # [H*hd, d] query rows (head dims permuted, see the module doc)
+    wq_gate: torch.Tensor  # [H*hd, d] output-gate rows
+    wk: torch.Tensor       # [KVH*hd, d] (head dims permuted)
+    wv: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    wo: torch.Tensor
+    mlp: MLPWeights
+    kind = "attention"
+
+
+@dataclass
+class DeltaNetWeights:
+    input_norm: torch.Tensor
+    w_qkv: torch.Tensor    # [2*Hk*dk + Hv*dv, d]
+    w_z: torch.Tensor      # [Hv*dv, d]
+    w_b: torch.Tensor      # [Hv, d]
+    w_a: torch.Tensor      # [Hv, d]
+    conv: torch.Tensor     # [C, K]
+    a_log: torch.Tensor    # [Hv]
+    dt_bias: torch.Tensor  # [Hv]
+    out_norm: torch.Tensor  # [dv] (gated RMSNorm: w * x, not zero-centred)
+    w_out: torch.Tensor
+    mlp: MLPWeights
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    kind = "linear"
+
+
+@dataclass
+class HybridStageWeights:
+    layers: list
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    eps: float
+
+
+def _mlp(x: torch.Tensor, m: MLPWeights, eps: float, backend) -> torch.Tensor:
+    if m.moe is not None:
+        return x + m.moe(rms_norm(x, m.post_norm, eps)[None])[0]
+    mid = fused_swiglu(x, m.post_norm, eps, m.w_gate, m.w_up, backend=backend)
+    return fused_linear(mid, m.w_down, residual=x, backend=backend)
+
+
+def gated_attention_layer(x, lw: GatedAttentionWeights, k_cache, v_cache, start, cos, sin,
+                          num_heads: int, num_kv_heads: int, eps: float, *, backend=None):
+    """x [T, d] at positions start.. -> [T, d]; k_cache/v_cache [kv_heads, S, head_dim]."""
+    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
+                        sin, start, k_cache, v_cache, num_heads, num_kv_heads, backend=backend)
+    att = cache_attention(q, k_cache, v_cache, start, backend=backend)
+    gate = F.linear(rms_norm(x, lw.input_norm, eps), lw.wq_gate)
+    att = att * torch.sigmoid(gate)
+    x = fused_linear(att, lw.wo, residual=x, backend=backend)
+    return _mlp(x, lw.mlp, eps, backend)
+
+
+def deltanet_layer(x, lw: DeltaNetWeights, conv_ring, state_ring, start, eps: float, *,
+                   backend=None):
+    """x [T, d] at positions start.. -> [T, d]; conv_ring [R, K-1, C], state_ring
+    [R, Hv, dk, dv] fp32 (read at slot start mod R, written for the last rows)."""
+    T = x.shape[0]
+    h = rms_norm(x, lw.input_norm, eps)
+    mixed = conv_ring_step(F.linear(h, lw.w_qkv), conv_ring, lw.conv, start, backend=backend)
+    kd = lw.num_k_heads * lw.head_k_dim
+    q, k, v = mixed.split([kd, kd, mixed.shape[1] - 2 * kd], dim=1)
+    q = q.reshape(T, lw.num_k_heads, lw.head_k_dim)
+    k = k.reshape(T, lw.num_k_heads, lw.head_k_dim)
+    v = v.reshape(T, lw.num_v_heads, lw.head_v_dim)
+    beta = F.linear(h, lw.w_b).sigmoid()
+    g = -lw.a_log.float().exp() * F.softplus(F.linear(h, lw.w_a).float() + lw.dt_bias)
+    core = gated_delta_step(q, k, v, g, beta, state_ring, start, backend=backend)
+    # gated RMSNorm per value head: w * norm(core) * silu(z)
+    z = F.linear(h, lw.w_z).reshape(T * lw.num_v_heads, lw.head_v_dim)
+    core = core.reshape(T * lw.num_v_heads, lw.head_v_dim)
+    normed = rms_norm(core, lw.out_norm, eps) * F.silu(z.float())
+    x = fused_linear(normed.to(x.dtype).reshape(T, -1), lw.w_out, residual=x, backend=backend)
+    return _mlp(x, lw.mlp, eps, backend)
+
+
+def hybrid_stage_step(x: torch.Tensor, weights: HybridStageWeights, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, conv_rings: torch.Tensor, state_rings: torch.Tensor,
+                      start, cos: torch.Tensor, sin: torch.Tensor, *,
+                      backend: str | None = None) -> list[torch.Tensor]:
+    """Rows x [T, hidden] at positions start.. through every layer -> each layer's output.
+    k_cache/v_cache [attention layers, kv_heads, S, hd]; conv_rings [linear layers, R, K-1, C];
+    state_rings [linear layers, R, Hv, dk, dv] fp32; the i-th layer of a kind uses entry i."""
+    if not isinstance(start, torch.Tensor):
+        start = int(start)
+    outs, a, li = [], 0, 0
+    for lw in weights.layers:
+        if lw.kind == "attention":
+            x = gated_attention_layer(x, lw, k_cache[a], v_cache[a], start, cos, sin,
+                                      weights.num_heads, weights.num_kv_heads, weights.eps,
+                                      backend=backend)
+            a += 1
+        else:
+            x = deltanet_layer(x, lw, conv_rings[li], state_rings[li], start, weights.eps,
+                               backend=backend)
+            li += 1
+        outs.append(x)
+    return outs
