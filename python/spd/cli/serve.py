@@ -42,8 +42,8 @@ def add_serve(sub) -> None:
                    help="the model id clients pass (default: the model folder's name, the repo "
                         "id, or SmolLM2-135M-Instruct)")
     p.add_argument("--model", default=None,
-                   help="local Hugging Face folder (Llama/Qwen2/Qwen3), or a repo id (org/name) "
-                        "found in the local Hugging Face cache; default: "
+                   help="local Hugging Face folder (Llama/Qwen2/Qwen3/Qwen3.5/Qwen3-Next), or a "
+                        "repo id (org/name) found in the local Hugging Face cache; default: "
                         "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
     p.add_argument("--pdm", default=None,
                    help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
