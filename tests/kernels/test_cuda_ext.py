@@ -240,7 +240,7 @@ def _valid_calls(p):
     return {
         "verify_greedy": dict(hidden=p, stride_h=64, norm_weight=p, weight=p, stride_w=64,
                               draft=p, draft_i64=True, pval=p, pidx=p, target=p, accepted=p,
-                              R=2, D=64, V=40, eps=1e-6, dtype=f32, stream=0),
+                              R=2, D=64, V=40, eps=1e-6, norm_offset=0.0, dtype=f32, stream=0),
         "rejection_sample": dict(x=p, stride_x=40, x_dtype=f32, q=p, stride_q=40, q_dtype=f32,
                                  t2d=0, tok=p, tok_i64=True, u=p, stride_u=2, seed=0, offset=0,
                                  out_tok=p, out_acc=p, R=2, V=40, temperature=1.0, top_k=0,
