@@ -43,6 +43,10 @@ class DistConfig:
     speculative_control: str = "auto"
     # Context lookup's shortest match (spd.draft.lookup; 0: the PDM alone).
     lookup: int = DEFAULT_LOOKUP
+    # Test and benchmark hook (spd.distributed.emulate): every stage forward and draft step
+    # becomes a fixed wait of this many seconds; emulate_wait "sleep" (host) or "spin" (CUDA).
+    emulate_s: float | None = None
+    emulate_wait: str = "sleep"
 
     @property
     def world_size(self) -> int:
@@ -59,6 +63,10 @@ class DistConfig:
         if self.speculative_control not in SPECULATION_MODES:
             raise SPDError(f"speculative control must be one of {', '.join(SPECULATION_MODES)}, "
                            f"got {self.speculative_control!r}")
+        if self.emulate_s is not None and not self.emulate_s > 0:
+            raise SPDError(f"emulated compute must be > 0 seconds, got {self.emulate_s}")
+        if self.emulate_wait not in ("sleep", "spin"):
+            raise SPDError(f"emulated wait must be sleep or spin, got {self.emulate_wait!r}")
 
 
 SPECULATION_MODES = ("auto", "on", "off")

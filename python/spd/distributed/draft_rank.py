@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from spd.distributed.config import SpeculationPolicy
+from spd.distributed.emulate import wrap_drafter
 from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import ControlMessage, Op, ctrl_tag, snap_tag
 from spd.distributed.stats import DistributedDecodeStats, breakdown
@@ -148,7 +149,7 @@ class DistributedSPDEngine:
                  on_token: Callable[[int], None] | None = None) -> GenerationResult:
         rt, t, n = self.rt, self.target, self.n
         ids, max_new = check_prompt(t, prompt_ids, max_new_tokens)
-        drafter = drafter or self.engine.drafter
+        drafter = wrap_drafter(drafter or self.engine.drafter, rt.config)
         dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
                              DistributedDecodeStats(mode="spd", n=n), on_token)
         prompt_len = dec.prompt_len

@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 
 from spd.distributed.config import DRAFT_RANK, role_of
+from spd.distributed.emulate import make_stage
 from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import ControlMessage, Op, ctrl_tag, hidden_tag, snap_tag
 from spd.distributed.transport import Runtime, _td
@@ -69,7 +70,7 @@ class StageWorker:
         timer = PhaseTimer(phases)
         cap = int(req["capacity"])
         if self.stage is None or self.stage.cache.capacity < cap:
-            self.stage = Stage(t, self.s, self.layout.stages[self.s], cap)
+            self.stage = make_stage(t, self.s, self.layout.stages[self.s], cap, rt.config)
         self.stage.cache.truncate(0)
         d, dev = t.hidden_size, t.device
         ctrl = ControlMessage.buffer()
