@@ -65,23 +65,16 @@ def _wait_of(config) -> ComputeWait | None:
 
 
 class EmulatedStage(Stage):
-    """A stage whose forward is the identity after a fixed wait (its KV cache still accounts for
-    every row, so the runtime's truncations are checked as in a real run)."""
+    """A stage whose step is the identity after a fixed wait (the cache's length and the last
+    stage's verdict are the real stage's)."""
 
     def __init__(self, *args, wait: ComputeWait, **kwargs):
         super().__init__(*args, cuda_graphs=False, **kwargs)
         self.wait = wait
 
-    def forward(self, hidden, start, record=None):
-        self.cache.reserve(start, hidden.shape[0])
+    def step(self, hidden, start):
         self.wait()
-        self._record(record, self.layer_ids, [hidden] * len(self.layer_ids))
-        return hidden
-
-    def forward_verify(self, hidden, start, draft, record=None):
-        out = self.forward(hidden, start, record)
-        token, accepted = self._verify(out, draft)
-        return out, token, accepted
+        return [hidden] * len(self.layer_ids)
 
 
 def make_stage(target, index: int, layer_ids: range, capacity: int, config) -> Stage:
