@@ -116,7 +116,8 @@ class UnitStream:
         with self.streams.receiving():
             rt.isend(hdr, 1, UNIT_TAG, cycle)
             if self.sent and self.greedy:  # the draft the last stage judges after the unit before
-                rt.isend(hdr, n, JUDGE_TAG, cycle)
+                # waited for n cycles later: the last stage posts its receive two units ahead
+                rt.isend(hdr, n, JUDGE_TAG, cycle + n)
             snaps = []
             for s in range(n):
                 if self.rows[s]:
@@ -178,11 +179,10 @@ class UnitStream:
             if self.greedy:
                 for _ in range(2):
                     rt.isend(unit_header(self.device), n, JUDGE_TAG)
+            self.drop_from(-1)
             for u in self.units:
-                u.dropped = True
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
-            self.drop_from(-1)
             self.take_due(1 << 62, anchors)
             t = self.deng.target
             for s in range(1, n):  # stage 0's stop comes from stage 1 (protocol)
