@@ -73,11 +73,11 @@ SPECULATION_MODES = ("auto", "on", "off")
 
 
 class SpeculationPolicy:
-    """Whether rank 0 announces the next cycle before this cycle's draft is judged.
+    """Whether rank 0 sends the next unit (this cycle's draft) before it reads this cycle's verdict.
 
-    An accepted guess takes verification and the control round trip off the critical path (the
-    stages are already computing the next cycle); a rejected one makes the stages finish a wasted
-    forward before they can start the correction, and costs an extra control message. It pays
+    An accepted guess takes the verdict's read off the critical path (stage 0 is already
+    computing the draft); a rejected one makes every stage run a unit that is dropped before the
+    correction gets through, one cycle later than without the guess. It pays
     when acceptance is high, so "auto" speculates while a moving average of recent judgments
     (weight `decay` on the past) is at least `threshold`. Tokens never depend on it."""
 

@@ -25,9 +25,9 @@ class DraftRankStreams:
     """Rank 0's CUDA streams: snaps are waited for and scattered into the anchor buffer on
     `recv`, the PDM drafts on `draft`, verification and bookkeeping stay on the default stream.
     Cross-stream order goes through wait_stream (recorded events), so the steady state never
-    synchronises the device; the host waits only for the values it needs (the draft id for the
-    control message, the verdict). With NCCL the receives themselves run on NCCL's streams and
-    `work.wait()` orders `recv` after them. On a CPU every method is a no-op."""
+    synchronises the device; the host waits only for the one value it needs (the verdict). With
+    NCCL the receives themselves run on NCCL's streams and `work.wait()` orders `recv` after them.
+    On a CPU every method is a no-op."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
