@@ -193,10 +193,14 @@ def test_host_staged_transport_is_exact():
     want = eng.generate(PROMPT, 20, drafter=ReferenceDrafter(ref, 0.6, 4))
     config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 12), fault_timeout=5.0,
                         op_timeout=60.0, stage_through_host=True, speculative_control="on")
-    got = launch_local(config, partial(run_requests, [GenerateRequest(
-        PROMPT, 20, reference=ref, reference_accuracy=0.6, reference_seed=4)]), timeout=120)[0]
+    one = eng.generate(PROMPT, 1)  # the prompt's pick alone: one unit, drained at once
+    got, got_one = launch_local(config, partial(run_requests, [GenerateRequest(
+        PROMPT, 20, reference=ref, reference_accuracy=0.6, reference_seed=4),
+        GenerateRequest(PROMPT, 1)]), timeout=120)
     assert got.token_ids == want.token_ids
     assert (got.stats.N, got.stats.K) == (want.stats.N, want.stats.K)
+    assert got_one.token_ids == one.token_ids
+    assert (got_one.stats.N, got_one.stats.K) == (one.stats.N, one.stats.K)
     assert got.stats.distributed["host_staged_receives"] > got.stats.K  # snaps and more
 
 
