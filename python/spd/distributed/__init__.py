@@ -20,15 +20,17 @@ the pipeline is one unit, which every stage runs as soon as its input arrives, i
           it will be accepted (speculative control), then read the last stage's verdict on the
           oldest in-flight token: the one host read of an accepted cycle. A rejection drops the
           in-flight units and sends the correction, whose lower position rolls every stage back.
-  stage s: receive a unit ([position, token] from rank 0 at stage 0, [position | row] from stage
-          s - 1 after it), post the next receive, set its cache length to the position (lower
-          after a rollback: the truncation), run its layers, send its anchors to rank 0 and the
-          packed [position | output] to stage s + 1. No host read, and nothing from rank 0 to
-          wait for but the data itself.
+  stage s: receive a unit from its one source (rank 0 for stage 0, stage s - 1 after it): a
+          host header [op, seq] on gloo and a payload on the data group ([position, token] at
+          stage 0, [position | row] after it); post the next receives, set its cache length to
+          the position (lower after a rollback: the truncation), run its layers, send its
+          anchors to rank 0 and header + packed [position | output] to stage s + 1. It reads
+          only the header on the host (host memory: no device wait), and waits on nothing from
+          rank 0 but the data itself.
 Units rank 0 dropped still run on every stage, in cycles they would idle anyway; rank 0 drops
 their messages. With speculative control off rank 0 reads the verdict before it sends the next
-unit (stage 0 then waits for it). The end of a generation is a stop message a stage tells apart
-from data by the rank it came from.
+unit (stage 0 then waits for it). The end of a generation is a stop header rank 0 sends to
+stage 0 and each stage passes on. Every receive names its sender.
 Every receive is posted ahead of need (gloo sends complete once the receiver has posted) and
 sends are waited lazily.
 

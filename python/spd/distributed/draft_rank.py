@@ -14,7 +14,17 @@ import torch
 from spd.distributed.config import SpeculationPolicy
 from spd.distributed.emulate import wrap_drafter
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import JUDGE_TAG, SNAP_TAG, UNIT_TAG, VERDICT_TAG, packed, unit_header
+from spd.distributed.protocol import (
+    HEADER_TAG,
+    JUDGE_TAG,
+    SNAP_TAG,
+    STOP,
+    UNIT,
+    UNIT_TAG,
+    VERDICT_TAG,
+    header,
+    unit_header,
+)
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
@@ -110,14 +120,16 @@ class UnitStream:
         stage 0 in cycle `cycle`; post the receives for what every stage sends about it."""
         rt, t, n = self.rt, self.deng.target, self.n
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
-        hdr = unit_header(self.device)
-        hdr[0] = pos
-        hdr[1] = token
+        unit = unit_header(self.device)
+        unit[0] = pos
+        unit[1] = token
+        # On the stream that wrote the payload (NCCL sends wait for the current stream).
+        rt.isend(unit, 1, UNIT_TAG, cycle)
+        rt.isend(header(UNIT, self.sent), 1, HEADER_TAG, cycle)
+        if self.sent and self.greedy:  # the draft the last stage judges after the unit before
+            # waited for n cycles later: the last stage posts its receive two units ahead
+            rt.isend(unit, n, JUDGE_TAG, cycle + n)
         with self.streams.receiving():
-            rt.isend(hdr, 1, UNIT_TAG, cycle)
-            if self.sent and self.greedy:  # the draft the last stage judges after the unit before
-                # waited for n cycles later: the last stage posts its receive two units ahead
-                rt.isend(hdr, n, JUDGE_TAG, cycle + n)
             snaps = []
             for s in range(n):
                 if self.rows[s]:
@@ -173,20 +185,19 @@ class UnitStream:
 
     def finish(self, anchors) -> None:
         """The end: the last stage gets the two drafts past the last unit it waits for, every
-        posted receive completes (dropped), then every stage gets its stop."""
+        posted receive completes (dropped), then stage 0 gets the stop (each stage passes it on)."""
         rt, n = self.rt, self.n
+        if self.greedy:
+            for _ in range(2):
+                rt.isend(unit_header(self.device), n, JUDGE_TAG)
         with self.streams.receiving():
-            if self.greedy:
-                for _ in range(2):
-                    rt.isend(unit_header(self.device), n, JUDGE_TAG)
             self.drop_from(-1)
             for u in self.units:
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
             self.take_due(1 << 62, anchors)
-            t = self.deng.target
-            for s in range(1, n):  # stage 0's stop comes from stage 1 (protocol)
-                rt.isend(packed(t.hidden_size, t.dtype, self.device), s + 1, UNIT_TAG)
+        rt.isend(unit_header(self.device), 1, UNIT_TAG)  # the stop's zero payload
+        rt.isend(header(STOP, self.sent), 1, HEADER_TAG)
         self.units.clear()
         rt.flush_sends()
 

@@ -10,17 +10,22 @@ from spd.distributed.config import DRAFT_RANK, role_of
 from spd.distributed.emulate import make_stage
 from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import (
+    HEADER_TAG,
     JUDGE_TAG,
     PREFILL_TAG,
     SNAP_TAG,
+    STOP,
+    UNIT,
     UNIT_TAG,
     VERDICT_TAG,
+    header,
     pack,
     packed,
     unit_header,
     unpack,
 )
 from spd.distributed.transport import Runtime, _td
+from spd.errors import SPDError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
 from spd.runtime.sequence import PhaseTimer
@@ -38,8 +43,7 @@ class StageWorker:
         self.snap_idx = [b for _, b in layout.anchors_of_stage(self.s)]
         self.stage: Stage | None = None
         self.prev, self.next = rt.rank - 1, rt.rank + 1
-        # Where this stage's stop comes from: any rank but its data source (protocol).
-        self.stopper = DRAFT_RANK + 2 if self.first else DRAFT_RANK
+        self.source = DRAFT_RANK if self.first else self.prev  # where its units come from
 
     def serve(self) -> None:
         gen = 0
@@ -105,24 +109,33 @@ class StageWorker:
             rt.isend(out.contiguous(), self.next, PREFILL_TAG)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
-        # Decode: one unit per message from the previous stage (stage 0: from rank 0).
+        # Decode: one unit per (host header, payload) pair from its source (stage 0: rank 0).
         new_buf = ((lambda: unit_header(dev)) if self.first else
                    (lambda: packed(d, t.dtype, dev)))
-        buf = new_buf()
-        work = rt.irecv(buf, None, UNIT_TAG)  # any source: the data, or this stage's stop
+        src = self.source
+
+        def post():  # the next unit's header and payload receives
+            hdr, buf = header(), new_buf()
+            return hdr, buf, rt.irecv(hdr, src, HEADER_TAG), rt.irecv(buf, src, UNIT_TAG)
+        hdr, buf, hwork, work = post()
         judge_buf = unit_header(dev) if self.last and greedy else None
         judge = rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG) if judge_buf is not None else None
         fwd: list[float] = []
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
         while True:
-            with timer("wait_input"):
-                rt.wait(work, self.prev if not self.first else DRAFT_RANK, "unit")
-            if rt.source(work) == self.stopper:
-                break
             unit = len(fwd)
-            msg, buf = buf, new_buf()
-            work = rt.irecv(buf, None, UNIT_TAG)  # the next unit's, posted before this one runs
+            with timer("wait_input"):
+                rt.wait(hwork, src, "unit header")
+                op, seq = hdr.tolist()  # host memory (protocol): no device wait
+                rt.wait(work, src, "unit")  # on a GPU: orders this stream after the payload
+            if op == STOP:
+                break
+            if op != UNIT or seq != unit:
+                raise SPDError(f"stage {self.s}: header {[op, seq]} from rank {src}, expected "
+                               f"unit {unit}")
+            msg = buf
+            hdr, buf, hwork, work = post()  # the next unit's, posted before this one runs
             if fault and unit + 1 == fault["cycle"]:
                 inject_fault(fault)
             if self.first:
@@ -149,10 +162,12 @@ class StageWorker:
                              DRAFT_RANK, VERDICT_TAG, unit)
                 if not self.last:
                     rt.isend(pack(pos, out), self.next, UNIT_TAG, unit)
+                    rt.isend(header(UNIT, unit), self.next, HEADER_TAG, unit)
                 rt.flush_sends(before=unit)
         decode_s = time.perf_counter() - t_dec
-        if self.s == 1:  # stage 0's stop comes from here (its data comes from rank 0)
-            rt.isend(unit_header(dev), self.prev, UNIT_TAG)
+        if not self.last:  # pass the stop on, with its zero payload (protocol)
+            rt.isend(packed(d, t.dtype, dev), self.next, UNIT_TAG)
+            rt.isend(header(STOP, len(fwd)), self.next, HEADER_TAG)
         if judge is not None:  # rank 0 sent one draft past the last unit: receive it
             rt.wait(judge, DRAFT_RANK, "draft to judge")
         rt.flush_sends()

@@ -98,8 +98,7 @@ class Runtime(FaultHandling):
                                 world_size=self.world, timeout=self.op_timeout)
         self.backend = backend
         self.data_group = dist.group.WORLD
-        # The unit stream needs any-source receives (a stage's stop comes from another rank than
-        # its data), which NCCL lacks: it stays on gloo even when snaps move over NCCL.
+        # The units' host headers (protocol) travel on gloo, their payloads on the data group.
         self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else self.data_group
 
     def close_groups(self) -> None:
@@ -134,8 +133,8 @@ class Runtime(FaultHandling):
         except RuntimeError as exc:
             raise CommError(peer, what, exc) from exc
 
-    def irecv(self, tensor, src: int | None, tag: int):
-        """A posted receive; src None: from any rank (`source` tells which, once waited)."""
+    def irecv(self, tensor, src: int, tag: int):
+        """A posted receive from rank `src` (every receive names its sender)."""
         group, gloo = self._group(tag)
         if self._through_host(tensor, gloo):
             self.host_staged += 1
@@ -143,11 +142,6 @@ class Runtime(FaultHandling):
             return _StagedRecv(self._post(dist.irecv, host, src, group, tag, "posting a receive"),
                                host, tensor)
         return self._post(dist.irecv, tensor, src, group, tag, "posting a receive")
-
-    @staticmethod
-    def source(work) -> int:
-        """The rank a completed any-source receive came from (a host value of the work)."""
-        return (work.work if isinstance(work, _StagedRecv) else work)._source_rank()
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
         group, gloo = self._group(tag)
