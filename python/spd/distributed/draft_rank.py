@@ -94,7 +94,7 @@ class Unit:
     """A token rank 0 sent into the pipeline, until the last stage's message about it is taken."""
     pos: int
     snaps: list[SnapRecv]
-    verdict: tuple[object, torch.Tensor] | None  # greedy: (receive, [token, accepted])
+    verdict: list | None  # greedy: [receive (None until posted), [token, accepted]]
     dropped: bool = False
 
 
@@ -114,6 +114,21 @@ class UnitStream:
         self.units: deque[Unit] = deque()  # sent; the last stage's message not taken yet
         self.snaps: list[SnapRecv] = []    # posted, in order, not taken yet
         self.sent = 0
+        self._pending: Unit | None = None  # greedy: its last-stage receives not posted yet
+
+    def _post_last(self) -> None:
+        """Post the receives of the last stage's messages (snap, verdict) about the newest unit.
+        Greedy, they wait until the judge draft that unit needs has been sent: under NCCL the
+        messages of a pair of ranks match in the order both post them, whatever the tag, and the
+        last stage receives the draft before it sends them."""
+        u, self._pending = self._pending, None
+        if u is None:
+            return
+        with self.streams.receiving():
+            for item in u.snaps:
+                if item.work is None:
+                    item.work = self.rt.irecv(item.buf, item.stage + 1, SNAP_TAG)
+            u.verdict[0] = self.rt.irecv(u.verdict[1], self.n, VERDICT_TAG)
 
     def send(self, cycle: int, pos: int, token) -> None:
         """Unit: `token` (an int or a 0-d device tensor: no host read) at position `pos` enters
@@ -129,20 +144,23 @@ class UnitStream:
         if self.sent and self.greedy:  # the draft the last stage judges after the unit before
             # waited for n cycles later: the last stage posts its receive two units ahead
             rt.isend(unit, n, JUDGE_TAG, cycle + n)
+        self._post_last()  # the unit before's: after its judge draft (see _post_last)
         with self.streams.receiving():
             snaps = []
             for s in range(n):
                 if self.rows[s]:
                     buf = torch.empty(self.rows[s], 1, t.hidden_size, dtype=t.dtype,
                                       device=self.device)
-                    snaps.append(SnapRecv(s, pos, buf, rt.irecv(buf, s + 1, SNAP_TAG),
-                                          due=cycle + s))
+                    later = self.greedy and s == n - 1  # posted by _post_last
+                    snaps.append(SnapRecv(s, pos, buf, None if later else
+                                          rt.irecv(buf, s + 1, SNAP_TAG), due=cycle + s))
             verdict = None
             if self.greedy:
-                buf = torch.empty(2, dtype=torch.int64, device=self.device)
-                verdict = (rt.irecv(buf, n, VERDICT_TAG), buf)
+                verdict = [None, torch.empty(2, dtype=torch.int64, device=self.device)]
         self.snaps += snaps
         self.units.append(Unit(pos, snaps, verdict))
+        if self.greedy:
+            self._pending = self.units[-1]
         self.sent += 1
 
     def take_due(self, cycle: int, anchors) -> None:
@@ -150,6 +168,8 @@ class UnitStream:
         left = []
         with self.streams.receiving():
             for item in self.snaps:
+                if item.due <= cycle and item.work is None:
+                    self._post_last()  # not reached in a run: a successor was sent first
                 if item.due <= cycle:
                     self.deng._take_snap(item, anchors)
                 elif item.state is not SnapState.RECEIVED:
@@ -171,6 +191,8 @@ class UnitStream:
         before it are received and discarded."""
         while True:
             u = self.units.popleft()
+            if u is self._pending:
+                self._post_last()  # not reached in a run: a successor was sent first
             if u.verdict is not None:
                 self.rt.wait(u.verdict[0], self.n, "verdict")
             last = u.snaps[-1] if u.snaps and u.snaps[-1].stage == self.n - 1 else None
@@ -190,6 +212,7 @@ class UnitStream:
         if self.greedy:
             for _ in range(2):
                 rt.isend(unit_header(self.device), n, JUDGE_TAG)
+                self._post_last()  # the last unit's, after the draft it is judged with
         with self.streams.receiving():
             self.drop_from(-1)
             for u in self.units:

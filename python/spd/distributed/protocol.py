@@ -28,8 +28,9 @@ The end of a generation is a STOP header from rank 0 to stage 0, which each stag
 the next; a stop carries a zero payload too, so the payload receive every stage posts ahead is
 always matched (an NCCL receive cannot be cancelled).
 
-Messages between two ranks match in the order they were posted (gloo per tag, NCCL per pair),
-so no tag carries a sequence number. The prefill moves whole prompts on PREFILL_TAG.
+Messages between two ranks match in the order they were posted (gloo per tag, NCCL per pair of
+ranks whatever the tag), so no tag carries a sequence number; under NCCL receives are posted in
+the order the peer sends (stage_rank, draft_rank's UnitStream._post_last). The prefill moves whole prompts on PREFILL_TAG.
 """
 from __future__ import annotations
 

@@ -113,13 +113,20 @@ class StageWorker:
         new_buf = ((lambda: unit_header(dev)) if self.first else
                    (lambda: packed(d, t.dtype, dev)))
         src = self.source
+        # gloo matches per tag: receives are posted a unit ahead. NCCL matches a pair's messages
+        # in posting order whatever the tag, and a pending receive holds up the pair's later
+        # sends (this stage's snaps to rank 0): there a payload receive is posted once its
+        # header is in, the judge draft's when it is needed (no host wait: header is host data).
+        ahead = rt.backend == "gloo"
 
-        def post():  # the next unit's header and payload receives
+        def post():  # the next unit's header receive, and its payload's when ahead
             hdr, buf = header(), new_buf()
-            return hdr, buf, rt.irecv(hdr, src, HEADER_TAG), rt.irecv(buf, src, UNIT_TAG)
+            return (hdr, buf, rt.irecv(hdr, src, HEADER_TAG),
+                    rt.irecv(buf, src, UNIT_TAG) if ahead else None)
         hdr, buf, hwork, work = post()
         judge_buf = unit_header(dev) if self.last and greedy else None
-        judge = rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG) if judge_buf is not None else None
+        post_judge = lambda: rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
+        judge = post_judge() if judge_buf is not None and ahead else None
         fwd: list[float] = []
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
@@ -128,6 +135,8 @@ class StageWorker:
             with timer("wait_input"):
                 rt.wait(hwork, src, "unit header")
                 op, seq = hdr.tolist()  # host memory (protocol): no device wait
+                if work is None:
+                    work = rt.irecv(buf, src, UNIT_TAG)
                 rt.wait(work, src, "unit")  # on a GPU: orders this stream after the payload
             if op == STOP:
                 break
@@ -144,11 +153,12 @@ class StageWorker:
             else:
                 pos, h = unpack(msg, d, t.dtype)
             draft = None
-            if judge is not None:  # the draft after this unit: the next unit's token
+            if judge_buf is not None:  # the draft after this unit: the next unit's token
                 with timer("wait_input"):
-                    rt.wait(judge, DRAFT_RANK, "draft to judge")
+                    rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
+                            "draft to judge")
                 draft, judge_buf = judge_buf[1:2], unit_header(dev)
-                judge = rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG)
+                judge = post_judge() if ahead else None
             tf = time.perf_counter()
             out, snaps, verdict = self._forward_unit(h, pos, draft)
             fwd.append(time.perf_counter() - tf)
@@ -168,8 +178,9 @@ class StageWorker:
         if not self.last:  # pass the stop on, with its zero payload (protocol)
             rt.isend(packed(d, t.dtype, dev), self.next, UNIT_TAG)
             rt.isend(header(STOP, len(fwd)), self.next, HEADER_TAG)
-        if judge is not None:  # rank 0 sent one draft past the last unit: receive it
-            rt.wait(judge, DRAFT_RANK, "draft to judge")
+        if judge_buf is not None:  # rank 0 sent one draft past the last unit: receive it
+            rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
+                    "draft to judge")
         rt.flush_sends()
         phases["forward"] = sum(fwd)
         rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
