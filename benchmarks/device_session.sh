@@ -18,6 +18,9 @@
 #      (and where a kernel lost the CUDA context: its op once more under compute-sanitizer)
 #   8. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
+#   8b. the distributed protocol's own cost per cycle, compute emulated by a fixed wait of
+#      F = 200, 300, 600 us (ranks share the one GPU over gloo, so the wait is a host sleep:
+#      spin kernels of different processes would be time-sliced) -> $OUT/<date>-protocol-<dev>.json
 #   9. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
 #  10. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
 # A kernel never run on a GPU may fault, and a fault takes the process's CUDA context with it: so
@@ -72,6 +75,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     STAGE_ARGS=(--models smollm2-135m --layers 2 --context 64 --iters 1 --warmup 0)
     KERNEL_TESTS=(tests/kernels/test_kv_truncate.py)
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
+    PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --max-new-tokens 8)
 else
     DEV=$("$PY" - <<'EOF'
 import torch
@@ -90,6 +94,8 @@ EOF
     KERNEL_TESTS=(tests/kernels/test_*.py)
     COMPILE_ARGS=(--models qwen3-4b --ops verify_greedy,anchor_projection,truncate_kv,fused_swiglu
                   --compile on --iters 20)
+    PROTOCOL_ARGS=(--device cuda --backend gloo --stages 2,4,8 --emulate-ms 0.2,0.3,0.6
+                   --max-new-tokens 48)
 fi
 
 { nvidia-smi 2>&1 || echo "no nvidia-smi"; nproc; "$PY" -c "
@@ -142,6 +148,8 @@ if [[ -n "$LOST_OPS" && -n "$SANITIZER" ]]; then
 fi
 step draft-hiding 100 "$LOGS/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
     "${HIDING_ARGS[@]}" --json-out "$OUT/$DATE-draft-hiding-$DEV.json"
+step protocol 120 "$LOGS/protocol.log" "$PY" benchmarks/bench_protocol.py "${PROTOCOL_ARGS[@]}" \
+    --json-out "$OUT/$DATE-protocol-$DEV.json"
 step kernel-tests 150 "$LOGS/kernel-tests.log" "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" "${KERNEL_TESTS[@]}"
 
@@ -161,6 +169,7 @@ benches | grep -E "ERROR|^CUDA context lost" | cut -c1-240 | head -n 20
 echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
 echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
+echo "---- protocol";     show protocol.log | tail -n 22
 echo "---- stage";          show stage.log | tail -n 16
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"

@@ -87,10 +87,16 @@ def rank_parts(model, n: int, split=None) -> dict[int, dict]:
         names = [k for k in files.names() if k.startswith("model.layers.")
                  and int(k.split(".")[2]) in layers]
         layer_bytes = nbytes(names)
-        parts[s + 1] = {"bytes": layer_bytes + (nbytes(embed) if s == 0 else 0),
+        # stage 0 embeds its tokens; the last stage judges greedy drafts (norm + head, where a
+        # tied head is the embedding: held once when stage 0 is also the last)
+        extra = set(embed if s == 0 else [])
+        if s == n - 1:
+            extra |= set(head) | (set() if "lm_head.weight" in files else set(embed))
+        parts[s + 1] = {"bytes": layer_bytes + nbytes(sorted(extra)),
                         "layer_bytes": layer_bytes,
                         "holds": f"layers {layers.start}-{layers.stop - 1}"
-                                 + (" + embedding" if s == 0 else "")}
+                                 + (" + embedding" if s == 0 else "")
+                                 + (" + norm, head" if s == n - 1 else "")}
     return parts
 
 

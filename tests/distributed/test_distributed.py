@@ -156,16 +156,19 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
     assert 0 < got[2].stats.drafts_accepted < got[2].stats.drafts_judged
     assert got[3].token_ids != got[0].token_ids                      # sampling really sampled
     # The breakdown accounts for every cycle on every rank.
-    for g in got:
+    for (req, _), g in zip(cases, got):
         d = g.stats.distributed
         assert d["world_size"] == n + 1 and d["cycles"] == g.stats.K
         assert d["host_staged_receives"] == 0  # CPU tensors over gloo go as they are
         assert [r["rank"] for r in d["ranks"]] == list(range(n + 1))
-        assert d["ranks"][1]["cycles_worked"] == g.stats.K            # stage 0 works every cycle
-        assert d["ranks"][n]["cycles_worked"] == g.stats.drafts_judged  # last: full cycles only
+        # One unit enters per cycle (plus each correction after an optimistic send, and maybe
+        # the last cycle's optimistic one); every stage runs every unit, dropped ones included.
+        spec = d["speculative_control"]
+        assert g.stats.K + spec["redone"] <= d["units"] <= g.stats.K + spec["redone"] + 1
+        assert all(d["ranks"][r]["units_worked"] == d["units"] for r in range(1, n + 1))
+        assert d["verify_on"] == ("last stage" if req.sampling.greedy else "rank 0")
         assert d["cycle_ms"]["mean"] > 0 and "wait_stage" in d["ranks"][0]["phase_ms_per_cycle"]
         json.dumps(g.stats.as_dict())
-        spec = d["speculative_control"]
         assert spec["mode"] == speculative
         rejected = g.stats.drafts_judged - g.stats.drafts_accepted
         if speculative == "off":
@@ -190,10 +193,14 @@ def test_host_staged_transport_is_exact():
     want = eng.generate(PROMPT, 20, drafter=ReferenceDrafter(ref, 0.6, 4))
     config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 12), fault_timeout=5.0,
                         op_timeout=60.0, stage_through_host=True, speculative_control="on")
-    got = launch_local(config, partial(run_requests, [GenerateRequest(
-        PROMPT, 20, reference=ref, reference_accuracy=0.6, reference_seed=4)]), timeout=120)[0]
+    one = eng.generate(PROMPT, 1)  # the prompt's pick alone: one unit, drained at once
+    got, got_one = launch_local(config, partial(run_requests, [GenerateRequest(
+        PROMPT, 20, reference=ref, reference_accuracy=0.6, reference_seed=4),
+        GenerateRequest(PROMPT, 1)]), timeout=120)
     assert got.token_ids == want.token_ids
     assert (got.stats.N, got.stats.K) == (want.stats.N, want.stats.K)
+    assert got_one.token_ids == one.token_ids
+    assert (got_one.stats.N, got_one.stats.K) == (one.stats.N, one.stats.K)
     assert got.stats.distributed["host_staged_receives"] > got.stats.K  # snaps and more
 
 

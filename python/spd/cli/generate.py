@@ -167,8 +167,8 @@ def add_distributed_args(p) -> None:
                         "otherwise); gloo with --device cuda stages tensors through host memory, "
                         "so every rank may share one GPU")
     g.add_argument("--speculative-control", choices=("auto", "on", "off"), default="auto",
-                   help="announce each cycle before the previous draft is judged, so the stages "
-                        "start it while the draft rank verifies (a rejection makes them redo it): "
+                   help="send each draft into the pipeline before the previous verdict is read, "
+                        "so the stages start it at once (a rejection drops it): "
                         "auto (default) while recent drafts are mostly accepted, on, or off")
 
 

@@ -43,6 +43,10 @@ class DistConfig:
     speculative_control: str = "auto"
     # Context lookup's shortest match (spd.draft.lookup; 0: the PDM alone).
     lookup: int = DEFAULT_LOOKUP
+    # Test and benchmark hook (spd.distributed.emulate): every stage forward and draft step
+    # becomes a fixed wait of this many seconds; emulate_wait "sleep" (host) or "spin" (CUDA).
+    emulate_s: float | None = None
+    emulate_wait: str = "sleep"
 
     @property
     def world_size(self) -> int:
@@ -59,17 +63,21 @@ class DistConfig:
         if self.speculative_control not in SPECULATION_MODES:
             raise SPDError(f"speculative control must be one of {', '.join(SPECULATION_MODES)}, "
                            f"got {self.speculative_control!r}")
+        if self.emulate_s is not None and not self.emulate_s > 0:
+            raise SPDError(f"emulated compute must be > 0 seconds, got {self.emulate_s}")
+        if self.emulate_wait not in ("sleep", "spin"):
+            raise SPDError(f"emulated wait must be sleep or spin, got {self.emulate_wait!r}")
 
 
 SPECULATION_MODES = ("auto", "on", "off")
 
 
 class SpeculationPolicy:
-    """Whether rank 0 announces the next cycle before this cycle's draft is judged.
+    """Whether rank 0 sends the next unit (this cycle's draft) before it reads this cycle's verdict.
 
-    An accepted guess takes verification and the control round trip off the critical path (the
-    stages are already computing the next cycle); a rejected one makes the stages finish a wasted
-    forward before they can start the correction, and costs an extra control message. It pays
+    An accepted guess takes the verdict's read off the critical path (stage 0 is already
+    computing the draft); a rejected one makes every stage run a unit that is dropped before the
+    correction gets through, one cycle later than without the guess. It pays
     when acceptance is high, so "auto" speculates while a moving average of recent judgments
     (weight `decay` on the past) is at least `threshold`. Tokens never depend on it."""
 

@@ -3,20 +3,31 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
 from typing import Callable
 
 import torch
 
 from spd.distributed.config import SpeculationPolicy
+from spd.distributed.emulate import wrap_drafter
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import ControlMessage, Op, ctrl_tag, snap_tag
+from spd.distributed.protocol import (
+    HEADER_TAG,
+    JUDGE_TAG,
+    SNAP_TAG,
+    STOP,
+    UNIT,
+    UNIT_TAG,
+    VERDICT_TAG,
+    header,
+    unit_header,
+)
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
-from spd.runtime.schedule import PipelineSchedule
 from spd.runtime.sequence import SequenceDecode
 
 
@@ -24,9 +35,9 @@ class DraftRankStreams:
     """Rank 0's CUDA streams: snaps are waited for and scattered into the anchor buffer on
     `recv`, the PDM drafts on `draft`, verification and bookkeeping stay on the default stream.
     Cross-stream order goes through wait_stream (recorded events), so the steady state never
-    synchronises the device; the host waits only for the values it needs (the draft id for the
-    control message, the verdict). With NCCL the receives themselves run on NCCL's streams and
-    `work.wait()` orders `recv` after them. On a CPU every method is a no-op."""
+    synchronises the device; the host waits only for the one value it needs (the verdict). With
+    NCCL the receives themselves run on NCCL's streams and `work.wait()` orders `recv` after them.
+    On a CPU every method is a no-op."""
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
@@ -63,18 +74,155 @@ class DraftRankStreams:
 
 class SnapState(Enum):
     POSTED = "posted"        # its receive is posted; the rows go into the anchor buffer
-    DISCARD = "discard"      # work of a cycle announced ahead and then redone: receive, drop
+    DISCARD = "discard"      # a unit rank 0 dropped (rollback, optimistic send): receive, drop
     RECEIVED = "received"    # received (and stored, unless discarded): nothing left to do
 
 
 @dataclass
 class SnapRecv:
-    """One stage's snap message of one cycle that rank 0 has posted a receive for."""
+    """One stage's snap message of one unit that rank 0 has posted a receive for."""
     stage: int
     pos: int            # the first position its rows belong to
     buf: torch.Tensor   # (rows of the stage, positions, hidden): anchors, then the last output
     work: object        # the posted receive
+    due: int = 0        # the cycle in which the stage computes it (taken once that cycle is over)
     state: SnapState = SnapState.POSTED
+
+
+@dataclass
+class Unit:
+    """A token rank 0 sent into the pipeline, until the last stage's message about it is taken."""
+    pos: int
+    snaps: list[SnapRecv]
+    verdict: list | None  # greedy: [receive (None until posted), [token, accepted]]
+    dropped: bool = False
+
+
+class UnitStream:
+    """Rank 0's side of one generation's unit stream (spd.distributed.protocol): sending units,
+    the receives posted for what the stages send back about them, rollbacks and the end."""
+
+    def __init__(self, deng: DistributedSPDEngine, greedy: bool, streams: DraftRankStreams):
+        self.deng, self.rt, self.n = deng, deng.rt, deng.n
+        self.greedy, self.streams = greedy, streams
+        self.device = deng.target.device
+        n = self.n
+        # Rows of stage s's snap per unit: its anchors; under sampling the last stage's output
+        # too (rank 0 judges it); greedy, the last stage sends its verdict instead.
+        self.rows = [len(sl) + (1 if s == n - 1 and not greedy else 0)
+                     for s, sl in enumerate(deng.snap_slots)]
+        self.units: deque[Unit] = deque()  # sent; the last stage's message not taken yet
+        self.snaps: list[SnapRecv] = []    # posted, in order, not taken yet
+        self.sent = 0
+        self._pending: Unit | None = None  # greedy: its last-stage receives not posted yet
+
+    def _post_last(self) -> None:
+        """Post the receives of the last stage's messages (snap, verdict) about the newest unit.
+        Greedy, they wait until the judge draft that unit needs has been sent: under NCCL the
+        messages of a pair of ranks match in the order both post them, whatever the tag, and the
+        last stage receives the draft before it sends them."""
+        u, self._pending = self._pending, None
+        if u is None:
+            return
+        with self.streams.receiving():
+            for item in u.snaps:
+                if item.work is None:
+                    item.work = self.rt.irecv(item.buf, item.stage + 1, SNAP_TAG)
+            u.verdict[0] = self.rt.irecv(u.verdict[1], self.n, VERDICT_TAG)
+
+    def send(self, cycle: int, pos: int, token) -> None:
+        """Unit: `token` (an int or a 0-d device tensor: no host read) at position `pos` enters
+        stage 0 in cycle `cycle`; post the receives for what every stage sends about it."""
+        rt, t, n = self.rt, self.deng.target, self.n
+        rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
+        unit = unit_header(self.device)
+        unit[0] = pos
+        unit[1] = token
+        # On the stream that wrote the payload (NCCL sends wait for the current stream).
+        rt.isend(unit, 1, UNIT_TAG, cycle)
+        rt.isend(header(UNIT, self.sent), 1, HEADER_TAG, cycle)
+        if self.sent and self.greedy:  # the draft the last stage judges after the unit before
+            # waited for n cycles later: the last stage posts its receive two units ahead
+            rt.isend(unit, n, JUDGE_TAG, cycle + n)
+        self._post_last()  # the unit before's: after its judge draft (see _post_last)
+        with self.streams.receiving():
+            snaps = []
+            for s in range(n):
+                if self.rows[s]:
+                    buf = torch.empty(self.rows[s], 1, t.hidden_size, dtype=t.dtype,
+                                      device=self.device)
+                    later = self.greedy and s == n - 1  # posted by _post_last
+                    snaps.append(SnapRecv(s, pos, buf, None if later else
+                                          rt.irecv(buf, s + 1, SNAP_TAG), due=cycle + s))
+            verdict = None
+            if self.greedy:
+                verdict = [None, torch.empty(2, dtype=torch.int64, device=self.device)]
+        self.snaps += snaps
+        self.units.append(Unit(pos, snaps, verdict))
+        if self.greedy:
+            self._pending = self.units[-1]
+        self.sent += 1
+
+    def take_due(self, cycle: int, anchors) -> None:
+        """Take every snap its stage computed by the end of `cycle` (features for the draft)."""
+        left = []
+        with self.streams.receiving():
+            for item in self.snaps:
+                if item.due <= cycle and item.work is None:
+                    self._post_last()  # not reached in a run: a successor was sent first
+                if item.due <= cycle:
+                    self.deng._take_snap(item, anchors)
+                elif item.state is not SnapState.RECEIVED:
+                    left.append(item)
+        self.snaps = left
+
+    def drop_from(self, pos: int) -> None:
+        """A rollback to `pos`: units at positions >= pos are dropped (their messages still come)."""
+        for u in self.units:
+            if u.pos >= pos and not u.dropped:
+                u.dropped = True
+                for item in u.snaps:
+                    if item.state is SnapState.POSTED:
+                        item.state = SnapState.DISCARD
+
+    def oldest(self, anchors) -> tuple[Unit, object]:
+        """The oldest kept unit, once the last stage has sent its message about it: greedy, the
+        verdict tensor [token, accepted]; sampling, its snap (with the output row). Dropped units
+        before it are received and discarded."""
+        while True:
+            u = self.units.popleft()
+            if u is self._pending:
+                self._post_last()  # not reached in a run: a successor was sent first
+            if u.verdict is not None:
+                self.rt.wait(u.verdict[0], self.n, "verdict")
+            last = u.snaps[-1] if u.snaps and u.snaps[-1].stage == self.n - 1 else None
+            if not u.dropped:
+                if self.greedy:
+                    self.streams.after_receive(u.verdict[1])
+                    return u, u.verdict[1]
+                with self.streams.receiving():
+                    self.deng._take_snap(last, anchors)
+                self.streams.after_receive(last.buf)
+                return u, last
+
+    def finish(self, anchors) -> None:
+        """The end: the last stage gets the two drafts past the last unit it waits for, every
+        posted receive completes (dropped), then stage 0 gets the stop (each stage passes it on)."""
+        rt, n = self.rt, self.n
+        if self.greedy:
+            for _ in range(2):
+                rt.isend(unit_header(self.device), n, JUDGE_TAG)
+                self._post_last()  # the last unit's, after the draft it is judged with
+        with self.streams.receiving():
+            self.drop_from(-1)
+            for u in self.units:
+                if u.verdict is not None:
+                    rt.wait(u.verdict[0], n, "verdict")
+            self.take_due(1 << 62, anchors)
+        rt.isend(unit_header(self.device), 1, UNIT_TAG)  # the stop's zero payload
+        rt.isend(header(STOP, self.sent), 1, HEADER_TAG)
+        self.units.clear()
+        rt.flush_sends()
 
 
 class DistributedSPDEngine:
@@ -88,11 +236,11 @@ class DistributedSPDEngine:
         self.n = engine.n
         self._gen = 0
         lay = self.layout
-        # Rows of stage s's snap message: its anchors (slots), then (last stage) its output.
+        # Rows of stage s's snap message: its anchors (slots), then (last stage, prefill) its
+        # output.
         self.snap_slots = [[j for j, _ in lay.anchors_of_stage(s)] for s in range(self.n)]
         self.snap_rows = [len(sl) + (1 if s == self.n - 1 else 0)
                           for s, sl in enumerate(self.snap_slots)]
-        self._ctrl_seq = 0
 
     def _request(self, payload: dict) -> int:
         self._gen += 1
@@ -103,31 +251,15 @@ class DistributedSPDEngine:
     def shutdown(self) -> None:
         self._request({"op": "shutdown"})
 
-    def _send_ctrl(self, msg: ControlMessage) -> None:
-        rt = self.rt
-        rt.flush_sends(before=msg.cycle - 1)  # the stages posted those receives long ago
-        self._ctrl_seq += 1
-        for s in range(self.n):
-            rt.isend(msg.to_tensor(), s + 1, ctrl_tag(self._ctrl_seq), msg.cycle)
-
-    def _announce(self, cycle: int, sched: PipelineSchedule, truncate_to: int | None,
-                  token: int) -> list[SnapRecv]:
-        """Send cycle `cycle`'s control message for window `sched` and post receives for the
-        snaps its work will send."""
-        self._send_ctrl(ControlMessage(Op.CYCLE, cycle, sched.start, sched.count, truncate_to,
-                                       token))
-        return self._post_snaps(sorted(sched.stage_work()), cycle)
-
-    def _post_snaps(self, work: list[tuple[int, int]], cycle: int,
-                    rows: int = 1) -> list[SnapRecv]:
-        """Post receives for the snaps of (stage, first position) pairs; rows per position."""
+    def _post_prefill_snaps(self, rows: int) -> list[SnapRecv]:
+        """Post receives for every stage's prefill snap (rows positions each)."""
         t = self.target
         out = []
-        for s, pos in work:
+        for s in range(self.n):
             if self.snap_rows[s]:
                 buf = torch.empty(self.snap_rows[s], rows, t.hidden_size, dtype=t.dtype,
                                   device=t.device)
-                out.append(SnapRecv(s, pos, buf, self.rt.irecv(buf, s + 1, snap_tag(cycle))))
+                out.append(SnapRecv(s, 0, buf, self.rt.irecv(buf, s + 1, SNAP_TAG)))
         return out
 
     def _take_snap(self, item: SnapRecv, anchors) -> None:
@@ -153,12 +285,14 @@ class DistributedSPDEngine:
         ids, max_new, rule = self.engine._request(prompt_ids, max_new_tokens, stop,
                                                   stop_token_ids)
         rule.cancel = cancel
-        drafter = drafter or self.engine.drafter
+        drafter = wrap_drafter(drafter or self.engine.drafter, rt.config)
         dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
                              DistributedDecodeStats(mode="spd", n=n), on_token, rule)
         prompt_len = dec.prompt_len
+        greedy = sampling.greedy
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
-                                "prompt_len": prompt_len, "capacity": dec.capacity})
+                                "prompt_len": prompt_len, "capacity": dec.capacity,
+                                "greedy": greedy})
         stats, timer, anchors = dec.stats, dec.timer, dec.anchors
         streams = DraftRankStreams(torch.device(t.device))
         staged_before = rt.host_staged
@@ -166,97 +300,81 @@ class DistributedSPDEngine:
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
         t0 = time.perf_counter()
-        snaps = self._post_snaps([(s, 0) for s in range(n)], 0, rows=prompt_len)
+        snaps = self._post_prefill_snaps(prompt_len)
         anchors[0, :prompt_len] = t.embed_tokens(ids)
         for item in snaps:
             self._take_snap(item, anchors)
         dec.start(snaps[-1].buf[-1][-1:], t0)
-        pending: list[SnapRecv] = []  # last cycle's snaps still to receive (pre-step features)
-        trunc: int | None = None  # the committed length every stage truncates to next cycle
-        announced: list[SnapRecv] | None = None  # next cycle's, sent before its draft was judged
+        stream = UnitStream(self, greedy, streams)
+        stream.send(1, dec.sched.newest, dec.out[-1])  # the first token starts the pipeline
         policy = SpeculationPolicy(rt.config.speculative_control)
         spec = {"announced": 0, "redone": 0}
         cycle_s: list[float] = []
         verify_s: list[float] = []  # each cycle's verification and rollback on this rank
         judged = lambda: stats.phase_s.get("verify", 0.0) + stats.phase_s.get("rollback", 0.0)  # noqa: E731
-        self._ctrl_seq = 0
         while not dec.done:
             tc, judged_before = time.perf_counter(), judged()
             stats.K += 1
-            if fault and stats.K == fault["cycle"]:
+            K = stats.K
+            if fault and K == fault["cycle"]:
                 inject_fault(fault)
             sched = dec.sched
-            if announced is None:
-                token = int(dec.tokens[sched.newest])
-                with timer("control_send"), streams.receiving():
-                    current = self._announce(stats.K, sched, trunc, token)
-                trunc = None
-            else:  # announced last cycle on an optimistic accept, which held
-                current, announced = announced, None
-            with timer("wait_snaps"), streams.receiving():
-                for item in pending:
-                    self._take_snap(item, anchors)
-            # 1. Draft the successor of the newest token from pre-step features, overlapping
-            #    the stages' forwards of this cycle. (Post-step drafting, an ablation, waits for
-            #    this cycle's snaps and sees every in-flight token one stage deeper.)
-            if dec.post_step:
-                with timer("wait_stage"), streams.receiving():
-                    for item in current:
-                        self._take_snap(item, anchors)  # marks them received
+            # 1. Draft the successor of the newest token from pre-step features (the stages'
+            #    work up to last cycle), overlapping the stages' forwards of this cycle.
+            #    (Post-step drafting, an ablation, waits for this cycle's and sees every
+            #    in-flight token one stage deeper.)
+            with timer("wait_stage" if dec.post_step else "wait_snaps"):
+                stream.take_due(K if dec.post_step else K - 1, anchors)
             with streams.drafting():
                 draft = dec.draft(1 if dec.post_step else 0)
             streams.after_draft(draft)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle
                 dec.fill(draft)
-                pending = current
+                with timer("send"):
+                    stream.send(K + 1, sched.newest, draft.token)
+                cycle_s.append(time.perf_counter() - tc)
+                verify_s.append(judged() - judged_before)
+                continue
+            # 2. Speculative control: the draft enters stage 0 before this cycle's judgement is
+            #    read, as if it will be accepted, so no stage waits on rank 0 in an accepted
+            #    cycle. On a rejection it is dropped with the other in-flight units.
+            ahead = policy.speculate() and len(dec.out) + 1 < dec.max_new
+            if ahead:
+                with timer("send"):
+                    stream.send(K + 1, sched.newest + 1, draft.token)
+                spec["announced"] += 1
+            # 3. The oldest token has left the last stage, which judged the next one (greedy):
+            #    its verdict is the one value this cycle reads on the host.
+            with timer("wait_stage"):
+                _, got = stream.oldest(anchors)
+            if greedy:
+                with timer("verify"):
+                    token, ok = got.tolist()
+                accepted, token = dec.judge(None, verdict=([token], [ok]))
             else:
-                # 2. Speculative control: announce the next cycle as if the draft will be
-                #    accepted, so the stages start it while this one is verified; verification
-                #    and the control round trip leave the critical path. On a rejection the
-                #    next cycle is announced again (the stages roll back and redo it).
-                ahead = None
-                if policy.speculate() and len(dec.out) + 1 < dec.max_new:
-                    nxt = replace(sched)
-                    nxt.accept()
-                    token = int(draft.token)  # on the default stream, which waited for it
-                    with timer("control_send"), streams.receiving():
-                        ahead = self._announce(stats.K + 1, nxt, None, token)
-                    spec["announced"] += 1
-                # 3. The oldest token leaves the last stage; its row judges the next token.
-                last = current[-1]
-                assert last.stage == n - 1
-                with timer("wait_stage"), streams.receiving():
-                    self._take_snap(last, anchors)
-                streams.after_receive(last.buf)
-                pending = current[:-1]
-                accepted, token = dec.judge(last.buf[-1])
-                policy.record(accepted)
-                # 4. On rejection every stage truncates at the start of the next cycle.
-                rollback_to = dec.commit(accepted, token, draft)
-                if rollback_to is not None:
-                    trunc = rollback_to
-                if ahead is not None:
-                    if accepted and not dec.done:
-                        announced = ahead
-                    else:  # its snaps still arrive: receive and drop them
-                        for item in ahead:
-                            item.state = SnapState.DISCARD
-                        pending += ahead
-                        spec["redone"] += int(not dec.done)
+                accepted, token = dec.judge(got.buf[-1])
+            policy.record(accepted)
+            # 4. On rejection the correction enters alone; its position rolls every stage back.
+            rollback_to = dec.commit(accepted, token, draft)
+            if rollback_to is not None:
+                stream.drop_from(rollback_to)
+                spec["redone"] += int(ahead and not dec.done)
+            if not dec.done and (rollback_to is not None or not ahead):
+                with timer("send"):
+                    stream.send(K + 1, dec.sched.newest, dec.out[-1] if rollback_to is not None
+                                else draft.token)
             cycle_s.append(time.perf_counter() - tc)
             verify_s.append(judged() - judged_before)
         dec.finish()
-        # Stop: every stage leaves its loop; drain what is still in flight.
-        self._send_ctrl(ControlMessage.stop(stats.K + 1))
-        with streams.receiving():
-            for item in pending:
-                self._take_snap(item, anchors)
-        rt.flush_sends()
+        stream.finish(anchors)
         stage_stats = [json.loads(rt.store.get(f"stats/{gen_id}/{r}"))
                        for r in range(1, rt.world)]
         for r in range(1, rt.world):
             rt.store.delete_key(f"stats/{gen_id}/{r}")
         stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats, verify_s)
         stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
+        stats.distributed["units"] = stream.sent
+        # greedy: the last stage judges (final norm + LM head there); sampling: rank 0 (q, p)
+        stats.distributed["verify_on"] = "last stage" if greedy else "rank 0"
         stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
         return self.engine._result(dec.out, stats, rule)

@@ -56,16 +56,18 @@ def _drop_unused_layers(target, keep: range) -> None:
 
 def _load_own_part(config: DistConfig, rank: int, device: str):
     """The target as this rank holds it, reading only that from the files: rank 0 the embedding,
-    final norm and LM head (it drafts, embeds the committed tokens and verifies); stage s its
-    layers, and stage 0 the embedding (it embeds the token it is sent); a stage rank needs no
-    tokenizer."""
+    final norm and LM head (it drafts, embeds the committed tokens and judges sampled tokens);
+    stage s its layers, stage 0 the embedding (it embeds the token it is sent) and the last stage
+    the final norm and LM head (a tied head: the embedding), since it judges greedy drafts; a stage
+    rank needs no tokenizer."""
     from spd.model.loading import load_target, model_config
     if rank == DRAFT_RANK:
         return load_target(config.model, device=device, dtype=config.dtype, layers=range(0))
     layout = DepthLayout.build(model_config(config.model).num_hidden_layers, config.n_stages,
                                config.split, config.anchors)
     return load_target(config.model, device=device, dtype=config.dtype,
-                       layers=layout.stages[rank - 1], embed=rank == 1, head=False,
+                       layers=layout.stages[rank - 1], embed=rank == 1,
+                       head=rank == config.n_stages,
                        tokenizer=False)
 
 

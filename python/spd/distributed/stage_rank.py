@@ -3,13 +3,27 @@ from __future__ import annotations
 
 import json
 import time
-from typing import NamedTuple
 
 import torch
 
 from spd.distributed.config import DRAFT_RANK, role_of
+from spd.distributed.emulate import make_stage
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import ControlMessage, Op, ctrl_tag, hidden_tag, snap_tag
+from spd.distributed.protocol import (
+    HEADER_TAG,
+    JUDGE_TAG,
+    PREFILL_TAG,
+    SNAP_TAG,
+    STOP,
+    UNIT,
+    UNIT_TAG,
+    VERDICT_TAG,
+    header,
+    pack,
+    packed,
+    unit_header,
+    unpack,
+)
 from spd.distributed.transport import Runtime, _td
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
@@ -17,14 +31,8 @@ from spd.model.target import Stage
 from spd.runtime.sequence import PhaseTimer
 
 
-class InputRecv(NamedTuple):
-    """The previous stage's output, a receive posted one cycle before this stage needs it."""
-    work: object
-    buf: torch.Tensor
-
-
 class StageWorker:
-    """Stage s = rank s + 1: its layers, its KV cache, and the cycle loop of one stage."""
+    """Stage s = rank s + 1: its layers, its KV cache, and the unit loop of one stage."""
 
     def __init__(self, rt: Runtime, target, layout: DepthLayout):
         self.rt, self.target, self.layout = rt, target, layout
@@ -35,6 +43,7 @@ class StageWorker:
         self.snap_idx = [b for _, b in layout.anchors_of_stage(self.s)]
         self.stage: Stage | None = None
         self.prev, self.next = rt.rank - 1, rt.rank + 1
+        self.source = DRAFT_RANK if self.first else self.prev  # where its units come from
 
     def serve(self) -> None:
         gen = 0
@@ -45,22 +54,34 @@ class StageWorker:
                 return
             self.run(gen, req)
 
+    def _snap(self, outs: dict[int, torch.Tensor], out: torch.Tensor, with_out: bool):
+        """This stage's rows for rank 0: its anchors (and, `with_out`, its output) [rows, T, d]."""
+        rows = [outs[b] for b in self.snap_idx] + ([out] if with_out else [])
+        return torch.stack(rows).contiguous() if rows else None
+
     def _forward(self, h: torch.Tensor, pos: int):
+        """The prefill: rows h [T, d] from position `pos` (a host value: the request's)."""
         snaps: dict[int, torch.Tensor] = {}
-        want = set(self.snap_idx)
+        out = self.stage.forward(h, pos, snaps.__setitem__)
+        return out, self._snap(snaps, out, self.last)
 
-        def record(idx, x):
-            if idx in want:
-                snaps[idx] = x
-        out = self.stage.forward(h, pos, record)
-        rows = [snaps[b] for b in self.snap_idx] + ([out] if self.last else [])
-        return out, (torch.stack(rows).contiguous() if rows else None)
-
-    def _send(self, out, snap, cycle: int) -> None:
-        if snap is not None:
-            self.rt.isend(snap, DRAFT_RANK, snap_tag(cycle), cycle)
-        if not self.last:
-            self.rt.isend(out.contiguous(), self.next, hidden_tag(cycle), cycle)
+    def _forward_unit(self, h: torch.Tensor, pos: torch.Tensor, draft: torch.Tensor | None):
+        """One unit: row h [1, d] at position pos [1] int64, both where the data arrived; no host
+        read. The cache is first set to hold exactly `pos` rows (lower after a rollback: that is
+        the truncation). draft [1] (last stage, greedy): also judge it -> (token [1], ok [1])."""
+        st = self.stage
+        lengths = st.cache.lengths
+        lengths.copy_(pos.expand_as(lengths))
+        graphs = st.verify_graphs if draft is not None else st.graphs
+        res = graphs.run(1, h, *(() if draft is None else (draft,))) if graphs else None
+        if res is None:  # eager (CPU, or no graph)
+            lengths.copy_(pos.expand_as(lengths))
+            outs = st.step(h, pos)
+            lengths.add_(1)
+            res = outs if draft is None else (outs, st._verify(outs[-1], draft))
+        outs, verdict = res if draft is not None else (res, None)
+        snaps = {lid + 1: x for lid, x in zip(st.layer_ids, outs)}
+        return outs[-1], snaps, verdict
 
     @torch.no_grad()
     def run(self, gen: int, req: dict) -> None:
@@ -68,86 +89,100 @@ class StageWorker:
         phases: dict[str, float] = {}
         timer = PhaseTimer(phases)
         cap = int(req["capacity"])
+        greedy = bool(req.get("greedy", False))
         if self.stage is None or self.stage.cache.capacity < cap:
-            self.stage = Stage(t, self.s, self.layout.stages[self.s], cap)
+            self.stage = make_stage(t, self.s, self.layout.stages[self.s], cap, rt.config)
         self.stage.cache.truncate(0)
+        self.stage.cache.lengths.zero_()
         d, dev = t.hidden_size, t.device
-        ctrl = ControlMessage.buffer()
-        seq = 1  # control messages alternate tags by their sequence number (a cycle may be redone)
-        ctrl_work = rt.irecv(ctrl, DRAFT_RANK, ctrl_tag(seq))
         # Prefill: the whole prompt through this stage as one chunk.
         t0 = time.perf_counter()
         if self.first:
             h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=dev))
         else:
             h = torch.empty(int(req["prompt_len"]), d, dtype=t.dtype, device=dev)
-            rt.wait(rt.irecv(h, self.prev, hidden_tag(0)), self.prev, "prefill input")
+            rt.wait(rt.irecv(h, self.prev, PREFILL_TAG), self.prev, "prefill input")
         out, snap = self._forward(h, 0)
-        self._send(out, snap, 0)
+        if snap is not None:
+            rt.isend(snap, DRAFT_RANK, SNAP_TAG)
+        if not self.last:
+            rt.isend(out.contiguous(), self.next, PREFILL_TAG)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
-        fwd: list[float] = []  # per cycle (of a redone cycle, the attempt that counted)
-        wasted = 0.0
-        last_cycle = 0
-        pending: InputRecv | None = None  # the previous stage's output of the last cycle
+        # Decode: one unit per (host header, payload) pair from its source (stage 0: rank 0).
+        new_buf = ((lambda: unit_header(dev)) if self.first else
+                   (lambda: packed(d, t.dtype, dev)))
+        src = self.source
+        # gloo matches per tag: receives are posted a unit ahead. NCCL matches a pair's messages
+        # in posting order whatever the tag, and a pending receive holds up the pair's later
+        # sends (this stage's snaps to rank 0): there a payload receive is posted once its
+        # header is in, the judge draft's when it is needed (no host wait: header is host data).
+        ahead = rt.backend == "gloo"
+
+        def post():  # the next unit's header receive, and its payload's when ahead
+            hdr, buf = header(), new_buf()
+            return (hdr, buf, rt.irecv(hdr, src, HEADER_TAG),
+                    rt.irecv(buf, src, UNIT_TAG) if ahead else None)
+        hdr, buf, hwork, work = post()
+        judge_buf = unit_header(dev) if self.last and greedy else None
+        post_judge = lambda: rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
+        judge = post_judge() if judge_buf is not None and ahead else None
+        fwd: list[float] = []
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
         while True:
-            with timer("wait_ctrl"):
-                rt.wait(ctrl_work, DRAFT_RANK, "control message")
-            msg = ControlMessage.from_tensor(ctrl)
-            if msg.op is Op.STOP:
+            unit = len(fwd)
+            with timer("wait_input"):
+                rt.wait(hwork, src, "unit header")
+                op, seq = hdr.tolist()  # host memory (protocol): no device wait
+                if work is None:
+                    work = rt.irecv(buf, src, UNIT_TAG)
+                rt.wait(work, src, "unit")  # on a GPU: orders this stream after the payload
+            if op == STOP:
                 break
-            cycle = msg.cycle
-            ctrl = ControlMessage.buffer()  # the next one, posted ahead
-            seq += 1
-            ctrl_work = rt.irecv(ctrl, DRAFT_RANK, ctrl_tag(seq))
-            redo = cycle == last_cycle  # rank 0 announced this cycle on an optimistic accept
-            last_cycle = cycle          # and the draft was rejected: the same cycle, redone
-            if fault and cycle == fault["cycle"]:
+            if op != UNIT or seq != unit:
+                raise SPDError(f"stage {self.s}: header {[op, seq]} from rank {src}, expected "
+                               f"unit {unit}")
+            msg = buf
+            hdr, buf, hwork, work = post()  # the next unit's, posted before this one runs
+            if fault and unit + 1 == fault["cycle"]:
                 inject_fault(fault)
-            incoming = None  # the previous stage works this cycle: its output is ours next cycle
-            if not self.first and msg.works(self.s - 1):
-                buf = torch.empty(1, d, dtype=t.dtype, device=dev)
-                incoming = InputRecv(rt.irecv(buf, self.prev, hidden_tag(cycle)), buf)
-            if msg.truncate_to is not None:
-                with timer("rollback"):
-                    self.stage.cache.truncate(msg.truncate_to)
-            if msg.works(self.s):
-                pos = msg.position(self.s)
-                if self.first:
-                    h = t.embed_tokens(torch.tensor([msg.token], dtype=torch.int64, device=dev))
-                else:
-                    if pending is None:
-                        raise SPDError(f"internal: stage {self.s} has work at cycle {cycle} but "
-                                       "no input was announced")
-                    with timer("wait_input"):
-                        rt.wait(pending.work, self.prev, "hidden state")
-                    h = pending.buf
-                tf = time.perf_counter()
-                out, snap = self._forward(h, pos)
-                took = time.perf_counter() - tf
-                with timer("send"):
-                    self._send(out, snap, cycle)
+            if self.first:
+                pos = msg[:1]
+                h = t.embed_tokens(msg[1:2])
             else:
-                took = 0.0
-                if pending is not None:  # dropped by a rollback: receive it and discard it
-                    with timer("wait_input"):
-                        rt.wait(pending.work, self.prev, "hidden state")
-            if redo:  # the first attempt's forward was wasted work
-                wasted += fwd[-1]
-                fwd[-1] = took
-            else:
-                fwd.append(took)
-            pending = incoming
+                pos, h = unpack(msg, d, t.dtype)
+            draft = None
+            if judge_buf is not None:  # the draft after this unit: the next unit's token
+                with timer("wait_input"):
+                    rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
+                            "draft to judge")
+                draft, judge_buf = judge_buf[1:2], unit_header(dev)
+                judge = post_judge() if ahead else None
+            tf = time.perf_counter()
+            out, snaps, verdict = self._forward_unit(h, pos, draft)
+            fwd.append(time.perf_counter() - tf)
             with timer("send"):
-                rt.flush_sends(before=cycle)
+                snap = self._snap(snaps, out, self.last and not greedy)
+                if snap is not None:
+                    rt.isend(snap, DRAFT_RANK, SNAP_TAG, unit)
+                if verdict is not None:
+                    token, ok = verdict
+                    rt.isend(torch.cat([token.view(1), ok.view(1).to(torch.int64)]),
+                             DRAFT_RANK, VERDICT_TAG, unit)
+                if not self.last:
+                    rt.isend(pack(pos, out), self.next, UNIT_TAG, unit)
+                    rt.isend(header(UNIT, unit), self.next, HEADER_TAG, unit)
+                rt.flush_sends(before=unit)
         decode_s = time.perf_counter() - t_dec
-        if pending is not None:
-            rt.wait(pending.work, self.prev, "hidden state")
+        if not self.last:  # pass the stop on, with its zero payload (protocol)
+            rt.isend(packed(d, t.dtype, dev), self.next, UNIT_TAG)
+            rt.isend(header(STOP, len(fwd)), self.next, HEADER_TAG)
+        if judge_buf is not None:  # rank 0 sent one draft past the last unit: receive it
+            rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
+                    "draft to judge")
         rt.flush_sends()
         phases["forward"] = sum(fwd)
-        phases["forward_redone"] = wasted
         rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
             {"rank": rt.rank, "role": role_of(rt.rank),
              "layers": [self.stage.layer_ids.start, self.stage.layer_ids.stop],

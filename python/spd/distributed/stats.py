@@ -35,7 +35,8 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
     """Per-cycle breakdown: each rank's phases, stage forwards, waits, and the overhead.
 
     overhead of a cycle = its wall time on rank 0 minus the longest computation that had to fit
-    in it (the draft or the slowest stage forward of that cycle): communication, control,
+    in it (the draft, or the slowest stage's median forward: stages run units as they arrive,
+    not in rank 0's cycles, so a forward has no cycle of its own): communication, control,
     verification and rollback, i.e. what n devices could not hide. comm_control of a cycle = its
     overhead minus that cycle's verification and rollback on rank 0 (verify_s), at least 0 (a
     verification that overlapped a slower stage forward hid nothing else).
@@ -45,18 +46,18 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
     per_cycle = lambda total: total / K * ms if K else 0.0  # noqa: E731
     overhead, comm = [], []
     verify_total = stats.phase_s.get("verify", 0.0) + stats.phase_s.get("rollback", 0.0)
+    stage_fwd = max((statistics.median(st["forward_s"]) for st in stage_stats
+                     if st["forward_s"]), default=0.0)
     for c in range(K):
-        slowest = max([st["forward_s"][c] for st in stage_stats if c < len(st["forward_s"])]
-                      + [draft_s[c]])
-        overhead.append((cycle_s[c] - slowest) * ms)
+        overhead.append((cycle_s[c] - max(stage_fwd, draft_s[c])) * ms)
     verify_per_cycle = per_cycle(verify_total)
     comm = [max(0.0, o - v * ms) for o, v in zip(overhead, verify_s)]
     ranks = [{"rank": 0, "role": role_of(0),
               "phase_ms_per_cycle": {k: per_cycle(v) for k, v in stats.phase_s.items()}}]
     for st in stage_stats:
-        worked = [f for f in st["forward_s"] if f > 0]
+        worked = st["forward_s"]  # one per unit, dropped units included
         ranks.append({"rank": st["rank"], "role": st["role"], "layers": st["layers"],
-                      "cycles_worked": len(worked),
+                      "units_worked": len(worked),
                       "forward_ms": _summary([f * ms for f in worked]),
                       "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
                       "prefill_ms": st["prefill_s"] * ms})

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from spd.distributed.config import DistConfig, role_of
 from spd.distributed.faults import FaultHandling, Signer, short_error
-from spd.distributed.protocol import is_ctrl_tag
+from spd.distributed.protocol import GLOO_TAGS
 from spd.errors import SPDError
 
 # The listening sockets of the store servers this process hosts: the server uses the descriptor,
@@ -98,7 +98,7 @@ class Runtime(FaultHandling):
                                 world_size=self.world, timeout=self.op_timeout)
         self.backend = backend
         self.data_group = dist.group.WORLD
-        # Control messages are host integers: keep them on gloo even when data moves over NCCL.
+        # The units' host headers (protocol) travel on gloo, their payloads on the data group.
         self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else self.data_group
 
     def close_groups(self) -> None:
@@ -112,10 +112,16 @@ class Runtime(FaultHandling):
         except Exception as exc:
             raise CommError(peer, what, exc) from exc
 
-    def _through_host(self, tensor) -> bool:
+    def _group(self, tag: int):
+        """(the group a tag's messages travel on, whether that group is gloo)."""
+        if tag in GLOO_TAGS:
+            return self.ctrl_group, True
+        return self.data_group, self.backend == "gloo"
+
+    def _through_host(self, tensor, gloo: bool) -> bool:
         """gloo moves host memory only: device tensors go through a host copy."""
         forced = self.config.stage_through_host
-        return forced if forced is not None else (tensor.is_cuda and self.backend == "gloo")
+        return forced if forced is not None else (tensor.is_cuda and gloo)
 
     @staticmethod
     def _post(op, tensor, peer: int, group, tag: int, what: str):
@@ -128,8 +134,9 @@ class Runtime(FaultHandling):
             raise CommError(peer, what, exc) from exc
 
     def irecv(self, tensor, src: int, tag: int):
-        group = self.ctrl_group if is_ctrl_tag(tag) else self.data_group
-        if self._through_host(tensor):
+        """A posted receive from rank `src` (every receive names its sender)."""
+        group, gloo = self._group(tag)
+        if self._through_host(tensor, gloo):
             self.host_staged += 1
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
             return _StagedRecv(self._post(dist.irecv, host, src, group, tag, "posting a receive"),
@@ -137,8 +144,8 @@ class Runtime(FaultHandling):
         return self._post(dist.irecv, tensor, src, group, tag, "posting a receive")
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
-        group = self.ctrl_group if is_ctrl_tag(tag) else self.data_group
-        if self._through_host(tensor):
+        group, gloo = self._group(tag)
+        if self._through_host(tensor, gloo):
             tensor = tensor.to("cpu", copy=True)
         work = self._post(dist.isend, tensor, dst, group, tag, "posting a send")
         self._outgoing.append(_PendingSend(work, dst, tensor, epoch))

@@ -1,0 +1,118 @@
+"""Protocol benchmark: the distributed runtime's own cost per cycle, with emulated compute.
+
+The real runtime (n stage ranks + rank 0, self-launched, gloo) runs with every stage forward and
+every draft step replaced by a fixed wait of F (spd.distributed.emulate: a host sleep on the CPU,
+so the cores stay free for the ranks' own work). Ideally a cycle then takes F: stage forwards and
+the draft overlap. What it takes beyond F is the protocol: messages, control, bookkeeping,
+verification, rollbacks. Reported per (n, F, drafter): the mean cycle time and (cycle - F) / F.
+Drafters: the reference drafter always right (every cycle full and accepted: the steady state)
+and right half the time (rejections, rollbacks and refills), both proposing the emulated
+target's own continuation.
+
+    python benchmarks/bench_protocol.py --stages 2,4,8 --emulate-ms 2,5,10 --json-out out.json
+    # GPU (ranks sharing one GPU over gloo; see --wait)
+    python benchmarks/bench_protocol.py --device cuda --backend gloo --emulate-ms 0.2,0.3,0.6
+
+On a small CPU machine the ranks' own work (Python, gloo, bookkeeping) competes for the cores:
+figures there are an upper bound of what separate hosts would see, and are labelled CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from functools import partial
+
+import torch
+from harness import Table, run_meta, write_json
+
+from spd.distributed.config import SPECULATION_MODES, DistConfig, GenerateRequest
+from spd.distributed.emulate import reference_tokens, tiny_target
+from spd.distributed.launch import launch_local
+from spd.distributed.rank import run_requests
+
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
+SEED = 3
+
+
+def run_one(n: int, f_s: float, args) -> list[dict]:
+    """One launch of n + 1 ranks with F = f_s: a warm-up, then each drafter's generation."""
+    layers = max(8, n)
+    target = tiny_target(SEED, layers, device=args.device)
+    m = args.max_new_tokens
+    ref = reference_tokens(target, PROMPT, m + n + 2)
+    drafters = [("always-right", 1.0), ("half-right", 0.5)]
+    reqs = [GenerateRequest(PROMPT, 8, reference=ref)]  # warm-up (first messages, allocations)
+    reqs += [GenerateRequest(PROMPT, m, reference=ref, reference_accuracy=acc, reference_seed=1)
+             for _, acc in drafters]
+    factory = partial(tiny_target, SEED, layers, device=args.device)
+    config = DistConfig(n_stages=n, target_factory=factory,
+                        device=args.device, backend=args.backend, threads=1,
+                        fault_timeout=30.0, op_timeout=120.0, lookup=0,
+                        speculative_control=args.control, emulate_s=f_s, emulate_wait=args.wait)
+    t0 = time.perf_counter()
+    res = launch_local(config, partial(run_requests, reqs), timeout=900)[1:]
+    wall = time.perf_counter() - t0
+    rows = []
+    for (name, _), r in zip(drafters, res):
+        if r.token_ids != ref[len(PROMPT):len(PROMPT) + m]:
+            sys.exit(f"n={n} F={f_s * 1e3} ms {name}: tokens differ from the emulated target's")
+        d = r.stats.distributed
+        cycle = d["cycle_ms"]["mean"]
+        f_ms = f_s * 1e3
+        rows.append(dict(n=n, F_ms=f_ms, drafter=name, control=args.control, N=r.stats.N,
+                         K=r.stats.K, cycle_ms=cycle, cycle_ms_median=d["cycle_ms"]["median"],
+                         overhead=(cycle - f_ms) / f_ms,
+                         overhead_median=(d["cycle_ms"]["median"] - f_ms) / f_ms,
+                         tokens_per_F=r.stats.N * f_ms / (r.stats.decode_s * 1e3),
+                         speculative=d["speculative_control"],
+                         rank_phase_ms_per_cycle={x["rank"]: x["phase_ms_per_cycle"]
+                                                  for x in d["ranks"]}))
+    print(f"n={n} F={f_s * 1e3:g} ms: launch + {len(reqs)} generations took {wall:.1f} s",
+          file=sys.stderr)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--stages", default="2,4,8")
+    ap.add_argument("--emulate-ms", default="2,5,10", help="F, the emulated compute (ms)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--control", default="auto", choices=SPECULATION_MODES,
+                    help="speculative control (the next cycle announced before the judgement)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--backend", default=None, help="default: gloo on CPU, nccl on CUDA")
+    ap.add_argument("--wait", default="sleep", choices=("sleep", "spin"),
+                    help="the emulated compute: a host sleep, or a CUDA spin kernel (one GPU per "
+                         "rank only: kernels of processes sharing a GPU are time-sliced)")
+    ap.add_argument("--label", default=None, help="a name for this run (e.g. before, after)")
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+    rows = []
+    table = Table([("n", ">3"), ("F_ms", ">7.2f", "F ms"), ("drafter", ">14"), ("N", ">5"),
+                   ("K", ">5"), ("cycle_ms", ">10.3f", "cycle ms"),
+                   ("overhead", ">12.3f", "(cycle-F)/F"), ("overhead_median", ">10.3f", "(median)"),
+                   ("tokens_per_F", ">12.3f", "tokens / F")])
+    for n in [int(x) for x in args.stages.split(",")]:
+        for f_ms in [float(x) for x in args.emulate_ms.split(",")]:
+            rows += run_one(n, f_ms * 1e-3, args)
+    device = "CPU" if args.device == "cpu" else args.device
+    print(f"\nProtocol overhead with emulated compute ({device}, {args.backend or 'default'} "
+          f"backend, {os.cpu_count()} cores, {args.wait} wait, {args.control} control, "
+          f"{args.max_new_tokens} new tokens{', ' + args.label if args.label else ''})")
+    table.print_header()
+    for r in rows:
+        table.print(r)
+    print("(cycle: rank 0's mean cycle wall time; ideal = F, tokens / F = 1 for an always-right "
+          "drafter)")
+    if args.json_out:
+        write_json(args.json_out, run_meta(args.device, label=args.label, wait=args.wait,
+                                           backend=args.backend, rank_threads=1,
+                                           max_new_tokens=args.max_new_tokens,
+                                           torch_threads=torch.get_num_threads()), rows=rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

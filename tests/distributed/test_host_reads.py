@@ -1,0 +1,237 @@
+"""Tensor-to-host reads of the distributed runtime per steady-state cycle (CPU, gloo).
+
+Compute is emulated (spd.distributed.emulate: stage steps and the draft step are fixed waits), so
+what is counted is the runtime's own reads, not those of the kernels' CPU reference paths. A read
+is anything that brings a tensor's value into Python (item, int / bool / float of a tensor,
+tolist, numpy) or makes the host wait on the data to size a result (nonzero and the like): on a
+GPU each one stalls the host until the device catches up.
+
+The one exception, made explicitly and by identity (spd.distributed.protocol.is_header): the
+host header of each unit, [op, seq], that a stage reads to tell a unit from the stop. A header is
+created in host memory and moves over the gloo control group on every device, so reading it
+never waits on a device; the payload it goes with ([position, token] or [position | row]) would
+be device memory on a GPU and is counted like any other tensor. Header reads are logged as
+("header",) instead, so the tests can see them.
+"""
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+import torch
+from conftest import needs_gpu
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from spd.distributed.config import DistConfig, GenerateRequest
+from spd.distributed.emulate import reference_tokens, tiny_target
+from spd.distributed.launch import launch_local
+from spd.distributed.protocol import is_header
+from spd.distributed.rank import run_requests
+
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
+SEED, LAYERS = 4, 6
+_READ_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+_READ_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique",
+             "_unique2", "repeat_interleave"}
+
+
+class _Methods(TorchFunctionMode):
+    def __init__(self, log: list):
+        super().__init__()
+        self.log, self.depth = log, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name not in _READ_METHODS:
+            return func(*args, **(kwargs or {}))
+        # a unit's host header (module docstring): excluded by identity, logged apart
+        self.log.append(("header",) if args and is_header(args[0]) else ("read", name))
+        self.depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, log: list, methods: _Methods):
+        super().__init__()
+        self.log, self.methods = log, methods
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in _READ_OPS and self.methods.depth == 0:  # not already counted as a method
+            self.log.append(("read", name))
+        return func(*args, **(kwargs or {}))
+
+
+class ReadLog:
+    """Appends ("read", what) to `log` for every tensor-to-host read in this thread."""
+
+    def __init__(self, log: list):
+        self.methods = _Methods(log)
+        self.ops = _Ops(log, self.methods)
+
+    def __enter__(self):
+        self.methods.__enter__()
+        self.ops.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.__exit__(*exc)
+        self.methods.__exit__(*exc)
+
+
+def counting_factory(rank: int):
+    """Every rank's target; on a stage rank, each generation's loop also logs its reads (between
+    the first unit and the stop) into the store, for rank 0's job to collect."""
+    if rank != 0:
+        from spd.distributed import stage_rank
+        worker = stage_rank.StageWorker
+        run, forward_unit = worker.run, worker._forward_unit
+
+        def counted_forward_unit(self, *args):
+            self._test_log.append(("unit",))
+            return forward_unit(self, *args)
+
+        def counted_run(self, gen, req):
+            self._test_log = log = []
+            with ReadLog(log):
+                run(self, gen, req)
+            self.rt.store.set(f"test/reads/{gen}/{self.rt.rank}", json.dumps(log))
+        worker.run, worker._forward_unit = counted_run, counted_forward_unit
+    return tiny_target(SEED, LAYERS)
+
+
+def counted_job(engine, request: GenerateRequest):
+    """Rank 0: run `request` logging reads, each cycle's draft and each unit sent."""
+    from spd.distributed.draft_rank import UnitStream
+    from spd.runtime.sequence import SequenceDecode
+    log: list = []
+    send, draft = UnitStream.send, SequenceDecode.draft
+
+    def logged_send(self, *args):
+        log.append(("send",))
+        return send(self, *args)
+
+    def logged_draft(self, *args):
+        log.append(("draft",))
+        return draft(self, *args)
+    UnitStream.send, SequenceDecode.draft = logged_send, logged_draft
+    try:
+        with ReadLog(log):
+            result = run_requests([request], engine)[0]
+    finally:
+        UnitStream.send, SequenceDecode.draft = send, draft
+    stages = [json.loads(engine.rt.store.get(f"test/reads/1/{r}")) for r in range(1, engine.n + 1)]
+    return result, log, stages
+
+
+def _cycles(log: list) -> list[list]:
+    """The log split at each draft (one per cycle); what comes before the first is dropped."""
+    out = []
+    for event in log:
+        if event[0] == "draft":
+            out.append([])
+        elif out:
+            out[-1].append(event[0])
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_host_reads_per_accepted_cycle(n):
+    """Steady state, every draft accepted: no read on the stage ranks but one host header per
+    unit (module docstring); on rank 0 one read per cycle (the last stage's verdict), after the
+    cycle's unit has been sent."""
+    m = 24
+    target = tiny_target(SEED, LAYERS)
+    ref = reference_tokens(target, PROMPT, m + n + 2)
+    config = DistConfig(n_stages=n, target_factory=counting_factory, fault_timeout=5.0,
+                        op_timeout=60.0, lookup=0, speculative_control="on", emulate_s=0.002)
+    request = GenerateRequest(PROMPT, m, reference=ref)
+    result, log, stages = launch_local(config, partial(counted_job, request=request),
+                                       timeout=150)
+    assert result.token_ids == ref[len(PROMPT):len(PROMPT) + m]
+    assert result.stats.K == result.stats.N + n - 1  # every draft accepted
+    for rank, slog in enumerate(stages, start=1):
+        units = [e for e in slog if e[0] == "unit"]
+        assert len(units) == result.stats.distributed["units"]
+        first = slog.index(["unit"])
+        assert [e for e in slog[first:] if e[0] == "read"] == [], f"rank {rank} reads"
+        headers = [e for e in slog if e[0] == "header"]
+        assert len(headers) == len(units) + 1, f"rank {rank}: a header per unit and the stop"
+    cycles = _cycles(log)
+    assert len(cycles) == result.stats.K
+    steady = cycles[n - 1:-2]  # full cycles with a successor announced (not the last two)
+    assert len(steady) >= m - n - 2
+    for events in steady:
+        assert events.count("read") == 1, events
+        assert "send" in events[:events.index("read")], events  # the next unit went first
+
+
+def _sync_free_factory(rank: int):
+    """A CUDA target; a stage rank's whole generation runs with synchronisation raising."""
+    if rank != 0:
+        from spd.distributed import stage_rank
+        run = stage_rank.StageWorker.run
+
+        def strict_run(self, gen, req):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                run(self, gen, req)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        stage_rank.StageWorker.run = strict_run
+    return tiny_target(SEED, LAYERS, device="cuda")
+
+
+def sync_free_job(engine, request: GenerateRequest):
+    """Rank 0's decode loop with synchronisation raising, the verdict's one read aside."""
+    from spd.distributed.draft_rank import UnitStream
+    from spd.runtime.sequence import SequenceDecode
+    draft, finish, oldest = SequenceDecode.draft, SequenceDecode.finish, UnitStream.oldest
+
+    def strict_draft(self, *args):  # the first draft starts the decode loop
+        torch.cuda.set_sync_debug_mode("error")
+        return draft(self, *args)
+
+    def relaxed_finish(self):
+        torch.cuda.set_sync_debug_mode("default")
+        return finish(self)
+
+    def read_once(self, anchors):
+        u, got = oldest(self, anchors)
+        torch.cuda.set_sync_debug_mode("default")
+        try:
+            got = got.cpu()  # the one read an accepted cycle may make
+        finally:
+            torch.cuda.set_sync_debug_mode("error")
+        return u, got
+    SequenceDecode.draft, SequenceDecode.finish, UnitStream.oldest = \
+        strict_draft, relaxed_finish, read_once
+    try:
+        return run_requests([request], engine)[0]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        SequenceDecode.draft, SequenceDecode.finish, UnitStream.oldest = draft, finish, oldest
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 3,
+                    reason="NCCL needs one GPU per rank (3 for n = 2)")
+def test_gpu_steady_state_never_synchronises():
+    """The same decode over NCCL with CUDA's sync debug mode raising: no stage rank, and no
+    cycle of rank 0 beyond its verdict read, may synchronise the device. Unit payloads move over
+    NCCL (device memory); only the host headers ride gloo, and reading them is no device sync."""
+    n, m = 2, 24
+    target = tiny_target(SEED, LAYERS, device="cuda")
+    ref = reference_tokens(target, PROMPT, m + n + 2)
+    config = DistConfig(n_stages=n, target_factory=_sync_free_factory, device="cuda",
+                        backend="nccl", fault_timeout=10.0, op_timeout=60.0, lookup=0,
+                        speculative_control="on", emulate_s=0.0003, emulate_wait="spin")
+    result = launch_local(config, partial(sync_free_job, request=GenerateRequest(
+        PROMPT, m, reference=ref)), timeout=180)
+    assert result.token_ids == ref[len(PROMPT):len(PROMPT) + m]
