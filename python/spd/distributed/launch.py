@@ -144,6 +144,10 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     # n + 1 interpreters importing it each: seconds per launch on a small machine.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["spd.distributed.rank"])
+    # c10d logs a C++ warning with its stack frames when a store connection drops (a heartbeat in
+    # flight as the launcher dies); the rank's own one-line message says what happened. Read by
+    # the fork server when it starts, so set before the first rank; an explicit choice is kept.
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
