@@ -41,6 +41,27 @@ def add_generate(sub) -> None:
                      help="read the prompt from a UTF-8 text file ('-': standard input)")
     p.add_argument("--system", default=None,
                    help="a system message for the chat template (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help="sampling seed, in [0, 2**63 - 1]")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                   help="wrap the prompt in the model's chat template (default: on)")
+    add_engine_args(p)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (text, token_ids, stats) instead of streaming")
+    p.add_argument("--quiet", action="store_true",
+                   help="print only the generated text: no summary lines, no warnings")
+    add_log_level_arg(p, "warning")
+    add_distributed_args(p)
+    add_lookup_arg(p)
+    p.set_defaults(func=cmd_generate)
+
+
+def add_engine_args(p) -> None:
+    """The target, its stages and the drafter: the flags `generate` and `serve` share."""
     p.add_argument("--model", default=None,
                    help="local Hugging Face folder (Llama/Qwen2/Qwen3/Qwen3.5/Qwen3-Next), or a "
                         "repo id (org/name) found in the local Hugging Face cache; default: "
@@ -57,27 +78,29 @@ def add_generate(sub) -> None:
                    help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
     p.add_argument("--mode", choices=("spd", "ar"), default="spd",
                    help="spd (default) or ar: plain autoregressive decoding on the same stages")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
-                   help="sampling seed, in [0, 2**63 - 1]")
-    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                   help="wrap the prompt in the model's chat template (default: on)")
     p.add_argument("--device", type=device_arg, default="cpu",
                    help="cpu (default), cuda or cuda:N")
     add_dtype_arg(p)
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object (text, token_ids, stats) instead of streaming")
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
-    p.add_argument("--quiet", action="store_true",
-                   help="print only the generated text: no summary lines, no warnings")
-    add_log_level_arg(p, "warning")
-    add_distributed_args(p)
-    add_lookup_arg(p)
-    p.set_defaults(func=cmd_generate)
+
+
+def build_engine(args):
+    """The target and the one-process engine the engine flags describe: (target, engine)."""
+    from spd.model.loading import load_target
+    from spd.runtime.engine import SPDEngine
+
+    t0 = time.perf_counter()
+    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    log.info("loaded %s (%d layers, %s) in %.1f s", target.name, target.num_layers,
+             args.device, time.perf_counter() - t0)
+    n = 1 if args.mode == "ar" else args.stages
+    engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
+                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
+                       pdm_layers=args.pdm_layers, warn_untrained=False,
+                       lookup=check_lookup(args.lookup))
+    log.info("engine: n=%d, PDM %s", engine.n, engine.pdm_source)
+    return target, engine
 
 
 def read_prompt(args) -> str:
@@ -116,25 +139,14 @@ def cmd_generate(args) -> int:
         return cmd_generate_distributed(args)
     import torch
 
-    from spd.model.loading import load_target
-    from spd.runtime.engine import SPDEngine
     from spd.runtime.types import SamplingParams
 
     sampling = SamplingParams(args.temperature, args.top_k, args.top_p, args.seed)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SPDError("--device cuda was requested but no CUDA device is available")
-    t0 = time.perf_counter()
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
-    log.info("loaded %s (%d layers, %s) in %.1f s", target.name, target.num_layers,
-             args.device, time.perf_counter() - t0)
-    n = 1 if args.mode == "ar" else args.stages
-    engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
-                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
-                       pdm_layers=args.pdm_layers, warn_untrained=False,
-                       lookup=check_lookup(args.lookup))
+    target, engine = build_engine(args)
     if engine.pdm_source == "untrained" and not args.quiet:
         warn_untrained_pdm()
-    log.info("engine: n=%d, PDM %s", engine.n, engine.pdm_source)
     prompt_ids = encode_prompt(target.tokenizer, args.prompt, args.chat, args.system)
     log.info("prompt: %d tokens", len(prompt_ids))
     streamer = None if args.json else Streamer(target.tokenizer)

@@ -9,16 +9,17 @@ from functools import partial
 from pathlib import Path
 
 from spd.cli.common import (
-    add_dtype_arg,
     add_lookup_arg,
-    check_lookup,
-    device_arg,
     int_in,
-    parse_ints,
     precheck_pdm,
     warn_untrained_pdm,
 )
-from spd.cli.generate import add_distributed_args, wants_distributed
+from spd.cli.generate import (
+    add_distributed_args,
+    add_engine_args,
+    build_engine,
+    wants_distributed,
+)
 from spd.cli.logs import add_log_level_arg, setup_logging
 from spd.errors import SPDError
 
@@ -41,25 +42,7 @@ def add_serve(sub) -> None:
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients pass (default: the model folder's name, the repo "
                         "id, or SmolLM2-135M-Instruct)")
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face folder (Llama/Qwen2/Qwen3/Qwen3.5/Qwen3-Next), or a "
-                        "repo id (org/name) found in the local Hugging Face cache; default: "
-                        "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
-    p.add_argument("--pdm", default=None,
-                   help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
-                        "for this target and n, else an untrained PDM)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages n (1 = autoregressive)")
-    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
-    p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
-    p.add_argument("--pdm-layers", type=int_in(1), default=None,
-                   help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
-    p.add_argument("--mode", choices=("spd", "ar"), default="spd",
-                   help="spd (default) or ar: plain autoregressive decoding on the same stages")
-    p.add_argument("--device", type=device_arg, default="cpu",
-                   help="cpu (default), cuda or cuda:N")
-    add_dtype_arg(p)
-    p.add_argument("--threads", type=int_in(1), default=None,
-                   help="torch CPU threads (per rank with --distributed; default: torch's)")
+    add_engine_args(p)
     add_log_level_arg(p, "info")
     add_distributed_args(p)
     add_lookup_arg(p)
@@ -107,21 +90,14 @@ def cmd_serve(args) -> int:
         return cmd_serve_distributed(args)
     import torch
 
-    from spd.model.loading import load_target
-    from spd.runtime.engine import SPDEngine
     from spd.serve.backends import LocalBackend
     from spd.serve.server import Server
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
+    target, engine = build_engine(args)
     if target.tokenizer is None:
         raise SPDError("serving needs the model's tokenizer")
-    n = 1 if args.mode == "ar" else args.stages
-    engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
-                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
-                       pdm_layers=args.pdm_layers, warn_untrained=False,
-                       lookup=check_lookup(args.lookup))
     if engine.pdm_source == "untrained":
         warn_untrained_pdm()
     server = Server(LocalBackend(engine, args.mode), **server_opts(args))
