@@ -10,6 +10,7 @@ import torch
 # The Triton interpreter must be chosen before any kernel module is imported (CPU machines).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from spd.draft.drafters import PDMDrafter, ReferenceDrafter  # noqa: E402
 from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON  # noqa: E402
 
 # Skip markers shared by the test folders (`from conftest import needs_gpu`); each says why.
@@ -100,3 +101,51 @@ def make_tiny_hybrid(seed: int = 0, vocab: int = 16, model_type: str = "qwen3_5"
                 p.copy_(p + 0.2 * torch.randn(p.shape, generator=g))
     model.generation_config.eos_token_id = None
     return TargetModel(model, tokenizer=None, name=f"tiny-{model_type}-{seed}")
+
+
+class NoisyPDMDrafter(PDMDrafter):
+    """Runs the real PDM (so its cache is cropped and recomputed as usual) but proposes the
+    reference token with probability `accuracy`: random accept/reject sequences."""
+
+    def __init__(self, pdm, reference, accuracy, seed):
+        super().__init__(pdm)
+        self.ref = ReferenceDrafter(reference, accuracy, seed)
+
+    def begin(self, capacity, vocab_size):
+        super().begin(capacity, vocab_size)
+        self.ref.begin(capacity, vocab_size)
+
+    def draft(self, anchors, types, start, position, sampling, uniform):
+        super().draft(anchors, types, start, position, sampling, uniform)
+        return self.ref.draft(anchors, types, start, position, sampling, uniform)
+
+
+def check_stages_match_hf(t, stages, vocab: int = 40) -> None:
+    """A 9-row prompt chunk, then 4 tokens one at a time (the decode pattern), through `stages`
+    (fresh, covering every layer of `t`): each layer's output and the logits equal HF's."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (13,), generator=g)
+    with torch.no_grad():
+        ref = t.hf(ids[None], output_hidden_states=True)
+    seen = {}
+
+    def record(idx, h):
+        seen.setdefault(idx, []).append(h.clone())
+
+    h = t.embed_tokens(ids[:9])
+    for st in stages:
+        h = st.forward(h, 0, record)
+    outs = [h]
+    for p in range(9, 13):
+        h = t.embed_tokens(ids[p:p + 1])
+        for st in stages:
+            h = st.forward(h, p, record)
+        outs.append(h)
+    final = torch.cat(outs)
+    # (hybrid targets: HF runs a chunk through the chunked delta rule, ~1e-6 from the recurrent
+    # form; the tolerances cover it)
+    for layer_out in range(1, t.num_layers):  # HF's last hidden state is after the final norm
+        got = torch.cat(seen[layer_out])
+        torch.testing.assert_close(got, ref.hidden_states[layer_out][0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(t.logits(final), ref.logits[0].float(), rtol=1e-4, atol=1e-4)
+    assert all(st.cache.length == 13 for st in stages)

@@ -2,7 +2,7 @@
 gated attention, state rings for Gated DeltaNet) reproduce the unpartitioned Hugging Face model."""
 import pytest
 import torch
-from conftest import make_tiny_hybrid, needs_triton_interpreter
+from conftest import check_stages_match_hf, make_tiny_hybrid, needs_triton_interpreter
 
 from spd.model.partition import partition_layers
 from spd.model.target import Stage
@@ -22,34 +22,9 @@ def test_hybrid_stages_match_hugging_face(model_type, pattern, split):
     t = make_tiny_hybrid(seed=3, vocab=40, model_type=model_type, layer_types=PATTERNS[pattern])
     n = 2 if split is None else len(split)
     ranges = partition_layers(t.num_layers, n, split)
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 40, (13,), generator=g)
-    with torch.no_grad():
-        ref = t.hf(ids[None], output_hidden_states=True)
     stages = [Stage(t, i, r, capacity=32, poison=True, max_rollback=n) for i, r in
               enumerate(ranges)]
-    seen = {}
-
-    def record(idx, h):
-        seen.setdefault(idx, []).append(h.clone())
-
-    # A prompt chunk of 9 rows, then the last 4 tokens one at a time (the decode pattern).
-    h = t.embed_tokens(ids[:9])
-    for st in stages:
-        h = st.forward(h, 0, record)
-    outs = [h]
-    for p in range(9, 13):
-        h = t.embed_tokens(ids[p:p + 1])
-        for st in stages:
-            h = st.forward(h, p, record)
-        outs.append(h)
-    final = torch.cat(outs)
-    # HF runs a chunk through the chunked delta rule (about 1e-6 from the recurrent form)
-    for layer_out in range(1, t.num_layers):  # HF's last hidden state is after the final norm
-        got = torch.cat(seen[layer_out])
-        torch.testing.assert_close(got, ref.hidden_states[layer_out][0], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(t.logits(final), ref.logits[0].float(), rtol=1e-4, atol=1e-4)
-    assert all(st.cache.length == 13 for st in stages)
+    check_stages_match_hf(t, stages)
 
 
 @needs_triton_interpreter

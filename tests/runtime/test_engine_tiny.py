@@ -1,32 +1,16 @@
 """Engine behaviour on tiny random targets: losslessness, rollback, accounting, bad input."""
 import pytest
 import torch
-from conftest import make_tiny_target
+from conftest import NoisyPDMDrafter, make_tiny_target
 
 from spd import SamplingParams, SPDEngine
-from spd.draft.drafters import PDMDrafter, ReferenceDrafter
+from spd.draft.drafters import ReferenceDrafter
 from spd.draft.pdm import PipelineDraftModule
 from spd.errors import SPDError
 from spd.model.target import Stage
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
-
-class NoisyPDMDrafter(PDMDrafter):
-    """Runs the real PDM (so its cache is cropped and recomputed as usual) but proposes the
-    reference token with probability `accuracy`: random accept/reject sequences."""
-
-    def __init__(self, pdm, reference, accuracy, seed):
-        super().__init__(pdm)
-        self.ref = ReferenceDrafter(reference, accuracy, seed)
-
-    def begin(self, capacity, vocab_size):
-        super().begin(capacity, vocab_size)
-        self.ref.begin(capacity, vocab_size)
-
-    def draft(self, anchors, types, start, position, sampling, uniform):
-        super().draft(anchors, types, start, position, sampling, uniform)
-        return self.ref.draft(anchors, types, start, position, sampling, uniform)
 
 
 def fresh_prefill_check(engine, target, failures):

@@ -3,10 +3,9 @@ reject sequences (poisoned rollbacks) equals the autoregressive path and Hugging
 `generate`, token for token."""
 import pytest
 import torch
-from conftest import make_tiny_hybrid
+from conftest import NoisyPDMDrafter, make_tiny_hybrid
 
 from spd import SPDEngine
-from spd.draft.drafters import PDMDrafter, ReferenceDrafter
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 PATTERNS = {
@@ -15,22 +14,6 @@ PATTERNS = {
     "full-first": ("full_attention", "linear_attention", "linear_attention", "full_attention"),
 }
 
-
-class NoisyPDMDrafter(PDMDrafter):
-    """The real PDM runs (its cache cropped as usual) but the reference token is proposed with
-    probability `accuracy`: random accept / reject sequences."""
-
-    def __init__(self, pdm, reference, accuracy, seed):
-        super().__init__(pdm)
-        self.ref = ReferenceDrafter(reference, accuracy, seed)
-
-    def begin(self, capacity, vocab_size):
-        super().begin(capacity, vocab_size)
-        self.ref.begin(capacity, vocab_size)
-
-    def draft(self, anchors, types, start, position, sampling, uniform):
-        super().draft(anchors, types, start, position, sampling, uniform)
-        return self.ref.draft(anchors, types, start, position, sampling, uniform)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

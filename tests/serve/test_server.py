@@ -70,6 +70,15 @@ def health(server) -> dict:
     return _request(server, "GET", "/health").json()
 
 
+def assert_greedy_answer_is_the_engines(engine, client, max_tokens: int) -> None:
+    """A greedy chat completion now returns exactly `engine.generate`'s text (the server is
+    serving correctly after whatever the test did)."""
+    ref = engine.generate(MESSAGES, max_tokens)
+    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens,
+                                          temperature=0)
+    assert resp.choices[0].message.content == ref.text
+
+
 def wait_idle(server, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while (h := health(server))["busy"] or h["queued"]:
@@ -235,10 +244,7 @@ def test_disconnect_mid_stream_stops_the_decode_and_the_next_request_is_right(se
     after = wait_idle(server)
     assert after["cancelled"] == before + 1
     assert time.monotonic() - t0 < 20
-    ref = engine.generate(MESSAGES, 20)
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=20,
-                                          temperature=0)
-    assert resp.choices[0].message.content == ref.text
+    assert_greedy_answer_is_the_engines(engine, client, 20)
 
 
 def test_disconnect_while_waiting_for_a_whole_answer_stops_the_decode(served):
@@ -257,10 +263,7 @@ def test_disconnect_while_waiting_for_a_whole_answer_stops_the_decode(served):
     t0 = time.monotonic()
     assert wait_idle(server)["cancelled"] == before + 1
     assert time.monotonic() - t0 < 20
-    ref = engine.generate(MESSAGES, 12)
-    resp = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                          temperature=0)
-    assert resp.choices[0].message.content == ref.text
+    assert_greedy_answer_is_the_engines(engine, client, 12)
 
 
 def test_full_queue_gets_429_and_the_waiting_request_still_completes(served):
