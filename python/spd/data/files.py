@@ -121,6 +121,12 @@ def read_json_object(path: str | Path, what: str = "") -> dict:
 def check_safetensors(path: str | Path) -> None:
     """Refuse a file that is not a complete safetensors file: empty, a bad header, or shorter
     than the tensors its header lists (a truncated copy or download). Reads the header only."""
+    read_safetensors_header(path)
+
+
+def read_safetensors_header(path: str | Path) -> tuple[int, dict]:
+    """(header length n, header) of a complete safetensors file (check_safetensors' checks):
+    the tensors' data starts at byte 8 + n, each at its `data_offsets` from there."""
     path = Path(path)
 
     def bad(why: str):
@@ -150,6 +156,7 @@ def check_safetensors(path: str | Path) -> None:
         raise bad(f"a tensor entry of its header is malformed ({exc})") from exc
     if 8 + n + end > size:
         raise bad(f"truncated: its tensors need {8 + n + end} bytes, the file has {size}")
+    return n, header
 
 
 def check_output_file(path: str | Path, flag: str) -> None:

@@ -8,13 +8,13 @@ count in the process's resident memory, no second copy), and a few sampled eleme
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from spd.data.files import read_safetensors_header
 from spd.errors import SPDError
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
@@ -46,9 +46,7 @@ class WeightFiles:
     def __init__(self, files: list[Path]):
         self.entries: dict[str, TensorEntry] = {}
         for path in files:
-            with open(path, "rb") as f:
-                n = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(n).decode("utf-8"))
+            n, header = read_safetensors_header(path)
             for name, v in header.items():
                 if name == "__metadata__":
                     continue
