@@ -74,8 +74,8 @@ class StageWorker:
         lengths.copy_(pos.expand_as(lengths))
         graphs = st.verify_graphs if draft is not None else st.graphs
         res = graphs.run(1, h, *(() if draft is None else (draft,))) if graphs else None
-        if res is None:  # eager (CPU, or no graph)
-            lengths.copy_(pos.expand_as(lengths))
+        if res is None:  # eager (CPU, no graph, or a capture that failed after its warm-up
+            lengths.copy_(pos.expand_as(lengths))  # step had moved the lengths: set them again)
             outs = st.step(h, pos)
             lengths.add_(1)
             res = outs if draft is None else (outs, st._verify(outs[-1], draft))
