@@ -111,14 +111,19 @@ def add_dtype_arg(p) -> None:
                         "(AVX512-BF16 / AMX)")
 
 
-def add_model_layout_args(p) -> None:
+def add_model_layout_args(p, stages_help: str = "pipeline stages n") -> None:
+    """The target and how it is cut into stages: the flags every command that loads one shares."""
     p.add_argument("--model", default=None,
-                   help="local Hugging Face folder, or org/name from the local HF cache "
-                        "(default: SmolLM2)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages n")
-    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7")
-    p.add_argument("--anchors", default=None, help="anchor hidden-state indices, e.g. 0,8,15,23,29")
-    p.add_argument("--device", type=device_arg, default="cpu")
+                   help="local Hugging Face folder (Llama/Qwen2/Qwen3/Qwen3.5/Qwen3-Next), or a "
+                        "repo id (org/name) found in the local Hugging Face cache; default: "
+                        "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
+    p.add_argument("--stages", type=int, default=4, help=stages_help)
+    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
+    p.add_argument("--anchors", default=None,
+                   help="anchor hidden-state indices, e.g. 0,8,15,23,29 (default: 0, L/4, L/2, "
+                        "3L/4, L-1)")
+    p.add_argument("--device", type=device_arg, default="cpu",
+                   help="cpu (default), cuda or cuda:N")
     add_dtype_arg(p)
 
 

@@ -12,11 +12,10 @@ from spd.cli import plain_speed
 from spd.cli.common import (
     MAX_SEED,
     Streamer,
-    add_dtype_arg,
     add_lookup_arg,
+    add_model_layout_args,
     check_lookup,
     check_prompt,
-    device_arg,
     int_in,
     parse_ints,
     precheck_pdm,
@@ -62,25 +61,14 @@ def add_generate(sub) -> None:
 
 def add_engine_args(p) -> None:
     """The target, its stages and the drafter: the flags `generate` and `serve` share."""
-    p.add_argument("--model", default=None,
-                   help="local Hugging Face folder (Llama/Qwen2/Qwen3/Qwen3.5/Qwen3-Next), or a "
-                        "repo id (org/name) found in the local Hugging Face cache; default: "
-                        "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
+    add_model_layout_args(p, "pipeline stages n (1 = autoregressive)")
     p.add_argument("--pdm", default=None,
                    help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
                         "for this target and n, else an untrained PDM)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages n (1 = autoregressive)")
-    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
-    p.add_argument("--anchors", default=None,
-                   help="anchor hidden-state indices, e.g. 0,8,15,23,29 (default: 0, L/4, L/2, "
-                        "3L/4, L-1)")
     p.add_argument("--pdm-layers", type=int_in(1), default=None,
                    help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
     p.add_argument("--mode", choices=("spd", "ar"), default="spd",
                    help="spd (default) or ar: plain autoregressive decoding on the same stages")
-    p.add_argument("--device", type=device_arg, default="cpu",
-                   help="cpu (default), cuda or cuda:N")
-    add_dtype_arg(p)
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
 
