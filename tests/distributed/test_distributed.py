@@ -612,8 +612,9 @@ def test_forged_failure_record_is_ignored_and_a_signed_one_stops_the_run():
     assert "stopping: rank 2 (stage 1) failed: genuine failure" in err and "forged" not in err
 
 
-def _launch_cli(model_dir: str, *extra: str) -> tuple[subprocess.Popen, list[int]]:
-    """The self-launcher on the tiny model, decoding (first output seen); its rank pids."""
+def _launch_cli(model_dir: str, *extra: str) -> tuple[subprocess.Popen, list[int], set[int]]:
+    """The self-launcher on the tiny model, decoding (first output seen); its rank pids and its
+    fork server's (the ranks' parent)."""
     cmd = [PY, "-m", "spd", "generate", "--distributed", "--stages", "2", "--model", model_dir,
            "--prompt", "Tell me a long story.", "--max-new-tokens", "100000", "--no-chat",
            "--fault-timeout", "3", *extra]
@@ -631,7 +632,7 @@ def _launch_cli(model_dir: str, *extra: str) -> tuple[subprocess.Popen, list[int
             if int(f.read().rsplit(")", 1)[1].split()[1]) in servers and state != "Z":
                 ranks.append(int(pid))
     assert len(ranks) == 3, members
-    return proc, ranks
+    return proc, ranks, servers - set(ranks)  # the ranks were forked from it: same command
 
 
 def _wait_gone(pids: list[int], within: float) -> float | None:
@@ -646,7 +647,7 @@ def _wait_gone(pids: list[int], within: float) -> float | None:
 def test_frozen_launcher_ends_its_ranks_within_the_timeout(tiny_model_dir):
     """SIGSTOP on the self-launcher freezes the store it hosts: each rank's guard sees the store
     silent for the fault timeout and leaves with one line saying the launcher is frozen."""
-    proc, ranks = _launch_cli(tiny_model_dir)
+    proc, ranks, _ = _launch_cli(tiny_model_dir)
     try:
         os.kill(proc.pid, signal.SIGSTOP)
         gone = _wait_gone(ranks, 3.0 + 4.0)
@@ -661,14 +662,22 @@ def test_frozen_launcher_ends_its_ranks_within_the_timeout(tiny_model_dir):
             and "frozen" in lines[0], err[-3000:]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
-def test_stopped_launcher_ends_its_ranks_with_one_line_each(tiny_model_dir, sig):
+@pytest.mark.parametrize("sig,then_fork_server", [(signal.SIGTERM, False),
+                                                  (signal.SIGKILL, False),
+                                                  (signal.SIGKILL, True)])
+def test_stopped_launcher_ends_its_ranks_with_one_line_each(tiny_model_dir, sig,
+                                                            then_fork_server):
     """SIGTERM to the launcher is forwarded (record, then SIGTERM) and it leaves with 143;
     after a SIGKILL the ranks see it gone. Either way each rank prints one clear line (no C++
-    stack frames, no rank blamed) and every process is gone promptly."""
-    proc, ranks = _launch_cli(tiny_model_dir)
+    stack frames, no rank blamed) and every process is gone promptly. `then_fork_server`: the
+    ranks' parent (multiprocessing's fork server, which leaves when the launcher does) dies at
+    once too, as it may before any rank has looked at its launcher: the parent-death signal
+    must still let each rank say why it stops."""
+    proc, ranks, servers = _launch_cli(tiny_model_dir)
     try:
         os.kill(proc.pid, sig)
+        for pid in servers if then_fork_server else ():
+            os.kill(pid, signal.SIGKILL)
         gone = _wait_gone(ranks, 10.0)
         proc.wait(10)
         assert _group_gone(proc.pid)

@@ -304,7 +304,9 @@ class FaultHandling:
 
     def terminated(self, store) -> None:
         """Stopped from outside: mark it for the other ranks, then leave (status 143). The mark
-        is bounded: a frozen store must not keep this rank alive."""
+        is bounded: a frozen store must not keep this rank alive. A SIGTERM that comes because
+        the launcher died (the parent-death signal) says so instead."""
+        self.leave_if_launcher_gone()
         def mark():
             try:
                 store.set(term_key(self.rank), self.signer.seal(term_key(self.rank),

@@ -34,11 +34,14 @@ def under_torchrun() -> bool:
 
 # --- local launcher -----------------------------------------------------------------------------
 def _set_pdeathsig() -> None:
-    """Linux: this process gets SIGKILL when its parent (the launcher) dies."""
+    """Linux: this process gets SIGTERM when its parent (the fork server, which leaves with the
+    launcher) dies. Not SIGKILL: the fork server can leave before the rank's guard has seen the
+    launcher gone, and a killed rank could not say why it stopped; its SIGTERM handling (the
+    guard thread, see faults) prints one line naming the launcher and leaves."""
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
 
