@@ -149,3 +149,14 @@ def check_stages_match_hf(t, stages, vocab: int = 40) -> None:
         torch.testing.assert_close(got, ref.hidden_states[layer_out][0], rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(t.logits(final), ref.logits[0].float(), rtol=1e-4, atol=1e-4)
     assert all(st.cache.length == 13 for st in stages)
+
+
+def bench_module(name: str):
+    """benchmarks/<name>.py as a module (tests share a probe's measurement code with it)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

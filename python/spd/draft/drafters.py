@@ -28,6 +28,12 @@ class Draft:
     p: torch.Tensor | None = None
 
 
+def target_id(d2t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """d2t [Vd] at a 0-d draft id -> the 0-d target id, on the device. Not `d2t[idx]`: torch
+    indexes with a 0-d tensor through item(), a host synchronisation every cycle."""
+    return d2t.index_select(0, idx.reshape(1)).reshape(())
+
+
 def top_probability(logits: torch.Tensor) -> torch.Tensor:
     """A drafter's confidence: the top probability of softmax(logits) at temperature 1, as a 0-d
     tensor on the logits' device (1 / sum(exp(logits - max)): no host sync)."""
@@ -82,10 +88,10 @@ class PDMDrafter:
         # sampling: the gate's hit rates were measured that way)
         p = top_probability(logits) if self.lookup else None
         if sampling.greedy:
-            return Draft(d2t[logits.argmax()], p=p)
+            return Draft(target_id(d2t, logits.argmax()), p=p)
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         idx = sample_from_probs(q, uniform.to(q.device))
-        return Draft(d2t[idx], scatter_draft_probs(q[None], d2t, self.vocab_size)[0], p)
+        return Draft(target_id(d2t, idx), scatter_draft_probs(q[None], d2t, self.vocab_size)[0], p)
 
 
 class ReferenceDrafter:

@@ -1,0 +1,236 @@
+"""Tensor-to-host reads per decode cycle (CPU): how often the host waits on a tensor's value.
+
+A read is anything that brings a tensor's value into Python (item, int / bool / float of a
+tensor, tolist, numpy) or makes the host wait on the data to size a result (nonzero and the
+like): on a GPU each one stalls the host until the device has caught up. `ReadLog` logs them
+with a TorchFunctionMode (methods) and a TorchDispatchMode (ops); tests/distributed/
+test_host_reads.py uses it too.
+
+Reads per steady cycle are taken as a difference of two decodes of different lengths in one
+process (m and 2m new tokens: (reads(2m) - reads(m)) / (K(2m) - K(m))), so the prefill and the
+end cancel out and the probe needs no hook inside the code it measures: it runs on any checkout.
+
+  * distributed, compute emulated (stage steps and drafts are fixed waits: the runtime's own
+    reads, not the CPU reference kernels'), gloo, every draft right, speculative control on:
+    rank 0 per cycle, each stage rank per cycle;
+  * single process (SPDEngine.generate), the default model with its shipped PDM, n = 4: the
+    issue's measurement (reads of the CPU reference kernels included).
+
+    python benchmarks/probe_host_reads.py                      # this checkout
+    python benchmarks/probe_host_reads.py --before /path/old   # and another checkout, same table
+
+Prints the table and writes JSON (--json-out).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
+DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
+READ_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+READ_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique",
+            "_unique2", "repeat_interleave"}
+
+
+# --- the read log ------------------------------------------------------------------------------
+def _is_header(x) -> bool:
+    """A unit's host header (spd.distributed.protocol.is_header, where this checkout has it)."""
+    try:
+        from spd.distributed.protocol import is_header
+    except ImportError:
+        return False
+    return is_header(x)
+
+
+def _caller() -> str:
+    """'file:line' of the innermost frame outside torch and this module: who made a read."""
+    f = sys._getframe(2)
+    while f is not None and (f.f_code.co_filename == __file__
+                             or f"{os.sep}torch{os.sep}" in f.f_code.co_filename):
+        f = f.f_back
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+
+
+class _Methods(TorchFunctionMode):
+    def __init__(self, log: list, where: bool):
+        super().__init__()
+        self.log, self.where, self.depth = log, where, 0
+
+    def record(self, name: str) -> None:
+        self.log.append(("read", name, _caller()) if self.where else ("read", name))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name not in READ_METHODS:
+            return func(*args, **(kwargs or {}))
+        # a unit's host header is host memory on every device: logged apart, not as a read
+        if args and _is_header(args[0]):
+            self.log.append(("header",))
+        else:
+            self.record(name)
+        self.depth += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.depth -= 1
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self, methods: _Methods):
+        super().__init__()
+        self.methods = methods
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in READ_OPS and self.methods.depth == 0:  # not already counted as a method
+            self.methods.record(name)
+        return func(*args, **(kwargs or {}))
+
+
+class ReadLog:
+    """Appends ("read", what) to `log` for every tensor-to-host read in this thread (("header",)
+    for a unit's host header); `where`: ("read", what, "file:line" of the code that read)."""
+
+    def __init__(self, log: list, where: bool = False):
+        self.methods = _Methods(log, where)
+        self.ops = _Ops(self.methods)
+
+    def __enter__(self):
+        self.methods.__enter__()
+        self.ops.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.ops.__exit__(*exc)
+        self.methods.__exit__(*exc)
+
+
+def reads(log: list) -> int:
+    return sum(1 for e in log if e[0] == "read")
+
+
+# --- distributed, emulated compute ---------------------------------------------------------------
+def _counting_factory(rank: int):
+    """Every rank's tiny target; a stage rank logs the reads of each generation into the store."""
+    from spd.distributed.emulate import tiny_target
+    if rank != 0:
+        from spd.distributed import stage_rank
+        run = stage_rank.StageWorker.run
+
+        def counted_run(self, gen, req):
+            log: list = []
+            with ReadLog(log):
+                run(self, gen, req)
+            self.rt.store.set(f"probe/reads/{gen}/{self.rt.rank}", str(reads(log)))
+        stage_rank.StageWorker.run = counted_run
+    return tiny_target(4, 6)
+
+
+def _distributed_job(engine, lengths, refs):
+    from spd.distributed.config import GenerateRequest
+    from spd.distributed.rank import run_requests
+    out = []
+    for gen, m in enumerate(lengths, start=1):
+        log: list = []
+        with ReadLog(log):
+            res = run_requests([GenerateRequest(PROMPT, m, reference=refs)], engine)[0]
+        stages = [int(engine.rt.store.get(f"probe/reads/{gen}/{r}")) for r in range(1, engine.n + 1)]
+        out.append({"m": m, "K": res.stats.K, "rank0": reads(log), "stages": stages})
+    return out
+
+
+def distributed_row(n: int, m: int) -> dict:
+    from spd.distributed.config import DistConfig
+    from spd.distributed.emulate import reference_tokens, tiny_target
+    from spd.distributed.launch import launch_local
+    ref = reference_tokens(tiny_target(4, 6), PROMPT, 2 * m + n + 2)
+    config = DistConfig(n_stages=n, target_factory=_counting_factory, fault_timeout=10.0,
+                        op_timeout=120.0, lookup=0, speculative_control="on", emulate_s=0.002)
+    a, b = launch_local(config, partial(_distributed_job, lengths=(m, 2 * m), refs=ref),
+                        timeout=600)
+    dk = b["K"] - a["K"]
+    return {"what": f"distributed, n = {n}", "cycles": dk,
+            "rank 0": (b["rank0"] - a["rank0"]) / dk,
+            "stage ranks": [(y - x) / dk for x, y in zip(a["stages"], b["stages"])]}
+
+
+# --- single process, default model ---------------------------------------------------------------
+def single_row(n: int, m: int) -> dict:
+    from spd.model.loading import load_target
+    from spd.model.prompt import encode_prompt
+    from spd.runtime.engine import SPDEngine
+    target = load_target(None)
+    engine = SPDEngine(target, n_stages=n)
+    ids = torch.tensor(encode_prompt(target.tokenizer, DEFAULT_PROMPT, chat=True))
+    engine.generate(ids, 4)  # warm-up: first-call work is not a cycle's
+    runs = []
+    for length in (m, 2 * m):
+        log: list = []
+        with ReadLog(log):
+            res = engine.generate(ids, length)
+        runs.append((reads(log), res.stats.K))
+    dk = runs[1][1] - runs[0][1]
+    return {"what": f"one process, default model, n = {n}", "cycles": dk,
+            "rank 0": (runs[1][0] - runs[0][0]) / dk, "stage ranks": []}
+
+
+def measure(m: int) -> list[dict]:
+    torch.set_num_threads(1)
+    return [distributed_row(2, m), distributed_row(4, m), single_row(4, m)]
+
+
+# --- driver -------------------------------------------------------------------------------------------
+def run_checkout(checkout: Path, m: int) -> list[dict]:
+    """This script's measurement with `checkout`'s spd (a child process)."""
+    env = dict(os.environ, PYTHONPATH=f"{checkout / 'python'}:{checkout}",
+               TORCH_CPP_LOG_LEVEL="ERROR")
+    out = subprocess.run([sys.executable, __file__, "--child", "--tokens", str(m)], env=env,
+                         capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        raise SystemExit(f"probe failed on {checkout}:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=24, help="m: decodes of m and 2m new tokens")
+    ap.add_argument("--before", type=Path, default=None, help="another checkout to compare")
+    ap.add_argument("--json-out", type=Path, default=None)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(measure(args.tokens)))
+        return
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from harness import Table, run_meta, write_json
+    results = {"after": run_checkout(REPO, args.tokens)}
+    if args.before is not None:
+        results["before"] = run_checkout(args.before.resolve(), args.tokens)
+    table = Table([("what", "<38", "decode"), ("checkout", "<9"), ("cycles", ">7"),
+                   ("rank0", ">10.2f", "rank 0"), ("stages", ">24", "each stage rank")])
+    table.print_header()
+    for i, row in enumerate(results["after"]):
+        for label in ("before", "after"):
+            if label in results:
+                r = results[label][i]
+                table.print({"what": r["what"], "checkout": label, "cycles": r["cycles"],
+                             "rank0": r["rank 0"],
+                             "stages": " ".join(f"{x:.2f}" for x in r["stage ranks"]) or None})
+    if args.json_out:
+        write_json(args.json_out, run_meta(), tokens=args.tokens,
+                   before_checkout=str(args.before) if args.before else None, **results)
+
+
+if __name__ == "__main__":
+    main()
