@@ -44,22 +44,28 @@ READ_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_sel
 
 
 # --- the read log ------------------------------------------------------------------------------
-def _is_header(x) -> bool:
-    """A unit's host header (spd.distributed.protocol.is_header, where this checkout has it)."""
-    try:
-        from spd.distributed.protocol import is_header
-    except ImportError:
-        return False
-    return is_header(x)
+def _host_kind(x) -> str | None:
+    """"header" for a unit's host header (spd.distributed.protocol.is_header), "host" for a host
+    mirror's copy (spd.runtime.host_mirror.is_host_copy), where the measured checkout has them:
+    host memory on every device, so reading them never waits on one. None otherwise."""
+    for kind, module, name in (("header", "spd.distributed.protocol", "is_header"),
+                               ("host", "spd.runtime.host_mirror", "is_host_copy")):
+        try:
+            check = getattr(__import__(module, fromlist=[name]), name)
+        except (ImportError, AttributeError):
+            continue
+        if check(x):
+            return kind
+    return None
 
 
 def _caller() -> str:
-    """'file:line' of the innermost frame outside torch and this module: who made a read."""
+    """'file:line function' of the innermost frame outside torch and this module: who read."""
     f = sys._getframe(2)
     while f is not None and (f.f_code.co_filename == __file__
                              or f"{os.sep}torch{os.sep}" in f.f_code.co_filename):
         f = f.f_back
-    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "?"
+    return f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" if f is not None else "?"
 
 
 class _Methods(TorchFunctionMode):
@@ -74,9 +80,9 @@ class _Methods(TorchFunctionMode):
         name = getattr(func, "__name__", "")
         if name not in READ_METHODS:
             return func(*args, **(kwargs or {}))
-        # a unit's host header is host memory on every device: logged apart, not as a read
-        if args and _is_header(args[0]):
-            self.log.append(("header",))
+        kind = _host_kind(args[0]) if args else None
+        if kind is not None:  # host memory on every device: logged apart, not as a read
+            self.log.append((kind,))
         else:
             self.record(name)
         self.depth += 1
@@ -100,7 +106,8 @@ class _Ops(TorchDispatchMode):
 
 class ReadLog:
     """Appends ("read", what) to `log` for every tensor-to-host read in this thread (("header",)
-    for a unit's host header); `where`: ("read", what, "file:line" of the code that read)."""
+    for a unit's host header, ("host",) for a host mirror's copy); `where`: ("read", what,
+    "file:line function" of the code that read)."""
 
     def __init__(self, log: list, where: bool = False):
         self.methods = _Methods(log, where)

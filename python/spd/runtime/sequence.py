@@ -32,6 +32,7 @@ import torch
 from spd.draft.drafters import Draft
 from spd.draft.lookup import NgramLookup
 from spd.errors import SPDError
+from spd.runtime.host_mirror import HostMirror
 from spd.runtime.schedule import PipelineSchedule
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
@@ -161,8 +162,8 @@ class PendingDraft:
     """What is kept about a drafted position until it is judged."""
     fill: int                                  # tokens in flight when drafted: its draft position
     q: torch.Tensor | None                     # the draft distribution that proposed it (sampling)
-    from_lookup: bool | torch.Tensor = False   # the context lookup's token (a 0-d device bool
-    #                                            where the gate decided on the device)
+    from_lookup: bool = False                  # the lookup proposed a token: whether it was
+    #                                            used is in SequenceDecode.lookup_used
 
 
 class SequenceDecode:
@@ -187,6 +188,7 @@ class SequenceDecode:
         # Per position: the token and its anchor hidden states (slot 0: the embedding).
         self.tokens = torch.zeros(self.capacity, dtype=torch.int64, device=t.device)
         self.tokens[:self.prompt_len] = ids
+        self.host_tokens = HostMirror(self.tokens)  # the context lookup reads drafts from here
         self.anchors = torch.zeros(len(layout.anchors), self.capacity, t.hidden_size,
                                    device=t.device, dtype=t.dtype)
         # Drafted positions not judged yet (dropped together on a rejection).
@@ -197,6 +199,9 @@ class SequenceDecode:
         self.lookup = NgramLookup(min_len) if min_len else None
         if self.lookup is not None:
             self.lookup.extend(ids.tolist())
+            # per drafted position: whether the gate used the lookup's token (on the device)
+            self.lookup_used = HostMirror(torch.zeros(self.capacity, dtype=torch.bool,
+                                                      device=t.device))
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=t.device)
         self.sched = PipelineSchedule(n)
@@ -233,6 +238,7 @@ class SequenceDecode:
         """`token` (an int, or a 0-d device tensor: no host sync) enters stage 0 at depth 0: only
         its embedding (anchor 0) exists."""
         self.tokens[position] = token
+        self.host_tokens.wrote(position, position + 1)
         self.anchors[0, position] = self.target.embed_tokens(
             self.tokens[position:position + 1])[0]
 
@@ -263,9 +269,9 @@ class SequenceDecode:
         so far ends with a match the gate trusts more than the drafter (spd.draft.lookup), and
         whether it was used. Under sampling q is one-hot on the lookup's token, so rejection
         sampling stays exact."""
-        # The in-flight tokens past the committed ones: one small device-to-host copy on a GPU
-        # (the PDM's drafts stay there; they were made a cycle or more ago).
-        in_flight = self.tokens[len(self.lookup):position].tolist()
+        # The in-flight tokens past the committed ones, from the host mirror: they were drafted
+        # a cycle or more ago, so reading them waits for nothing on the device.
+        in_flight = self.host_tokens.read(len(self.lookup), position)
         found = self.lookup.propose(self.lookup.context(in_flight))
         if found is None:
             return draft, False
@@ -275,13 +281,18 @@ class SequenceDecode:
             q = torch.zeros(self.target.vocab_size, device=self.target.device)
             q[token] = 1.0
         trust = self.lookup.trust(match_len)
+        used = self.lookup_used.buf[position:position + 1]
         if draft.p is None or trust >= 1.0:  # a drafter without a confidence: the match wins
+            used.fill_(True)
+            self.lookup_used.wrote(position, position + 1)
             return Draft(token, q), True
         # Gate on the device (the PDM's token and confidence stay there: no host sync); the
-        # choice is read back when the draft is judged, for the stats.
+        # choice reaches the host through a mirror by the time the draft is judged (stats).
         use = draft.p < trust
+        used.copy_(use.view(1))
+        self.lookup_used.wrote(position, position + 1)
         return Draft(torch.where(use, torch.full_like(draft.token, token), draft.token),
-                     None if q is None else torch.where(use, q, draft.q)), use
+                     None if q is None else torch.where(use, q, draft.q)), True
 
     def fill(self, draft: Draft) -> None:
         """Filling cycle: nothing left the pipeline, the draft enters at depth 0."""
@@ -306,7 +317,8 @@ class SequenceDecode:
         committed length every target cache must be truncated to (None when accepted)."""
         judged = self.sched.judged
         pending = self.pending.pop(judged)  # every judged token was drafted
-        self.stats.count_draft(pending.fill, accepted, bool(pending.from_lookup))
+        used = pending.from_lookup and self.lookup_used.read(judged, judged + 1)[0]
+        self.stats.count_draft(pending.fill, accepted, used)
         self.stats.N += 1
         self._emit(token)
         if accepted:
