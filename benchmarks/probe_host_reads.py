@@ -14,7 +14,9 @@ end cancel out and the probe needs no hook inside the code it measures: it runs 
     reads, not the CPU reference kernels'), gloo, every draft right, speculative control on:
     rank 0 per cycle, each stage rank per cycle;
   * single process (SPDEngine.generate), the default model with its shipped PDM, n = 4: the
-    issue's measurement (reads of the CPU reference kernels included).
+    issue's measurement (reads of the CPU reference kernels included), and the reads made
+    outside spd_kernels (its CPU-only value checks and reference paths aside: what a GPU run
+    would pay).
 
     python benchmarks/probe_host_reads.py                      # this checkout
     python benchmarks/probe_host_reads.py --before /path/old   # and another checkout, same table
@@ -123,8 +125,11 @@ class ReadLog:
         self.methods.__exit__(*exc)
 
 
-def reads(log: list) -> int:
-    return sum(1 for e in log if e[0] == "read")
+def reads(log: list, outside_kernels: bool = False) -> int:
+    """The reads in `log`; `outside_kernels`: only those not made inside spd_kernels (its CPU
+    value checks and reference paths, which a GPU run does not take). Needs ReadLog(where=True)."""
+    return sum(1 for e in log if e[0] == "read"
+               and not (outside_kernels and f"{os.sep}spd_kernels{os.sep}" in e[2]))
 
 
 # --- distributed, emulated compute ---------------------------------------------------------------
@@ -184,12 +189,13 @@ def single_row(n: int, m: int) -> dict:
     runs = []
     for length in (m, 2 * m):
         log: list = []
-        with ReadLog(log):
+        with ReadLog(log, where=True):
             res = engine.generate(ids, length)
-        runs.append((reads(log), res.stats.K))
-    dk = runs[1][1] - runs[0][1]
+        runs.append((reads(log), reads(log, outside_kernels=True), res.stats.K))
+    dk = runs[1][2] - runs[0][2]
     return {"what": f"one process, default model, n = {n}", "cycles": dk,
-            "rank 0": (runs[1][0] - runs[0][0]) / dk, "stage ranks": []}
+            "rank 0": (runs[1][0] - runs[0][0]) / dk,
+            "outside spd_kernels": (runs[1][1] - runs[0][1]) / dk, "stage ranks": []}
 
 
 def measure(m: int) -> list[dict]:
@@ -225,14 +231,15 @@ def main() -> None:
     if args.before is not None:
         results["before"] = run_checkout(args.before.resolve(), args.tokens)
     table = Table([("what", "<38", "decode"), ("checkout", "<9"), ("cycles", ">7"),
-                   ("rank0", ">10.2f", "rank 0"), ("stages", ">24", "each stage rank")])
+                   ("rank0", ">10.2f", "rank 0"), ("outside", ">22.2f", "outside spd_kernels"),
+                   ("stages", ">24", "each stage rank")])
     table.print_header()
     for i, row in enumerate(results["after"]):
         for label in ("before", "after"):
             if label in results:
                 r = results[label][i]
                 table.print({"what": r["what"], "checkout": label, "cycles": r["cycles"],
-                             "rank0": r["rank 0"],
+                             "rank0": r["rank 0"], "outside": r.get("outside spd_kernels"),
                              "stages": " ".join(f"{x:.2f}" for x in r["stage ranks"]) or None})
     if args.json_out:
         write_json(args.json_out, run_meta(), tokens=args.tokens,

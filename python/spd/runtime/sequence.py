@@ -306,6 +306,9 @@ class SequenceDecode:
         with self.timer("verify"):
             if verdict is not None:
                 token, ok = verdict
+                if isinstance(token, torch.Tensor):  # one read of both values, not two
+                    token, ok = torch.cat([token[:1], ok[:1].to(token.dtype)]).tolist()
+                    return bool(ok), token
                 return bool(ok[0]), int(token[0])
             judged = self.sched.judged
             return verify(self.target, hidden, self.tokens[judged:judged + 1],
