@@ -2,12 +2,19 @@
 
 Self-launches n + 1 ranks on a model (launch_local, as `python -m spd generate --distributed`
 does), decodes one short prompt, and polls every rank's VmHWM (/proc/<pid>/status) until it
-exits. The same run on the tiny random Llama (4 layers of hidden 64: a rank holding almost no
-weights, same code path) gives each rank's fixed part, its base: the imports (torch, spd, the
-Hugging Face modeling code), the process group, the code pages its work touches. Beside each
-rank: the bytes of the weights it holds (its layers; stage 0 the embedding too; rank 0 the
-embedding, final norm, an untied LM head and its PDM), and "x held" = (peak - base) / held. Also shown:
-a bare `import torch` process, and a single process loading the whole model.
+exits. The base is a bare `import torch` process: "above torch" = peak - that, and "x held" =
+(peak - bare torch) / the bytes of the weights the rank holds (its layers; stage 0 the embedding
+too, the last stage the final norm and LM head (tied: the embedding); rank 0 the embedding,
+final norm, an untied LM head and its PDM). A stage rank imports neither transformers nor
+Triton (spd.model.plain_build, spd_kernels.dispatch.defer); rank 0 does (its tokenizer, the
+engine), so its ratio is high by design. Also shown: each rank's peak on the tiny random Llama
+(4 layers of hidden 64, same code path, almost no weights: the rank's fixed part), and a single
+process loading the whole model.
+
+A rank is forked from the launcher's forkserver (which has imported torch and spd): pages of
+torch's libraries that the rank never touches are not in its resident set, while the bare
+`import torch` process has touched them while importing, so "above torch" can be below the
+bytes held (x held < 1).
 
     python benchmarks/probe_rank_memory.py --stages 4                     # this checkout
     python benchmarks/probe_rank_memory.py --stages 4 --before /work/main # and another one
@@ -58,13 +65,6 @@ def tiny_model_dir() -> str:
     if not (folder / "config.json").exists():
         save_tiny_random_llama(folder)
     return str(folder)
-
-
-def above_base(peaks: dict[int, int], tiny_peaks: dict[int, int], tiny_parts: dict) -> dict:
-    """Rank -> bytes of its peak above its base (the tiny run's peak of that rank, less the
-    little it held)."""
-    return {r: kb * 1024 - (tiny_peaks[r] * 1024 - tiny_parts[r]["bytes"])
-            for r, kb in peaks.items() if r in tiny_peaks}
 
 
 def rank_parts(model, n: int, split=None) -> dict[int, dict]:
@@ -187,18 +187,16 @@ def main() -> None:
     env = dict(os.environ, PYTHONPATH=this)
     base_torch = process_peak_kb("import torch", env)
     parts = rank_parts(args.model, args.stages)
-    tiny_parts = rank_parts(tiny_model_dir(), args.stages)
     rows = []
     for r in range(args.stages + 1):
         row = {"rank": r, "role": "draft rank" if r == 0 else f"stage {r - 1}",
                "holds": parts[r]["holds"], "holds_mb": parts[r]["bytes"] / MB}
         for label, res in runs.items():
             kb = res["ranks"].get(r)
-            above = above_base(res["ranks"], res["tiny_ranks"], tiny_parts).get(r)
+            above = (kb - base_torch) * 1024 if kb else None
             row[f"{label}_peak_mb"] = kb / 1024 if kb else None
-            row[f"{label}_base_mb"] = res["tiny_ranks"].get(r, 0) / 1024 or None
-            row[f"{label}_above_base_mb"] = above / MB if above is not None else None
-            row[f"{label}_above_torch_mb"] = (kb - base_torch) / 1024 if kb else None
+            row[f"{label}_tiny_peak_mb"] = res["tiny_ranks"].get(r, 0) / 1024 or None
+            row[f"{label}_above_torch_mb"] = above / MB if above is not None else None
             row[f"{label}_ratio"] = above / parts[r]["bytes"] if above is not None else None
         rows.append(row)
     total = parts[0]["target_bytes"] + sum(parts[r]["layer_bytes"]
@@ -213,21 +211,22 @@ def main() -> None:
     cols = [("role", "<16"), ("holds", "<28"), ("holds_mb", ">9.1f", "held MB")]
     for label in runs:
         cols += [(f"{label}_peak_mb", ">12.1f", f"{label} peak"),
-                 (f"{label}_base_mb", ">8.1f", "base"),
-                 (f"{label}_above_base_mb", ">8.1f", "-base"),
-                 (f"{label}_ratio", ">8.2f", "x held")]
-    print(f"peak resident memory (VmHWM, MB), CPU, n = {args.stages}, fp32; base = the same "
-          f"rank on the tiny model; a bare `import torch` process: {base_torch / 1024:.1f} MB")
+                 (f"{label}_above_torch_mb", ">12.1f", "above torch"),
+                 (f"{label}_ratio", ">8.2f", "x held"),
+                 (f"{label}_tiny_peak_mb", ">10.1f", "tiny peak")]
+    print(f"peak resident memory (VmHWM, MB), CPU, n = {args.stages}, fp32; base = a bare "
+          f"`import torch` process: {base_torch / 1024:.1f} MB; x held = (peak - base) / held; "
+          "tiny peak = the same rank on the tiny model")
     table = Table(cols)
     table.print_header()
     for row in rows:
         table.print(row)
-    out = args.json_out or RESULTS / "2026-12-03-rank-memory-cpu.json"
+    out = args.json_out or RESULTS / "2026-12-03-rank-memory-bare-cpu.json"
     write_json(out, run_meta("cpu", model=args.model or "default", stages=args.stages,
                              baseline_torch_mb=base_torch / 1024,
-                             note="base = each checkout's tiny-model run less the bytes of the "
-                                  "rank's part; where ranks load the whole model (before), "
-                                  "that base is high by the rest of the tiny model (~25 MB)",
+                             note="base = a bare `import torch` process (baseline_torch_mb); "
+                                  "x held = (peak - base) / the bytes the rank holds; "
+                                  "tiny_peak = the same rank on the tiny random Llama",
                              spd_paths={k: v["spd"] for k, v in runs.items()}), rows=rows)
 
 

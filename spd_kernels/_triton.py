@@ -1,13 +1,12 @@
-"""Optional Triton import, shared by the op modules.
+"""The Triton import, shared by the op modules that hold Triton kernels.
 
-Triton is not a hard dependency (CPU wheels of torch do not pull it in). Whether its interpreter is
-active is fixed when the kernels are decorated, i.e. when `spd_kernels` is first imported:
-`TRITON_INTERPRET=1` must be set before that for the Triton kernels to run on CPU tensors.
+Triton is not a hard dependency (CPU wheels of torch do not pull it in), and importing it costs
+~50 MB resident and a second or more: only modules that define Triton kernels import this one,
+and the dispatcher imports those only when a Triton kernel may run (spd_kernels.dispatch.defer),
+never on a CPU process that runs the reference ops. The host-side helpers live in
+spd_kernels._host and are re-exported here for the kernel modules.
 """
 from __future__ import annotations
-
-import functools
-import os
 
 try:  # pragma: no cover - exercised implicitly by every import
     import triton
@@ -18,42 +17,16 @@ except Exception:  # ImportError, or a broken install  # pragma: no cover
     tl = None
     HAS_TRITON = False
 
-# Read once, at the same moment the @triton.jit decorators below run.
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-# Element-type codes shared by the Triton kernels and the CUDA extension.
-DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
-
-
-def dtype_code(dtype) -> int:
-    import torch
-    try:
-        return {torch.float32: DTYPE_F32, torch.bfloat16: DTYPE_BF16, torch.float16: DTYPE_F16}[dtype]
-    except KeyError:
-        raise TypeError(f"unsupported dtype {dtype}: expected float32, bfloat16 or float16") from None
-
-
-def pdl(device) -> bool:
-    """Whether Triton kernels on `device` launch as programmatic dependent launches: the
-    process-wide switch (spd_kernels._cuda.programmatic_launch, SPD_PDL), on a CUDA device,
-    compiled (the interpreter has no griddepcontrol). Kernels that take PDL call pdl_enter(PDL)
-    first and are launched with launch_pdl=PDL."""
-    from spd_kernels import _cuda
-    return _cuda.programmatic_launch_enabled() and not INTERPRET and device.type == "cuda"
-
-
-def next_pow2(x: int) -> int:
-    return 1 << max(0, int(x) - 1).bit_length()
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device) -> int:
-    """Streaming multiprocessors of a CUDA device (1 for anything else): grid sizing."""
-    import torch
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
-
+from spd_kernels._host import (  # noqa: F401  (re-exported for the kernel modules)
+    DTYPE_BF16,
+    DTYPE_F16,
+    DTYPE_F32,
+    INTERPRET,
+    dtype_code,
+    next_pow2,
+    pdl,
+    sm_count,
+)
 
 if HAS_TRITON:
 

@@ -153,4 +153,6 @@ def gated_delta_step_reference(q, k, v, g, beta, state_ring, start):
     return out.to(out_dtype)
 
 
-from spd_kernels import deltanet_triton  # noqa: E402,F401  (registers the Triton backends)
+# Registered with the dispatcher when first needed (importing it imports Triton).
+dispatch.defer("gated_delta_step", "triton", "spd_kernels.deltanet_triton")
+dispatch.defer("conv_ring_step", "triton", "spd_kernels.deltanet_triton")

@@ -20,6 +20,9 @@ choice never raises for that reason, it falls back to the next backend.
 from __future__ import annotations
 
 import contextlib
+import functools
+import importlib
+import os
 import threading
 import warnings
 from dataclasses import dataclass
@@ -28,7 +31,7 @@ from typing import Callable
 import torch
 
 from spd_kernels import _cuda, env
-from spd_kernels._triton import HAS_TRITON, INTERPRET
+from spd_kernels._host import INTERPRET
 
 BACKENDS = ("cuda", "triton", "reference")
 
@@ -51,7 +54,64 @@ class _Impl:
 
 # op -> backend -> implementation; an op's entry is made by its declaration (spd_kernels.opdef).
 _REGISTRY: dict[str, dict[str, _Impl]] = {}
+# op -> backend -> the module whose import registers it, not imported yet (defer)
+_DEFERRED: dict[str, dict[str, str]] = {}
 _local = threading.local()
+_import_lock = threading.RLock()
+
+
+def defer(op: str, backend: str, module: str) -> None:
+    """`op`'s `backend` is registered by importing `module`, done the first time the dispatcher
+    may pick that backend (or is asked about it). Modules holding Triton kernels are deferred:
+    importing Triton costs ~50 MB resident, which a process running the reference ops on the CPU
+    never needs."""
+    if op not in _REGISTRY:
+        raise ValueError(f"unknown op {op!r}: declare it before deferring its backends")
+    _DEFERRED.setdefault(op, {})[backend] = module
+
+
+def _import_kernels(module: str) -> None:
+    """Import a kernel module as if at spd_kernels' import: Triton reads TRITON_INTERPRET when it
+    decorates the kernels, so it sees the value INTERPRET was read from then."""
+    with _import_lock:
+        old = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if INTERPRET else "0"
+        try:
+            importlib.import_module(module)
+        finally:
+            if old is None:
+                os.environ.pop("TRITON_INTERPRET", None)
+            else:
+                os.environ["TRITON_INTERPRET"] = old
+
+
+def _has(op: str, backend: str) -> bool:
+    """Whether `op` has `backend`, registered or deferred (nothing is imported)."""
+    return backend in _REGISTRY[op] or backend in _DEFERRED.get(op, ())
+
+
+def _impl(op: str, backend: str) -> _Impl | None:
+    """`op`'s `backend` implementation, importing its module if it was deferred."""
+    pending = _DEFERRED.get(op)
+    if pending and backend in pending:
+        _import_kernels(pending[backend])
+        pending.pop(backend, None)
+    return _REGISTRY[op].get(backend)
+
+
+def load_deferred() -> None:
+    """Import every deferred kernel module (reports, tests that walk the registry)."""
+    for op in list(_DEFERRED):
+        for backend in list(_DEFERRED.get(op, ())):
+            _impl(op, backend)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_installed() -> bool:
+    """Whether Triton imports (it is imported here, on the first question)."""
+    _import_kernels("spd_kernels._triton")
+    from spd_kernels import _triton
+    return _triton.HAS_TRITON
 
 
 def declare(op: str) -> None:
@@ -80,6 +140,7 @@ def register(op: str, backend: str, supports: Callable | None = None, automatic:
     def deco(fn):
         pdl = backend == "cuda" if programmatic is None else programmatic
         _REGISTRY[op][backend] = _Impl(fn, supports, automatic, pdl)
+        _DEFERRED.get(op, {}).pop(backend, None)  # imported directly: no longer pending
         return fn
     return deco
 
@@ -89,7 +150,7 @@ def backend_unavailable(backend: str, device: torch.device) -> str | None:
     if backend == "reference":
         return None
     if backend == "triton":
-        if not HAS_TRITON:
+        if not triton_installed():
             return "Triton is not installed"
         if device.type == "cuda":
             if INTERPRET:
@@ -168,15 +229,14 @@ def select(op: str, device: torch.device, args=None, kwargs=None,
     arguments are not considered (a query: which backend would this op use on this device)."""
     check_args = args is not None
     args, kwargs = args or (), kwargs or {}
-    impls = _REGISTRY[op]
     name = requested_backend(op, backend)
     if name != "auto":
         if name not in BACKENDS:
             raise SPDBackendError(f"unknown backend {name!r} for {op} (expected one of "
                                   f"{', '.join(BACKENDS)} or auto)")
-        impl = impls.get(name)
+        impl = _impl(op, name)
         if impl is None:
-            have = ", ".join(b for b in BACKENDS if b in impls)
+            have = ", ".join(b for b in BACKENDS if b in _REGISTRY[op])
             raise SPDBackendError(f"{op} has no {name} implementation (available: {have})")
         why = backend_unavailable(name, device)
         if why is None and impl.supports is not None and check_args:
@@ -186,8 +246,10 @@ def select(op: str, device: torch.device, args=None, kwargs=None,
         return name, impl.fn
     passed_over = []  # (backend, why): kernels that could run here but not these arguments
     for cand in _auto_order(device):
-        impl = impls.get(cand)
-        if impl is None or not impl.automatic or backend_unavailable(cand, device) is not None:
+        if not _has(op, cand) or backend_unavailable(cand, device) is not None:
+            continue
+        impl = _impl(op, cand)
+        if impl is None or not impl.automatic:
             continue
         why = impl.supports(*args, **kwargs) if check_args and impl.supports else None
         if why is not None:
@@ -196,7 +258,7 @@ def select(op: str, device: torch.device, args=None, kwargs=None,
         _report_fallback(op, cand, passed_over)
         return cand, impl.fn
     _report_fallback(op, "reference", passed_over)
-    return "reference", impls["reference"].fn
+    return "reference", _REGISTRY[op]["reference"].fn
 
 
 _REPORTED: set = set()
@@ -222,26 +284,27 @@ def call(op: str, device: torch.device, *args, backend: str | None = None, **kwa
 def available(op: str, device) -> list[str]:
     """Backends that can run `op` on `device` here (argument support aside)."""
     device = torch.device(device)
-    return [b for b in BACKENDS if b in _REGISTRY[op] and backend_unavailable(b, device) is None]
+    return [b for b in BACKENDS if _has(op, b) and backend_unavailable(b, device) is None]
 
 
 def on_request(op: str, backend: str) -> bool:
     """Whether `op`'s `backend` kernel runs only when asked for (registered automatic=False)."""
-    impl = _REGISTRY[op].get(backend)
+    impl = _impl(op, backend)
     return impl is not None and not impl.automatic
 
 
 def programmatic(op: str, backend: str) -> bool:
     """Whether `op`'s `backend` kernels take programmatic dependent launch."""
-    impl = _REGISTRY[op].get(backend)
+    impl = _impl(op, backend)
     return impl is not None and impl.programmatic
 
 
 def describe() -> dict:
-    """What is registered and available, for logs and benchmarks."""
+    """What is registered and available, for logs and benchmarks (imports every kernel)."""
+    load_deferred()
     devices = [torch.device("cpu")] + ([torch.device("cuda")] if torch.cuda.is_available() else [])
     return {
-        "triton": HAS_TRITON, "triton_interpret": INTERPRET, "cuda_extension": _cuda.built(),
+        "triton": triton_installed(), "triton_interpret": INTERPRET, "cuda_extension": _cuda.built(),
         "cuda_extension_error": _cuda.unavailable_reason(),
         "programmatic_launch": _cuda.programmatic_launch_enabled(),
         "ops": {op: {"implemented": [b for b in BACKENDS if b in _REGISTRY[op]],

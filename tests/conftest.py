@@ -11,7 +11,12 @@ import torch
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from spd.draft.drafters import PDMDrafter, ReferenceDrafter  # noqa: E402
+from spd_kernels import dispatch  # noqa: E402
 from spd_kernels.testing import SIMT_SKIP_REASON, TRITON_DEVICE, TRITON_SKIP_REASON  # noqa: E402
+
+# Every kernel module registered now, as tests walk and patch the registry (a process of the
+# runtime imports them only when a kernel may run: tests/kernels/test_dispatch_lazy.py).
+dispatch.load_deferred()
 
 # Skip markers shared by the test folders (`from conftest import needs_gpu`); each says why.
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import _alloc, dispatch
-from spd_kernels._triton import next_pow2
+from spd_kernels._host import next_pow2
 from spd_kernels.cache_positions import check_start, positions
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, last_dim_contiguous
 from spd_kernels.opdef import Position, op
@@ -154,5 +154,5 @@ def attention_output(q, k_cache):
     return _alloc.empty(R, H * hd, dtype=k_cache.dtype, device=q.device)
 
 
-# The launcher registers with the dispatcher on import.
-from spd_kernels.attention import triton_kernel  # noqa: E402,F401
+# Registered with the dispatcher when first needed (importing it imports Triton).
+dispatch.defer("cache_attention", "triton", "spd_kernels.attention.triton_kernel")

@@ -180,5 +180,6 @@ def swiglu_supports(*args):
     return kernel_supports(args[0], swiglu_tensors(*args))
 
 
-# The launchers register with the dispatcher on import.
-from spd_kernels.linear import triton_kernel  # noqa: E402,F401
+# Registered with the dispatcher when first needed (importing it imports Triton).
+dispatch.defer("fused_linear", "triton", "spd_kernels.linear.triton_kernel")
+dispatch.defer("fused_swiglu", "triton", "spd_kernels.linear.triton_kernel")

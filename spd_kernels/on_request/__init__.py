@@ -6,9 +6,10 @@ CPU) and registered with `automatic=False`: `backend="cuda"`, `SPD_BACKEND=<op>=
 `benchmarks/bench_kernels.py` on a GPU shows one faster than what the automatic choice runs (its
 `challengers` table), it moves next to its op and registers as automatic.
 """
-from spd_kernels.on_request import (  # noqa: F401
-    attention_cuda,
-    linear_cuda,
-    qkv_rope_cuda,
-    rejection_cuda,
-)
+from spd_kernels import dispatch, verify  # noqa: F401  (verify declares the rejection ops)
+from spd_kernels.on_request import attention_cuda, linear_cuda, qkv_rope_cuda  # noqa: F401
+
+# It shares its checks with the Triton kernel (whose module imports Triton): registered when
+# first needed.
+dispatch.defer("rejection_sample", "cuda", "spd_kernels.on_request.rejection_cuda")
+dispatch.defer("rejection_sample_logits", "cuda", "spd_kernels.on_request.rejection_cuda")

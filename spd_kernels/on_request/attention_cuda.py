@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import dtype_code
+from spd_kernels._host import dtype_code
 from spd_kernels.attention import attention_layout, attention_output, key_splits
 from spd_kernels.cache_positions import start_tensor
 

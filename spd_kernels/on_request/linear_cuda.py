@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import dtype_code
+from spd_kernels._host import dtype_code
 from spd_kernels.linear import (
     CUDA_COLUMNS,
     CUDA_MIN_CHUNKS,

@@ -3,7 +3,7 @@ linear.cu's tensor-core kernel, then csrc/kernels/rope_append.cu (bf16 / fp16, <
 from __future__ import annotations
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import dtype_code
+from spd_kernels._host import dtype_code
 from spd_kernels.cache_positions import start_tensor
 from spd_kernels.checks import last_dim_contiguous
 from spd_kernels.linear import kernel_supports as linear_kernel_supports

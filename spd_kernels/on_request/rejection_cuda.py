@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from spd_kernels import _cuda, dispatch
-from spd_kernels._triton import dtype_code
+from spd_kernels._host import dtype_code
 from spd_kernels.sampling import top_p_float32
 from spd_kernels.verify import target_to_draft_map
 from spd_kernels.verify.triton_rejection import _rejection_outputs, _rs_supports, _rsl_supports

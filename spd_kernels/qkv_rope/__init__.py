@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import dispatch
-from spd_kernels._triton import next_pow2
+from spd_kernels._host import next_pow2
 from spd_kernels.cache_positions import check_start, positions
 from spd_kernels.checks import (
     SPDInputError,
@@ -215,5 +215,5 @@ def qkv_products(x, norm_weight, eps, wq, wk, wv, project):
     return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 
 
-# The launcher registers with the dispatcher on import.
-from spd_kernels.qkv_rope import triton_kernel  # noqa: E402,F401
+# Registered with the dispatcher when first needed (importing it imports Triton).
+dispatch.defer("qkv_rope_append", "triton", "spd_kernels.qkv_rope.triton_kernel")

@@ -367,9 +367,11 @@ def rejection_sample_logits_reference(target_logits, draft_probs, draft_to_targe
     return rejection_sample_reference(p, q, draft_tokens, uniforms)
 
 
-# The backends register with the dispatcher on import (their private names stay in the
-# submodules: spd_kernels.verify.triton_rejection etc.).
-from spd_kernels.verify import cuda, triton_greedy, triton_rejection, triton_split  # noqa: E402,F401
+# Registered with the dispatcher when first needed (importing it imports Triton).
+dispatch.defer("verify_greedy", "triton", "spd_kernels.verify.triton_greedy")
+dispatch.defer("verify_greedy", "cuda", "spd_kernels.verify.cuda")  # its checks are Triton's
+dispatch.defer("rejection_sample", "triton", "spd_kernels.verify.triton_rejection")
+dispatch.defer("rejection_sample_logits", "triton", "spd_kernels.verify.triton_rejection")
 
 __all__ = ["filtered_probs", "final_logits", "rejection_sample", "rejection_sample_logits",
            "scatter_draft_probs", "target_to_draft_map", "verify_greedy"]

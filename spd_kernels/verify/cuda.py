@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from spd_kernels import _alloc, _cuda, dispatch
-from spd_kernels._triton import dtype_code
+from spd_kernels._host import dtype_code
 from spd_kernels.verify.triton_greedy import _triton_greedy_supports
 
 # ------------------------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_triton_on_cpu_needs_the_interpreter(monkeypatch):
     with pytest.raises(SPDBackendError, match="TRITON_INTERPRET=1"):
         dispatch.select("verify_greedy", CPU, backend="triton")
     assert dispatch.select("verify_greedy", CPU)[0] == "reference"  # auto never raises for it
-    monkeypatch.setattr(dispatch, "HAS_TRITON", False)
+    monkeypatch.setattr(dispatch, "triton_installed", lambda: False)
     with pytest.raises(SPDBackendError, match="Triton is not installed"):
         dispatch.select("verify_greedy", CPU, backend="triton")
 

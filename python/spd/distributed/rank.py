@@ -59,16 +59,20 @@ def _load_own_part(config: DistConfig, rank: int, device: str):
     final norm and LM head (it drafts, embeds the committed tokens and judges sampled tokens);
     stage s its layers, stage 0 the embedding (it embeds the token it is sent) and the last stage
     the final norm and LM head (a tied head: the embedding), since it judges greedy drafts; a stage
-    rank needs no tokenizer."""
-    from spd.model.loading import load_target, model_config
+    rank needs no tokenizer, and builds a Llama / Qwen2 / Qwen3 target without importing
+    transformers (spd.model.plain_build: its modeling imports weigh more than a middle stage's
+    layers of the default model)."""
+    from spd.model.loading import load_target, model_config, resolve_model_path
     if rank == DRAFT_RANK:
         return load_target(config.model, device=device, dtype=config.dtype, layers=range(0))
-    layout = DepthLayout.build(model_config(config.model).num_hidden_layers, config.n_stages,
-                               config.split, config.anchors)
-    return load_target(config.model, device=device, dtype=config.dtype,
+    from spd.model.plain_build import read_plain_config
+    folder = resolve_model_path(config.model)
+    model_cfg = read_plain_config(folder) or model_config(folder)
+    layout = DepthLayout.build(model_cfg.num_hidden_layers, config.n_stages, config.split,
+                               config.anchors)
+    return load_target(folder, device=device, dtype=config.dtype,
                        layers=layout.stages[rank - 1], embed=rank == 1,
-                       head=rank == config.n_stages,
-                       tokenizer=False)
+                       head=rank == config.n_stages, tokenizer=False, plain=True)
 
 
 def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:

@@ -187,7 +187,8 @@ def model_config(path=None):
 
 
 def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | None = None,
-                embed: bool = True, head: bool = True, tokenizer: bool = True):
+                embed: bool = True, head: bool = True, tokenizer: bool = True,
+                plain: bool = False):
     """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 / Qwen3-Next causal LM and its tokenizer as a
     `TargetModel`, its weights in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU
     by default). A Qwen3.5 vision-language folder (weights under model.language_model.) gives
@@ -199,21 +200,28 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
     files each kept tensor is read by name into its final buffer (one copy of every weight, the
     packed q/k/v and gate/up groups included). Other formats (pytorch_model*.bin) cannot be read
     in part: they load whole, and a part is then cut from it, with a logged warning.
-    `tokenizer=False` leaves `target.tokenizer` None (a stage rank: ~50 MB less resident)."""
+    `tokenizer=False` leaves `target.tokenizer` None (a stage rank: ~50 MB less resident).
+    `plain=True` builds a Llama / Qwen2 / Qwen3 model read from safetensors without importing
+    transformers (spd.model.plain_build; a stage rank: ~160 MB less), others as usual."""
     import torch
-    from transformers.utils import logging as hf_logging
 
     from spd.model.target import TargetModel
 
-    hf_logging.set_verbosity_error()  # keep load-time progress bars and notices off the terminal
-    hf_logging.disable_progress_bar()
     check_device(device)
     if str(device).startswith("cuda") and not torch.cuda.is_available():
         raise SPDError(f"--device {device} was requested but no CUDA device is available")
     from spd.model.hybrid import is_hybrid
 
     folder = resolve_model_path(path)
-    config = model_config(folder)
+    config = None
+    if plain and _weight_files(folder)[0].suffix == ".safetensors":
+        from spd.model.plain_build import read_plain_config
+        config = read_plain_config(folder)  # None: transformers builds it
+    if config is None:
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()  # keep load-time progress bars and notices quiet
+        hf_logging.disable_progress_bar()
+        config = model_config(folder)
     text = config.get_text_config()  # Qwen3.5's vision-language form: its text model
     dtype = resolve_dtype(dtype, device)
     if layers is not None and (not isinstance(layers, range) or layers.step != 1 or
@@ -298,18 +306,15 @@ def _load_part(folder: Path, config, weights, device: str, dtype, layers, embed:
                head: bool):
     """The model built on the meta device, then the wanted parameters read from `weights`."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from spd.model.layers import packed_groups
+    from spd.model.plain_build import PlainConfig, build_on_meta
 
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if isinstance(config, PlainConfig):  # plain torch modules (a stage rank's)
+        model = build_on_meta(folder, config, dtype, device)
+    else:
+        model = _hf_on_meta(folder, config, dtype, device)
     inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config).to(device)  # computed, not stored
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    except OSError:  # no generation_config.json: the one derived from config.json stays
-        pass
     aliases = _param_names(model)
     keys = _check_against_files(folder, model, aliases, weights)
     wanted = [n for n, ns in aliases.items()
@@ -332,6 +337,22 @@ def _load_part(folder: Path, config, weights, device: str, dtype, layers, embed:
             param = torch.nn.Parameter(view)
             for a in aliases[n]:
                 _set_param(model, a, param)
+    return model
+
+
+def _hf_on_meta(folder: Path, config, dtype, device: str):
+    """Hugging Face's model, its weights on the meta device, its rotary tables on `device`."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    inner = model.model
+    inner.rotary_emb = type(inner.rotary_emb)(config).to(device)  # computed, not stored
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except OSError:  # no generation_config.json: the one derived from config.json stays
+        pass
     return model
 
 

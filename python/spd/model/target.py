@@ -57,7 +57,8 @@ def check_layers_supported(hf_model, name: str) -> None:
 
 
 class TargetModel:
-    """A Hugging Face Llama/Qwen2/Qwen3 causal LM, or a hybrid Qwen3.5 / Qwen3-Next one
+    """A Hugging Face Llama/Qwen2/Qwen3 causal LM (or spd.model.plain_build's plain modules
+    under the same names: a stage rank's), or a hybrid Qwen3.5 / Qwen3-Next one
     (spd.model.hybrid), exposed layer by layer."""
 
     def __init__(self, hf_model, tokenizer, name: str = "target", weight_files=None):
