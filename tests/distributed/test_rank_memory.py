@@ -5,22 +5,14 @@ A stage rank builds its target without transformers and never imports Triton, to
 sympy (spd.model.plain_build, spd_kernels.dispatch.defer), so little beyond torch stays fixed."""
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+from conftest import bench_module
 
 
 @pytest.fixture(scope="module")
 def probe():
     """benchmarks/probe_rank_memory.py: the launch, the poll and the bytes each rank holds."""
-    spec = importlib.util.spec_from_file_location("probe_rank_memory",
-                                                  BENCH / "probe_rank_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("probe_rank_memory")
 
 
 @pytest.mark.slow

@@ -4,12 +4,12 @@ runs made in separate processes."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_module
 
 from spd_kernels import dispatch
 
@@ -18,13 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_kernels",
-                                                  ROOT / "benchmarks" / "bench_kernels.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    return bench_module("bench_kernels")
 
 
 def test_on_request_rows_follow_the_registry(bench, monkeypatch):
