@@ -7,11 +7,13 @@ tolist, numpy) or makes the host wait on the data to size a result (nonzero and 
 GPU each one stalls the host until the device catches up.
 
 The one exception, made explicitly and by identity (spd.distributed.protocol.is_header): the
-host header of each unit, [op, seq], that a stage reads to tell a unit from the stop. A header is
-created in host memory and moves over the gloo control group on every device, so reading it
-never waits on a device; the payload it goes with ([position, token] or [position | row]) would
-be device memory on a GPU and is counted like any other tensor. Header reads are logged as
-("header",) instead, so the tests can see them.
+header of each unit message, [op, seq], that a stage reads to tell a unit from the stop. It is
+host memory on every device: under gloo (here) the int64 view of the first 16 bytes of the one
+host buffer a unit arrives in, under NCCL a host tensor of its own on the gloo control group; so
+reading it never waits on a device. The payload it goes with ([position, token] or
+[position | row]: the rest of that buffer, or device memory on a GPU) is counted like any other
+tensor, and so is any other view of the buffer, the whole of it included. Header reads are logged
+as ("header",) instead, so the tests can see them.
 """
 from __future__ import annotations
 

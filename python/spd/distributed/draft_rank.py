@@ -20,10 +20,10 @@ from spd.distributed.protocol import (
     SNAP_TAG,
     STOP,
     UNIT,
+    UNIT_BYTES,
     UNIT_TAG,
     VERDICT_TAG,
-    header,
-    unit_header,
+    UnitMessage,
 )
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
@@ -115,6 +115,14 @@ class UnitStream:
         self.snaps: list[SnapRecv] = []    # posted, in order, not taken yet
         self.sent = 0
         self._pending: Unit | None = None  # greedy: its last-stage receives not posted yet
+        self.folded = self.rt.backend == "gloo"  # one message per unit (protocol)
+
+    def _send_unit(self, unit: UnitMessage, epoch: int = 0) -> None:
+        """A unit message to stage 0: one message when folded, else payload then header."""
+        # On the stream that wrote the payload (NCCL sends wait for the current stream).
+        self.rt.isend(unit.data, 1, UNIT_TAG, epoch)
+        if not self.folded:
+            self.rt.isend(unit.header, 1, HEADER_TAG, epoch)
 
     def _post_last(self) -> None:
         """Post the receives of the last stage's messages (snap, verdict) about the newest unit.
@@ -135,15 +143,13 @@ class UnitStream:
         stage 0 in cycle `cycle`; post the receives for what every stage sends about it."""
         rt, t, n = self.rt, self.deng.target, self.n
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
-        unit = unit_header(self.device)
-        unit[0] = pos
-        unit[1] = token
-        # On the stream that wrote the payload (NCCL sends wait for the current stream).
-        rt.isend(unit, 1, UNIT_TAG, cycle)
-        rt.isend(header(UNIT, self.sent), 1, HEADER_TAG, cycle)
+        unit = UnitMessage(UNIT_BYTES, self.device, self.folded)
+        unit.set_header(UNIT, self.sent)
+        unit.write_unit(pos, token)
+        self._send_unit(unit, cycle)
         if self.sent and self.greedy:  # the draft the last stage judges after the unit before
             # waited for n cycles later: the last stage posts its receive two units ahead
-            rt.isend(unit, n, JUDGE_TAG, cycle + n)
+            rt.isend(unit.data, n, JUDGE_TAG, cycle + n)
         self._post_last()  # the unit before's: after its judge draft (see _post_last)
         with self.streams.receiving():
             snaps = []
@@ -211,7 +217,7 @@ class UnitStream:
         rt, n = self.rt, self.n
         if self.greedy:
             for _ in range(2):
-                rt.isend(unit_header(self.device), n, JUDGE_TAG)
+                rt.isend(UnitMessage(UNIT_BYTES, self.device, self.folded).data, n, JUDGE_TAG)
                 self._post_last()  # the last unit's, after the draft it is judged with
         with self.streams.receiving():
             self.drop_from(-1)
@@ -219,8 +225,9 @@ class UnitStream:
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
             self.take_due(1 << 62, anchors)
-        rt.isend(unit_header(self.device), 1, UNIT_TAG)  # the stop's zero payload
-        rt.isend(header(STOP, self.sent), 1, HEADER_TAG)
+        stop = UnitMessage(UNIT_BYTES, self.device, self.folded)  # a zero payload
+        stop.set_header(STOP, self.sent)
+        self._send_unit(stop)
         self.units.clear()
         rt.flush_sends()
 

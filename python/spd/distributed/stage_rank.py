@@ -16,13 +16,11 @@ from spd.distributed.protocol import (
     SNAP_TAG,
     STOP,
     UNIT,
+    UNIT_BYTES,
     UNIT_TAG,
     VERDICT_TAG,
-    header,
-    pack,
-    packed,
-    unit_header,
-    unpack,
+    UnitMessage,
+    row_bytes,
 )
 from spd.distributed.transport import Runtime, _td
 from spd.errors import SPDError
@@ -109,56 +107,70 @@ class StageWorker:
             rt.isend(out.contiguous(), self.next, PREFILL_TAG)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
-        # Decode: one unit per (host header, payload) pair from its source (stage 0: rank 0).
-        new_buf = ((lambda: unit_header(dev)) if self.first else
-                   (lambda: packed(d, t.dtype, dev)))
+        # Decode: one unit message (protocol) per unit from its source (stage 0: rank 0).
+        # gloo: one message per unit (header and payload folded), its receive posted a unit
+        # ahead (gloo matches per tag). NCCL: the header on gloo, the payload on NCCL, which
+        # matches a pair's messages in posting order whatever the tag, and where a pending
+        # receive holds up the pair's later sends (this stage's snaps to rank 0): there a
+        # payload receive is posted once its header is in, the judge draft's when it is needed
+        # (no host wait: the header is host data).
+        folded = rt.backend == "gloo"
         src = self.source
-        # gloo matches per tag: receives are posted a unit ahead. NCCL matches a pair's messages
-        # in posting order whatever the tag, and a pending receive holds up the pair's later
-        # sends (this stage's snaps to rank 0): there a payload receive is posted once its
-        # header is in, the judge draft's when it is needed (no host wait: header is host data).
-        ahead = rt.backend == "gloo"
+        in_bytes = UNIT_BYTES if self.first else row_bytes(d, t.dtype)
+        out_bytes = row_bytes(d, t.dtype)
 
-        def post():  # the next unit's header receive, and its payload's when ahead
-            hdr, buf = header(), new_buf()
-            return (hdr, buf, rt.irecv(hdr, src, HEADER_TAG),
-                    rt.irecv(buf, src, UNIT_TAG) if ahead else None)
-        hdr, buf, hwork, work = post()
-        judge_buf = unit_header(dev) if self.last and greedy else None
-        post_judge = lambda: rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
-        judge = post_judge() if judge_buf is not None and ahead else None
+        def post():  # the next unit's message: all of it when folded, else its header
+            msg = UnitMessage(in_bytes, dev, folded)
+            return msg, rt.irecv(msg.data if folded else msg.header, src,
+                                 UNIT_TAG if folded else HEADER_TAG)
+        msg, hwork = post()
+
+        def send_unit(op: int, seq: int, position=None, row=None, epoch: int = 0):
+            out = UnitMessage(out_bytes, dev, folded)
+            out.set_header(op, seq)
+            if row is not None:
+                out.write_row(position, row)
+            rt.isend(out.data, self.next, UNIT_TAG, epoch)
+            if not folded:
+                rt.isend(out.header, self.next, HEADER_TAG, epoch)
+        judge_msg = UnitMessage(UNIT_BYTES, dev, folded) if self.last and greedy else None
+        post_judge = lambda: rt.irecv(judge_msg.data, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
+        judge = post_judge() if judge_msg is not None and folded else None
         fwd: list[float] = []
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
         while True:
             unit = len(fwd)
             with timer("wait_input"):
-                rt.wait(hwork, src, "unit header")
-                op, seq = hdr.tolist()  # host memory (protocol): no device wait
-                if work is None:
-                    work = rt.irecv(buf, src, UNIT_TAG)
-                rt.wait(work, src, "unit")  # on a GPU: orders this stream after the payload
+                rt.wait(hwork, src, "unit message" if folded else "unit header")
+                op, seq = msg.header.tolist()  # host memory (protocol): no device wait
+                if not folded:
+                    rt.wait(rt.irecv(msg.payload, src, UNIT_TAG), src, "unit")  # on a GPU:
+                    # orders this stream after the payload
             if op == STOP:
                 break
             if op != UNIT or seq != unit:
                 raise SPDError(f"stage {self.s}: header {[op, seq]} from rank {src}, expected "
                                f"unit {unit}")
-            msg = buf
-            hdr, buf, hwork, work = post()  # the next unit's, posted before this one runs
+            msg.landed()
+            cur = msg
+            msg, hwork = post()  # the next unit's, posted before this one runs
             if fault and unit + 1 == fault["cycle"]:
                 inject_fault(fault)
             if self.first:
-                pos = msg[:1]
-                h = t.embed_tokens(msg[1:2])
+                pos, token = cur.unit()
+                h = t.embed_tokens(token)
             else:
-                pos, h = unpack(msg, d, t.dtype)
+                pos, h = cur.row(d, t.dtype)
             draft = None
-            if judge_buf is not None:  # the draft after this unit: the next unit's token
+            if judge_msg is not None:  # the draft after this unit: the next unit's token
                 with timer("wait_input"):
                     rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
                             "draft to judge")
-                draft, judge_buf = judge_buf[1:2], unit_header(dev)
-                judge = post_judge() if ahead else None
+                judge_msg.landed()
+                draft = judge_msg.unit()[1]
+                judge_msg = UnitMessage(UNIT_BYTES, dev, folded)
+                judge = post_judge() if folded else None
             tf = time.perf_counter()
             out, snaps, verdict = self._forward_unit(h, pos, draft)
             fwd.append(time.perf_counter() - tf)
@@ -171,14 +183,12 @@ class StageWorker:
                     rt.isend(torch.cat([token.view(1), ok.view(1).to(torch.int64)]),
                              DRAFT_RANK, VERDICT_TAG, unit)
                 if not self.last:
-                    rt.isend(pack(pos, out), self.next, UNIT_TAG, unit)
-                    rt.isend(header(UNIT, unit), self.next, HEADER_TAG, unit)
+                    send_unit(UNIT, unit, pos, out, unit)
                 rt.flush_sends(before=unit)
         decode_s = time.perf_counter() - t_dec
         if not self.last:  # pass the stop on, with its zero payload (protocol)
-            rt.isend(packed(d, t.dtype, dev), self.next, UNIT_TAG)
-            rt.isend(header(STOP, len(fwd)), self.next, HEADER_TAG)
-        if judge_buf is not None:  # rank 0 sent one draft past the last unit: receive it
+            send_unit(STOP, len(fwd))
+        if judge_msg is not None:  # rank 0 sent one draft past the last unit: receive it
             rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
                     "draft to judge")
         rt.flush_sends()
