@@ -7,7 +7,7 @@ from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -46,6 +46,24 @@ class DraftRankStreams:
             self.recv = torch.cuda.Stream(device)
             self.draft = torch.cuda.Stream(device)
 
+        # The verdict's way to the host (to_host): one pinned buffer and one event suffice, as
+        # each verdict is read before the next one is copied.
+        self.pinned = torch.empty(2, dtype=torch.int64, pin_memory=self.cuda)
+        self.copied = torch.cuda.Event() if self.cuda else None
+
+    def to_host(self, verdict: torch.Tensor) -> HostVerdict:
+        """verdict [2] int64, a received buffer whose receive has just been waited for on the
+        `recv` stream (which that orders after NCCL's): on CUDA a non-blocking copy into pinned
+        host memory on `recv` and an event after it, so reading it waits for that copy alone,
+        not for the default stream's queue (a `.tolist()` of a device tensor waits for
+        everything queued there, e.g. the next cycle's draft work). On a CPU: as it is."""
+        if not self.cuda:
+            return HostVerdict(verdict, None)
+        with torch.cuda.stream(self.recv):
+            self.pinned.copy_(verdict, non_blocking=True)
+            self.copied.record(self.recv)
+        return HostVerdict(self.pinned, self.copied)
+
     def receiving(self):
         return torch.cuda.stream(self.recv) if self.cuda else nullcontext()
 
@@ -70,6 +88,21 @@ class DraftRankStreams:
             for x in (draft.token, draft.q):
                 if isinstance(x, torch.Tensor):
                     x.record_stream(self.main)
+
+
+class HostVerdict(NamedTuple):
+    """The last stage's verdict on its way to the host (DraftRankStreams.to_host)."""
+    values: torch.Tensor  # [target token, accepted] int64 in host memory (pinned on CUDA)
+    ready: object         # the CUDA event after the copy into `values`; None on a CPU
+
+    def read(self) -> tuple[int, int]:
+        """The one host read of an accepted cycle. Event.synchronize waits for the copy alone;
+        CUDA's sync debug mode does not flag it (torch's CUDAEvent::synchronize calls no
+        warn_or_error_on_sync: only stream and device synchronisation and blocking copies do)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        token, ok = self.values.tolist()
+        return token, ok
 
 
 class SnapState(Enum):
@@ -192,20 +225,20 @@ class UnitStream:
                         item.state = SnapState.DISCARD
 
     def oldest(self, anchors) -> tuple[Unit, object]:
-        """The oldest kept unit, once the last stage has sent its message about it: greedy, the
-        verdict tensor [token, accepted]; sampling, its snap (with the output row). Dropped units
-        before it are received and discarded."""
+        """The oldest kept unit, once the last stage has sent its message about it: greedy, its
+        verdict on the way to the host (HostVerdict: read it with .read()); sampling, its snap
+        (with the output row). Dropped units before it are received and discarded."""
         while True:
             u = self.units.popleft()
             if u is self._pending:
                 self._post_last()  # not reached in a run: a successor was sent first
             if u.verdict is not None:
-                self.rt.wait(u.verdict[0], self.n, "verdict")
+                with self.streams.receiving():  # orders `recv` after the receive (NCCL)
+                    self.rt.wait(u.verdict[0], self.n, "verdict")
+                    if not u.dropped:
+                        return u, self.streams.to_host(u.verdict[1])
             last = u.snaps[-1] if u.snaps and u.snaps[-1].stage == self.n - 1 else None
             if not u.dropped:
-                if self.greedy:
-                    self.streams.after_receive(u.verdict[1])
-                    return u, u.verdict[1]
                 with self.streams.receiving():
                     self.deng._take_snap(last, anchors)
                 self.streams.after_receive(last.buf)
@@ -356,7 +389,7 @@ class DistributedSPDEngine:
                 _, got = stream.oldest(anchors)
             if greedy:
                 with timer("verify"):
-                    token, ok = got.tolist()
+                    token, ok = got.read()
                 accepted, token = dec.judge(None, verdict=([token], [ok]))
             else:
                 accepted, token = dec.judge(got.buf[-1])
