@@ -1,4 +1,4 @@
-"""The unit message's layout (spd.distributed.protocol.UnitMessage), on the CPU."""
+"""The unit message's layout and the rings of buffers (spd.distributed.protocol), on the CPU."""
 from __future__ import annotations
 
 import pytest
@@ -9,10 +9,12 @@ from spd.distributed.protocol import (
     STOP,
     UNIT,
     UNIT_BYTES,
+    Ring,
     UnitMessage,
     is_header,
     row_bytes,
 )
+from spd.errors import SPDError
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -45,3 +47,16 @@ def test_rank0_unit_and_two_message_form():
     assert two.data is two.payload and two.wire is None
     assert is_header(two.header) and two.header.tolist() == [UNIT, 1]
     assert [x.tolist() for x in two.unit()] == [[5], [8]]
+
+
+def test_ring_takes_in_turn_and_refuses_a_buffer_in_flight():
+    made = []
+    ring = Ring(lambda: made.append(torch.zeros(1)) or made[-1], 3, "tests",
+                busy=lambda buf, owner: owner == "in flight")
+    got = [ring.take("done") for _ in range(4)]
+    assert len(made) == 3 and got[0] is got[3] and len({id(x) for x in got[:3]}) == 3
+    ring.take("in flight")  # slot 1
+    ring.take("done")       # slot 2
+    ring.take("done")       # slot 0
+    with pytest.raises(SPDError, match="ring of tests .depth 3. came round to a buffer still"):
+        ring.take()         # slot 1 again, still in flight

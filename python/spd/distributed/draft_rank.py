@@ -23,6 +23,7 @@ from spd.distributed.protocol import (
     UNIT_BYTES,
     UNIT_TAG,
     VERDICT_TAG,
+    Ring,
     UnitMessage,
 )
 from spd.distributed.stats import DistributedDecodeStats, breakdown
@@ -73,6 +74,13 @@ class DraftRankStreams:
         self.draft.wait_stream(self.recv)  # the features received so far
         self.draft.wait_stream(self.main)  # tokens entered, rollbacks
         return torch.cuda.stream(self.draft)
+
+    def reusing(self) -> None:
+        """Ring buffers are about to take receives again: `recv` first waits for the default
+        stream's queue, which may still read their previous messages (the sampled judgement
+        reads the last stage's snap there; every other received buffer is read on `recv`)."""
+        if self.cuda:
+            self.recv.wait_stream(self.main)
 
     def after_receive(self, *tensors) -> None:
         """The default stream is about to read these received buffers."""
@@ -129,6 +137,17 @@ class Unit:
     snaps: list[SnapRecv]
     verdict: list | None  # greedy: [receive (None until posted), [token, accepted]]
     dropped: bool = False
+    taken: bool = False   # left the stream (oldest): its verdict buffer may take another
+
+
+def ring_depth(n: int) -> int:
+    """The depth of rank 0's rings of unit buffers for n stages. A unit's buffers are in flight
+    from its send in cycle c until: its message to stage 0 and its judge draft (epoch c + n) are
+    flushed, at the first send of cycle c + n + 2 (flush_sends(before=cycle - 1)); stage s's snap
+    is taken by take_due in cycle c + s + 2; its verdict (or last snap) leaves in `oldest` by
+    cycle c + n + 1. That is at most n + 2 cycles of units, and a cycle sends at most two (an
+    announced unit, then the correction that drops it)."""
+    return 2 * (n + 2)
 
 
 class UnitStream:
@@ -149,6 +168,18 @@ class UnitStream:
         self.sent = 0
         self._pending: Unit | None = None  # greedy: its last-stage receives not posted yet
         self.folded = self.rt.backend == "gloo"  # one message per unit (protocol)
+        depth = ring_depth(n)  # rings (protocol.Ring), so no unit allocates
+        dev, d, dtype = self.device, deng.target.hidden_size, deng.target.dtype
+        self.outbox = Ring(lambda: UnitMessage(UNIT_BYTES, dev, self.folded), depth,
+                           "unit sends", lambda m, _: self.rt.sending(m.data)
+                           or self.rt.sending(m.header))
+        self.snap_rings = [
+            Ring(lambda rows=rows: torch.empty(rows, 1, d, dtype=dtype, device=dev), depth,
+                 f"stage {s}'s snap receives",
+                 lambda _, item: item is not None and item.state is not SnapState.RECEIVED)
+            if rows else None for s, rows in enumerate(self.rows)]
+        self.verdicts = Ring(lambda: torch.empty(2, dtype=torch.int64, device=dev), depth,
+                             "verdict receives", lambda _, u: u is not None and not u.taken)
 
     def _send_unit(self, unit: UnitMessage, epoch: int = 0) -> None:
         """A unit message to stage 0: one message when folded, else payload then header."""
@@ -174,9 +205,9 @@ class UnitStream:
     def send(self, cycle: int, pos: int, token) -> None:
         """Unit: `token` (an int or a 0-d device tensor: no host read) at position `pos` enters
         stage 0 in cycle `cycle`; post the receives for what every stage sends about it."""
-        rt, t, n = self.rt, self.deng.target, self.n
+        rt, n = self.rt, self.n
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
-        unit = UnitMessage(UNIT_BYTES, self.device, self.folded)
+        unit = self.outbox.take()
         unit.set_header(UNIT, self.sent)
         unit.write_unit(pos, token)
         self._send_unit(unit, cycle)
@@ -185,19 +216,22 @@ class UnitStream:
             rt.isend(unit.data, n, JUDGE_TAG, cycle + n)
         self._post_last()  # the unit before's: after its judge draft (see _post_last)
         with self.streams.receiving():
-            snaps = []
+            if not self.greedy:  # the default stream reads the last stage's snaps (judging)
+                self.streams.reusing()
+            u = Unit(pos, [], None)
             for s in range(n):
                 if self.rows[s]:
-                    buf = torch.empty(self.rows[s], 1, t.hidden_size, dtype=t.dtype,
-                                      device=self.device)
                     later = self.greedy and s == n - 1  # posted by _post_last
-                    snaps.append(SnapRecv(s, pos, buf, None if later else
-                                          rt.irecv(buf, s + 1, SNAP_TAG), due=cycle + s))
-            verdict = None
+                    item = SnapRecv(s, pos, None, None, due=cycle + s)
+                    item.buf = self.snap_rings[s].take(item)
+                    if not later:
+                        item.work = rt.irecv(item.buf, s + 1, SNAP_TAG)
+                    u.snaps.append(item)
             if self.greedy:
-                verdict = [None, torch.empty(2, dtype=torch.int64, device=self.device)]
+                u.verdict = [None, self.verdicts.take(u)]
+        snaps = u.snaps
         self.snaps += snaps
-        self.units.append(Unit(pos, snaps, verdict))
+        self.units.append(u)
         if self.greedy:
             self._pending = self.units[-1]
         self.sent += 1
@@ -230,6 +264,7 @@ class UnitStream:
         (with the output row). Dropped units before it are received and discarded."""
         while True:
             u = self.units.popleft()
+            u.taken = True
             if u is self._pending:
                 self._post_last()  # not reached in a run: a successor was sent first
             if u.verdict is not None:
@@ -258,7 +293,7 @@ class UnitStream:
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
             self.take_due(1 << 62, anchors)
-        stop = UnitMessage(UNIT_BYTES, self.device, self.folded)  # a zero payload
+        stop = UnitMessage(UNIT_BYTES, self.device, self.folded)  # (not steady: no ring)
         stop.set_header(STOP, self.sent)
         self._send_unit(stop)
         self.units.clear()

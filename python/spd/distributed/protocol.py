@@ -33,9 +33,12 @@ is only a lower position: the correction carries it down the pipeline. Units ran
 stage in the cycles they would idle anyway; rank 0 receives and drops their messages.
 
 The end of a generation is a STOP unit message from rank 0 to stage 0, which each stage passes
-on to the next. It has the size of a unit's (a zero payload): under gloo a receive must match its
-message's size, and under NCCL the payload receive every stage posts is always matched (an NCCL
-receive cannot be cancelled).
+on to the next. It has a unit's size (its payload is never read): under gloo a receive must match
+its message's size, and under NCCL the payload receive every stage posts is always matched (an
+NCCL receive cannot be cancelled).
+
+Buffers come from small rings made when a generation starts (Ring), so the steady loop
+allocates none; each ring checks that the buffer it hands out again is no longer in flight.
 
 Messages between two ranks match in the order they were posted (gloo per tag, NCCL per pair of
 ranks whatever the tag), so no tag carries a sequence number; under NCCL receives are posted in
@@ -44,7 +47,13 @@ whole prompts on PREFILL_TAG.
 """
 from __future__ import annotations
 
+from typing import Callable, Generic, TypeVar
+
 import torch
+
+from spd.errors import SPDError
+
+T = TypeVar("T")
 
 PREFILL_TAG, UNIT_TAG, JUDGE_TAG, SNAP_TAG, VERDICT_TAG, HEADER_TAG = 20, 40, 50, 30, 60, 70
 GLOO_TAGS = (HEADER_TAG,)  # host headers: the gloo control group even under NCCL
@@ -84,6 +93,7 @@ class UnitMessage:
     def __init__(self, payload_bytes: int, device, folded: bool):
         self.folded = folded
         self.device = torch.device(device)
+        self.busy = False  # a receive's: posted, or its unit not done with (Ring's check)
         if folded:
             self.wire = torch.zeros(HEADER_BYTES + payload_bytes, dtype=torch.uint8)
             self.header = _mark(self.wire[:HEADER_BYTES].view(torch.int64))
@@ -137,3 +147,27 @@ class UnitMessage:
         """A stage's unit: (position [1] int64, row [1, hidden]), views of the payload."""
         buf = self.payload
         return buf[:POS_BYTES].view(torch.int64), buf[POS_BYTES:].view(dtype).view(1, hidden)
+
+
+class Ring(Generic[T]):
+    """`depth` buffers made up front and taken in turn, so the steady decode loop allocates
+    none. `depth` must exceed how many can be in flight at once (a receive posted ahead, its
+    data still in use, a send not flushed yet: each caller says why its depth is enough);
+    `busy(item, owner)`, asked when an item comes round again with the owner given when it was
+    last taken, guards that: a ring too shallow raises instead of overwriting a message."""
+
+    def __init__(self, make: Callable[[], T], depth: int, what: str,
+                 busy: Callable[[T, object], bool] | None = None):
+        self.items = [make() for _ in range(depth)]
+        self.owners: list[object] = [None] * depth
+        self.what, self.busy, self.i = what, busy, 0
+
+    def take(self, owner: object = None) -> T:
+        k = self.i % len(self.items)
+        item = self.items[k]
+        if self.busy is not None and self.busy(item, self.owners[k]):
+            raise SPDError(f"ring of {self.what} (depth {len(self.items)}) came round to a "
+                           "buffer still in flight: it is too shallow")
+        self.owners[k] = owner
+        self.i += 1
+        return item

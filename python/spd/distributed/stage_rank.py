@@ -19,6 +19,7 @@ from spd.distributed.protocol import (
     UNIT_BYTES,
     UNIT_TAG,
     VERDICT_TAG,
+    Ring,
     UnitMessage,
     row_bytes,
 )
@@ -52,10 +53,14 @@ class StageWorker:
                 return
             self.run(gen, req)
 
-    def _snap(self, outs: dict[int, torch.Tensor], out: torch.Tensor, with_out: bool):
-        """This stage's rows for rank 0: its anchors (and, `with_out`, its output) [rows, T, d]."""
+    def _snap(self, outs: dict[int, torch.Tensor], out: torch.Tensor, with_out: bool,
+              into: Ring | None = None):
+        """This stage's rows for rank 0: its anchors (and, `with_out`, its output) [rows, T, d],
+        stacked into the next buffer of `into` when given (the decode's: T = 1)."""
         rows = [outs[b] for b in self.snap_idx] + ([out] if with_out else [])
-        return torch.stack(rows).contiguous() if rows else None
+        if not rows:
+            return None
+        return torch.stack(rows) if into is None else torch.stack(rows, out=into.take())
 
     def _forward(self, h: torch.Tensor, pos: int):
         """The prefill: rows h [T, d] from position `pos` (a host value: the request's)."""
@@ -119,21 +124,43 @@ class StageWorker:
         in_bytes = UNIT_BYTES if self.first else row_bytes(d, t.dtype)
         out_bytes = row_bytes(d, t.dtype)
 
+        # Rings (protocol.Ring), so no unit allocates. Receives: the unit in hand and the next
+        # one posted (ahead, or once its header is in): 2 (the judge draft's likewise). Sends:
+        # this unit's, and the unit before's, flushed only after this unit's are posted
+        # (flush_sends(before=unit)): 2. Each ring checks its buffer is free when it comes round.
+        sent = lambda m, _: rt.sending(m.data) or rt.sending(m.header)  # noqa: E731
+        inbox = Ring(lambda: UnitMessage(in_bytes, dev, folded), 2, "unit receives",
+                     lambda m, _: m.busy)
+        outbox = Ring(lambda: UnitMessage(out_bytes, dev, folded), 2, "unit sends", sent)
+        rows = len(self.snap_idx) + (1 if self.last and not greedy else 0)
+        snap_ring = Ring(lambda: torch.empty(rows, 1, d, dtype=t.dtype, device=dev), 2,
+                         "snap sends", lambda b, _: rt.sending(b))
+        verdict_ring = Ring(lambda: torch.empty(2, dtype=torch.int64, device=dev), 2,
+                            "verdict sends", lambda b, _: rt.sending(b))
+        judges = Ring(lambda: UnitMessage(UNIT_BYTES, dev, folded), 2, "judge receives",
+                      lambda m, _: m.busy)
+
         def post():  # the next unit's message: all of it when folded, else its header
-            msg = UnitMessage(in_bytes, dev, folded)
+            msg = inbox.take()
+            msg.busy = True
             return msg, rt.irecv(msg.data if folded else msg.header, src,
                                  UNIT_TAG if folded else HEADER_TAG)
         msg, hwork = post()
 
         def send_unit(op: int, seq: int, position=None, row=None, epoch: int = 0):
-            out = UnitMessage(out_bytes, dev, folded)
+            out = outbox.take()
             out.set_header(op, seq)
             if row is not None:
                 out.write_row(position, row)
             rt.isend(out.data, self.next, UNIT_TAG, epoch)
             if not folded:
                 rt.isend(out.header, self.next, HEADER_TAG, epoch)
-        judge_msg = UnitMessage(UNIT_BYTES, dev, folded) if self.last and greedy else None
+
+        def next_judge():
+            m = judges.take()
+            m.busy = True
+            return m
+        judge_msg = next_judge() if self.last and greedy else None
         post_judge = lambda: rt.irecv(judge_msg.data, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
         judge = post_judge() if judge_msg is not None and folded else None
         fwd: list[float] = []
@@ -168,25 +195,30 @@ class StageWorker:
                     rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
                             "draft to judge")
                 judge_msg.landed()
-                draft = judge_msg.unit()[1]
-                judge_msg = UnitMessage(UNIT_BYTES, dev, folded)
+                judged, draft = judge_msg, judge_msg.unit()[1]
+                judge_msg = next_judge()
                 judge = post_judge() if folded else None
             tf = time.perf_counter()
             out, snaps, verdict = self._forward_unit(h, pos, draft)
             fwd.append(time.perf_counter() - tf)
             with timer("send"):
-                snap = self._snap(snaps, out, self.last and not greedy)
+                snap = self._snap(snaps, out, self.last and not greedy, snap_ring)
                 if snap is not None:
                     rt.isend(snap, DRAFT_RANK, SNAP_TAG, unit)
                 if verdict is not None:
                     token, ok = verdict
-                    rt.isend(torch.cat([token.view(1), ok.view(1).to(torch.int64)]),
-                             DRAFT_RANK, VERDICT_TAG, unit)
+                    both = verdict_ring.take()
+                    both[:1].copy_(token.view(1))
+                    both[1:].copy_(ok.view(1))
+                    rt.isend(both, DRAFT_RANK, VERDICT_TAG, unit)
                 if not self.last:
                     send_unit(UNIT, unit, pos, out, unit)
                 rt.flush_sends(before=unit)
+            cur.busy = False  # its data is copied out (or queued to be, on this stream)
+            if draft is not None:
+                judged.busy = False
         decode_s = time.perf_counter() - t_dec
-        if not self.last:  # pass the stop on, with its zero payload (protocol)
+        if not self.last:  # pass the stop on (protocol)
             send_unit(STOP, len(fwd))
         if judge_msg is not None:  # rank 0 sent one draft past the last unit: receive it
             rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
