@@ -357,8 +357,8 @@ class DistributedSPDEngine:
         """`SPDEngine.generate`'s contract; `cancel` (an Event), once set, ends the decode at
         its next token as EOS would (the stages stay in step: the server's disconnects)."""
         rt, t, n = self.rt, self.target, self.n
-        ids, max_new, rule = self.engine._request(prompt_ids, max_new_tokens, stop,
-                                                  stop_token_ids)
+        ids, max_new, rule = self.engine.prepare_request(prompt_ids, max_new_tokens, stop,
+                                                         stop_token_ids)
         rule.cancel = cancel
         drafter = wrap_drafter(drafter or self.engine.drafter, rt.config)
         dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
@@ -452,4 +452,4 @@ class DistributedSPDEngine:
         # greedy: the last stage judges (final norm + LM head there); sampling: rank 0 (q, p)
         stats.distributed["verify_on"] = "last stage" if greedy else "rank 0"
         stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
-        return self.engine._result(dec.out, stats, rule)
+        return self.engine.build_result(dec.out, stats, rule)
