@@ -26,6 +26,7 @@ from conftest import make_tiny_target, needs_gpu
 from spd import SamplingParams, SPDEngine
 from spd.cli import main
 from spd.distributed.config import DistConfig, GenerateRequest, SpeculationPolicy, parse_fault
+from spd.distributed.draft_rank import ring_depth
 from spd.distributed.faults import RankFailedError
 from spd.distributed.handshake import check_handshake
 from spd.distributed.launch import launch_local
@@ -124,7 +125,7 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
         pdm = str(tmp_path / "pdm")
     eng = SPDEngine(t, n_stages=n, pdm=pdm)
     assert getattr(eng.drafter, "post_step", False) == (features == "post-step")
-    ar = eng.generate_ar(PROMPT, 24).token_ids
+    ar = eng.generate_ar(PROMPT, 72).token_ids
     ref = PROMPT + ar
     sp = SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=7)
     cases = [  # (request for rank 0, the same call on the single-process engine)
@@ -138,8 +139,11 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
         # A prompt that repeats: the context lookup (on by default) proposes many drafts
         (GenerateRequest(PROMPT * 3, 24), {}),
         (GenerateRequest(PROMPT * 3, 24, sp), {"sampling": sp}),
+        # Long, mixed accept/reject: every ring of unit buffers wraps several times
+        (GenerateRequest(PROMPT, 72, reference=ref, reference_accuracy=0.7, reference_seed=n),
+         {"drafter": ReferenceDrafter(ref, 0.7, n)}),
     ]
-    expected = [eng.generate(r.prompt_ids, 24, **kw) for r, kw in cases]
+    expected = [eng.generate(r.prompt_ids, r.max_new_tokens, **kw) for r, kw in cases]
     config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 10 + n), pdm=pdm,
                         fault_timeout=5.0, op_timeout=60.0, speculative_control=speculative)
     got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=150)
@@ -155,6 +159,8 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
     assert got[1].stats.K == got[1].stats.N + n - 1                 # oracle: only the first fill
     assert 0 < got[2].stats.drafts_accepted < got[2].stats.drafts_judged
     assert got[3].token_ids != got[0].token_ids                      # sampling really sampled
+    assert got[7].stats.distributed["units"] >= 4 * ring_depth(n)   # rank 0's rings (stages': 2)
+    assert 0 < got[7].stats.drafts_accepted < got[7].stats.drafts_judged
     # The breakdown accounts for every cycle on every rank.
     for (req, _), g in zip(cases, got):
         d = g.stats.distributed

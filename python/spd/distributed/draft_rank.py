@@ -7,7 +7,7 @@ from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -20,10 +20,11 @@ from spd.distributed.protocol import (
     SNAP_TAG,
     STOP,
     UNIT,
+    UNIT_BYTES,
     UNIT_TAG,
     VERDICT_TAG,
-    header,
-    unit_header,
+    Ring,
+    UnitMessage,
 )
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
@@ -46,6 +47,24 @@ class DraftRankStreams:
             self.recv = torch.cuda.Stream(device)
             self.draft = torch.cuda.Stream(device)
 
+        # The verdict's way to the host (to_host): one pinned buffer and one event suffice, as
+        # each verdict is read before the next one is copied.
+        self.pinned = torch.empty(2, dtype=torch.int64, pin_memory=self.cuda)
+        self.copied = torch.cuda.Event() if self.cuda else None
+
+    def to_host(self, verdict: torch.Tensor) -> HostVerdict:
+        """verdict [2] int64, a received buffer whose receive has just been waited for on the
+        `recv` stream (which that orders after NCCL's): on CUDA a non-blocking copy into pinned
+        host memory on `recv` and an event after it, so reading it waits for that copy alone,
+        not for the default stream's queue (a `.tolist()` of a device tensor waits for
+        everything queued there, e.g. the next cycle's draft work). On a CPU: as it is."""
+        if not self.cuda:
+            return HostVerdict(verdict, None)
+        with torch.cuda.stream(self.recv):
+            self.pinned.copy_(verdict, non_blocking=True)
+            self.copied.record(self.recv)
+        return HostVerdict(self.pinned, self.copied)
+
     def receiving(self):
         return torch.cuda.stream(self.recv) if self.cuda else nullcontext()
 
@@ -55,6 +74,13 @@ class DraftRankStreams:
         self.draft.wait_stream(self.recv)  # the features received so far
         self.draft.wait_stream(self.main)  # tokens entered, rollbacks
         return torch.cuda.stream(self.draft)
+
+    def reusing(self) -> None:
+        """Ring buffers are about to take receives again: `recv` first waits for the default
+        stream's queue, which may still read their previous messages (the sampled judgement
+        reads the last stage's snap there; every other received buffer is read on `recv`)."""
+        if self.cuda:
+            self.recv.wait_stream(self.main)
 
     def after_receive(self, *tensors) -> None:
         """The default stream is about to read these received buffers."""
@@ -70,6 +96,21 @@ class DraftRankStreams:
             for x in (draft.token, draft.q):
                 if isinstance(x, torch.Tensor):
                     x.record_stream(self.main)
+
+
+class HostVerdict(NamedTuple):
+    """The last stage's verdict on its way to the host (DraftRankStreams.to_host)."""
+    values: torch.Tensor  # [target token, accepted] int64 in host memory (pinned on CUDA)
+    ready: object         # the CUDA event after the copy into `values`; None on a CPU
+
+    def read(self) -> tuple[int, int]:
+        """The one host read of an accepted cycle. Event.synchronize waits for the copy alone;
+        CUDA's sync debug mode does not flag it (torch's CUDAEvent::synchronize calls no
+        warn_or_error_on_sync: only stream and device synchronisation and blocking copies do)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        token, ok = self.values.tolist()
+        return token, ok
 
 
 class SnapState(Enum):
@@ -96,6 +137,17 @@ class Unit:
     snaps: list[SnapRecv]
     verdict: list | None  # greedy: [receive (None until posted), [token, accepted]]
     dropped: bool = False
+    taken: bool = False   # left the stream (oldest): its verdict buffer may take another
+
+
+def ring_depth(n: int) -> int:
+    """The depth of rank 0's rings of unit buffers for n stages. A unit's buffers are in flight
+    from its send in cycle c until: its message to stage 0 and its judge draft (epoch c + n) are
+    flushed, at the first send of cycle c + n + 2 (flush_sends(before=cycle - 1)); stage s's snap
+    is taken by take_due in cycle c + s + 2; its verdict (or last snap) leaves in `oldest` by
+    cycle c + n + 1. That is at most n + 2 cycles of units, and a cycle sends at most two (an
+    announced unit, then the correction that drops it)."""
+    return 2 * (n + 2)
 
 
 class UnitStream:
@@ -115,6 +167,26 @@ class UnitStream:
         self.snaps: list[SnapRecv] = []    # posted, in order, not taken yet
         self.sent = 0
         self._pending: Unit | None = None  # greedy: its last-stage receives not posted yet
+        self.folded = self.rt.backend == "gloo"  # one message per unit (protocol)
+        depth = ring_depth(n)  # rings (protocol.Ring), so no unit allocates
+        dev, d, dtype = self.device, deng.target.hidden_size, deng.target.dtype
+        self.outbox = Ring(lambda: UnitMessage(UNIT_BYTES, dev, self.folded), depth,
+                           "unit sends", lambda m, _: self.rt.sending(m.data)
+                           or self.rt.sending(m.header))
+        self.snap_rings = [
+            Ring(lambda rows=rows: torch.empty(rows, 1, d, dtype=dtype, device=dev), depth,
+                 f"stage {s}'s snap receives",
+                 lambda _, item: item is not None and item.state is not SnapState.RECEIVED)
+            if rows else None for s, rows in enumerate(self.rows)]
+        self.verdicts = Ring(lambda: torch.empty(2, dtype=torch.int64, device=dev), depth,
+                             "verdict receives", lambda _, u: u is not None and not u.taken)
+
+    def _send_unit(self, unit: UnitMessage, epoch: int = 0) -> None:
+        """A unit message to stage 0: one message when folded, else payload then header."""
+        # On the stream that wrote the payload (NCCL sends wait for the current stream).
+        self.rt.isend(unit.data, 1, UNIT_TAG, epoch)
+        if not self.folded:
+            self.rt.isend(unit.header, 1, HEADER_TAG, epoch)
 
     def _post_last(self) -> None:
         """Post the receives of the last stage's messages (snap, verdict) about the newest unit.
@@ -133,32 +205,33 @@ class UnitStream:
     def send(self, cycle: int, pos: int, token) -> None:
         """Unit: `token` (an int or a 0-d device tensor: no host read) at position `pos` enters
         stage 0 in cycle `cycle`; post the receives for what every stage sends about it."""
-        rt, t, n = self.rt, self.deng.target, self.n
+        rt, n = self.rt, self.n
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
-        unit = unit_header(self.device)
-        unit[0] = pos
-        unit[1] = token
-        # On the stream that wrote the payload (NCCL sends wait for the current stream).
-        rt.isend(unit, 1, UNIT_TAG, cycle)
-        rt.isend(header(UNIT, self.sent), 1, HEADER_TAG, cycle)
+        unit = self.outbox.take()
+        unit.set_header(UNIT, self.sent)
+        unit.write_unit(pos, token)
+        self._send_unit(unit, cycle)
         if self.sent and self.greedy:  # the draft the last stage judges after the unit before
             # waited for n cycles later: the last stage posts its receive two units ahead
-            rt.isend(unit, n, JUDGE_TAG, cycle + n)
+            rt.isend(unit.data, n, JUDGE_TAG, cycle + n)
         self._post_last()  # the unit before's: after its judge draft (see _post_last)
         with self.streams.receiving():
-            snaps = []
+            if not self.greedy:  # the default stream reads the last stage's snaps (judging)
+                self.streams.reusing()
+            u = Unit(pos, [], None)
             for s in range(n):
                 if self.rows[s]:
-                    buf = torch.empty(self.rows[s], 1, t.hidden_size, dtype=t.dtype,
-                                      device=self.device)
                     later = self.greedy and s == n - 1  # posted by _post_last
-                    snaps.append(SnapRecv(s, pos, buf, None if later else
-                                          rt.irecv(buf, s + 1, SNAP_TAG), due=cycle + s))
-            verdict = None
+                    item = SnapRecv(s, pos, None, None, due=cycle + s)
+                    item.buf = self.snap_rings[s].take(item)
+                    if not later:
+                        item.work = rt.irecv(item.buf, s + 1, SNAP_TAG)
+                    u.snaps.append(item)
             if self.greedy:
-                verdict = [None, torch.empty(2, dtype=torch.int64, device=self.device)]
+                u.verdict = [None, self.verdicts.take(u)]
+        snaps = u.snaps
         self.snaps += snaps
-        self.units.append(Unit(pos, snaps, verdict))
+        self.units.append(u)
         if self.greedy:
             self._pending = self.units[-1]
         self.sent += 1
@@ -186,20 +259,21 @@ class UnitStream:
                         item.state = SnapState.DISCARD
 
     def oldest(self, anchors) -> tuple[Unit, object]:
-        """The oldest kept unit, once the last stage has sent its message about it: greedy, the
-        verdict tensor [token, accepted]; sampling, its snap (with the output row). Dropped units
-        before it are received and discarded."""
+        """The oldest kept unit, once the last stage has sent its message about it: greedy, its
+        verdict on the way to the host (HostVerdict: read it with .read()); sampling, its snap
+        (with the output row). Dropped units before it are received and discarded."""
         while True:
             u = self.units.popleft()
+            u.taken = True
             if u is self._pending:
                 self._post_last()  # not reached in a run: a successor was sent first
             if u.verdict is not None:
-                self.rt.wait(u.verdict[0], self.n, "verdict")
+                with self.streams.receiving():  # orders `recv` after the receive (NCCL)
+                    self.rt.wait(u.verdict[0], self.n, "verdict")
+                    if not u.dropped:
+                        return u, self.streams.to_host(u.verdict[1])
             last = u.snaps[-1] if u.snaps and u.snaps[-1].stage == self.n - 1 else None
             if not u.dropped:
-                if self.greedy:
-                    self.streams.after_receive(u.verdict[1])
-                    return u, u.verdict[1]
                 with self.streams.receiving():
                     self.deng._take_snap(last, anchors)
                 self.streams.after_receive(last.buf)
@@ -211,7 +285,7 @@ class UnitStream:
         rt, n = self.rt, self.n
         if self.greedy:
             for _ in range(2):
-                rt.isend(unit_header(self.device), n, JUDGE_TAG)
+                rt.isend(UnitMessage(UNIT_BYTES, self.device, self.folded).data, n, JUDGE_TAG)
                 self._post_last()  # the last unit's, after the draft it is judged with
         with self.streams.receiving():
             self.drop_from(-1)
@@ -219,8 +293,9 @@ class UnitStream:
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
             self.take_due(1 << 62, anchors)
-        rt.isend(unit_header(self.device), 1, UNIT_TAG)  # the stop's zero payload
-        rt.isend(header(STOP, self.sent), 1, HEADER_TAG)
+        stop = UnitMessage(UNIT_BYTES, self.device, self.folded)  # (not steady: no ring)
+        stop.set_header(STOP, self.sent)
+        self._send_unit(stop)
         self.units.clear()
         rt.flush_sends()
 
@@ -282,8 +357,8 @@ class DistributedSPDEngine:
         """`SPDEngine.generate`'s contract; `cancel` (an Event), once set, ends the decode at
         its next token as EOS would (the stages stay in step: the server's disconnects)."""
         rt, t, n = self.rt, self.target, self.n
-        ids, max_new, rule = self.engine._request(prompt_ids, max_new_tokens, stop,
-                                                  stop_token_ids)
+        ids, max_new, rule = self.engine.prepare_request(prompt_ids, max_new_tokens, stop,
+                                                         stop_token_ids)
         rule.cancel = cancel
         drafter = wrap_drafter(drafter or self.engine.drafter, rt.config)
         dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
@@ -349,7 +424,7 @@ class DistributedSPDEngine:
                 _, got = stream.oldest(anchors)
             if greedy:
                 with timer("verify"):
-                    token, ok = got.tolist()
+                    token, ok = got.read()
                 accepted, token = dec.judge(None, verdict=([token], [ok]))
             else:
                 accepted, token = dec.judge(got.buf[-1])
@@ -377,4 +452,4 @@ class DistributedSPDEngine:
         # greedy: the last stage judges (final norm + LM head there); sampling: rank 0 (q, p)
         stats.distributed["verify_on"] = "last stage" if greedy else "rank 0"
         stats.distributed["host_staged_receives"] = rt.host_staged - staged_before  # this one
-        return self.engine._result(dec.out, stats, rule)
+        return self.engine.build_result(dec.out, stats, rule)

@@ -2,19 +2,27 @@
 
 Decode runs as a stream of units: each token rank 0 puts into the pipeline is one unit, and
 every stage processes every unit, in order, as soon as its input arrives. Every receive names its
-sender. A unit crosses each hop as two messages:
+sender. A unit message has two parts:
 
-  header   [op, seq] int64 in host memory, on the gloo control group (HEADER_TAG): op UNIT or
-           STOP, seq the unit's number (a sanity check). The stage reads it on the host: it is
-           host memory on every device, so reading it never waits on a device.
-  payload  a device tensor on the data group (NCCL on GPUs, gloo on the CPU), never read on the
-           host by a stage:
-             rank 0 -> stage 0        [position, token] int64 (UNIT_TAG)
-             stage s -> stage s + 1   packed bytes: [position] int64, then the output row
+  header   [op, seq] int64 in host memory: op UNIT or STOP, seq the unit's number (a sanity
+           check). The stage reads it on the host: it is host memory on every device, so reading
+           it never waits on a device.
+  payload  never read on the host by a stage:
+             rank 0 -> stage 0        [position, token] int64
+             stage s -> stage s + 1   [position] int64, then the output row
+
+How they travel depends on the data group (UnitMessage):
+
+  gloo (the CPU; GPUs with --backend gloo)   ONE message per unit per hop (UNIT_TAG): one host
+           uint8 buffer, the header's 16 bytes in front of the payload's. The header is a view
+           of that buffer; on a GPU the payload is copied to the device once received.
+  NCCL     TWO messages per unit per hop: the header on the gloo control group (HEADER_TAG, so
+           it stays host memory) and the payload, device memory, on NCCL (UNIT_TAG).
 
 and besides:
-  rank 0 -> last stage       [position, token] of every unit but the first (JUDGE_TAG): the
-                             draft the last stage judges when the unit before it leaves
+  rank 0 -> last stage       the unit message of every unit but the first (JUDGE_TAG; under NCCL
+                             its payload only): the draft the last stage judges when the unit
+                             before it leaves
   stage s -> rank 0          its anchor rows of the unit (SNAP_TAG)
   last stage -> rank 0       greedy: the verdict [target token, accepted] (VERDICT_TAG);
                              sampling: the output row rides in its snap (rank 0 judges)
@@ -24,9 +32,13 @@ is only a lower position: the correction carries it down the pipeline. Units ran
 (announced on an optimistic accept, or in flight at a rejection) are still processed by every
 stage in the cycles they would idle anyway; rank 0 receives and drops their messages.
 
-The end of a generation is a STOP header from rank 0 to stage 0, which each stage passes on to
-the next; a stop carries a zero payload too, so the payload receive every stage posts ahead is
-always matched (an NCCL receive cannot be cancelled).
+The end of a generation is a STOP unit message from rank 0 to stage 0, which each stage passes
+on to the next. It has a unit's size (its payload is never read): under gloo a receive must match
+its message's size, and under NCCL the payload receive every stage posts is always matched (an
+NCCL receive cannot be cancelled).
+
+Buffers come from small rings made when a generation starts (Ring), so the steady loop
+allocates none; each ring checks that the buffer it hands out again is no longer in flight.
 
 Messages between two ranks match in the order they were posted (gloo per tag, NCCL per pair of
 ranks whatever the tag), so no tag carries a sequence number; under NCCL receives are posted in
@@ -35,51 +47,127 @@ whole prompts on PREFILL_TAG.
 """
 from __future__ import annotations
 
+from typing import Callable, Generic, TypeVar
+
 import torch
+
+from spd.errors import SPDError
+
+T = TypeVar("T")
 
 PREFILL_TAG, UNIT_TAG, JUDGE_TAG, SNAP_TAG, VERDICT_TAG, HEADER_TAG = 20, 40, 50, 30, 60, 70
 GLOO_TAGS = (HEADER_TAG,)  # host headers: the gloo control group even under NCCL
 UNIT, STOP = 1, 0          # a header's op
 
 
-HEADER = 2       # rank 0's unit: [position, token]
-POS_BYTES = 8    # the position in front of a stage's output row
+HEADER_BYTES = 16  # [op, seq] int64
+UNIT_BYTES = 16    # rank 0's unit payload: [position, token] int64
+POS_BYTES = 8      # the position in front of a stage's output row
 
 
-def header(op: int = UNIT, seq: int = 0) -> torch.Tensor:
-    """A unit's host header [op, seq] (and a receive buffer for one): int64 in host memory."""
-    buf = torch.tensor([op, seq], dtype=torch.int64)
+def _mark(buf: torch.Tensor) -> torch.Tensor:
     buf._spd_header = True  # marks this tensor object (not its views): see is_header
     return buf
 
 
 def is_header(x) -> bool:
-    """Whether `x` is a header buffer made by `header` (host memory on every device: reading it
-    never waits on a device). The one thing a stage reads on the host; tests of host reads
-    exclude exactly these tensor objects."""
+    """Whether `x` is a unit message's header (UnitMessage.header: host memory on every device,
+    so reading it never waits on a device). The one thing a stage reads on the host; tests of
+    host reads exclude exactly these tensor objects."""
     return isinstance(x, torch.Tensor) and getattr(x, "_spd_header", False) is True
 
 
-def unit_header(device) -> torch.Tensor:
-    """A unit's payload from rank 0, [position, token] (and a receive buffer for one)."""
-    return torch.zeros(HEADER, dtype=torch.int64, device=device)
+def row_bytes(hidden: int, dtype: torch.dtype) -> int:
+    """The payload size of a stage's unit message: the position, then one row of `hidden`."""
+    return POS_BYTES + hidden * torch.empty((), dtype=dtype).element_size()
 
 
-def packed(hidden: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """A receive buffer for a stage's unit message: the position, then one row of `hidden`."""
-    return torch.zeros(POS_BYTES + hidden * torch.empty((), dtype=dtype).element_size(),
-                       dtype=torch.uint8, device=device)
+class UnitMessage:
+    """The buffers of one unit message on one hop, a send's or a receive's (module docstring).
+
+    folded (the data group is gloo): `wire` uint8 [16 + payload bytes] in host memory is the
+    whole message; `header` is its first 16 bytes as int64 [2], `payload` the rest (a device
+    copy of it when `device` is a GPU, made by `landed`). Otherwise `header` int64 [2] (host) and
+    `payload` uint8 [payload bytes] (on `device`) are two messages."""
+
+    def __init__(self, payload_bytes: int, device, folded: bool):
+        self.folded = folded
+        self.device = torch.device(device)
+        self.busy = False  # a receive's: posted, or its unit not done with (Ring's check)
+        if folded:
+            self.wire = torch.zeros(HEADER_BYTES + payload_bytes, dtype=torch.uint8)
+            self.header = _mark(self.wire[:HEADER_BYTES].view(torch.int64))
+            self._host_payload = self.wire[HEADER_BYTES:]
+            self.payload = (self._host_payload if self.device.type == "cpu" else
+                            torch.zeros(payload_bytes, dtype=torch.uint8, device=self.device))
+        else:
+            self.wire = self._host_payload = None
+            self.header = _mark(torch.zeros(2, dtype=torch.int64))
+            self.payload = torch.zeros(payload_bytes, dtype=torch.uint8, device=self.device)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """What travels on UNIT_TAG (and JUDGE_TAG): the whole message when folded, else the
+        payload."""
+        return self.wire if self.folded else self.payload
+
+    def set_header(self, op: int, seq: int) -> None:
+        self.header[0] = op
+        self.header[1] = seq
+
+    def _out(self) -> torch.Tensor:
+        """The payload a send goes from: the host bytes when folded (a GPU's values are copied
+        there), else the payload itself."""
+        return self._host_payload if self.folded else self.payload
+
+    def write_unit(self, pos: int, token) -> None:
+        """Rank 0's unit: `token` (an int or a 0-d tensor) at position `pos`."""
+        both = self._out()[:UNIT_BYTES].view(torch.int64)
+        both[0] = pos
+        both[1] = token
+
+    def write_row(self, position: torch.Tensor, row: torch.Tensor) -> None:
+        """A stage's unit for the next stage: position [1] int64 and its output row [1, d]."""
+        out = self._out()
+        out[:POS_BYTES].view(torch.int64).copy_(position.reshape(1))
+        out[POS_BYTES:].view(row.dtype).copy_(row.reshape(-1))
+
+    def landed(self) -> None:
+        """The message has been received: the payload where the stage computes (a GPU's copy of
+        a folded message's host bytes)."""
+        if self.folded and self.payload is not self._host_payload:
+            self.payload.copy_(self._host_payload)
+
+    def unit(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank 0's unit: (position [1] int64, token [1] int64), views of the payload."""
+        both = self.payload[:UNIT_BYTES].view(torch.int64)
+        return both[:1], both[1:2]
+
+    def row(self, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """A stage's unit: (position [1] int64, row [1, hidden]), views of the payload."""
+        buf = self.payload
+        return buf[:POS_BYTES].view(torch.int64), buf[POS_BYTES:].view(dtype).view(1, hidden)
 
 
-def unpack(buf: torch.Tensor, hidden: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(position [1] int64, row [1, hidden]): views of a packed message."""
-    return buf[:POS_BYTES].view(torch.int64), buf[POS_BYTES:].view(dtype).view(1, hidden)
+class Ring(Generic[T]):
+    """`depth` buffers made up front and taken in turn, so the steady decode loop allocates
+    none. `depth` must exceed how many can be in flight at once (a receive posted ahead, its
+    data still in use, a send not flushed yet: each caller says why its depth is enough);
+    `busy(item, owner)`, asked when an item comes round again with the owner given when it was
+    last taken, guards that: a ring too shallow raises instead of overwriting a message."""
 
+    def __init__(self, make: Callable[[], T], depth: int, what: str,
+                 busy: Callable[[T, object], bool] | None = None):
+        self.items = [make() for _ in range(depth)]
+        self.owners: list[object] = [None] * depth
+        self.what, self.busy, self.i = what, busy, 0
 
-def pack(position: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
-    """A stage's unit message for the next stage: position [1] int64 and its output row [1, d]."""
-    buf = packed(row.shape[-1], row.dtype, row.device)
-    pos, out = unpack(buf, row.shape[-1], row.dtype)
-    pos.copy_(position)
-    out.copy_(row)
-    return buf
+    def take(self, owner: object = None) -> T:
+        k = self.i % len(self.items)
+        item = self.items[k]
+        if self.busy is not None and self.busy(item, self.owners[k]):
+            raise SPDError(f"ring of {self.what} (depth {len(self.items)}) came round to a "
+                           "buffer still in flight: it is too shallow")
+        self.owners[k] = owner
+        self.i += 1
+        return item

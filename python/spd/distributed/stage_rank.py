@@ -16,13 +16,12 @@ from spd.distributed.protocol import (
     SNAP_TAG,
     STOP,
     UNIT,
+    UNIT_BYTES,
     UNIT_TAG,
     VERDICT_TAG,
-    header,
-    pack,
-    packed,
-    unit_header,
-    unpack,
+    Ring,
+    UnitMessage,
+    row_bytes,
 )
 from spd.distributed.transport import Runtime, _td
 from spd.errors import SPDError
@@ -54,10 +53,14 @@ class StageWorker:
                 return
             self.run(gen, req)
 
-    def _snap(self, outs: dict[int, torch.Tensor], out: torch.Tensor, with_out: bool):
-        """This stage's rows for rank 0: its anchors (and, `with_out`, its output) [rows, T, d]."""
+    def _snap(self, outs: dict[int, torch.Tensor], out: torch.Tensor, with_out: bool,
+              into: Ring | None = None):
+        """This stage's rows for rank 0: its anchors (and, `with_out`, its output) [rows, T, d],
+        stacked into the next buffer of `into` when given (the decode's: T = 1)."""
         rows = [outs[b] for b in self.snap_idx] + ([out] if with_out else [])
-        return torch.stack(rows).contiguous() if rows else None
+        if not rows:
+            return None
+        return torch.stack(rows) if into is None else torch.stack(rows, out=into.take())
 
     def _forward(self, h: torch.Tensor, pos: int):
         """The prefill: rows h [T, d] from position `pos` (a host value: the request's)."""
@@ -109,76 +112,115 @@ class StageWorker:
             rt.isend(out.contiguous(), self.next, PREFILL_TAG)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
-        # Decode: one unit per (host header, payload) pair from its source (stage 0: rank 0).
-        new_buf = ((lambda: unit_header(dev)) if self.first else
-                   (lambda: packed(d, t.dtype, dev)))
+        # Decode: one unit message (protocol) per unit from its source (stage 0: rank 0).
+        # gloo: one message per unit (header and payload folded), its receive posted a unit
+        # ahead (gloo matches per tag). NCCL: the header on gloo, the payload on NCCL, which
+        # matches a pair's messages in posting order whatever the tag, and where a pending
+        # receive holds up the pair's later sends (this stage's snaps to rank 0): there a
+        # payload receive is posted once its header is in, the judge draft's when it is needed
+        # (no host wait: the header is host data).
+        folded = rt.backend == "gloo"
         src = self.source
-        # gloo matches per tag: receives are posted a unit ahead. NCCL matches a pair's messages
-        # in posting order whatever the tag, and a pending receive holds up the pair's later
-        # sends (this stage's snaps to rank 0): there a payload receive is posted once its
-        # header is in, the judge draft's when it is needed (no host wait: header is host data).
-        ahead = rt.backend == "gloo"
+        in_bytes = UNIT_BYTES if self.first else row_bytes(d, t.dtype)
+        out_bytes = row_bytes(d, t.dtype)
 
-        def post():  # the next unit's header receive, and its payload's when ahead
-            hdr, buf = header(), new_buf()
-            return (hdr, buf, rt.irecv(hdr, src, HEADER_TAG),
-                    rt.irecv(buf, src, UNIT_TAG) if ahead else None)
-        hdr, buf, hwork, work = post()
-        judge_buf = unit_header(dev) if self.last and greedy else None
-        post_judge = lambda: rt.irecv(judge_buf, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
-        judge = post_judge() if judge_buf is not None and ahead else None
+        # Rings (protocol.Ring), so no unit allocates. Receives: the unit in hand and the next
+        # one posted (ahead, or once its header is in): 2 (the judge draft's likewise). Sends:
+        # this unit's, and the unit before's, flushed only after this unit's are posted
+        # (flush_sends(before=unit)): 2. Each ring checks its buffer is free when it comes round.
+        sent = lambda m, _: rt.sending(m.data) or rt.sending(m.header)  # noqa: E731
+        inbox = Ring(lambda: UnitMessage(in_bytes, dev, folded), 2, "unit receives",
+                     lambda m, _: m.busy)
+        outbox = Ring(lambda: UnitMessage(out_bytes, dev, folded), 2, "unit sends", sent)
+        rows = len(self.snap_idx) + (1 if self.last and not greedy else 0)
+        snap_ring = Ring(lambda: torch.empty(rows, 1, d, dtype=t.dtype, device=dev), 2,
+                         "snap sends", lambda b, _: rt.sending(b))
+        verdict_ring = Ring(lambda: torch.empty(2, dtype=torch.int64, device=dev), 2,
+                            "verdict sends", lambda b, _: rt.sending(b))
+        judges = Ring(lambda: UnitMessage(UNIT_BYTES, dev, folded), 2, "judge receives",
+                      lambda m, _: m.busy)
+
+        def post():  # the next unit's message: all of it when folded, else its header
+            msg = inbox.take()
+            msg.busy = True
+            return msg, rt.irecv(msg.data if folded else msg.header, src,
+                                 UNIT_TAG if folded else HEADER_TAG)
+        msg, hwork = post()
+
+        def send_unit(op: int, seq: int, position=None, row=None, epoch: int = 0):
+            out = outbox.take()
+            out.set_header(op, seq)
+            if row is not None:
+                out.write_row(position, row)
+            rt.isend(out.data, self.next, UNIT_TAG, epoch)
+            if not folded:
+                rt.isend(out.header, self.next, HEADER_TAG, epoch)
+
+        def next_judge():
+            m = judges.take()
+            m.busy = True
+            return m
+        judge_msg = next_judge() if self.last and greedy else None
+        post_judge = lambda: rt.irecv(judge_msg.data, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
+        judge = post_judge() if judge_msg is not None and folded else None
         fwd: list[float] = []
         fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
         t_dec = time.perf_counter()
         while True:
             unit = len(fwd)
             with timer("wait_input"):
-                rt.wait(hwork, src, "unit header")
-                op, seq = hdr.tolist()  # host memory (protocol): no device wait
-                if work is None:
-                    work = rt.irecv(buf, src, UNIT_TAG)
-                rt.wait(work, src, "unit")  # on a GPU: orders this stream after the payload
+                rt.wait(hwork, src, "unit message" if folded else "unit header")
+                op, seq = msg.header.tolist()  # host memory (protocol): no device wait
+                if not folded:
+                    rt.wait(rt.irecv(msg.payload, src, UNIT_TAG), src, "unit")  # on a GPU:
+                    # orders this stream after the payload
             if op == STOP:
                 break
             if op != UNIT or seq != unit:
                 raise SPDError(f"stage {self.s}: header {[op, seq]} from rank {src}, expected "
                                f"unit {unit}")
-            msg = buf
-            hdr, buf, hwork, work = post()  # the next unit's, posted before this one runs
+            msg.landed()
+            cur = msg
+            msg, hwork = post()  # the next unit's, posted before this one runs
             if fault and unit + 1 == fault["cycle"]:
                 inject_fault(fault)
             if self.first:
-                pos = msg[:1]
-                h = t.embed_tokens(msg[1:2])
+                pos, token = cur.unit()
+                h = t.embed_tokens(token)
             else:
-                pos, h = unpack(msg, d, t.dtype)
+                pos, h = cur.row(d, t.dtype)
             draft = None
-            if judge_buf is not None:  # the draft after this unit: the next unit's token
+            if judge_msg is not None:  # the draft after this unit: the next unit's token
                 with timer("wait_input"):
                     rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
                             "draft to judge")
-                draft, judge_buf = judge_buf[1:2], unit_header(dev)
-                judge = post_judge() if ahead else None
+                judge_msg.landed()
+                judged, draft = judge_msg, judge_msg.unit()[1]
+                judge_msg = next_judge()
+                judge = post_judge() if folded else None
             tf = time.perf_counter()
             out, snaps, verdict = self._forward_unit(h, pos, draft)
             fwd.append(time.perf_counter() - tf)
             with timer("send"):
-                snap = self._snap(snaps, out, self.last and not greedy)
+                snap = self._snap(snaps, out, self.last and not greedy, snap_ring)
                 if snap is not None:
                     rt.isend(snap, DRAFT_RANK, SNAP_TAG, unit)
                 if verdict is not None:
                     token, ok = verdict
-                    rt.isend(torch.cat([token.view(1), ok.view(1).to(torch.int64)]),
-                             DRAFT_RANK, VERDICT_TAG, unit)
+                    both = verdict_ring.take()
+                    both[:1].copy_(token.view(1))
+                    both[1:].copy_(ok.view(1))
+                    rt.isend(both, DRAFT_RANK, VERDICT_TAG, unit)
                 if not self.last:
-                    rt.isend(pack(pos, out), self.next, UNIT_TAG, unit)
-                    rt.isend(header(UNIT, unit), self.next, HEADER_TAG, unit)
+                    send_unit(UNIT, unit, pos, out, unit)
                 rt.flush_sends(before=unit)
+            cur.busy = False  # its data is copied out (or queued to be, on this stream)
+            if draft is not None:
+                judged.busy = False
         decode_s = time.perf_counter() - t_dec
-        if not self.last:  # pass the stop on, with its zero payload (protocol)
-            rt.isend(packed(d, t.dtype, dev), self.next, UNIT_TAG)
-            rt.isend(header(STOP, len(fwd)), self.next, HEADER_TAG)
-        if judge_buf is not None:  # rank 0 sent one draft past the last unit: receive it
+        if not self.last:  # pass the stop on (protocol)
+            send_unit(STOP, len(fwd))
+        if judge_msg is not None:  # rank 0 sent one draft past the last unit: receive it
             rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
                     "draft to judge")
         rt.flush_sends()

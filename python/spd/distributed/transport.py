@@ -150,6 +150,14 @@ class Runtime(FaultHandling):
         work = self._post(dist.isend, tensor, dst, group, tag, "posting a send")
         self._outgoing.append(_PendingSend(work, dst, tensor, epoch))
 
+    def sending(self, tensor: torch.Tensor | None) -> bool:
+        """Whether a send from `tensor`'s memory is still pending (not flushed): it must not be
+        written (protocol.Ring). A send staged through a host copy is not from it."""
+        if tensor is None:
+            return False
+        ptr = tensor.data_ptr()
+        return any(item.tensor.data_ptr() == ptr for item in self._outgoing)
+
     def flush_sends(self, before: int | None = None) -> None:
         """Wait for the sends of epochs (cycles) < before (all when None). Waiting one cycle
         late keeps these waits off the critical path; parity tags keep at most one send per

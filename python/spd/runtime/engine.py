@@ -94,9 +94,12 @@ class SPDEngine:
         return h
 
     # --- autoregressive path ------------------------------------------------------------------
-    def _request(self, prompt, max_new_tokens, stop, stop_token_ids):
-        """(prompt ids, max new tokens, StopRule) for a prompt given as token ids, text (encoded
-        as it is) or chat messages (the chat template applied)."""
+    def prepare_request(self, prompt, max_new_tokens, stop, stop_token_ids):
+        """A request's checked form, as every decode path of this engine (and the distributed
+        one's rank 0) starts: (prompt ids [T] int64, max new tokens, StopRule). `prompt`: token
+        ids, text (encoded as it is) or chat messages (the chat template applied);
+        `max_new_tokens` is capped to the context left (with a warning); `stop` (strings) and
+        `stop_token_ids` end the decode as EOS does. Bad input raises SPDError."""
         t = self.target
         ids, max_new = check_prompt(t, encode_request_prompt(t.tokenizer, prompt),
                                     max_new_tokens)
@@ -104,7 +107,9 @@ class SPDEngine:
         return ids, max_new, rule
 
     @staticmethod
-    def _result(out: list[int], stats: DecodeStats, rule: StopRule) -> GenerationResult:
+    def build_result(out: list[int], stats: DecodeStats, rule: StopRule) -> GenerationResult:
+        """The GenerationResult of a finished decode: the new tokens `out`, its stats, and from
+        `rule` (prepare_request's, having seen every token) the finish reason and the text."""
         # the text where the tokenizer can decode (tests give some targets a stand-in one)
         text = rule.text() if hasattr(rule.tokenizer, "decode") else None
         return GenerationResult(out, stats, rule.finish_reason, text)
@@ -116,7 +121,7 @@ class SPDEngine:
                     stop_token_ids=None) -> GenerationResult:
         """Plain decoding through the same stages: one full forward per token (on a GPU one CUDA
         graph per token: spd.runtime.ar_decode). Takes what `generate` takes."""
-        ids, max_new, rule = self._request(prompt_ids, max_new_tokens, stop, stop_token_ids)
+        ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
         t = self.target
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
         stats = DecodeStats(mode="ar", n=1)
@@ -136,7 +141,7 @@ class SPDEngine:
         stats.K = stats.N = len(out) - 1
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
-        return self._result(out, stats, rule)
+        return self.build_result(out, stats, rule)
 
     def stream(self, prompt, max_new_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), *, stop=None, stop_token_ids=None,
@@ -168,7 +173,7 @@ class SPDEngine:
         if self.n < 2:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
                                     stop_token_ids=stop_token_ids)
-        ids, max_new, rule = self._request(prompt_ids, max_new_tokens, stop, stop_token_ids)
+        ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
         t, n, layout = self.target, self.n, self.layout
         drafter = drafter or self.drafter
         dec = SequenceDecode(t, layout, drafter, ids, max_new, sampling,
@@ -226,4 +231,4 @@ class SPDEngine:
                 for hook in self.rollback_hooks:
                     hook(stages, drafter, dec.tokens, rollback_to)
         dec.finish()
-        return self._result(dec.out, dec.stats, rule)
+        return self.build_result(dec.out, dec.stats, rule)
