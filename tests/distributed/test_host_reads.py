@@ -2,9 +2,9 @@
 
 Compute is emulated (spd.distributed.emulate: stage steps and the draft step are fixed waits), so
 what is counted is the runtime's own reads, not those of the kernels' CPU reference paths. A read
-is anything that brings a tensor's value into Python (item, int / bool / float of a tensor,
-tolist, numpy) or makes the host wait on the data to size a result (nonzero and the like): on a
-GPU each one stalls the host until the device catches up.
+(benchmarks/probe_host_reads.py's ReadLog) is anything that brings a tensor's value into Python
+(item, int / bool / float of a tensor, tolist, numpy) or makes the host wait on the data to size
+a result (nonzero and the like): on a GPU each one stalls the host until the device catches up.
 
 The one exception, made explicitly and by identity (spd.distributed.protocol.is_header): the
 header of each unit message, [op, seq], that a stage reads to tell a unit from the stop. It is
@@ -22,68 +22,16 @@ from functools import partial
 
 import pytest
 import torch
-from conftest import needs_gpu
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
+from conftest import bench_module, needs_gpu
 
 from spd.distributed.config import DistConfig, GenerateRequest
 from spd.distributed.emulate import reference_tokens, tiny_target
 from spd.distributed.launch import launch_local
-from spd.distributed.protocol import is_header
 from spd.distributed.rank import run_requests
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
 SEED, LAYERS = 4, 6
-_READ_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
-_READ_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique",
-             "_unique2", "repeat_interleave"}
-
-
-class _Methods(TorchFunctionMode):
-    def __init__(self, log: list):
-        super().__init__()
-        self.log, self.depth = log, 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name not in _READ_METHODS:
-            return func(*args, **(kwargs or {}))
-        # a unit's host header (module docstring): excluded by identity, logged apart
-        self.log.append(("header",) if args and is_header(args[0]) else ("read", name))
-        self.depth += 1
-        try:
-            return func(*args, **(kwargs or {}))
-        finally:
-            self.depth -= 1
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self, log: list, methods: _Methods):
-        super().__init__()
-        self.log, self.methods = log, methods
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name in _READ_OPS and self.methods.depth == 0:  # not already counted as a method
-            self.log.append(("read", name))
-        return func(*args, **(kwargs or {}))
-
-
-class ReadLog:
-    """Appends ("read", what) to `log` for every tensor-to-host read in this thread."""
-
-    def __init__(self, log: list):
-        self.methods = _Methods(log)
-        self.ops = _Ops(log, self.methods)
-
-    def __enter__(self):
-        self.methods.__enter__()
-        self.ops.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.ops.__exit__(*exc)
-        self.methods.__exit__(*exc)
+ReadLog = bench_module("probe_host_reads").ReadLog  # what a read is: its docstring
 
 
 def counting_factory(rank: int):

@@ -35,3 +35,34 @@ def test_fingerprint_ignores_load_dtype_but_not_weights():
     bf16 = TargetModel(make_tiny_target(seed=3).hf.to(torch.bfloat16), None)
     assert bf16.fingerprint() == t.fingerprint()
     assert make_tiny_target(seed=4).fingerprint() != t.fingerprint()
+
+
+def test_step_at_a_device_position_equals_forward_and_rolls_back():
+    """Stage.step_at (a stage rank's unit: the position is a device tensor, never read on the
+    host) gives forward's rows, and a lower position is a truncation: after rows that a
+    rollback throws away, the same rows come out bit for bit; only the last stage may judge."""
+    from spd.errors import SPDError
+    t = make_tiny_target(seed=5, vocab=24, layers=4)
+    g = torch.Generator().manual_seed(1)
+    rows = torch.randn(9, t.hidden_size, generator=g)
+    wrong = torch.randn(3, t.hidden_size, generator=g)
+    expect = Stage(t, 1, range(2, 4), capacity=16).forward(rows, 0)
+
+    def decode(thrown_away):
+        st = Stage(t, 1, range(2, 4), capacity=16, poison=True)  # dropped rows become NaN
+        st.forward(rows[:5], 0)
+        for i, row in enumerate(thrown_away):
+            st.step_at(row[None], torch.tensor([5 + i]))
+        outs = []
+        for i in range(5, 9):  # from position 5: the thrown-away rows are overwritten
+            layer_outs, verdict = st.step_at(rows[i:i + 1], torch.tensor([i]))
+            assert verdict is None and len(layer_outs) == 2
+            outs.append(layer_outs[-1])
+        assert int(st.cache.lengths[0]) == 9
+        return torch.cat(outs)
+    plain = decode([])
+    assert torch.equal(decode(wrong), plain)
+    torch.testing.assert_close(plain, expect[5:])  # one row at a time vs one chunk
+    first = Stage(t, 0, range(0, 2), capacity=16)
+    with pytest.raises(SPDError, match="not the last stage"):
+        first.step_at(rows[:1], torch.tensor([0]), torch.tensor([3]))

@@ -69,20 +69,11 @@ class StageWorker:
         return out, self._snap(snaps, out, self.last)
 
     def _forward_unit(self, h: torch.Tensor, pos: torch.Tensor, draft: torch.Tensor | None):
-        """One unit: row h [1, d] at position pos [1] int64, both where the data arrived; no host
-        read. The cache is first set to hold exactly `pos` rows (lower after a rollback: that is
-        the truncation). draft [1] (last stage, greedy): also judge it -> (token [1], ok [1])."""
+        """One unit: row h [1, d] at position pos [1] int64, both where the data arrived (no host
+        read: Stage.step_at). draft [1] (last stage, greedy): also judge it -> verdict
+        (token [1], ok [1]). -> (output row, {hidden index: row}, verdict or None)."""
         st = self.stage
-        lengths = st.cache.lengths
-        lengths.copy_(pos.expand_as(lengths))
-        graphs = st.verify_graphs if draft is not None else st.graphs
-        res = graphs.run(1, h, *(() if draft is None else (draft,))) if graphs else None
-        if res is None:  # eager (CPU, no graph, or a capture that failed after its warm-up
-            lengths.copy_(pos.expand_as(lengths))  # step had moved the lengths: set them again)
-            outs = st.step(h, pos)
-            lengths.add_(1)
-            res = outs if draft is None else (outs, st._verify(outs[-1], draft))
-        outs, verdict = res if draft is not None else (res, None)
+        outs, verdict = st.step_at(h, pos, draft)
         snaps = {lid + 1: x for lid, x in zip(st.layer_ids, outs)}
         return outs[-1], snaps, verdict
 

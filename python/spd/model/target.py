@@ -289,9 +289,7 @@ class Stage:
         target's token [T] int64, accepted [T] bool), judged by final norm + LM head + argmax
         (spd_kernels.verify_greedy) where the hidden state already is; on a GPU one graph with
         the stage step. Only the stage holding the model's last layer may judge."""
-        if self.layer_ids.stop != self.target.num_layers:
-            raise SPDError(f"stage {self.index} (layers {self.layer_ids.start}.."
-                           f"{self.layer_ids.stop - 1}) is not the last stage: it cannot verify")
+        self._check_last()
 
         def eager(h, pos, d):
             outs = self.step(h, pos)
@@ -300,3 +298,29 @@ class Stage:
         outs, (token, accepted) = self._run(self.verify_graphs, eager, hidden, start, draft)
         self._record(record, self.layer_ids, outs)
         return outs[-1], token, accepted
+
+    @torch.no_grad()
+    def step_at(self, hidden: torch.Tensor, position: torch.Tensor,
+                draft: torch.Tensor | None = None):
+        """One row hidden [1, d] at a device position [1] int64, with no host read (a stage rank's
+        unit): the cache first holds exactly `position` rows (fewer than it had: a truncation),
+        then the step runs (a graph replay where there is one) and the cache advances by one.
+        -> (every layer's output [1, d], None), or with draft [1] (the last stage judging it)
+        (outputs, (the target's token [1], accepted [1]))."""
+        if draft is not None:
+            self._check_last()
+        lengths = self.cache.lengths
+        lengths.copy_(position.expand_as(lengths))
+        graphs = self.verify_graphs if draft is not None else self.graphs
+        res = graphs.run(1, hidden, *(() if draft is None else (draft,))) if graphs else None
+        if res is None:  # eager (CPU, no graph, or a capture that failed after its warm-up
+            lengths.copy_(position.expand_as(lengths))  # step had moved the lengths: again)
+            outs = self.step(hidden, position)
+            lengths.add_(1)
+            res = outs if draft is None else (outs, self._verify(outs[-1], draft))
+        return res if draft is not None else (res, None)
+
+    def _check_last(self) -> None:
+        if self.layer_ids.stop != self.target.num_layers:
+            raise SPDError(f"stage {self.index} (layers {self.layer_ids.start}.."
+                           f"{self.layer_ids.stop - 1}) is not the last stage: it cannot verify")
