@@ -63,8 +63,8 @@ def test_cli_generates_from_a_hybrid_folder(folders, name, capsys):
 
 @pytest.mark.parametrize("name", ["qwen3_5_vl", "qwen3_next"])
 def test_a_part_of_a_hybrid_folder_is_its_stage(folders, name):
-    """A rank's part (layers 2..3, no embedding): loaded whole, the rest dropped; the same
-    fingerprint and stage outputs as the whole model's."""
+    """A rank's part (layers 2..3, no embedding), read in part: the same fingerprint and stage
+    outputs as the whole model's."""
     whole = load_target(str(folders[name]))
     part = load_target(str(folders[name]), layers=range(2, 4), embed=False, tokenizer=False)
     assert part.fingerprint() == whole.fingerprint()

@@ -2,8 +2,9 @@
 spd_kernels.hybrid_stage, the RoPE tables of their partial rotation, and a stage cache whose
 linear-attention state rolls back by length.
 
-Qwen3-Next's DeltaNet projections interleave q/k/v/z (and b/a) per key head; they are reordered
-here into Qwen3.5's layout (one q/k/v block, then z, b, a), so one step serves both.
+The layers' weights are held in the step's layout (spd.model.hybrid_layout: q/k head dimensions
+permuted for partial RoPE, q/k/v back to back, Qwen3-Next's interleaved DeltaNet projections in
+Qwen3.5's layout), so the weights built here are views of the parameters, not copies.
 """
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ import torch
 
 from spd.errors import SPDError
 from spd.model.cache import KVCache
+from spd.model.hybrid_layout import (  # noqa: F401 (rotary_dim, head_permutation: re-exported)
+    arrange_layer_,
+    attention_dims,
+    head_permutation,
+    rotary_dim,
+)
 from spd_kernels import truncate_kv_
 from spd_kernels.hybrid_stage import (
     DeltaNetWeights,
@@ -18,27 +25,12 @@ from spd_kernels.hybrid_stage import (
     HybridStageWeights,
     MLPWeights,
 )
-from spd_kernels.qkv_rope import pack_back_to_back
 
 HYBRID_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_next")
 
 
 def is_hybrid(config) -> bool:
     return "linear_attention" in (getattr(config, "layer_types", None) or ())
-
-
-def rotary_dim(config, head_dim: int) -> int:
-    rope = getattr(config, "rope_parameters", None) or {}
-    factor = rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0))
-    return int(head_dim * factor)
-
-
-def head_permutation(head_dim: int, rot: int) -> torch.Tensor:
-    """New order of a head's dimensions: [rot first half | pass first half | rot second half |
-    pass second half], so the rotated pairs (i, i + rot/2) lie head_dim/2 apart."""
-    r2, p2 = rot // 2, (head_dim - rot) // 2
-    return torch.cat([torch.arange(0, r2), torch.arange(rot, rot + p2), torch.arange(r2, rot),
-                      torch.arange(rot + p2, head_dim)])
 
 
 def full_width_rope(cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
@@ -56,49 +48,40 @@ def _offset(norm) -> torch.Tensor:
     return (1.0 + norm.weight.detach().float()).to(norm.weight.dtype)
 
 
-def _mlp(layer, eps_unused=None) -> MLPWeights:
+def _mlp(layer) -> MLPWeights:
     m = layer.mlp
     post = _offset(layer.post_attention_layernorm)
     if not hasattr(m, "gate_proj"):  # Qwen3-Next's sparse mixture of experts
         return MLPWeights(post, moe=m)
-    gate, up = pack_back_to_back(m.gate_proj.weight.detach(), m.up_proj.weight.detach())
-    return MLPWeights(post, gate, up, m.down_proj.weight.detach())
+    return MLPWeights(post, m.gate_proj.weight.detach(), m.up_proj.weight.detach(),
+                      m.down_proj.weight.detach())
 
 
 def attention_weights(layer, num_heads: int, num_kv_heads: int, head_dim: int,
                       rot: int) -> GatedAttentionWeights:
+    """Views of an arranged layer (spd.model.hybrid_layout): q_proj holds [gate | query] rows."""
+    arrange_layer_(layer, (num_heads, num_kv_heads, head_dim, rot))
     a = layer.self_attn
-    for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj):
-        if getattr(p, "bias", None) is not None:
-            raise SPDError("attention biases are not supported on hybrid targets")
     perm = head_permutation(head_dim, rot).to(a.q_proj.weight.device)
-    d = a.q_proj.weight.shape[1]
-    qg = a.q_proj.weight.detach().view(num_heads, 2 * head_dim, d)
-    q = qg[:, :head_dim][:, perm].reshape(-1, d)
-    gate = qg[:, head_dim:].reshape(-1, d).clone()
-    k = a.k_proj.weight.detach().view(num_kv_heads, head_dim, d)[:, perm].reshape(-1, d)
-    wq, wk, wv = pack_back_to_back(q, k, a.v_proj.weight.detach())
-    return GatedAttentionWeights(_offset(layer.input_layernorm), wq, gate, wk, wv,
+    gate, wq = a.q_proj.weight.detach().split(num_heads * head_dim)
+    return GatedAttentionWeights(_offset(layer.input_layernorm), wq, gate,
+                                 a.k_proj.weight.detach(), a.v_proj.weight.detach(),
                                  _offset(a.q_norm)[perm], _offset(a.k_norm)[perm],
                                  a.o_proj.weight.detach(), _mlp(layer))
 
 
-def deltanet_weights(layer) -> DeltaNetWeights:
+def deltanet_weights(layer, config) -> DeltaNetWeights:
+    """Views of an arranged layer: Qwen3-Next's in_proj_qkvz holds [q | k | v | z] rows and its
+    in_proj_ba [b | a] rows (spd.model.hybrid_layout)."""
+    arrange_layer_(layer, attention_dims(config))
     la = layer.linear_attn
     hk, hv, dk, dv = la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim
     if hasattr(la, "in_proj_qkv"):  # Qwen3.5
         w_qkv, w_z = la.in_proj_qkv.weight.detach(), la.in_proj_z.weight.detach()
         w_b, w_a = la.in_proj_b.weight.detach(), la.in_proj_a.weight.detach()
-    else:  # Qwen3-Next: per key head [q | k | v (rep heads) | z (rep heads)] and [b | a]
-        d, rep = la.in_proj_qkvz.weight.shape[1], hv // hk
-        w = la.in_proj_qkvz.weight.detach().view(hk, 2 * dk + 2 * rep * dv, d)
-        q, k, v, z = w.split([dk, dk, rep * dv, rep * dv], dim=1)
-        w_qkv = torch.cat([q.reshape(-1, d), k.reshape(-1, d), v.reshape(-1, d)])
-        w_z = z.reshape(-1, d).contiguous()
-        ba = la.in_proj_ba.weight.detach().view(hk, 2 * rep, d)
-        w_b, w_a = ba[:, :rep].reshape(-1, d).contiguous(), ba[:, rep:].reshape(-1, d).contiguous()
-    if la.conv1d.bias is not None:
-        raise SPDError("a bias on the DeltaNet convolution is not supported")
+    else:  # Qwen3-Next
+        w_qkv, w_z = la.in_proj_qkvz.weight.detach().split([2 * hk * dk + hv * dv, hv * dv])
+        w_b, w_a = la.in_proj_ba.weight.detach().split(hv)
     return DeltaNetWeights(_offset(layer.input_layernorm), w_qkv, w_z, w_b, w_a,
                            la.conv1d.weight.detach()[:, 0], la.A_log.detach(),
                            la.dt_bias.detach(), la.norm.weight.detach(),
@@ -110,7 +93,7 @@ def hybrid_stage_weights(target, layer_ids: range) -> HybridStageWeights:
     for i in layer_ids:
         layer = target.layers[i]
         if hasattr(layer, "linear_attn"):
-            layers.append(deltanet_weights(layer))
+            layers.append(deltanet_weights(layer, target.config))
         else:
             layers.append(attention_weights(layer, target.num_heads, target.num_kv_heads,
                                             target.head_dim, target.rotary_dim))

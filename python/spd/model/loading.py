@@ -192,13 +192,14 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
     """Load a Llama / Qwen2 / Qwen3 / Qwen3.5 / Qwen3-Next causal LM and its tokenizer as a
     `TargetModel`, its weights in `dtype` (resolve_dtype: float32 on the CPU, bfloat16 on a GPU
     by default). A Qwen3.5 vision-language folder (weights under model.language_model.) gives
-    its text model.
+    its text model (its visual tower is never read).
 
     A part of it (a rank of the distributed runtime): the decoder layers `layers` (None: all),
     the embedding (`embed`), the final norm and LM head (`head`; a tied head is the embedding,
     held when either is). The rest stays on the meta device and is never read: from safetensors
     files each kept tensor is read by name into its final buffer (one copy of every weight, the
-    packed q/k/v and gate/up groups included). Other formats (pytorch_model*.bin) cannot be read
+    packed q/k/v and gate/up groups included; a hybrid target's layers in the stage layout,
+    spd.model.hybrid_layout). Other formats (pytorch_model*.bin) cannot be read
     in part: they load whole, and a part is then cut from it, with a logged warning.
     `tokenizer=False` leaves `target.tokenizer` None (a stage rank: ~50 MB less resident).
     `plain=True` builds a Llama / Qwen2 / Qwen3 model read from safetensors without importing
@@ -230,9 +231,7 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
                        f"{text.num_hidden_layers} layers")
     files = _weight_files(folder)
     weights = None
-    # Hybrid targets load whole (then a part is cut from it): the partial reader knows the
-    # Llama-style names and q/k/v packing only.
-    if files[0].suffix == ".safetensors" and not is_hybrid(text):
+    if files[0].suffix == ".safetensors":
         from spd.model.weight_files import WeightFiles
         index = folder / "model.safetensors.index.json"
         if index.exists():  # the shards it names (a folder may hold other *.safetensors too)
@@ -244,7 +243,12 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
             if absent:
                 raise SPDError(f"{index} names shards that are not there: {', '.join(absent)}")
         weights = WeightFiles(files)
-        model = _load_part(folder, config, weights, device, dtype, layers, embed, head)
+        if is_hybrid(text):  # its own names and layout: spd.model.hybrid_loading
+            from spd.model.hybrid_loading import load_hybrid_part
+            model = load_hybrid_part(folder, config, weights, device, dtype, layers, embed,
+                                     head)
+        else:
+            model = _load_part(folder, config, weights, device, dtype, layers, embed, head)
     else:
         model = _load_whole(folder, device, dtype)
     tok = None

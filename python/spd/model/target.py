@@ -21,6 +21,7 @@ from spd.model.hybrid import (
     is_hybrid,
     rotary_dim,
 )
+from spd.model.hybrid_layout import arrange_layer_, attention_dims, hf_rows, sample_hf_layout
 from spd.model.layers import pack_layer_
 from spd_kernels import verify_greedy
 from spd_kernels.hybrid_stage import hybrid_stage_step
@@ -71,7 +72,11 @@ class TargetModel:
         # Hybrid targets: DeltaNet layers with state rings, zero-centred norms x * (1 + w)
         self.hybrid = is_hybrid(cfg)
         for layer in hf_model.model.layers:  # one buffer per q/k/v and per gate/up group
-            if not self.hybrid and not _on_meta(layer):
+            if _on_meta(layer):
+                continue
+            if self.hybrid:  # the stage layout, in place (a partial load reads it so)
+                arrange_layer_(layer, attention_dims(cfg))
+            else:
                 pack_layer_(layer)
         self.weight_files = weight_files
         self.hf = hf_model
@@ -157,15 +162,18 @@ class TargetModel:
             mixer = (first.self_attn.q_proj if hasattr(first, "self_attn")
                      else first.linear_attn.out_proj)  # hybrid targets
             down = last.down_proj if hasattr(last, "down_proj") else last.shared_expert.down_proj
-            for w in (self.embed.weight, mixer.weight, down.weight, self.norm.weight):
-                sample = self._sample(w, FINGERPRINT_SAMPLE)
+            for m in (self.embed, mixer, down, self.norm):
+                sample = self._sample(m.weight, FINGERPRINT_SAMPLE, hf_rows(m))
                 h.update(sample.to(torch.bfloat16).float().cpu().numpy().tobytes())
             self._fingerprint = h.hexdigest()[:16]
         return self._fingerprint
 
-    def _sample(self, w: torch.Tensor, count: int) -> torch.Tensor:
-        """flat[::max(1, numel // count)][:count] of a weight; of one this process does not hold
-        (meta), the same elements read from the model's files by the weight's name."""
+    def _sample(self, w: torch.Tensor, count: int, rows=None) -> torch.Tensor:
+        """flat[::max(1, numel // count)][:count] of a weight in Hugging Face's layout (`rows`:
+        how a hybrid layer's rearranged rows map to it, spd.model.hybrid_layout); of one this
+        process does not hold (meta), the same elements read from the model's files by name."""
+        if rows is not None and not w.is_meta:
+            return sample_hf_layout(w, rows, count)
         if not w.is_meta:
             flat = w.detach().reshape(-1)
             return flat[::max(1, flat.numel() // count)][:count]

@@ -65,11 +65,15 @@ class WeightFiles:
 
     def key(self, name: str) -> str | None:
         """The stored name of the model's parameter `name`: itself, or without the "model."
-        prefix (a checkpoint of the bare decoder), or None when the files do not hold it."""
+        prefix (a checkpoint of the bare decoder), or under "model.language_model." (a
+        vision-language checkpoint's text model), or None when the files do not hold it."""
         if name in self.entries:
             return name
         bare = name.removeprefix("model.")
-        return bare if bare != name and bare in self.entries else None
+        if bare == name:
+            return None
+        return next((k for k in (bare, "model.language_model." + bare) if k in self.entries),
+                    None)
 
     def read_into(self, name: str, dst: torch.Tensor) -> None:
         """Fill `dst` (the tensor's shape; any dtype and device) with the stored tensor. Straight
