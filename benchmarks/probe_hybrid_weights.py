@@ -30,7 +30,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1 << 20
-# Qwen3.5-4B's text model (its published config.json): 32 layers, every fourth full attention
+# Qwen3.5-4B's text model as remembered from its published config.json (not checked against
+# the file; no network here): 32 layers, every fourth full attention
 QWEN35_4B = dict(vocab_size=248320, hidden_size=2560, intermediate_size=9216,
                  num_hidden_layers=32, num_attention_heads=16, num_key_value_heads=4,
                  head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
