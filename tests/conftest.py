@@ -169,3 +169,17 @@ def bench_module(name: str):
     sys.modules[name] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture
+def weight_reads(monkeypatch):
+    """(read, sampled): the tensor names WeightFiles reads whole and samples (the fingerprint's
+    reads), in order, while the test runs."""
+    from spd.model.weight_files import WeightFiles
+    read, sampled = [], []
+    real_read, real_sample = WeightFiles.read_into, WeightFiles.sample
+    monkeypatch.setattr(WeightFiles, "read_into",
+                        lambda self, k, dst: (read.append(k), real_read(self, k, dst))[1])
+    monkeypatch.setattr(WeightFiles, "sample",
+                        lambda self, k, c: (sampled.append(k), real_sample(self, k, c))[1])
+    return read, sampled

@@ -84,15 +84,10 @@ def _stored_names(part: TargetModel) -> set[str]:
 @pytest.mark.parametrize("part", PARTS)
 @pytest.mark.parametrize("name", FOLDERS)
 def test_a_hybrid_part_holds_exactly_its_tensors_and_has_the_whole_models_fingerprint(
-        folders, name, part, monkeypatch):
+        folders, name, part, weight_reads):
     kw = PARTS[part]
     whole = _whole(folders[name])
-    read, sampled = [], []
-    real_read, real_sample = WeightFiles.read_into, WeightFiles.sample
-    monkeypatch.setattr(WeightFiles, "read_into",
-                        lambda self, k, dst: (read.append(k), real_read(self, k, dst))[1])
-    monkeypatch.setattr(WeightFiles, "sample",
-                        lambda self, k, c: (sampled.append(k), real_sample(self, k, c))[1])
+    read, sampled = weight_reads
     t = load_target(str(folders[name]), tokenizer=False, **kw)
     _check_part(t, whole, **kw)
     assert len(read) == len(set(read)) and set(read) == _stored_names(t)

@@ -72,15 +72,10 @@ def _check_part(part: TargetModel, whole: TargetModel, layers, embed, head) -> N
 
 @pytest.mark.parametrize("part", PARTS)
 def test_a_part_holds_exactly_its_tensors_and_has_the_whole_models_fingerprint(
-        tiny_folder, part, monkeypatch):
+        tiny_folder, part, weight_reads):
     kw = PARTS[part]
     whole = _whole(tiny_folder)
-    read, sampled = [], []
-    real_read, real_sample = WeightFiles.read_into, WeightFiles.sample
-    monkeypatch.setattr(WeightFiles, "read_into",
-                        lambda self, k, dst: (read.append(k), real_read(self, k, dst))[1])
-    monkeypatch.setattr(WeightFiles, "sample",
-                        lambda self, k, c: (sampled.append(k), real_sample(self, k, c))[1])
+    read, sampled = weight_reads
     t = load_target(str(tiny_folder), tokenizer=False, **kw)
     _check_part(t, whole, **kw)
     assert sorted(read) == sorted({n for n, p in t.hf.named_parameters() if not p.is_meta})

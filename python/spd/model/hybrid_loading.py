@@ -88,19 +88,10 @@ def load_hybrid_part(folder: Path, config, weights, device: str, dtype, layers, 
     """The model built on the meta device, then the parameters a process holding `layers`,
     the embedding (`embed`) and the final norm + LM head (`head`) needs read from `weights`
     (spd.model.weight_files.WeightFiles), its layers in the stage layout."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from spd.model.loading import _hf_on_meta, _param_names, _set_param, _wanted
 
-    from spd.model.loading import _param_names, _set_param, _wanted
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    text = model.config  # the text model's (a vision-language config gives its text model)
-    inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(text).to(device)  # computed, not stored
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    except OSError:  # no generation_config.json: the one derived from config.json stays
-        pass
+    model = _hf_on_meta(folder, config, dtype, device)
+    text, inner = model.config, model.model
     aliases = _param_names(model)
     sources = _check_sources(folder, model, aliases, weights)
     wanted = [n for n, ns in aliases.items() if any(_wanted(a, layers, embed, head) for a in ns)]

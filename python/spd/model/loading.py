@@ -351,8 +351,9 @@ def _hf_on_meta(folder: Path, config, dtype, device: str):
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    text = model.config  # the text model's (a vision-language config gives its text model)
     inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config).to(device)  # computed, not stored
+    inner.rotary_emb = type(inner.rotary_emb)(text).to(device)  # computed, not stored
     try:
         model.generation_config = GenerationConfig.from_pretrained(folder)
     except OSError:  # no generation_config.json: the one derived from config.json stays
