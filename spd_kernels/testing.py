@@ -103,7 +103,8 @@ def _variants():
     """(name, kernel, signature, constexprs) for the kernel variants the launchers use. The
     kernels of the PDM step's graph take PDL (programmatic dependent launch); one variant of each
     compiles with it on, the rest with it off."""
-    from spd_kernels import features, kv_cache, verify
+    from spd_kernels import dispatch, features, kv_cache, verify
+    dispatch.load_deferred()  # the Triton modules are imported on first use (dispatch.defer)
     from spd_kernels.attention import triton_kernel as attention
     from spd_kernels.linear import triton_kernel as linear
     from spd_kernels.qkv_rope import triton_kernel as qkv_rope

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from spd.model.hybrid_layout import attention_dims, check_layer, layer_groups, set_hf_rows_
+from spd.model.meta_build import check_loading_info, hf_on_meta, kept, param_names, set_param
 
 _FUSED_EXPERTS = ".mlp.experts."
 
@@ -46,7 +47,6 @@ def _sources(name: str, param, weights) -> list[tuple[str, tuple]] | None:
 def _check_sources(folder: Path, model, aliases: dict[str, list[str]], weights) -> dict:
     """Every parameter in the files with the shape config.json implies, and no other tensor
     but those the model ignores (the visual tower, mtp.*): from the headers, nothing read."""
-    from spd.model.loading import _check_loading_info
 
     sources, missing, mismatched = {}, [], []
     for name, names in aliases.items():
@@ -65,7 +65,7 @@ def _check_sources(folder: Path, model, aliases: dict[str, list[str]], weights) 
                                               None) or ()]
     unexpected = [k for k in weights.names()
                   if k not in used and not any(p.search(k) for p in ignored)]
-    _check_loading_info(folder, {"missing_keys": missing, "unexpected_keys": unexpected,
+    check_loading_info(folder, {"missing_keys": missing, "unexpected_keys": unexpected,
                                  "mismatched_keys": mismatched})
     return sources
 
@@ -88,13 +88,11 @@ def load_hybrid_part(folder: Path, config, weights, device: str, dtype, layers, 
     """The model built on the meta device, then the parameters a process holding `layers`,
     the embedding (`embed`) and the final norm + LM head (`head`) needs read from `weights`
     (spd.model.weight_files.WeightFiles), its layers in the stage layout."""
-    from spd.model.loading import _hf_on_meta, _param_names, _set_param, _wanted
-
-    model = _hf_on_meta(folder, config, dtype, device)
+    model = hf_on_meta(folder, config, dtype, device)
     text, inner = model.config, model.model
-    aliases = _param_names(model)
+    aliases = param_names(model)
     sources = _check_sources(folder, model, aliases, weights)
-    wanted = [n for n, ns in aliases.items() if any(_wanted(a, layers, embed, head) for a in ns)]
+    wanted = [n for n, ns in aliases.items() if any(kept(a, layers, embed, head) for a in ns)]
     dims = attention_dims(text)
     groups, grouped = [], set()
     for i in (range(text.num_hidden_layers) if layers is None else layers):
@@ -113,7 +111,7 @@ def load_hybrid_part(folder: Path, config, weights, device: str, dtype, layers, 
             _read(weights, sources[n], view, rows)
             param = torch.nn.Parameter(view)
             for a in aliases[n]:
-                _set_param(model, a, param)
+                set_param(model, a, param)
             if rows is not None:
                 set_hf_rows_(model.get_submodule(n.rpartition(".")[0]), rows)
     return model

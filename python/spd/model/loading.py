@@ -16,6 +16,13 @@ from spd.data.assets import cache_dir, cache_subdir, extract_wheel_member, log
 from spd.data.files import build_folder_once, check_safetensors, read_json_object
 from spd.errors import SPDError
 from spd.model.hub import looks_like_repo_id, resolve_repo_id
+from spd.model.meta_build import (
+    check_loading_info,
+    hf_on_meta,
+    kept,
+    param_names,
+    set_param,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -261,11 +268,11 @@ def load_target(path=None, *, device: str = "cpu", dtype=None, layers: range | N
         log(f"{folder}: {files[0].name} cannot be read in part (not safetensors): loading the "
             "whole model, then dropping what this process does not use")
         target.fingerprint()  # now: what is dropped cannot be read again
-        for name, names in _param_names(model).items():
-            if not any(_wanted(a, layers, embed, head) for a in names):
+        for name, names in param_names(model).items():
+            if not any(kept(a, layers, embed, head) for a in names):
                 meta = torch.nn.Parameter(model.get_parameter(name).to("meta"))
                 for a in names:
-                    _set_param(model, a, meta)
+                    set_param(model, a, meta)
     return target
 
 
@@ -277,33 +284,8 @@ def _load_whole(folder: Path, device: str, dtype):
     except RuntimeError as exc:  # weights of other shapes than the config gives
         raise SPDError(f"{folder}: the weights do not match config.json (tensors of other "
                        "shapes than it implies)") from exc
-    _check_loading_info(folder, info)
+    check_loading_info(folder, info)
     return model.to(device)
-
-
-def _param_names(model) -> dict[str, list[str]]:
-    """Each parameter's first name -> all its names (a tied LM head is the embedding too)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return {ns[0]: ns for ns in names.values()}
-
-
-def _wanted(name: str, layers: range | None, embed: bool, head: bool) -> bool:
-    """Whether a process holding `layers`, the embedding (`embed`) and the final norm and LM
-    head (`head`) needs the parameter `name` (anything else, e.g. a new module, is kept)."""
-    if name.startswith("model.layers."):
-        return layers is None or int(name.split(".")[2]) in layers
-    if name == "model.embed_tokens.weight":
-        return embed
-    if name in ("model.norm.weight", "lm_head.weight"):
-        return head
-    return True
-
-
-def _set_param(model, name: str, param) -> None:
-    owner, _, attr = name.rpartition(".")
-    model.get_submodule(owner)._parameters[attr] = param
 
 
 def _load_part(folder: Path, config, weights, device: str, dtype, layers, embed: bool,
@@ -317,12 +299,12 @@ def _load_part(folder: Path, config, weights, device: str, dtype, layers, embed:
     if isinstance(config, PlainConfig):  # plain torch modules (a stage rank's)
         model = build_on_meta(folder, config, dtype, device)
     else:
-        model = _hf_on_meta(folder, config, dtype, device)
+        model = hf_on_meta(folder, config, dtype, device)
     inner = model.model
-    aliases = _param_names(model)
+    aliases = param_names(model)
     keys = _check_against_files(folder, model, aliases, weights)
     wanted = [n for n, ns in aliases.items()
-              if any(_wanted(a, layers, embed, head) for a in ns)]
+              if any(kept(a, layers, embed, head) for a in ns)]
     # groups read into one buffer each (q/k/v, gate/up: spd.model.layers.pack_layer_)
     groups, grouped = [], set()
     for i in (range(config.num_hidden_layers) if layers is None else layers):
@@ -340,24 +322,7 @@ def _load_part(folder: Path, config, weights, device: str, dtype, layers, embed:
             weights.read_into(keys[n], view)
             param = torch.nn.Parameter(view)
             for a in aliases[n]:
-                _set_param(model, a, param)
-    return model
-
-
-def _hf_on_meta(folder: Path, config, dtype, device: str):
-    """Hugging Face's model, its weights on the meta device, its rotary tables on `device`."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    text = model.config  # the text model's (a vision-language config gives its text model)
-    inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(text).to(device)  # computed, not stored
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(folder)
-    except OSError:  # no generation_config.json: the one derived from config.json stays
-        pass
+                set_param(model, a, param)
     return model
 
 
@@ -377,23 +342,9 @@ def _check_against_files(folder: Path, model, aliases: dict[str, list[str]], wei
     for names in aliases.values():  # a tied head may be stored too: not unexpected
         used.update(k for k in map(weights.key, names) if k is not None)
     unexpected = [k for k in weights.names() if k not in used]
-    _check_loading_info(folder, {"missing_keys": missing, "unexpected_keys": unexpected,
+    check_loading_info(folder, {"missing_keys": missing, "unexpected_keys": unexpected,
                                  "mismatched_keys": mismatched})
     return keys
-
-
-def _check_loading_info(folder: Path, info: dict) -> None:
-    """Weights missing from the files or left unused by the model mean config.json describes
-    another model (e.g. a wrong num_hidden_layers): refuse instead of running it half random."""
-    missing = sorted(info.get("missing_keys") or [])
-    unexpected = sorted(info.get("unexpected_keys") or [])
-    mismatched = [k[0] if isinstance(k, tuple) else k for k in info.get("mismatched_keys") or []]
-    if missing or unexpected or mismatched:
-        parts = [f"{name} {len(keys)} ({', '.join(keys[:2])}{', ...' if len(keys) > 2 else ''})"
-                 for name, keys in (("missing", missing), ("unexpected", unexpected),
-                                    ("mismatched", mismatched)) if keys]
-        raise SPDError(f"{folder}: the weights do not match config.json (check e.g. "
-                       f"num_hidden_layers): {'; '.join(parts)}")
 
 
 def save_tiny_random_llama(folder) -> Path:
