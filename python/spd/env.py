@@ -18,6 +18,8 @@ CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the decode steps (the PDM's dr
                   "them as CUDA graphs", "spd.cuda_graphs")
 FAULT_INJECT = Var("SPD_FAULT_INJECT", "", "tests only: make a distributed rank fail on purpose "
                    "(rank=2,cycle=5,action=kill)", "spd.cli.generate")
+TRAIN_FAULT = Var("SPD_TRAIN_FAULT", "", "tests only: make a training rank kill itself in the "
+                  "middle of a step (rank=1,step=5)", "spd.train.ranks")
 RUN_SECRET = Var("SPD_RUN_SECRET", "", "the distributed run's secret, which signs the store "
                  "records that can stop it: the self-launcher makes one; with torchrun on several "
                  "nodes set the same random value on every node (docs/distributed.md)",
@@ -39,7 +41,7 @@ BUILD_VARIABLES = (
         "benchmarks/device_session.sh"),
 )
 
-RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT, RUN_SECRET)
+RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT, TRAIN_FAULT, RUN_SECRET)
 VARIABLES = RUNTIME_VARIABLES + KERNEL_VARIABLES + BUILD_VARIABLES
 
 
@@ -53,6 +55,10 @@ def cuda_graphs_enabled() -> bool:
 
 def fault_injection() -> str | None:
     return FAULT_INJECT.get() or None
+
+
+def train_fault() -> str | None:
+    return TRAIN_FAULT.get() or None
 
 
 def run_secret() -> str | None:

@@ -476,7 +476,7 @@ def test_argmax_weight_adds_the_argmax_cross_entropy(tiny_features):
     torch.testing.assert_close(kl_only, kl)
     # brute force: the draft's log-probabilities, column by column in target ids
     q_logp = F.log_softmax(pdm.forward_train(item["anchors"][d0.slots].float(),
-                                             d0.layout_for(len(item["tokens"]), 1)), dim=-1)
+                                             d0.layout_for((len(item["tokens"]),), (1,))), dim=-1)
     ce = []
     for pos, tok in enumerate(item["argmax"].tolist()):
         if tok in vocab.tolist():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 from pathlib import Path
 
 from spd.baselines import training
@@ -13,11 +14,50 @@ from spd.train.methods import ARGMAX_MESSAGE, TrainJob
 
 def add_train(sub) -> None:
     p = sub.add_parser("train", help="train a PDM by distillation from the target",
-                       description="Build distillation data (ShareGPT conversations and the "
-                       "target's own responses, evaluation prompts excluded), extract and cache "
-                       "the target's features, and train a PDM. Rerun the same command to resume.")
+                       description="Distil a drafter from the target. Online (the default for "
+                       "targets over 1B parameters, or with --data): the frozen target computes "
+                       "each batch's features as training goes, on your data (--data) or the "
+                       "built-in ShareGPT. Cached: the built-in data's features are extracted "
+                       "into a cache first (small CPU runs). Several ranks: torchrun "
+                       "--nproc-per-node N -m spd train .... Rerun the same command to resume.")
     add_model_layout_args(p)
     p.add_argument("--out", required=True, help="output folder (the checkpoint; resumes if present)")
+    p.add_argument("--mode", choices=("auto", "online", "cached"), default="auto",
+                   help="online: the target computes each batch's features during training "
+                        "(memory bounded by the batch); cached: extract the built-in data's "
+                        "features to disk first. auto (default): online for a target over 1B "
+                        "parameters or when --data is given, else cached")
+    p.add_argument("--data", nargs="+", default=None, metavar="PATH",
+                   help="training conversations: JSONL (ShareGPT 'conversations' or OpenAI "
+                        "'messages'), a JSON array, parquet, a datasets.save_to_disk folder, a "
+                        "folder of these, or 'sharegpt' (the built-in set); streamed "
+                        "(docs/training.md). Default: sharegpt")
+    p.add_argument("--holdout", type=float, default=0.02,
+                   help="share of conversations held out by a hash of their first user turn: "
+                        "never trained on; the run evaluates on the first --eval-sequences of "
+                        "them (online)")
+    p.add_argument("--too-long", choices=("drop", "cut"), default="drop",
+                   help="conversations over --max-len tokens are dropped (the paper's filter) "
+                        "or cut to --max-len (online)")
+    p.add_argument("--epochs", type=float, default=None,
+                   help="passes over the data; sets --steps (online default when --steps is "
+                        "not given: 1, the paper's)")
+    p.add_argument("--micro-batch", type=int, default=0,
+                   help="sequences per forward on one rank; --batch / (ranks x micro-batch) "
+                        "micro-batches are accumulated per step (default 0: no accumulation)")
+    p.add_argument("--pack-tokens", type=int, default=0,
+                   help="pack a micro-batch's sequences into PDM forwards of up to this many "
+                        "tokens (default 0: one sequence a forward)")
+    p.add_argument("--regenerate", action="store_true",
+                   help="online: first replace each conversation's first answer by the "
+                        "target's own greedy answer (self-distillation; --response-tokens, "
+                        "--distill-dtype), written under OUT/regenerated/ and resumed there")
+    p.add_argument("--regenerate-batch", type=int, default=16,
+                   help="prompts answered together when regenerating")
+    p.add_argument("--rank-timeout", type=float, default=600.0,
+                   help="seconds a rank waits for the others before the run stops (torchrun)")
+    p.add_argument("--json", action="store_true",
+                   help="print the run's summary as JSON at the end")
     p.add_argument("--features", default=None,
                    help="feature cache folder (default: $SPD_CACHE/features/<target>); extracted "
                         "when missing, reused and resumed otherwise")
@@ -63,13 +103,20 @@ def add_train(sub) -> None:
                         "this dtype (default: the target's own); bfloat16 is ~1.8x faster on "
                         "a CPU with avx512_bf16. Features are still extracted at the target's "
                         "dtype")
-    p.add_argument("--max-len", type=int, default=512, help="tokens per training sequence")
-    p.add_argument("--crop-len", type=int, default=256,
-                   help="train on random windows of this many tokens (attention cost grows "
-                        "with its square)")
-    p.add_argument("--steps", type=int, default=1600)
-    p.add_argument("--batch", type=int, default=2, help="sequences per optimiser step")
-    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per training sequence (default: 2048 online, the paper's; 512 "
+                        "cached)")
+    p.add_argument("--crop-len", type=int, default=None,
+                   help="train on random windows of this many tokens, 0 for whole sequences "
+                        "(attention cost grows with its square; default: 256 on a CPU, whole "
+                        "sequences on a GPU)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="optimiser steps (default: one epoch online, 1600 cached)")
+    p.add_argument("--batch", type=int, default=2,
+                   help="sequences per optimiser step, every rank together")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate, warm-up then linear decay (default: 1e-4 online, "
+                        "the paper's; 1e-3 cached)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-sequences", type=int, default=16,
                    help="sequences held out from the end of the data for evaluation")
@@ -94,24 +141,96 @@ def add_train(sub) -> None:
     p.set_defaults(func=cmd_train)
 
 
-def cmd_train(args) -> int:
-    import torch
+ONLINE_ABOVE_PARAMS = 1e9  # --mode auto trains online above this many target parameters
+# the flags that build the cached path's built-in data; online runs take --data instead
+BUILTIN_DATA = ("conversations", "self_distill", "code_prompts", "code_roots", "data_skip")
 
-    from spd.data.assets import cache_dir
+
+def cmd_train(args) -> int:
     from spd.model.loading import load_target
-    from spd.model.partition import DepthLayout, default_anchors
-    from spd.train.distill import FeatureSet, build_sequences, cached_sequences, extract_features
+    from spd.train.ranks import RankGroup, RankLostError
+
+    method = training.get(args.method)
+    _check_numbers(args)
+    group = RankGroup.from_env(args.device, args.rank_timeout)
+    try:
+        target = load_target(args.model, device=str(group.device), dtype=args.dtype)
+        mode = _resolve_mode(args, target)
+        job = _job(args, method, target, mode)
+        if mode == "online":
+            summary = _train_online(args, job, group)
+        else:
+            summary = _train_cached(args, method, job, group)
+    except RankLostError as exc:
+        print(f"spd: error: {exc}. The run stopped; its last checkpoint is in {args.out}: rerun "
+              f"the same command to resume from it", file=sys.stderr)
+        return 1
+    finally:
+        group.close()
+    if group.main:
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            final = summary.get("final", {})
+            shown = {k: round(v, 4) for k, v in final.items() if isinstance(v, float)}
+            print(f"[spd train] done: {args.out} ({mode}) {json.dumps(shown)}")
+    return 0
+
+
+def _check_numbers(args) -> None:
+    """Bad values, refused before any model loads."""
+    if (args.steps is not None and args.steps < 1) or args.batch < 1:
+        raise SPDError("--steps and --batch must be >= 1")
+    for flag in ("data_skip", "code_prompts", "self_distill", "conversations", "micro_batch",
+                 "pack_tokens"):
+        if getattr(args, flag) < 0:
+            raise SPDError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
+    if args.crop_len is not None and args.crop_len < 0:
+        raise SPDError(f"--crop-len must be >= 0, got {args.crop_len}")
+    if args.max_len is not None and args.max_len < 16:
+        raise SPDError(f"--max-len must be >= 16, got {args.max_len}")
+    if args.eval_sequences < 1:
+        raise SPDError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
+    if args.regenerate_batch < 1:
+        raise SPDError(f"--regenerate-batch must be >= 1, got {args.regenerate_batch}")
+    if not args.rank_timeout > 0:
+        raise SPDError(f"--rank-timeout must be > 0 seconds, got {args.rank_timeout}")
+    if args.data is not None:
+        from spd.data.conversations import check_sources
+        check_sources(args.data)
+
+
+def _resolve_mode(args, target) -> str:
+    if args.mode != "auto":
+        mode = args.mode
+    else:
+        params = sum(p.numel() for p in target.hf.parameters())
+        mode = "online" if args.data is not None or params > ONLINE_ABOVE_PARAMS else "cached"
+    if mode == "online":
+        given = [f"--{k.replace('_', '-')}" for k in BUILTIN_DATA
+                 if getattr(args, k) not in (0, [], None) and
+                 getattr(args, k) != _DEFAULTS.get(k)]
+        if given:
+            raise SPDError(f"{', '.join(given)} build the cached path's built-in data; online "
+                           "training reads --data (and --regenerate answers it with the target)")
+        if args.features or args.extra_features:
+            raise SPDError("--features and --extra-features are feature caches: give "
+                           "--mode cached to train on them")
+    elif args.regenerate:
+        raise SPDError("--regenerate is for online training (--mode online); the cached path "
+                       "self-distils with --self-distill")
+    return mode
+
+
+_DEFAULTS = {"conversations": 600, "self_distill": 128}
+
+
+def _job(args, method, target, mode: str) -> TrainJob:
+    """The layout, precision and fill weights, checked before any data is built."""
+    from spd.model.partition import DepthLayout
     from spd.train.loop import resolve_precision
     from spd.train.trainer import check_fill_weights
 
-    method = training.get(args.method)
-    if args.steps < 1 or args.batch < 1:
-        raise SPDError("--steps and --batch must be >= 1")
-    for flag in ("data_skip", "code_prompts", "self_distill", "conversations"):
-        if getattr(args, flag) < 0:
-            raise SPDError(f"--{flag.replace('_', '-')} must be >= 0, got {getattr(args, flag)}")
-    target = load_target(args.model, device=args.device, dtype=args.dtype)
-    precision = resolve_precision(args.precision, target.device)
     anchors = parse_ints(args.anchors, "--anchors")
     split = parse_ints(args.split, "--split")
     if anchors is None and method.anchors is not None:  # e.g. PPSD: the first stage's output
@@ -129,8 +248,47 @@ def cmd_train(args) -> int:
     if args.argmax_weight < 0:
         raise SPDError(ARGMAX_MESSAGE.format(argmax_weight=args.argmax_weight,
                                              method=method.name))
-    if args.eval_sequences < 1:
-        raise SPDError(f"--eval-sequences must be >= 1, got {args.eval_sequences}")
+    gpu = target.device.type == "cuda"
+    online = mode == "online"
+    args.max_len = args.max_len or (2048 if online else 512)
+    args.crop_len = args.crop_len if args.crop_len is not None else (0 if gpu else 256)
+    args.lr = args.lr or (1e-4 if online else 1e-3)
+    if not online:
+        args.steps = args.steps or 1600
+    return TrainJob(target=target, features=None, layout=layout,
+                    precision=resolve_precision(args.precision, target.device),
+                    fill_weights=fill_weights, options=args)
+
+
+def _train_online(args, job: TrainJob, group) -> dict:
+    import torch
+
+    from spd.train.corpus import CorpusConfig
+    from spd.train.methods import pdm_train_config
+    from spd.train.online import train_online
+    if job.options.method == "eagle3":
+        raise SPDError("online training is for PDMs (--method spd or ppsd) for now; train "
+                       "the EAGLE-3 head with --mode cached")
+    corpus = CorpusConfig(sources=list(args.data or ["sharegpt"]), max_len=args.max_len,
+                          too_long=args.too_long, holdout=args.holdout, seed=args.seed)
+    cfg = pdm_train_config(training.get(args.method), job)
+    epochs = args.epochs if args.epochs is not None else (None if args.steps else 1.0)
+    return train_online(job.target, corpus, cfg, args.out, group=group, epochs=epochs,
+                        regenerate_tokens=args.response_tokens if args.regenerate else 0,
+                        regenerate_batch=args.regenerate_batch,
+                        regenerate_dtype=getattr(torch, args.distill_dtype)
+                        if args.distill_dtype else None, storage=args.storage)
+
+
+def _train_cached(args, method, job: TrainJob, group) -> dict:
+    import torch
+
+    from spd.data.assets import cache_dir
+    from spd.model.partition import default_anchors
+    from spd.train.distill import FeatureSet, build_sequences, cached_sequences, extract_features
+    target, layout = job.target, job.layout
+    if group.world > 1 and method.name == "eagle3":
+        raise SPDError("the EAGLE-3 head trains in one process; start it without torchrun")
     # The default features folder is keyed by the target and by every option that shapes the
     # data, so other data options build their own features instead of reusing these.
     data_options = {k: getattr(args, k) for k in DATA_OPTIONS}
@@ -141,18 +299,19 @@ def cmd_train(args) -> int:
     feat_anchors = sorted(set(default_anchors(target.num_layers)) | set(layout.anchors)
                           | set(method.feature_layers(target.num_layers)))
     meta = Path(feat_dir) / "meta.json"
-    if not meta.exists() or _unfinished(meta):
+    if group.main and (not meta.exists() or _unfinished(meta)):
         seqs = cached_sequences(Path(feat_dir) / "sequences.json", lambda: build_sequences(
             target, conversations=args.conversations, self_distill_prompts=args.self_distill,
             max_len=args.max_len, response_tokens=args.response_tokens, seed=args.seed,
             skip=args.data_skip, code_prompts=args.code_prompts, code_roots=args.code_roots,
             distill_dtype=getattr(torch, args.distill_dtype) if args.distill_dtype else None))
         extract_features(target, seqs, feat_anchors, feat_dir)
+    group.sum_floats([0.0], "the end of feature extraction")  # rank 0 built the cache
     features = FeatureSet(list(args.extra_features) + [feat_dir], target)
     final = method.run(TrainJob(target=target, features=features, layout=layout,
-                                precision=precision, fill_weights=fill_weights, options=args))
-    print(json.dumps({"out": args.out, "final": final}))
-    return 0
+                                precision=job.precision, fill_weights=job.fill_weights,
+                                options=args, group=group))
+    return {"out": args.out, "mode": "cached", "ranks": group.world, "final": final}
 
 
 # the flags that decide which sequences the features are extracted from
@@ -163,4 +322,3 @@ DATA_OPTIONS = ("conversations", "self_distill", "max_len", "response_tokens", "
 def _unfinished(meta_path) -> bool:
     meta = json.loads(meta_path.read_text())
     return not meta.get("shards") or not meta.get("complete")
-

@@ -213,13 +213,15 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
                                     device=like.device, dtype=like.dtype)
         return self._rope
 
-    def forward_train(self, anchors: torch.Tensor, tl) -> torch.Tensor:
+    def forward_train(self, anchors: torch.Tensor, tl, head: bool = True) -> torch.Tensor:
         """Training forward over a `train_layout.TrainLayout`: draft logits of the loss rows.
 
-        anchors [m, T, d_target] of one sequence; returns [T, draft_vocab] (fp32).
+        anchors [m, T, d_target] of one sequence (or of several packed: spd.train.layout);
+        returns [T, draft_vocab] (fp32), or with head=False the normed hidden states [T, hidden]
+        the LM head reads (a trainer that applies the frozen head itself).
         """
         c = self.config
-        x = self.features(anchors[:, tl.position], tl.types)
+        x = self.features(anchors[:, tl.tokens], tl.types)
         cos, sin = self._rope_for(int(tl.position.max()) + 1, x)
         cos, sin = cos[tl.position], sin[tl.position]
         last = len(self.layers) - 1
@@ -231,7 +233,7 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
             x = decoder_layer_step(layer, x, cos, sin, None, None, 0, c.num_heads,
                                    c.num_kv_heads, c.head_dim, mask=tl.mask,
                                    rows=tl.loss_rows if i == last else None)
-        return self.lm_head(self.norm(x)).float()
+        return self.lm_head(self.norm(x)).float() if head else self.norm(x)
 
     @torch.no_grad()
     def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:

@@ -15,6 +15,10 @@ Row (copy 0, position t) then computes, through every layer, exactly the draft r
 whose newest token is t; the loss is taken on copy 0. Replicating per depth rather than per
 aggregation type is what makes this exact for several layers: two depths of one type see
 different windows. The cost is (fill + 1) copies of the sequence.
+
+Several sequences train in one forward by packing: their layouts are laid side by side (a
+block-diagonal mask, so no row sees another sequence), positions restart at 0 in each, and
+`token` says which token of the packed anchors [m, sum T, d] a row reads.
 """
 from __future__ import annotations
 
@@ -32,6 +36,11 @@ class TrainLayout:
     types: torch.Tensor      # [R] aggregation type of each row
     mask: torch.Tensor       # [R, R] bool, True where a row may attend to a key
     loss_rows: torch.Tensor  # [T] row index of (copy 0, position p) for p = 0..T-1
+    token: torch.Tensor | None = None  # [R] token each row reads (None: its position)
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.position if self.token is None else self.token
 
 
 def copies_for_fill(n: int, fill: int) -> list[int]:
@@ -57,3 +66,25 @@ def training_layout(seq_len: int, layout: DepthLayout, fill: int, device=None,
                                  device=device)
     return TrainLayout(depth, position, type_of_depth[depth], mask,
                        torch.arange(seq_len, device=device))
+
+
+def packed_layout(lengths: list[int], layout: DepthLayout, fills: list[int], device=None,
+                  shift: int = 0) -> TrainLayout:
+    """Sequences of `lengths` tokens, each at its own fill level, in one layout: rows of
+    sequence i after those of sequence i-1, attending only inside their own sequence; loss rows
+    in token order (sequence by sequence). One sequence gives training_layout's layout."""
+    if len(lengths) != len(fills) or not lengths:
+        raise ValueError(f"one fill level per sequence: {len(lengths)} lengths, {len(fills)} fills")
+    parts = [training_layout(t, layout, f, device, shift) for t, f in zip(lengths, fills)]
+    if len(parts) == 1:
+        return parts[0]
+    rows = [len(p.depth) for p in parts]
+    row_start = torch.tensor([0] + rows[:-1], device=device).cumsum(0).tolist()
+    tok_start = torch.tensor([0] + list(lengths[:-1]), device=device).cumsum(0).tolist()
+    return TrainLayout(
+        depth=torch.cat([p.depth for p in parts]),
+        position=torch.cat([p.position for p in parts]),
+        types=torch.cat([p.types for p in parts]),
+        mask=torch.block_diag(*[p.mask.to(torch.uint8) for p in parts]).bool(),
+        loss_rows=torch.cat([p.loss_rows + r for p, r in zip(parts, row_start)]),
+        token=torch.cat([p.position + t for p, t in zip(parts, tok_start)]))

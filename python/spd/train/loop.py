@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import pickle
 import random
+import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -177,4 +178,102 @@ def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
     return cfg.history
 
 
-__all__ = ["PRECISIONS", "STATE", "crop", "load_state", "lr_at", "resolve_precision", "run_loop"]
+HISTORY = "history.json"
+
+
+def _autocast(params, precision: str):
+    if precision not in ("fp32", "bf16"):
+        raise SPDError(f"training precision must be fp32 or bf16 (resolve 'auto' first), "
+                       f"got {precision!r}")
+    return torch.autocast(params[0].device.type, dtype=torch.bfloat16,
+                          enabled=precision == "bf16")
+
+
+def _rounded(record: dict) -> dict:
+    return {k: round(v, 4) if isinstance(v, float) else v for k, v in record.items()}
+
+
+def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate: Callable,
+              config: dict, same_run: Callable, desc: str, group=None,
+              progress: bool = True) -> list[dict]:
+    """Train `model` for cfg.steps optimiser steps on streamed micro-batches; returns the
+    history (also kept in cfg.history and, on rank 0, in out/history.json).
+
+    batches.step(s) -> this rank's micro-batches of step s (spd.train.batches);
+    batch_loss(micro_batch) -> (sum of the loss over its loss tokens [scalar tensor], loss tokens,
+    tokens whose draft equals the target's argmax, tokens); evaluate() -> dict of held-out
+    metrics (rank 0 only). The loss of a step is the sum over the global batch divided by its
+    loss tokens, over every rank (group: spd.train.ranks.RankGroup) and micro-batch: the same
+    step on 1 or N ranks, with any accumulation. A run started again on the same folder resumes
+    from its last checkpoint (weights, optimiser, step; the data position follows from the step).
+    """
+    from spd.train.ranks import RankGroup, fault_now
+    group = group or RankGroup()
+    params = [p for p in model.parameters() if p.requires_grad]
+    autocast = _autocast(params, cfg.precision)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    step = 0
+    state_path = out / STATE
+    if state_path.exists():  # resume
+        st = load_state(state_path)
+        if not same_run(st["config"]):
+            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
+        check_resume(st["config"], config, out)
+        model.load_state_dict(st["model"])
+        opt.load_state_dict(st["opt"])
+        step = st["step"]
+        cfg.history = st["history"]
+    model.train()
+    bar = tqdm(total=cfg.steps, initial=step, desc=desc, unit="step",
+               disable=not (progress and group.main), dynamic_ncols=True)
+    start, done_tokens, last_eval = time.perf_counter(), 0.0, {}
+    while step < cfg.steps:
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        sums = [0.0, 0.0, 0.0, 0.0]  # loss, loss tokens, agreeing tokens, tokens
+        for micro in batches.step(step):
+            with autocast:
+                loss_sum, valid, agree, tokens = batch_loss(micro)
+            loss_sum.backward()
+            fault_now(group.rank, step + 1)
+            for i, v in enumerate((float(loss_sum.detach()), valid, agree, tokens)):
+                sums[i] += v
+        loss_sum, valid, agree, tokens = group.sum_floats(sums, "the step's loss")
+        group.sum_gradients_(params, 1.0 / max(valid, 1.0))
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += 1
+        done_tokens += tokens
+        rate = done_tokens / max(time.perf_counter() - start, 1e-9)
+        record = {"step": step, "loss": loss_sum / max(valid, 1.0),
+                  "top1": agree / max(tokens, 1.0), "tokens": int(tokens),
+                  "lr": lr_at(step - 1, cfg)}
+        if group.main and (step % cfg.eval_every == 0 or step == cfg.steps):
+            model.eval()
+            with torch.no_grad():
+                last_eval = evaluate()
+            model.train()
+            record.update(last_eval)
+            bar.write(json.dumps(_rounded(record)))
+        cfg.history.append(record)
+        bar.update(1)
+        bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}",
+                        **({"accept": f"{last_eval['accept']:.3f}"} if "accept" in last_eval
+                           else {}))
+        if group.main and (step % cfg.save_every == 0 or step == cfg.steps):
+            save_state({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                        "history": cfg.history, "config": config}, state_path)
+            write_history(out, cfg.history)
+    bar.close()
+    model.eval()
+    return cfg.history
+
+
+def write_history(out: Path, history: list[dict]) -> None:
+    from spd.data.files import write_text_atomic
+    write_text_atomic(out / HISTORY, json.dumps(history))
+
+
+__all__ = ["HISTORY", "PRECISIONS", "STATE", "crop", "load_state", "lr_at", "resolve_precision",
+           "run_loop", "run_steps", "write_history"]

@@ -44,6 +44,7 @@ class TrainJob:
     precision: str                     # "fp32" or "bf16" (--precision resolved)
     fill_weights: list[float] | None   # --fill-weights parsed and checked
     options: Namespace                 # every `spd train` flag as parsed
+    group: Any = None                  # spd.train.ranks.RankGroup (None: one process)
 
 
 def _no_layers(num_layers: int) -> Sequence[int]:
@@ -81,26 +82,35 @@ class TrainMethod:
         return self.train(self, job)
 
 
+def pdm_train_config(method: TrainMethod, job: TrainJob):
+    """The PDM trainer's settings (spd.train.trainer.TrainConfig) from the flags and the
+    method's defaults."""
+    from spd.train.trainer import TrainConfig
+    o, layout = job.options, job.layout
+    return TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
+                       pdm_layers=o.pdm_layers or method.pdm_layers,
+                       method=method.name, init_from=o.init_from,
+                       intermediate_size=o.intermediate_size or 768,
+                       draft_vocab_size=o.draft_vocab_size, steps=o.steps or 1,
+                       batch_sequences=o.batch, micro_batch=getattr(o, "micro_batch", 0),
+                       pack_tokens=getattr(o, "pack_tokens", 0), lr=o.lr,
+                       eval_every=o.eval_every, save_every=o.eval_every, max_len=o.max_len,
+                       seed=o.seed, eval_sequences=o.eval_sequences,
+                       features=o.feature_timing or method.feature_timing, crop_len=o.crop_len,
+                       fill_weights=job.fill_weights, argmax_weight=o.argmax_weight,
+                       precision=job.precision)
+
+
 def train_pdm(method: TrainMethod, job: TrainJob) -> dict:
     """Train a PDM with the method's defaults (SPD's and PPSD's trainer: spd.train.trainer)."""
-    from spd.train.trainer import TrainConfig, train
-    o, layout = job.options, job.layout
-    cfg = TrainConfig(n_stages=layout.n, split=layout.split, anchors=list(layout.anchors),
-                      pdm_layers=o.pdm_layers or method.pdm_layers,
-                      method=method.name, init_from=o.init_from,
-                      intermediate_size=o.intermediate_size or 768,
-                      draft_vocab_size=o.draft_vocab_size, steps=o.steps,
-                      batch_sequences=o.batch, lr=o.lr, eval_every=o.eval_every,
-                      save_every=o.eval_every, max_len=o.max_len, seed=o.seed,
-                      eval_sequences=o.eval_sequences,
-                      features=o.feature_timing or method.feature_timing, crop_len=o.crop_len,
-                      fill_weights=job.fill_weights, argmax_weight=o.argmax_weight,
-                      precision=job.precision)
-    return train(job.target, job.features, cfg, o.out, storage=o.storage)
+    from spd.train.trainer import train
+    return train(job.target, job.features, pdm_train_config(method, job), job.options.out,
+                 storage=job.options.storage, group=job.group)
 
 
 SPD = TrainMethod("spd", summary="a PDM on multi-depth features", train=train_pdm,
                   feature_timing="pre-step", pdm_layers=2)
 
 
-__all__ = ["ARGMAX_MESSAGE", "Refusal", "SPD", "TrainJob", "TrainMethod", "train_pdm"]
+__all__ = ["ARGMAX_MESSAGE", "Refusal", "SPD", "TrainJob", "TrainMethod", "pdm_train_config",
+           "train_pdm"]

@@ -1,14 +1,16 @@
 """PDM training by distillation from the frozen target (docs/training.md).
 
-Every step takes sequences of cached target features, samples a fill level per sequence (full
-with probability `full_fill_prob`, else uniform in 1..n-1; or from `fill_weights`, one weight per
-fill level 1..n, to match how often each occurs at inference), lays the sequence out with
-`train_layout.training_layout` so each draft row sees exactly what it would see at inference,
-and minimises KL(target || draft) on the draft vocabulary (plus, with `argmax_weight` > 0, that
-weight times the cross-entropy of the target's argmax: greedy decoding accepts a draft only when
-it is that token, which the KL weighs no more than the rest of the distribution). Positions
-whose target argmax lies outside the draft vocabulary are left out of the loss (the draft can
-never propose it).
+Every step takes sequences with the target's features (computed now by the frozen target:
+online, spd.train.teacher; or read from the feature cache: spd.train.distill), samples a fill
+level per sequence (full with probability `full_fill_prob`, else uniform in 1..n-1; or from
+`fill_weights`, one weight per fill level 1..n, to match how often each occurs at inference),
+lays the sequences out with spd.train.layout so each draft row sees exactly what it would see at
+inference (several sequences packed into one forward), and minimises KL(target || draft) on the
+draft vocabulary (plus, with `argmax_weight` > 0, that weight times the cross-entropy of the
+target's argmax: greedy decoding accepts a draft only when it is that token, which the KL weighs
+no more than the rest of the distribution). Positions whose target argmax lies outside the draft
+vocabulary are left out of the loss (the draft can never propose it). The loss of a step is the
+mean over the loss tokens of its whole global batch (every rank and micro-batch).
 Checkpoints every `save_every` steps; a run started again on the same output folder resumes.
 """
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch.nn.functional as F
 from spd.draft.pdm import PipelineDraftModule, pdm_config_for
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
-from spd.train.layout import training_layout
-from spd.train.loop import STATE, crop, run_loop
+from spd.train.batches import BatchPlan, CachedBatches, Piece, packs
+from spd.train.estimate import projected_acceptance, projected_alpha
+from spd.train.layout import packed_layout
+from spd.train.loop import STATE, crop, run_steps
 
 
 @dataclass
@@ -36,7 +40,9 @@ class TrainConfig:
     intermediate_size: int = 768
     draft_vocab_size: int = 8192
     steps: int = 1000
-    batch_sequences: int = 2
+    batch_sequences: int = 2    # the global batch: sequences per step, every rank together
+    micro_batch: int = 0         # sequences per forward on one rank (0: the whole rank's share)
+    pack_tokens: int = 0         # tokens packed into one PDM forward (0: one sequence each)
     lr: float = 1e-3
     warmup: int = 50
     weight_decay: float = 0.0
@@ -159,7 +165,7 @@ def _anchor_index(features_anchors: list[int], wanted: list[int]) -> list[int]:
 
 
 class Distiller:
-    """Computes the training loss of one sequence for a given fill level."""
+    """Computes the training loss of sequences at given fill levels."""
 
     def __init__(self, target, pdm, feature_anchors: list[int], argmax_weight: float = 0.0):
         self.pdm = pdm
@@ -167,49 +173,91 @@ class Distiller:
         self.layout = pdm.layout
         self.slots = _anchor_index(feature_anchors, list(self.layout.anchors))
         vocab = pdm.draft_to_target
-        self.head = target.lm_head.weight.detach().float()[vocab]  # target logits on draft vocab
-        self.in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool)
+        device = vocab.device
+        self.head = target.lm_head.weight.detach().float()[vocab.to(target.device)].to(device)
+        self.in_vocab = torch.zeros(target.vocab_size, dtype=torch.bool, device=device)
         self.in_vocab[vocab] = True
-        self.draft_index = torch.zeros(target.vocab_size, dtype=torch.long)  # target id -> row
-        self.draft_index[vocab] = torch.arange(len(vocab))
+        self.draft_index = torch.zeros(target.vocab_size, dtype=torch.long, device=device)
+        self.draft_index[vocab] = torch.arange(len(vocab), device=device)  # target id -> row
         self._layouts = {}
+        self._cast: dict = {}  # (which head, dtype) -> the frozen head cast once under autocast
         self.shift = 1 if pdm.config.features == "post-step" else 0
 
-    def layout_for(self, length: int, fill: int):
-        key = (length, fill)
+    def _logits(self, hidden: torch.Tensor, draft: bool) -> torch.Tensor:
+        """hidden [T, d] through the draft head (draft=True; frozen, init_pdm) or the target's
+        head on the draft vocabulary -> [T, draft_vocab] fp32. Under autocast each head is cast
+        once per run, not on every call (autocast caches only weights that train)."""
+        head = self.pdm.lm_head.weight if draft else self.head
+        if head.requires_grad or not torch.is_autocast_enabled(hidden.device.type):
+            return F.linear(hidden, head).float()
+        dtype = torch.get_autocast_dtype(hidden.device.type)
+        key = (draft, dtype, head.data_ptr(), head._version)
+        if key not in self._cast:
+            self._cast = {k: v for k, v in self._cast.items() if k[0] != draft}
+            self._cast[key] = head.detach().to(dtype)
+        return F.linear(hidden.to(dtype), self._cast[key]).float()
+
+    def layout_for(self, lengths: tuple[int, ...], fills: tuple[int, ...]):
+        key = (lengths, fills)
         if key not in self._layouts:
             if len(self._layouts) > 64:
                 self._layouts.clear()
-            self._layouts[key] = training_layout(length, self.layout, fill, shift=self.shift)
+            self._layouts[key] = packed_layout(list(lengths), self.layout, list(fills),
+                                               device=self.in_vocab.device, shift=self.shift)
         return self._layouts[key]
 
-    def loss(self, item, fill: int, kl_only: bool = False):
-        """(mean loss over valid positions, #valid, top-1 agreement with the target's argmax).
-
-        The loss is the KL, plus `argmax_weight` times the argmax cross-entropy unless
-        `kl_only` (evaluation reports the KL alone, comparable across runs)."""
-        anchors = item["anchors"][self.slots].float()
-        tl = self.layout_for(anchors.shape[1], fill)
-        q_logits = self.pdm.forward_train(anchors, tl)
-        p_logp = F.log_softmax(item["final"].float() @ self.head.t(), dim=-1)
+    def _terms(self, items: list[dict], fills: list[int], kl_only: bool):
+        """Per-position loss [T], loss mask [T] and draft-equals-argmax [T] of items laid out
+        side by side (T: their tokens together)."""
+        dev = self.in_vocab.device
+        # float before cat: autocast refuses to concatenate fp16 cache tensors on a CPU
+        anchors = torch.cat([it["anchors"][self.slots].to(dev).float() for it in items], dim=1)
+        final = torch.cat([it["final"].to(dev).float() for it in items])
+        argmax = torch.cat([it["argmax"] for it in items]).to(dev).long()
+        tl = self.layout_for(tuple(len(it["tokens"]) for it in items), tuple(fills))
+        q_logits = self._logits(self.pdm.forward_train(anchors, tl, head=False), draft=True)
+        p_logp = F.log_softmax(self._logits(final, draft=False), dim=-1)
         q_logp = F.log_softmax(q_logits, dim=-1)
-        valid = self.in_vocab[item["argmax"].long()]
         per_row = (p_logp.exp() * (p_logp - q_logp)).sum(-1)
         if self.argmax_weight and not kl_only:
-            rows = self.draft_index[item["argmax"].long()]
+            rows = self.draft_index[argmax]
             per_row = per_row - self.argmax_weight * q_logp.gather(-1, rows[:, None])[:, 0]
+        agree = self.pdm.draft_to_target[q_logits.argmax(-1)] == argmax
+        return per_row, self.in_vocab[argmax], agree
+
+    def loss(self, item, fill: int, kl_only: bool = False):
+        """(mean loss over valid positions, #valid, top-1 agreement with the target's argmax)
+        of one sequence. The loss is the KL, plus `argmax_weight` times the argmax
+        cross-entropy unless `kl_only` (evaluation reports the KL alone, comparable across
+        runs)."""
+        per_row, valid, agree = self._terms([item], [fill], kl_only)
         nvalid = int(valid.sum())
-        loss = (per_row * valid).sum() / max(1, nvalid)
-        draft = self.pdm.draft_to_target[q_logits.argmax(-1)]
-        agree = (draft == item["argmax"].long()).float().mean()
-        return loss, nvalid, float(agree)
+        return (per_row * valid).sum() / max(1, nvalid), nvalid, float(agree.float().mean())
+
+    def sums(self, pieces: list[Piece], pack_tokens: int = 0):
+        """(loss summed over the loss tokens [scalar tensor], loss tokens, agreeing tokens,
+        tokens) of a micro-batch, its pieces packed into forwards of <= pack_tokens tokens."""
+        total, valid_n, agree_n, tokens = None, 0, 0, 0
+        for pack in packs(pieces, pack_tokens):
+            per_row, valid, agree = self._terms([p.item for p in pack], [p.fill for p in pack],
+                                                False)
+            part = (per_row * valid).sum()
+            total = part if total is None else total + part
+            valid_n += int(valid.sum())
+            agree_n += int(agree.sum())
+            tokens += len(agree)
+        return total, valid_n, agree_n, tokens
 
 
 @torch.no_grad()
 def evaluate(distiller: Distiller, items) -> dict:
+    """Held-out KL and top-1 agreement at every fill level, and what they project: `accept`,
+    the share of judged drafts accepted, and `S_est`, the theoretical speedup, if each draft
+    made at fill f were accepted with its top-1 rate (greedy, PDM alone, no context lookup;
+    spd.train.estimate)."""
     n = distiller.layout.n
-    out = {}
-    for fill in sorted({1, n}):
+    out, top1 = {}, []
+    for fill in range(1, n + 1):
         losses, agrees = [], []
         for it in items:
             loss, _, agree = distiller.loss(it, fill, kl_only=True)
@@ -217,43 +265,68 @@ def evaluate(distiller: Distiller, items) -> dict:
             agrees.append(agree)
         out[f"fill{fill}_kl"] = sum(losses) / len(losses)
         out[f"fill{fill}_top1"] = sum(agrees) / len(agrees)
+        top1.append(out[f"fill{fill}_top1"])
+    out["accept"] = projected_acceptance(top1)
+    out["S_est"] = projected_alpha(top1) * n
     return out
 
 
+def fill_sampler(n: int, cfg: TrainConfig):
+    return lambda rng: sample_fill(rng, n, cfg)
+
+
 def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
-          storage: str = "int8") -> dict:
-    """Train a PDM on a FeatureSet; writes the checkpoint to out_dir and returns the summary."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    layout = DepthLayout.build(target.num_layers, cfg.n_stages, cfg.split, cfg.anchors)
+          storage: str = "int8", group=None) -> dict:
+    """Train a PDM on a FeatureSet (the cached path); writes the checkpoint to out_dir and
+    returns the last history record."""
     if len(features) <= cfg.eval_sequences:
         raise SPDError(f"only {len(features)} sequences of features: need more than the "
                        f"{cfg.eval_sequences} held out for evaluation")
     held_out = [crop(x, cfg.crop_len, None) for x in features.items[-cfg.eval_sequences:]]
     train_items = features.items[:-cfg.eval_sequences]
     vocab = build_draft_vocab(features.argmax_counts(target.vocab_size), cfg.draft_vocab_size)
-    pdm = init_pdm(target, layout, cfg, vocab)
+
+    def batches(plan, rank, n):
+        return CachedBatches(train_items, plan, rank, cfg.crop_len, cfg.seed,
+                             fill_sampler(n, cfg))
+    return fit(target, cfg, out_dir, vocab=vocab, feature_anchors=features.anchors,
+               held_out=held_out, make_batches=batches, data_id=features.data_id(),
+               train_tokens=features.token_count() - sum(len(x["tokens"]) for x in held_out),
+               progress=progress, storage=storage, group=group)
+
+
+def fit(target, cfg: TrainConfig, out_dir, *, vocab, feature_anchors, held_out, make_batches,
+        data_id: str, train_tokens, progress: bool = True, storage: str = "int8", group=None,
+        extra: dict | None = None) -> dict:
+    """The PDM training run both paths share: build (or resume) the PDM, train it on
+    make_batches(plan, rank, n) (spd.train.batches), evaluate on `held_out` items, save."""
+    from spd.train.ranks import RankGroup
+    group = group or RankGroup()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    layout = DepthLayout.build(target.num_layers, cfg.n_stages, cfg.split, cfg.anchors)
+    micro = cfg.micro_batch or cfg.batch_sequences // group.world
+    plan = BatchPlan(cfg.batch_sequences, max(1, micro), group.world)
+    pdm = init_pdm(target, layout, cfg, vocab).to(group.device)
     if cfg.init_from and not (out / STATE).exists():
         copied = warm_start(pdm, cfg.init_from)
-        if progress:
+        if progress and group.main:
             print(f"[spd] warm start from {cfg.init_from}: {len(copied)} tensors copied")
-    distiller = Distiller(target, pdm, features.anchors, cfg.argmax_weight)
-
-    def item_loss(item, rng):
-        loss, _, agree = distiller.loss(item, sample_fill(rng, layout.n, cfg))
-        return loss, agree
+    distiller = Distiller(target, pdm, feature_anchors, cfg.argmax_weight)
 
     def same_run(saved: dict) -> bool:
         return all(saved.get(k) == getattr(cfg, k) for k in ("n_stages", "anchors", "features"))
 
-    run_loop(pdm, cfg, out, train_items, held_out, item_loss=item_loss,
-             evaluate=lambda items: evaluate(distiller, items),
-             config=dict(asdict(cfg), data=features.data_id()),
-             same_run=same_run, desc=f"training PDM (n={layout.n})", progress=progress)
-    pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
-                            final_eval={k: v for k, v in cfg.history[-1].items()},
-                            train_tokens=features.token_count() - sum(
-                                len(x["tokens"]) for x in held_out))
-    pdm.save(out, storage=storage)
-    (out / "history.json").write_text(json.dumps(cfg.history))
-    return cfg.history[-1] if cfg.history else {}
+    run_steps(pdm, cfg, out, make_batches(plan, group.rank, layout.n),
+              batch_loss=lambda micro: distiller.sums(micro, cfg.pack_tokens),
+              evaluate=lambda: evaluate(distiller, held_out),
+              config=dict(asdict(cfg), data=data_id, ranks=group.world), same_run=same_run,
+              desc=f"training PDM (n={layout.n})", group=group, progress=progress)
+    last = cfg.history[-1] if cfg.history else {}
+    if group.main:
+        pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
+                                final_eval=dict(last), train_tokens=train_tokens,
+                                **(extra or {}))
+        pdm.save(out, storage=storage)
+        (out / "history.json").write_text(json.dumps(cfg.history))
+    return last
