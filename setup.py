@@ -218,7 +218,8 @@ setup(
               + find_packages(".", include=["spd_kernels", "spd_kernels.*"])),
     package_dir={"spd": "python/spd", "spd_kernels": "spd_kernels"},
     # Trained PDMs shipped for the default model (int8, a few MB each); py.typed: PEP 561.
-    package_data={"spd": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors", "py.typed"],
+    package_data={"spd": ["checkpoints/*/*.json", "checkpoints/*/*.safetensors", "py.typed",
+                          "data/*.jsonl"],
                   "spd_kernels": ["py.typed"]},
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildExt},

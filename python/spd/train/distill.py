@@ -11,7 +11,6 @@ logits are lm_head of it, recomputed on the draft vocabulary at train time), the
 """
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import random
@@ -23,58 +22,29 @@ from tqdm import tqdm
 from spd.data.files import save_safetensors, write_text_atomic
 from spd.errors import SPDError
 from spd.model.target import Stage
+from spd.train.corpus import encode_conversation
+from spd.train.regenerate import generate_answers, prompt_ids
 
 META = "meta.json"
 
 
 # --- sequences --------------------------------------------------------------------------------
 def _encode(tokenizer, conversation) -> list[int]:
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template(conversation, tokenize=True)
-        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    return tokenizer("\n".join(t["content"] for t in conversation))["input_ids"]
+    return encode_conversation(tokenizer, conversation)
 
 
 def _prompt_ids(tokenizer, text) -> list[int]:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                        add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return prompt_ids(tokenizer, [{"role": "user", "content": text}])
 
 
-@torch.no_grad()
 def self_distill(target, prompts: list[str], max_new_tokens: int, max_prompt: int = 256,
                  batch_size: int = 16, dtype: torch.dtype | None = None) -> list[list[int]]:
-    """prompt + the target's greedy response, for each prompt (batched, left-padded).
-
-    `dtype` generates with a copy of the target in that dtype (bf16 on a CPU with avx512_bf16
-    is ~1.8x faster than fp32). The responses are then the target's greedy text at that
-    precision; the features and logits trained on are still extracted at the target's own."""
-    tok = target.tokenizer
-    hf = target.hf
-    if dtype is not None and dtype != target.dtype:
-        hf = copy.deepcopy(hf).to(dtype)  # never cast the target itself: fp32 -> bf16 is lossy
-    pad = tok.pad_token_id if tok.pad_token_id is not None else min(target.eos_token_ids)
-    eos = set(target.eos_token_ids)
-    out = []
-    encoded = [_prompt_ids(tok, p)[-max_prompt:] for p in prompts]
-    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))  # less padding
-    results = {}
-    for b in tqdm(range(0, len(order), batch_size), desc="self-distillation", unit="batch"):
-        idx = order[b:b + batch_size]
-        width = max(len(encoded[i]) for i in idx)
-        ids = torch.full((len(idx), width), pad, dtype=torch.long)
-        attn = torch.zeros((len(idx), width), dtype=torch.long)
-        for r, i in enumerate(idx):
-            ids[r, width - len(encoded[i]):] = torch.tensor(encoded[i])
-            attn[r, width - len(encoded[i]):] = 1
-        gen = hf.generate(ids.to(target.device), attention_mask=attn.to(target.device),
-                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-        for r, i in enumerate(idx):
-            resp = gen[r, width:].tolist()
-            cut = next((k + 1 for k, t in enumerate(resp) if t in eos), len(resp))
-            results[i] = encoded[i] + resp[:cut]
-    out = [results[i] for i in range(len(encoded))]
-    return out
+    """prompt + the target's greedy response, for each prompt (spd.train.regenerate: batched,
+    left-padded; `dtype` generates with a copy of the target in that dtype, the features and
+    logits trained on are still extracted at the target's own)."""
+    encoded = [_prompt_ids(target.tokenizer, p)[-max_prompt:] for p in prompts]
+    answers = generate_answers(target, encoded, max_new_tokens, batch_size, dtype)
+    return [e + a for e, a in zip(encoded, answers)]
 
 
 def cached_sequences(path, build) -> list[list[int]]:
@@ -116,11 +86,15 @@ def build_sequences(target, *, conversations: int, self_distill_prompts: int, ma
     tok = target.tokenizer
     convs = []
     if self_distill_prompts or conversations:  # code prompts alone need no ShareGPT (~27 MB)
-        keys = eval_prompt_keys() if exclude_eval else set()
+        # the order (and what --data-skip passes over) is that of the sets before heldout
+        keys = eval_prompt_keys(("mt_bench", "humaneval")) if exclude_eval else set()
         convs = [c for c in iter_sharegpt() if not contains_eval_prompt(c, keys)]
         convs += list(extra_conversations or [])
     rng = random.Random(seed)
     rng.shuffle(convs)
+    if exclude_eval and convs:
+        held = eval_prompt_keys(("heldout",))
+        convs = [c for c in convs if not contains_eval_prompt(c, held)]
     convs = convs[skip:]
     distill_src = convs[:self_distill_prompts]
     human_src = convs[self_distill_prompts:self_distill_prompts + conversations]
