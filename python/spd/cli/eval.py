@@ -56,6 +56,11 @@ def add_eval(sub) -> None:
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=None,
                    help="compare every output with autoregressive decoding (default: on at T=0)")
     p.add_argument("--json-out", default=None, help="write the report as JSON (single run)")
+    p.add_argument("--ar-cache", action="store_true",
+                   help="keep the autoregressive reference outputs of --check in "
+                        "$SPD_CACHE/ar-reference and reuse them: one AR decode per prompt "
+                        "serves every drafter compared on the same target, dtype, device and "
+                        "budget (single run)")
     add_lookup_arg(p)
     g = p.add_argument_group("comparison grid")
     g.add_argument("--methods", default=None,
@@ -105,7 +110,12 @@ def cmd_eval(args) -> int:
                        warn_untrained=False, lookup=check_lookup(args.lookup))
     if engine.pdm_source == "untrained":
         warn_untrained_pdm(detail=False)
-    report = run_eval(engine, sets, args.max_new_tokens, sampling, check)
+    references = None
+    if args.ar_cache:
+        from spd.data.assets import cache_dir
+        from spd.evaluation.evaluate import ReferenceStore
+        references = ReferenceStore(cache_dir() / "ar-reference")
+    report = run_eval(engine, sets, args.max_new_tokens, sampling, check, references=references)
     print(format_table(report))
     if args.json_out:
         write_json(report, args.json_out)

@@ -7,6 +7,7 @@ sum K) and overall.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -70,8 +71,40 @@ def summarise(rows: list[dict], n: int) -> dict:
             "lookup_acceptance": metrics.rate(t["lookup_accepted"], t["lookup_judged"])}
 
 
+class ReferenceStore:
+    """Autoregressive reference outputs kept on disk between evaluations (`spd eval --ar-cache`):
+    one greedy AR decode per prompt serves every drafter compared on it. An entry is keyed by the
+    target's fingerprint, dtype and device type, the kernel backend setting, the prompt's ids,
+    the token budget and the sampling parameters, so it is only reused for the same decode."""
+
+    def __init__(self, folder):
+        self.folder = Path(folder)
+
+    def _path(self, engine, ids: list[int], max_new_tokens: int, sampling) -> Path:
+        from spd_kernels.env import BACKEND
+        t = engine.target
+        key = json.dumps([t.fingerprint(), str(t.dtype), t.device.type, BACKEND.get(),
+                          list(ids), max_new_tokens, sampling.temperature, sampling.top_k,
+                          sampling.top_p, sampling.seed])
+        return self.folder / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
+
+    def reference(self, engine, ids: list[int], max_new_tokens: int, sampling) -> list[int]:
+        from spd.data.files import write_text_atomic
+        path = self._path(engine, ids, max_new_tokens, sampling)
+        if path.exists():
+            try:
+                return json.loads(path.read_text())["token_ids"]
+            except (ValueError, KeyError, OSError):
+                pass  # unreadable: decode again and rewrite it
+        ref = engine.generate_ar(ids, max_new_tokens, sampling).token_ids
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, json.dumps({"token_ids": ref}))
+        return ref
+
+
 def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling: SamplingParams,
-             check: bool, progress: bool = True) -> dict:
+             check: bool, progress: bool = True, references: ReferenceStore | None = None
+             ) -> dict:
     target = engine.target
     tok = target.tokenizer
     vocab = set(engine.pdm.draft_to_target.tolist()) if engine.pdm is not None else set()
@@ -82,6 +115,7 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
                          "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                          "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
                          "checked_against_ar": check,
+                         "ar_reference": "decoded" if references is None else "cache",
                          "lookup": getattr(getattr(engine, "drafter", None), "lookup", 0),
                          "device": describe_device(target.device)},
               "datasets": {}}
@@ -94,7 +128,8 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
             ids = encode_question(tok, q)
             res = engine.generate(ids, max_new_tokens, sampling)
             if check:
-                ref = engine.generate_ar(ids, max_new_tokens, sampling).token_ids
+                ref = (references.reference(engine, ids, max_new_tokens, sampling) if references
+                       else engine.generate_ar(ids, max_new_tokens, sampling).token_ids)
                 if ref != res.token_ids:
                     raise SPDError(f"{name} prompt {q['id']}: SPD output differs from the "
                                    "autoregressive output (this is a bug; please report it)")
@@ -144,5 +179,5 @@ def write_json(report: dict, path) -> None:
         raise SPDError(f"cannot write --json-out {path}: {exc.strerror or exc}") from exc
 
 
-__all__ = ["add_totals", "collect_sets", "encode_question", "format_table", "result_row",
+__all__ = ["ReferenceStore", "add_totals", "collect_sets", "encode_question", "format_table", "result_row",
            "run_eval", "summarise", "write_json"]
