@@ -10,7 +10,15 @@ takes conversations [--start, --start + --count) of that same order, drops the h
 then the target's greedy answer; rerunning resumes). Prompts are answered shortest first (a
 batch pads to its longest prompt), and those over --max-prompt tokens are passed over.
 
+`--split holdout` takes the held-out conversations of that range instead: a run's held-out
+evaluation reads them (spd train never trains on them). `--code-roots DIR...` takes code-completion
+prompts made from the documented functions of those package folders
+(spd.data.datasets.python_function_prompts; HumanEval's names excluded) instead of ShareGPT,
+shuffled with seed 0, [--start, --start + --count) of them.
+
     python benchmarks/make_drafter_data.py --out data/smollm2-r1 --start 4000 --count 3000
+    python benchmarks/make_drafter_data.py --out data/smollm2-r1-holdout --start 4000 \
+        --count 7200 --split holdout
 """
 from __future__ import annotations
 
@@ -24,7 +32,13 @@ from pathlib import Path
 import torch
 
 from spd.data.conversations import in_holdout
-from spd.data.datasets import contains_eval_prompt, eval_prompt_keys, iter_sharegpt
+from spd.data.datasets import (
+    contains_eval_prompt,
+    eval_prompt_keys,
+    humaneval_function_names,
+    iter_sharegpt,
+    python_function_prompts,
+)
 from spd.model.loading import load_target
 from spd.train.regenerate import prompt_ids, prompt_of, regenerate
 
@@ -50,11 +64,21 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--max-prompt", type=int, default=512)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--split", choices=("train", "holdout"), default="train")
+    p.add_argument("--code-roots", nargs="+", default=None, metavar="DIR")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    convs = [c for c in shuffled_sharegpt()[args.start:args.start + args.count]
-             if c is not None and not in_holdout(c, args.holdout)]
+    if args.code_roots:
+        names = humaneval_function_names()
+        pool = [p for root in args.code_roots for p in python_function_prompts(root, names)]
+        random.Random(0).shuffle(pool)
+        pool = [[{"role": "user", "content": p}] for p in pool]
+    else:
+        pool = shuffled_sharegpt()
+    held = args.split == "holdout"
+    convs = [c for c in pool[args.start:args.start + args.count]
+             if c is not None and in_holdout(c, args.holdout) == held]
     with open(out / "prompts.jsonl", "w") as f:
         for c in convs:
             f.write(json.dumps({"messages": c}, ensure_ascii=False) + "\n")
@@ -65,7 +89,8 @@ def main(argv=None) -> int:
     n = regenerate(target, by_length, out / "answers.jsonl", max_new_tokens=args.response_tokens,
                    max_prompt=args.max_prompt, batch_size=args.batch)
     (out / "made.json").write_text(json.dumps(
-        {"start": args.start, "count": args.count, "kept": len(convs), "answered_now": n,
+        {"start": args.start, "count": args.count, "split": args.split,
+         "code_roots": args.code_roots, "kept": len(convs), "answered_now": n,
          "seconds_now": round(time.perf_counter() - t0, 1), "dtype": args.dtype,
          "response_tokens": args.response_tokens, "holdout": args.holdout}, indent=1))
     print(f"{len(convs)} prompts, {n} answered now, in {time.perf_counter() - t0:.0f} s",

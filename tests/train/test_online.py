@@ -233,6 +233,13 @@ def test_online_training_through_the_cli(tiny_model, chat_data, tmp_path, capsys
     assert main(_train_args(tiny_model, [chat_data], tmp_path / "y", "--mode", "online",
                             "--code-prompts", "5")) == 2
     assert "--code-prompts" in capsys.readouterr().err
+    for extra, message in ((("--holdout", "1.5"), "--holdout must lie in [0, 1)"),
+                           (("--epochs", "0"), "--epochs must be > 0"),
+                           (("--batch", "3", "--micro-batch", "2"), "multiple of ranks x micro"),
+                           (("--method", "eagle3", "--mode", "online"), "online training is for")):
+        assert main(_train_args(tiny_model, [chat_data], tmp_path / "z", *extra)) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "z").exists()
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -195,6 +196,16 @@ def _check_numbers(args) -> None:
         raise SPDError(f"--regenerate-batch must be >= 1, got {args.regenerate_batch}")
     if not args.rank_timeout > 0:
         raise SPDError(f"--rank-timeout must be > 0 seconds, got {args.rank_timeout}")
+    if not 0 <= args.holdout < 1:
+        raise SPDError(f"--holdout must lie in [0, 1), got {args.holdout}")
+    if args.epochs is not None and not args.epochs > 0:
+        raise SPDError(f"--epochs must be > 0, got {args.epochs}")
+    if args.mode == "online" and args.method == "eagle3":
+        raise SPDError("online training is for PDMs (--method spd or ppsd) for now; train the "
+                       "EAGLE-3 head with --mode cached")
+    from spd.train.batches import BatchPlan
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+    BatchPlan(args.batch, args.micro_batch or max(1, args.batch // world), world)
     if args.data is not None:
         from spd.data.conversations import check_sources
         check_sources(args.data)

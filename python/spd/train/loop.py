@@ -86,7 +86,9 @@ def load_state(path: Path) -> dict:
 
 # Settings a run may change on resume (a longer run, other logging); any other difference would
 # mix two runs in one checkpoint.
-RESUMABLE = ("steps", "eval_every", "save_every", "history")
+# (ranks, micro-batches and packing change only the order of floating-point sums)
+RESUMABLE = ("steps", "eval_every", "save_every", "history", "peak_memory", "ranks",
+             "micro_batch", "pack_tokens")
 
 
 def check_resume(saved: dict, config: dict, out: Path) -> None:
@@ -248,7 +250,8 @@ def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate:
         rate = done_tokens / max(time.perf_counter() - start, 1e-9)
         record = {"step": step, "loss": loss_sum / max(valid, 1.0),
                   "top1": agree / max(tokens, 1.0), "tokens": int(tokens),
-                  "lr": lr_at(step - 1, cfg)}
+                  "lr": lr_at(step - 1, cfg),
+                  "time_s": round(time.perf_counter() - start, 3)}  # since this process began
         if group.main and (step % cfg.eval_every == 0 or step == cfg.steps):
             model.eval()
             with torch.no_grad():

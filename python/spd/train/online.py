@@ -126,8 +126,8 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
                held_out=held_out, make_batches=batches, data_id=data_id,
                train_tokens=stats.tokens, progress=progress, storage=storage, group=group,
                extra={"data": {"sources": list(corpus_cfg.sources), **stats.as_dict()}})
-    summary = {"out": str(out), "steps": cfg.steps, "ranks": group.world,
-               "data": stats.as_dict(), "final": last}
+    summary = {"out": str(out), "mode": "online", "steps": cfg.steps, "ranks": group.world,
+               "data": stats.as_dict(), "peak_memory_per_rank": cfg.peak_memory, "final": last}
     if group.main:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

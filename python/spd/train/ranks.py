@@ -55,7 +55,12 @@ class RankGroup:
         import torch.distributed as dist
         rank = int(os.environ["RANK"])
         if device.type == "cuda":
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            if local >= torch.cuda.device_count():
+                raise SPDError(f"rank {rank} needs cuda:{local}, but this machine shows "
+                               f"{torch.cuda.device_count()} GPU(s): start at most that many "
+                               "ranks per node (--nproc-per-node)")
+            device = torch.device("cuda", local)
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             backend = "nccl" if device.type == "cuda" else "gloo"
@@ -102,6 +107,15 @@ class RankGroup:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         return self.sum_(t, what).tolist()
 
+    def gather_floats(self, values: list[float]) -> list[list[float]]:
+        """Every rank's `values`, rank by rank (each rank gets them all)."""
+        if self.world == 1:
+            return [list(values)]
+        import torch.distributed as dist
+        out = [None] * self.world
+        dist.all_gather_object(out, list(values))
+        return out
+
     def all_equal(self, value: str, what: str) -> None:
         """Refuse to go on when ranks disagree on `value` (e.g. the configuration)."""
         if self.world == 1:
@@ -118,6 +132,15 @@ class RankGroup:
             import torch.distributed as dist
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def peak_memory_mb(device: torch.device) -> dict:
+    """This process's peak resident memory, and on a GPU the peak allocated there (MB)."""
+    import resource
+    out = {"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if device.type == "cuda":
+        out["gpu_mb"] = torch.cuda.max_memory_allocated(device) / 2 ** 20
+    return out
 
 
 def fault_now(rank: int, step: int) -> None:
@@ -145,4 +168,4 @@ def _stop_quietly_on_sigterm(rank: int) -> None:
     signal.signal(signal.SIGTERM, stop)
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankGroup", "RankLostError", "fault_now"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RankGroup", "RankLostError", "fault_now", "peak_memory_mb"]

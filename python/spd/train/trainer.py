@@ -65,6 +65,7 @@ class TrainConfig:
     precision: str = "fp32"      # or "bf16": the loss under bf16 autocast (train_loop)
     init_from: str | None = None  # warm start: copy every matching weight of this checkpoint
     history: list = field(default_factory=list)
+    peak_memory: list = field(default_factory=list)  # per rank, filled at the end of a run
 
 
 def check_fill_weights(weights, n: int) -> list[float]:
@@ -300,7 +301,7 @@ def fit(target, cfg: TrainConfig, out_dir, *, vocab, feature_anchors, held_out, 
         extra: dict | None = None) -> dict:
     """The PDM training run both paths share: build (or resume) the PDM, train it on
     make_batches(plan, rank, n) (spd.train.batches), evaluate on `held_out` items, save."""
-    from spd.train.ranks import RankGroup
+    from spd.train.ranks import RankGroup, peak_memory_mb
     group = group or RankGroup()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -323,10 +324,15 @@ def fit(target, cfg: TrainConfig, out_dir, *, vocab, feature_anchors, held_out, 
               config=dict(asdict(cfg), data=data_id, ranks=group.world), same_run=same_run,
               desc=f"training PDM (n={layout.n})", group=group, progress=progress)
     last = cfg.history[-1] if cfg.history else {}
+    peaks = group.gather_floats(list(peak_memory_mb(group.device).values()))
+    keys = list(peak_memory_mb(group.device))
+    cfg.peak_memory = [dict(zip(keys, p)) for p in peaks]  # per rank, for the run's summary
     if group.main:
-        pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items() if k != "history"},
+        pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items()
+                                       if k not in ("history", "peak_memory")},
                                 final_eval=dict(last), train_tokens=train_tokens,
                                 **(extra or {}))
         pdm.save(out, storage=storage)
         (out / "history.json").write_text(json.dumps(cfg.history))
+        (out / "memory.json").write_text(json.dumps({"peak_per_rank": cfg.peak_memory}))
     return last
