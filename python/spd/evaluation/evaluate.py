@@ -29,7 +29,8 @@ def encode_question(tokenizer, question: dict) -> list[int]:
 def result_row(question: dict, res) -> dict:
     """One decoded prompt's counts, as every evaluation records them."""
     st = res.stats
-    return {"id": question["id"], "N": st.N, "K": st.K, "judged": st.drafts_judged,
+    return {"id": question["id"], "category": question.get("category", ""), "N": st.N,
+            "K": st.K, "judged": st.drafts_judged,
             "accepted": st.drafts_accepted, "lookup_judged": st.lookup_judged,
             "lookup_accepted": st.lookup_accepted, "decode_s": st.decode_s,
             "draft_s": st.phase_s.get("draft", 0.0), "draft_calls": st.draft_calls,
@@ -141,6 +142,10 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
         all_rows += rows
     bar.close()
     report["overall"] = summarise(all_rows, engine.n)
+    categories = sorted({r["category"] for r in all_rows if r["category"]})
+    if len(categories) > 1:  # e.g. heldout's chat, code, math, multilingual
+        report["by_category"] = {c: summarise([r for r in all_rows if r["category"] == c],
+                                              engine.n) for c in categories}
     return report
 
 
@@ -148,7 +153,9 @@ def format_table(report: dict) -> str:
     hdr = (f"{'dataset':<12}{'prompts':>8}{'N':>7}{'K':>7}{'alpha':>8}{'S_theory':>10}"
            f"{'accept':>8}{'tok/s':>8}{'vocab cov':>10}{'lookup':>8}{'lk acc':>8}")
     lines = [hdr, "-" * len(hdr)]
-    for name, s in list(report["datasets"].items()) + [("overall", report["overall"])]:
+    rows = list(report["datasets"].items())
+    rows += [(f"  {c}", s) for c, s in report.get("by_category", {}).items()]
+    for name, s in rows + [("overall", report["overall"])]:
         lines.append(f"{name:<12}{s['prompts']:>8}{s['N']:>7}{s['K']:>7}{s['alpha']:>8.3f}"
                      f"{s['theoretical_speedup']:>10.2f}{s['acceptance_rate']:>8.2f}"
                      f"{s['decode_tok_s']:>8.1f}{s['draft_vocab_coverage']:>10.2f}"
