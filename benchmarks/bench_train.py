@@ -122,7 +122,7 @@ def shape_rows(name: str, args, device) -> list[dict]:
     def pdm_step(items):
         opt.zero_grad(set_to_none=True)
         with autocast:
-            loss, valid, _, _ = distiller.sums([Piece(x, f, i) for i, (x, f)
+            loss, valid, *_ = distiller.sums([Piece(x, f, i) for i, (x, f)
                                                 in enumerate(zip(items, fills))], args.pack)
         (loss / max(valid, 1)).backward()
         opt.step()

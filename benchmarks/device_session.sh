@@ -49,20 +49,7 @@ SUMMARY="$OUT/summary.txt"
 BUDGET="${SPD_DEVICE_BUDGET:-560}"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-step() {  # step NAME CAP_S LOG CMD...: run CMD for at most min(CAP_S, time left - 25 s)
-    local name=$1 cap=$2 log=$3; shift 3
-    local left=$((BUDGET - SECONDS - 25)) t0=$SECONDS rc
-    local limit=$(( cap < left ? cap : left ))
-    if (( limit < 10 )); then
-        printf '%-26s skipped: %ss of the budget left\n' "$name" "$((BUDGET - SECONDS))" \
-            | tee -a "$SUMMARY"
-        return
-    fi
-    timeout -k 5 "$limit" "$@" > "$log" 2>&1
-    rc=$?
-    printf '%-26s rc=%-4s %4ss of %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" \
-        "$(basename "$log")" | tee -a "$SUMMARY"
-}
+source benchmarks/device_steps.sh  # step NAME CAP_S LOG CMD...
 
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
     export TRITON_INTERPRET=1 SPD_SKIP_CUDA_BUILD=1

@@ -26,28 +26,15 @@ export PYTHONUNBUFFERED=1
 BUDGET="${SPD_DEVICE_BUDGET:-560}"
 SUMMARY="$OUT/train-summary.txt"
 : > "$SUMMARY"
-step() {  # step NAME CAP_S LOG CMD...: run CMD for at most min(CAP_S, time left - 20 s)
-    local name=$1 cap=$2 log=$3; shift 3
-    local left=$((BUDGET - SECONDS - 20)) t0=$SECONDS rc
-    local limit=$(( cap < left ? cap : left ))
-    if (( limit < 10 )); then
-        printf '%-14s skipped: %ss of the budget left\n' "$name" "$((BUDGET - SECONDS))" \
-            | tee -a "$SUMMARY"
-        return 1
-    fi
-    timeout -k 5 "$limit" "$@" > "$log" 2>&1
-    rc=$?
-    printf '%-14s rc=%-4s %4ss of %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$limit" \
-        "$(basename "$log")" | tee -a "$SUMMARY"
-    return $rc
-}
+source benchmarks/device_steps.sh  # step NAME CAP_S LOG CMD...
 
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
     export TRITON_INTERPRET=1
     DEV=cpu DEVICE=cpu
     SHAPE_ARGS=(--shapes smollm2-135m --seq-len 64 --micro-batch 2 --iters 1 --warmup 0)
     TRAIN_SECONDS="${SPD_TRAIN_SECONDS:-20}"
-    TRAIN_ARGS=(--batch 2 --crop-len 64 --max-len 256 --too-long cut --dtype bfloat16)
+    TRAIN_ARGS=(--batch 2 --crop-len 64 --max-len 256 --too-long cut --dtype bfloat16
+                --eval-sequences 2)
     EVAL_ARGS=(--limit 1 --max-new-tokens 16)
     if [[ -z "${SPD_TRAIN_DATA:-}" ]]; then  # a small file instead of all of ShareGPT
         SPD_TRAIN_DATA="$OUT/smoke-data.jsonl"
@@ -67,7 +54,8 @@ print(next((k for k in ('h200', 'h100', 'a100', 'b200') if k in name), 'gpu' if 
     DEVICE=cuda
     SHAPE_ARGS=(--shapes qwen3-4b,qwen3-8b --seq-len 2048 --micro-batch 4 --iters 5 --warmup 2)
     TRAIN_SECONDS="${SPD_TRAIN_SECONDS:-300}"
-    TRAIN_ARGS=(--batch 32 --micro-batch 32 --pack-tokens 2048 --crop-len 0 --max-len 2048)
+    TRAIN_ARGS=(--batch 32 --micro-batch 32 --pack-tokens 2048 --crop-len 0 --max-len 2048
+                --eval-sequences 16)
     EVAL_ARGS=(--max-new-tokens 128)
 fi
 LOGS="$OUT/train-logs"
@@ -96,12 +84,13 @@ else
             --data "${DATA[@]}" --init-from python/spd/checkpoints/smollm2-135m-instruct-n4
             --lr 2e-4 --storage int8 "${TRAIN_ARGS[@]}")
     # a few steps to time one, then as many as fit the time given (the schedule decays to 0)
+    # (the step times between the first step, which warms up, and the last, which evaluates)
     step calibrate 120 "$LOGS/calibrate.log" "$PY" -m spd "${COMMON[@]}" --out "$LOGS/calib" \
-        --steps 4 --eval-every 4 --eval-sequences 2
+        --steps 6 --eval-every 6 --eval-sequences 2
     STEPS=$("$PY" -c "
-import json, sys
-h = json.load(open(sys.argv[1] + '/history.json'))
-per = (h[-1]['time_s'] - h[0]['time_s']) / max(1, len(h) - 1)
+import json, statistics, sys
+t = [r['time_s'] for r in json.load(open(sys.argv[1] + '/history.json'))]
+per = statistics.median(b - a for a, b in zip(t[:-1], t[1:-1]))
 print(max(4, int(float(sys.argv[2]) / per)))" "$LOGS/calib" "$TRAIN_SECONDS" 2>/dev/null || echo 20)
     echo "training $STEPS steps (~${TRAIN_SECONDS} s)" | tee -a "$SUMMARY"
     step train $((TRAIN_SECONDS + 120)) "$LOGS/train.log" "$PY" -m spd "${COMMON[@]}" \

@@ -41,7 +41,7 @@ def _grads(pdm):
 
 def _sums(distiller, pieces, pack_tokens=0):
     distiller.pdm.zero_grad()
-    loss, valid, agree, tokens = distiller.sums(pieces, pack_tokens)
+    loss, valid, agree, _, tokens = distiller.sums(pieces, pack_tokens)
     loss.backward()
     return float(loss.detach()), valid, agree, tokens, _grads(distiller.pdm)
 
@@ -187,7 +187,7 @@ def tiny_model(tmp_path_factory):
 def _train_args(model, data, out, *extra):
     return ["train", "--model", str(model), "--data", *data, "--out", str(out), "--stages",
             "2", "--anchors", "0,2,3", "--pdm-layers", "1", "--intermediate-size", "32",
-            "--draft-vocab-size", "49152", "--crop-len", "24", "--max-len", "64",
+            "--draft-vocab-size", "49152", "--crop-len", "0", "--max-len", "96",
             "--holdout", "0.1", "--eval-sequences", "2", "--lr", "3e-3", "--json", *extra]
 
 
@@ -334,3 +334,28 @@ def test_regeneration_answers_with_the_target_and_resumes(tiny_model, tmp_path):
     split = sorted((json.loads(x) for p in parts for x in p.read_text().splitlines()),
                    key=lambda r: r["source_index"])
     assert split == rows
+
+
+def test_answer_mask_marks_the_rows_that_drafting_meets(tiny_model):
+    """Rows from the first answer token to the one before the end of turn, in every assistant
+    turn; the loss and top-1 of a masked item count those rows alone."""
+    from spd.model.loading import load_target
+    from spd.train.corpus import AnswerMask, encode_conversation
+    t = load_target(str(tiny_model))
+    tok = t.tokenizer
+    conv = [{"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue is one."},
+            {"role": "user", "content": "Another?"}, {"role": "assistant", "content": "Red."}]
+    ids = encode_conversation(tok, conv)
+    mask = AnswerMask(tok, t.eos_token_ids)(ids)
+    kept = tok.decode([i for i, m in zip(ids, mask) if m])
+    assert kept == "Blue is one.Red."
+    # a masked item's loss is the unmasked loss over those rows alone
+    item = Teacher(t, [0, 2, 3])([ids])[0]
+    d = Distiller(t, _pdm(t, vocab=torch.arange(t.vocab_size)), [0, 2, 3])
+    per_row, valid, agree, counted = d._terms([item], [2], False)
+    item["mask"] = torch.tensor(mask)
+    m_row, m_valid, m_agree, m_counted = d._terms([item], [2], False)
+    torch.testing.assert_close(m_row, per_row)
+    assert torch.equal(m_valid, valid & item["mask"]) and int(m_counted.sum()) == sum(mask)
+    assert torch.equal(m_agree, agree & item["mask"])

@@ -40,6 +40,11 @@ def add_train(sub) -> None:
     p.add_argument("--too-long", choices=("drop", "cut"), default="drop",
                    help="conversations over --max-len tokens are dropped (the paper's filter) "
                         "or cut to --max-len (online)")
+    p.add_argument("--loss-on", choices=("answers", "all"), default=None,
+                   help="online: train (and estimate held-out acceptance) on the rows that "
+                        "predict the target's own answer tokens, as drafting meets them, or on "
+                        "every row, chat template and user text included (default: answers "
+                        "online; the cached path trains on every row)")
     p.add_argument("--epochs", type=float, default=None,
                    help="passes over the data; sets --steps (online default when --steps is "
                         "not given: 1, the paper's)")
@@ -264,6 +269,10 @@ def _job(args, method, target, mode: str) -> TrainJob:
     args.max_len = args.max_len or (2048 if online else 512)
     args.crop_len = args.crop_len if args.crop_len is not None else (0 if gpu else 256)
     args.lr = args.lr or (1e-4 if online else 1e-3)
+    if args.loss_on == "answers" and not online:
+        raise SPDError("--loss-on answers is for online training (the feature cache keeps no "
+                       "turn boundaries)")
+    args.loss_on = args.loss_on or ("answers" if online else "all")
     if not online:
         args.steps = args.steps or 1600
     return TrainJob(target=target, features=None, layout=layout,

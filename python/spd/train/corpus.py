@@ -36,6 +36,48 @@ def encode_conversation(tokenizer, conversation: list[dict]) -> list[int]:
     return tokenizer("\n".join(t["content"] for t in conversation))["input_ids"]
 
 
+class AnswerMask:
+    """Which loss rows of a chat sequence predict a token the target writes itself.
+
+    The assistant header is what the chat template adds for `add_generation_prompt` (for
+    ChatML: `<|im_start|>assistant\\n`); an answer runs from after a header to the first
+    end-of-turn token (the target's end-of-sequence ids). Row p predicts token p + 1, and at
+    inference the first answer token comes from the prefill, so the rows that matter are the
+    answer's own tokens but its end: p in [first answer token, end of turn). Training and the
+    held-out estimate then weigh what drafting meets, not the system prompt or the user's text."""
+
+    def __init__(self, tokenizer, end_ids):
+        user = [{"role": "user", "content": "x"}]
+
+        def encode(generation: bool) -> list[int]:
+            ids = tokenizer.apply_chat_template(user, add_generation_prompt=generation,
+                                                tokenize=True)
+            return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+        plain, prompted = encode(False), encode(True)
+        if prompted[:len(plain)] != plain or len(prompted) == len(plain):
+            raise SPDError("the chat template adds no assistant header of its own: train with "
+                           "--loss-on all")
+        self.header = prompted[len(plain):]
+        self.end = set(end_ids)
+        if not self.end:
+            raise SPDError("the target names no end-of-sequence token: train with --loss-on all")
+
+    def __call__(self, ids: list[int]) -> list[bool]:
+        """mask [len(ids)]: True on the rows described above."""
+        mask = [False] * len(ids)
+        h, n = self.header, len(self.header)
+        p = 0
+        while p + n <= len(ids):
+            if ids[p:p + n] != h:
+                p += 1
+                continue
+            p += n
+            while p < len(ids) and ids[p] not in self.end:
+                mask[p] = True
+                p += 1
+        return mask
+
+
 @dataclass
 class CorpusConfig:
     sources: list[str]
@@ -193,4 +235,5 @@ class Corpus:
         return out
 
 
-__all__ = ["Corpus", "CorpusConfig", "CorpusStats", "TOO_LONG", "encode_conversation"]
+__all__ = ["AnswerMask", "Corpus", "CorpusConfig", "CorpusStats", "TOO_LONG",
+           "encode_conversation"]

@@ -105,6 +105,21 @@ def check_resume(saved: dict, config: dict, out: Path) -> None:
                       f"{saved.get('steps')})", stacklevel=3)
 
 
+def _resume(model, opt, state_path: Path, config: dict, same_run: Callable) -> dict | None:
+    """The saved state of the run in state_path's folder, loaded into model and opt (None when
+    there is none); a run of another configuration or other settings is refused first."""
+    if not state_path.exists():
+        return None
+    st = load_state(state_path)
+    out = state_path.parent
+    if not same_run(st["config"]):
+        raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
+    check_resume(st["config"], config, out)
+    model.load_state_dict(st["model"] if "model" in st else st.get("pdm", st.get("head")))
+    opt.load_state_dict(st["opt"])
+    return st
+
+
 def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
              item_loss: Callable, evaluate: Callable, config: dict, same_run: Callable,
              desc: str, progress: bool = True) -> list[dict]:
@@ -116,24 +131,14 @@ def run_loop(model, cfg, out: Path, train_items: list, held_out: list, *,
     resumed with this one.
     """
     params = [p for p in model.parameters() if p.requires_grad]
-    precision = getattr(cfg, "precision", "fp32")
-    if precision not in ("fp32", "bf16"):
-        raise SPDError(f"training precision must be fp32 or bf16 (resolve 'auto' first), "
-                       f"got {precision!r}")
-    autocast = torch.autocast(params[0].device.type, dtype=torch.bfloat16,
-                              enabled=precision == "bf16")
+    autocast = _autocast(params, getattr(cfg, "precision", "fp32"))
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
     rng = random.Random(cfg.seed)
     order: list[int] = []  # shuffled sequence indices left in this epoch
     state_path = out / STATE
-    if state_path.exists():  # resume
-        st = load_state(state_path)
-        if not same_run(st["config"]):
-            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
-        check_resume(st["config"], config, out)
-        model.load_state_dict(st["model"] if "model" in st else st.get("pdm", st.get("head")))
-        opt.load_state_dict(st["opt"])
+    st = _resume(model, opt, state_path, config, same_run)
+    if st is not None:
         step = st["step"]
         rng.setstate(st["rng"])
         torch.set_rng_state(st["torch_rng"])
@@ -203,7 +208,8 @@ def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate:
 
     batches.step(s) -> this rank's micro-batches of step s (spd.train.batches);
     batch_loss(micro_batch) -> (sum of the loss over its loss tokens [scalar tensor], loss tokens,
-    tokens whose draft equals the target's argmax, tokens); evaluate() -> dict of held-out
+    rows whose draft equals the target's argmax, rows that count, tokens); evaluate() -> dict
+    of held-out
     metrics (rank 0 only). The loss of a step is the sum over the global batch divided by its
     loss tokens, over every rank (group: spd.train.ranks.RankGroup) and micro-batch: the same
     step on 1 or N ranks, with any accumulation. A run started again on the same folder resumes
@@ -216,13 +222,8 @@ def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate:
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     step = 0
     state_path = out / STATE
-    if state_path.exists():  # resume
-        st = load_state(state_path)
-        if not same_run(st["config"]):
-            raise SPDError(f"{out} holds a run with another configuration; use a fresh --out")
-        check_resume(st["config"], config, out)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
+    st = _resume(model, opt, state_path, config, same_run)
+    if st is not None:
         step = st["step"]
         cfg.history = st["history"]
     model.train()
@@ -233,15 +234,15 @@ def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate:
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
-        sums = [0.0, 0.0, 0.0, 0.0]  # loss, loss tokens, agreeing tokens, tokens
+        sums = [0.0] * 5  # loss, loss tokens, agreeing rows, rows that count, tokens
         for micro in batches.step(step):
             with autocast:
-                loss_sum, valid, agree, tokens = batch_loss(micro)
+                loss_sum, *counts = batch_loss(micro)
             loss_sum.backward()
             fault_now(group.rank, step + 1)
-            for i, v in enumerate((float(loss_sum.detach()), valid, agree, tokens)):
+            for i, v in enumerate([float(loss_sum.detach())] + counts):
                 sums[i] += v
-        loss_sum, valid, agree, tokens = group.sum_floats(sums, "the step's loss")
+        loss_sum, valid, agree, counted, tokens = group.sum_floats(sums, "the step's loss")
         group.sum_gradients_(params, 1.0 / max(valid, 1.0))
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -249,7 +250,7 @@ def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate:
         done_tokens += tokens
         rate = done_tokens / max(time.perf_counter() - start, 1e-9)
         record = {"step": step, "loss": loss_sum / max(valid, 1.0),
-                  "top1": agree / max(tokens, 1.0), "tokens": int(tokens),
+                  "top1": agree / max(counted, 1.0), "tokens": int(tokens),
                   "lr": lr_at(step - 1, cfg),
                   "time_s": round(time.perf_counter() - start, 3)}  # since this process began
         if group.main and (step % cfg.eval_every == 0 or step == cfg.steps):

@@ -98,7 +98,7 @@ def pdm_train_config(method: TrainMethod, job: TrainJob):
                        seed=o.seed, eval_sequences=o.eval_sequences,
                        features=o.feature_timing or method.feature_timing, crop_len=o.crop_len,
                        fill_weights=job.fill_weights, argmax_weight=o.argmax_weight,
-                       precision=job.precision)
+                       precision=job.precision, loss_on=getattr(o, "loss_on", None) or "all")
 
 
 def train_pdm(method: TrainMethod, job: TrainJob) -> dict:

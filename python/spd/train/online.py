@@ -21,7 +21,7 @@ import torch
 
 from spd.errors import SPDError
 from spd.train.batches import OnlineBatches
-from spd.train.corpus import Corpus, CorpusConfig, CorpusStats, encode_conversation
+from spd.train.corpus import AnswerMask, Corpus, CorpusConfig, CorpusStats, encode_conversation
 from spd.train.teacher import Teacher
 from spd.train.trainer import TrainConfig, build_draft_vocab, fill_sampler, fit
 
@@ -96,6 +96,7 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
         corpus_cfg = replace(corpus_cfg, sources=sources)
     tok = target.tokenizer
     corpus = Corpus(corpus_cfg, lambda conv: encode_conversation(tok, conv), exclude_keys)
+    mask_of = AnswerMask(tok, target.eos_token_ids) if cfg.loss_on == "answers" else None
     stats, counts, data_id = survey(corpus, target.vocab_size)
     if epochs is not None:
         if not epochs > 0:
@@ -116,12 +117,15 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
                        f" (held-out share {corpus_cfg.holdout}): raise --holdout or add data")
     held_out = []
     for ids in held_seqs:  # the first crop_len tokens of each, as the cached path does
-        held_out += teacher([ids[:cfg.crop_len] if cfg.crop_len > 0 else ids])
+        ids = ids[:cfg.crop_len] if cfg.crop_len > 0 else ids
+        held_out += teacher([ids])
+        if mask_of is not None:
+            held_out[-1]["mask"] = torch.tensor(mask_of(ids), dtype=torch.bool)
     vocab = init_vocab(cfg, counts)
 
     def batches(plan, rank, n):
         return OnlineBatches(corpus, teacher, plan, rank, cfg.crop_len, cfg.seed,
-                             fill_sampler(n, cfg))
+                             fill_sampler(n, cfg), mask_of)
     last = fit(target, cfg, out, vocab=vocab, feature_anchors=list(layout.anchors),
                held_out=held_out, make_batches=batches, data_id=data_id,
                train_tokens=stats.tokens, progress=progress, storage=storage, group=group,

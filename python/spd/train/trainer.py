@@ -63,6 +63,7 @@ class TrainConfig:
     features: str = "pre-step"   # or "post-step" (the paper's ablation: drafting not hidden)
     method: str = "spd"          # or "ppsd" (first-stage features, post-step); metadata only
     precision: str = "fp32"      # or "bf16": the loss under bf16 autocast (train_loop)
+    loss_on: str = "all"         # or "answers": the rows predicting the target's own answers
     init_from: str | None = None  # warm start: copy every matching weight of this checkpoint
     history: list = field(default_factory=list)
     peak_memory: list = field(default_factory=list)  # per rank, filled at the end of a run
@@ -208,8 +209,9 @@ class Distiller:
         return self._layouts[key]
 
     def _terms(self, items: list[dict], fills: list[int], kl_only: bool):
-        """Per-position loss [T], loss mask [T] and draft-equals-argmax [T] of items laid out
-        side by side (T: their tokens together)."""
+        """Per-position loss [T], loss mask [T], draft-equals-argmax [T] and the rows that count
+        [T] (an item's `mask`, else all) of items laid out side by side (T: their tokens
+        together)."""
         dev = self.in_vocab.device
         # float before cat: autocast refuses to concatenate fp16 cache tensors on a CPU
         anchors = torch.cat([it["anchors"][self.slots].to(dev).float() for it in items], dim=1)
@@ -224,30 +226,36 @@ class Distiller:
             rows = self.draft_index[argmax]
             per_row = per_row - self.argmax_weight * q_logp.gather(-1, rows[:, None])[:, 0]
         agree = self.pdm.draft_to_target[q_logits.argmax(-1)] == argmax
-        return per_row, self.in_vocab[argmax], agree
+        counted = torch.cat([it["mask"].to(dev) if "mask" in it else
+                             torch.ones(len(it["tokens"]), dtype=torch.bool, device=dev)
+                             for it in items])
+        return per_row, self.in_vocab[argmax] & counted, agree & counted, counted
 
     def loss(self, item, fill: int, kl_only: bool = False):
         """(mean loss over valid positions, #valid, top-1 agreement with the target's argmax)
         of one sequence. The loss is the KL, plus `argmax_weight` times the argmax
         cross-entropy unless `kl_only` (evaluation reports the KL alone, comparable across
         runs)."""
-        per_row, valid, agree = self._terms([item], [fill], kl_only)
+        per_row, valid, agree, counted = self._terms([item], [fill], kl_only)
         nvalid = int(valid.sum())
-        return (per_row * valid).sum() / max(1, nvalid), nvalid, float(agree.float().mean())
+        return ((per_row * valid).sum() / max(1, nvalid), nvalid,
+                float(agree.sum()) / max(1, int(counted.sum())))
 
     def sums(self, pieces: list[Piece], pack_tokens: int = 0):
-        """(loss summed over the loss tokens [scalar tensor], loss tokens, agreeing tokens,
-        tokens) of a micro-batch, its pieces packed into forwards of <= pack_tokens tokens."""
-        total, valid_n, agree_n, tokens = None, 0, 0, 0
+        """(loss summed over the loss tokens [scalar tensor], loss tokens, agreeing rows, rows
+        that count, tokens) of a micro-batch, its pieces packed into forwards of at most
+        pack_tokens tokens."""
+        total, valid_n, agree_n, counted_n, tokens = None, 0, 0, 0, 0
         for pack in packs(pieces, pack_tokens):
-            per_row, valid, agree = self._terms([p.item for p in pack], [p.fill for p in pack],
-                                                False)
+            per_row, valid, agree, counted = self._terms([p.item for p in pack],
+                                                         [p.fill for p in pack], False)
             part = (per_row * valid).sum()
             total = part if total is None else total + part
             valid_n += int(valid.sum())
             agree_n += int(agree.sum())
-            tokens += len(agree)
-        return total, valid_n, agree_n, tokens
+            counted_n += int(counted.sum())
+            tokens += len(counted)
+        return total, valid_n, agree_n, counted_n, tokens
 
 
 @torch.no_grad()
@@ -324,9 +332,9 @@ def fit(target, cfg: TrainConfig, out_dir, *, vocab, feature_anchors, held_out, 
               config=dict(asdict(cfg), data=data_id, ranks=group.world), same_run=same_run,
               desc=f"training PDM (n={layout.n})", group=group, progress=progress)
     last = cfg.history[-1] if cfg.history else {}
-    peaks = group.gather_floats(list(peak_memory_mb(group.device).values()))
-    keys = list(peak_memory_mb(group.device))
-    cfg.peak_memory = [dict(zip(keys, p)) for p in peaks]  # per rank, for the run's summary
+    mine = peak_memory_mb(group.device)
+    cfg.peak_memory = [dict(zip(mine, p))  # per rank, for the run's summary
+                       for p in group.gather_floats(list(mine.values()))]
     if group.main:
         pdm.config.extra.update(train={k: v for k, v in asdict(cfg).items()
                                        if k not in ("history", "peak_memory")},
