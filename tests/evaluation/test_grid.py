@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import make_tiny_target
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.evaluation import methods
 from spd.evaluation.cost_model import Costs, measure_costs
 from spd.evaluation.grid import GridSpec, _cost_chunks, plan_cells, run_grid
@@ -181,8 +181,10 @@ def test_grid_refuses_an_output_that_differs_from_ar(trained, tmp_path, monkeypa
         res.token_ids[-1] = (res.token_ids[-1] + 1) % VOCAB
         return res
     monkeypatch.setattr(SPDEngine, "generate", corrupt)
-    with pytest.raises(SPDError, match="differs from autoregressive"):
+    with pytest.raises(InternalError, match="differs from autoregressive") as err:
         run_grid(t, _spec(ckpt, methods=["spd"], temperatures=[0.0]), tmp_path, progress=False)
+    ctx = err.value.context  # what a bug report needs: where, and the first token that differs
+    assert ctx["cell"].startswith("spd n=2") and isinstance(ctx["first_difference"], int)
 
 
 def test_spec_rejects_bad_input(trained):

@@ -51,7 +51,7 @@ from typing import Callable, Generic, TypeVar
 
 import torch
 
-from spd.errors import SPDError
+from spd.errors import InternalError
 
 T = TypeVar("T")
 
@@ -166,8 +166,8 @@ class Ring(Generic[T]):
         k = self.i % len(self.items)
         item = self.items[k]
         if self.busy is not None and self.busy(item, self.owners[k]):
-            raise SPDError(f"ring of {self.what} (depth {len(self.items)}) came round to a "
-                           "buffer still in flight: it is too shallow")
+            raise InternalError(f"the ring of {self.what} came round to a buffer still in "
+                                "flight: it is too shallow", depth=len(self.items))
         self.owners[k] = owner
         self.i += 1
         return item

@@ -24,7 +24,7 @@ from spd.distributed.protocol import (
     row_bytes,
 )
 from spd.distributed.transport import Runtime, _td
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
 from spd.runtime.sequence import PhaseTimer
@@ -168,8 +168,8 @@ class StageWorker:
             if op == STOP:
                 break
             if op != UNIT or seq != unit:
-                raise SPDError(f"stage {self.s}: header {[op, seq]} from rank {src}, expected "
-                               f"unit {unit}")
+                raise InternalError("a unit header out of step", stage=self.s, header=[op, seq],
+                                    source_rank=src, expected_unit=unit)
             msg.landed()
             cur = msg
             msg, hwork = post()  # the next unit's, posted before this one runs

@@ -24,10 +24,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.evaluation import methods
 from spd.evaluation.cost_model import Costs, measure_costs
-from spd.evaluation.evaluate import add_totals, encode_question, result_row
+from spd.evaluation.evaluate import add_totals, encode_question, first_difference, result_row
 from spd.evaluation.methods import NAMES as METHODS
 from spd.runtime import metrics
 from spd.runtime.types import SamplingParams
@@ -267,8 +267,9 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
                 res = decoder.generate(ids, spec.max_new_tokens, sampling)
                 ref = reference.get(str(q["id"]))
                 if sampling.greedy and ref is not None and ref != res.token_ids:
-                    raise SPDError(f"{cell.key}, prompt {q['id']}: output differs from "
-                                   "autoregressive decoding (a bug: please report it)")
+                    raise InternalError("output differs from autoregressive decoding",
+                                        cell=cell.key, prompt=q["id"],
+                                        first_difference=first_difference(ref, res.token_ids))
             rows.append(result_row(q, res) | {"id": str(q["id"])})  # grid.json keys ids as text
             bar.update(1)
         record.update(totals=add_totals(rows), per_prompt=rows,

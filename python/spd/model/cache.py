@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd_kernels import truncate_kv_
 
 
@@ -35,9 +35,9 @@ class KVCache:
         """Check that rows [start, start+rows) may be written next, and account for them on the
         host. advance=False: the step that writes them advances `lengths` itself (a graph)."""
         if start != self._length:
-            raise SPDError(f"cache write at position {start} but the cache holds {self._length} rows")
+            raise InternalError("cache write out of order", position=start, rows_held=self._length)
         if start + rows > self.capacity:
-            raise SPDError(f"KV cache overflow: {start + rows} rows > capacity {self.capacity}")
+            raise InternalError("KV cache overflow", rows=start + rows, capacity=self.capacity)
         self._length = start + rows
         if advance:
             self.lengths.fill_(self._length)
@@ -50,7 +50,7 @@ class KVCache:
     def truncate(self, length: int) -> None:
         """Keep rows [0, length): O(1), in place."""
         if length < 0:
-            raise SPDError(f"cannot truncate a cache to negative length {length}")
+            raise InternalError("truncation to a negative length", length=length)
         if length >= self._length:
             return
         truncate_kv_(self.lengths, torch.tensor(length, device=self.lengths.device),

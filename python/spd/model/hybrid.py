@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd.model.cache import KVCache
 from spd.model.hybrid_layout import (  # noqa: F401 (rotary_dim, head_permutation: re-exported)
     arrange_layer_,
@@ -107,7 +107,8 @@ class HybridCache(KVCache):
     histories indexed by length mod ring (spd_kernels.deltanet).
 
     A truncation may go back at most ring - 1 positions from the furthest length written since
-    (`restorable_from`); deeper is an SPDError, since the state it needs is overwritten.
+    (`restorable_from`); deeper is an InternalError (the engines never roll back further),
+    since the state it needs is overwritten.
     Truncating to 0 is a reset (the empty state is zeros). With poisoning the slots of dropped
     lengths are NaN'd, so a step that read one would give NaN.
     """
@@ -124,7 +125,7 @@ class HybridCache(KVCache):
             self.k = self.k[:0]
             self.v = self.v[:0]
         if ring < 2:
-            raise SPDError(f"a state ring needs at least 2 slots, got {ring}")
+            raise InternalError("a state ring needs at least 2 slots", ring=ring)
         self.capacity = capacity
         self.ring = ring
         dev = target.device
@@ -149,7 +150,7 @@ class HybridCache(KVCache):
 
     def truncate(self, length: int) -> None:
         if length < 0:
-            raise SPDError(f"cannot truncate a cache to negative length {length}")
+            raise InternalError("truncation to a negative length", length=length)
         old = self._length
         if length == 0:  # a reset: the empty state is zeros
             self.restorable_from = 0
@@ -167,9 +168,9 @@ class HybridCache(KVCache):
         if length >= old:
             return
         if length < self.restorable_from:
-            raise SPDError(f"cannot roll a linear-attention state back to length {length}: the "
-                           f"ring of {self.ring} states holds lengths {self.restorable_from}.."
-                           f"{old} (a rollback of at most {self.ring - 1} positions)")
+            raise InternalError("a linear-attention state rolled back deeper than its ring "
+                                "holds", length=length, ring=self.ring,
+                                restorable=f"{self.restorable_from}..{old}")
         if self.num_attention:
             super().truncate(length)
         else:

@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 from spd.cuda_graphs import GraphSet, graphs_enabled
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.model.cache import KVCache
 from spd.model.hybrid import (
     HybridCache,
@@ -182,8 +182,8 @@ class TargetModel:
         key = (None if self.weight_files is None or name is None
                else self.weight_files.key(name))
         if key is None:
-            raise SPDError(f"{self.name}: {name or 'a weight'} is not loaded here and there is "
-                           "no model file to read it from")
+            raise InternalError("a fingerprint sample of a weight not loaded here, with no "
+                                "model file to read it from", target=self.name, weight=name)
         return self.weight_files.sample(key, count)
 
     def final_norm_weight(self) -> torch.Tensor:
@@ -330,5 +330,5 @@ class Stage:
 
     def _check_last(self) -> None:
         if self.layer_ids.stop != self.target.num_layers:
-            raise SPDError(f"stage {self.index} (layers {self.layer_ids.start}.."
-                           f"{self.layer_ids.stop - 1}) is not the last stage: it cannot verify")
+            raise InternalError("only the last stage can verify", stage=self.index,
+                                layers=f"{self.layer_ids.start}..{self.layer_ids.stop - 1}")

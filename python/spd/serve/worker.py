@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.runtime.streaming import safe_text
 from spd.serve.backends import DecodeCancelled, RankFailure
 from spd.serve.jobs import Job
@@ -118,9 +118,15 @@ class EngineWorker:
             log.info("%s cancelled (client left) after %d tokens, %.2f s", job.id, len(ids),
                      time.perf_counter() - t0)
             return
-        except SPDError as exc:
+        except SPDError as exc:  # the request's fault
             self.counts["failed"] += 1
             job.emit(ErrorEvent(400, str(exc)))
+            return
+        except InternalError as exc:  # the engine's fault: logged with its context
+            self.counts["failed"] += 1
+            log.error("%s failed inside the engine: %s; context %s", job.id, exc.message,
+                      exc.context, exc_info=exc)
+            job.emit(ErrorEvent(500, f"internal error: {exc}"))
             return
         except self.backend.fatal as exc:
             self._fail(job, str(exc) if isinstance(exc, RankFailure)
