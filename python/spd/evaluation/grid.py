@@ -148,7 +148,8 @@ def derived(cell: dict, costs: Costs, ar_totals: dict | None) -> dict:
     alpha = metrics.alpha(t["N"], t["K"])
     s_theory = metrics.theoretical_speedup(t["N"], t["K"], n)
     draft_s = t["draft_s"] / t["draft_calls"] if t["draft_calls"] else 0.0  # per drafter call
-    adj = method.adjusted(costs, n, s_theory, draft_s, cell.get("draft_steps", 0))
+    adj = method.adjusted(costs, n, s_theory, draft_s, cell.get("draft_steps", 0),
+                          cell["temperature"] == 0)
     devices = method.devices(n)
     tok_s = _tok_s(t)
     measured = None
@@ -213,7 +214,21 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
         state["cells"][cell.key] = _run_cell(cell, spec, decoders, state, costs, bar)
         _save(out_dir, state)
     bar.close()
+    _rederive(state, costs)
+    _save(out_dir, state)
     return state
+
+
+def _rederive(state: dict, costs: Costs) -> None:
+    """Every finished cell's derived speedups from its counts and the current cost model and
+    formulas (the counts never change; a re-measured cost or a corrected formula applies to
+    every cell alike, as in the report)."""
+    for cell in state["cells"].values():
+        if "totals" in cell:
+            ar = state["cells"].get(_reference_cell(Cell(
+                cell["method"], cell["n"], cell["pdm_layers"], cell["dataset"],
+                cell["temperature"])).key)
+            cell["derived"] = derived(cell, costs, ar["totals"] if ar else None)
 
 
 def _cost_chunks(cells: list[Cell], decoders: _Decoders) -> list[int]:
