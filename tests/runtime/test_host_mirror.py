@@ -44,6 +44,7 @@ def test_the_decode_loop_reads_only_its_verdict_from_the_device():
     assert sum(e == ("host",) for e in log) >= res.stats.lookup_judged
     readers = {e[2].split()[-1] for e in log
                if e[0] == "read" and "spd_kernels" not in e[2]}
-    assert readers <= {"judge", "check_prompt", "__init__", "pick"}, readers  # pick: 1st token
+    # set-up: pick (the first token), begin (the draft vocabulary's columns, once per map)
+    assert readers <= {"judge", "check_prompt", "__init__", "pick", "begin"}, readers
     assert res.token_ids == SPDEngine(t, n_stages=2, lookup=0,
                                       warn_untrained=False).generate(prompt, 40).token_ids

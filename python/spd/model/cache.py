@@ -23,6 +23,9 @@ class KVCache:
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
         self.lengths = torch.zeros(num_layers, dtype=torch.int64, device=device)
+        # a truncation's new length, filled in place (no tensor made per rollback: on a GPU that
+        # would be a blocking copy from pageable memory)
+        self._new_length = torch.zeros((), dtype=torch.int64, device=device)
         self.capacity = capacity
         self.poison_on_truncate = poison_on_truncate
         self._length = 0  # host mirror: positions are known on the host anyway
@@ -53,6 +56,6 @@ class KVCache:
             raise InternalError("truncation to a negative length", length=length)
         if length >= self._length:
             return
-        truncate_kv_(self.lengths, torch.tensor(length, device=self.lengths.device),
-                     (self.k, self.v), seq_dim=-2, poison=self.poison_on_truncate)
+        truncate_kv_(self.lengths, self._new_length.fill_(length), (self.k, self.v), seq_dim=-2,
+                     poison=self.poison_on_truncate)
         self._length = length

@@ -174,7 +174,7 @@ class HybridCache(KVCache):
         if self.num_attention:
             super().truncate(length)
         else:
-            truncate_kv_(self.lengths, torch.tensor(length, device=self.lengths.device))
+            truncate_kv_(self.lengths, self._new_length.fill_(length))
             self._length = length
         if self.poison_on_truncate:
             dropped = [p % self.ring for p in range(length + 1, old + 1)]

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from spd.cuda_graphs import GraphSet, graphs_enabled
+from spd.device import to_device
 from spd.model.target import Stage, TargetModel
 from spd.runtime.sequence import pick
 from spd.runtime.stopping import StopRule
@@ -88,7 +89,7 @@ class ARDecoder:
                 chosen = self._step(token, pos)
                 nxt = int(chosen[0]) if self.sampling.greedy else pick(chosen, self.sampling,
                                                                        self.gen)
-            token = torch.tensor([nxt], dtype=torch.int64, device=dev)
+            token = to_device(torch.tensor([nxt], dtype=torch.int64), dev)
             pos += 1
             out.append(nxt)
             stop.feed(nxt)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from spd.device import to_device
 from spd.draft.drafters import Draft
 from spd.draft.lookup import NgramLookup
 from spd.errors import SPDError
@@ -117,30 +118,37 @@ def pick(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -
     if sampling.greedy:
         return int(logits.argmax())
     probs = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return int(sample_from_probs(probs, torch.rand((), generator=gen).to(probs.device)))
+    return int(sample_from_probs(probs, to_device(torch.rand((), generator=gen), probs.device)))
+
+
+def read_verdict(token: torch.Tensor, accepted: torch.Tensor) -> tuple[bool, int]:
+    """(accepted, token) on the host from a verifier's token [1] int64 and accepted [1] bool:
+    one read of both values, not two."""
+    tok, ok = torch.cat([token[:1], accepted[:1].to(token.dtype)]).tolist()
+    return bool(ok), tok
 
 
 def verify(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
-           q: torch.Tensor | None, sampling: SamplingParams,
-           gen: torch.Generator) -> tuple[bool, int]:
+           q: torch.Tensor | None, sampling: SamplingParams, gen: torch.Generator,
+           q_ids: torch.Tensor | None = None) -> tuple[bool, int]:
     """(accepted, committed token) for the draft judged by `hidden` [1, d] (the predecessor's
-    final state). Greedy: accept iff the draft is the argmax. Sampling: rejection sampling
-    against the draft distribution q."""
+    final state); draft_token [1] int64. Greedy: accept iff the draft is the argmax. Sampling:
+    rejection sampling against the draft distribution q [Vq] over the target ids q_ids [Vq]
+    (None: q is over every target id)."""
     t = target
     if sampling.greedy:
         best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token,
                                  t.norm_offset)
-        return bool(ok[0]), int(best[0])
+        return read_verdict(best, ok)
     logits = t.logits(hidden)
-    u = torch.rand(1, 2, generator=gen).to(logits.device)
+    u = to_device(torch.rand(1, 2, generator=gen), logits.device)
     # Straight from the logits: on a GPU one fused kernel applies temperature / top-k / top-p
-    # (no sort, p never stored) and samples. q is on target ids (the context lookup proposes
-    # tokens outside the draft vocabulary), so its map is the identity.
-    token, ok = rejection_sample_logits(logits, q[None].to(logits.device),
-                                        _vocab_ids(logits.shape[-1], logits.device), draft_token,
-                                        u, temperature=sampling.temperature,
+    # (no sort, p never stored), maps q's columns to target ids and samples.
+    ids = q_ids if q_ids is not None else _vocab_ids(logits.shape[-1], logits.device)
+    token, ok = rejection_sample_logits(logits, q[None], ids, draft_token, u,
+                                        temperature=sampling.temperature,
                                         top_k=sampling.top_k, top_p=sampling.top_p)
-    return bool(ok[0]), int(token[0])
+    return read_verdict(token, ok)
 
 
 _VOCAB_IDS: dict = {}
@@ -162,6 +170,7 @@ class PendingDraft:
     """What is kept about a drafted position until it is judged."""
     fill: int                                  # tokens in flight when drafted: its draft position
     q: torch.Tensor | None                     # the draft distribution that proposed it (sampling)
+    q_ids: torch.Tensor | None = None          # q's columns as target ids (None: every id)
     from_lookup: bool = False                  # the lookup proposed a token: whether it was
     #                                            used is in SequenceDecode.lookup_used
 
@@ -204,6 +213,9 @@ class SequenceDecode:
                                                       device=t.device))
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=t.device)
+        # Aggregation types of the draft rows, per staircase of depths: a few shapes recur, so
+        # each is copied to the device once, not every cycle.
+        self._row_types: dict[tuple[int, ...], torch.Tensor] = {}
         self.sched = PipelineSchedule(n)
         # Post-step drafting (an ablation) waits for the stages: features one stage deeper.
         self.post_step = getattr(drafter, "post_step", False)
@@ -249,16 +261,19 @@ class SequenceDecode:
         t0 = time.perf_counter()
         with self.timer("draft"):
             rows = sched.draft_rows()
-            depths = torch.tensor([min(n, sched.depth(p) + extra_depth) for p in rows],
-                                  device=self.target.device)
+            depths = tuple(min(n, sched.depth(p) + extra_depth) for p in rows)
+            types = self._row_types.get(depths)
+            if types is None:
+                types = self._row_types[depths] = self.type_of_depth[
+                    torch.tensor(depths, device=self.target.device)]
             u = torch.rand((), generator=self.gen)
-            draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop],
-                                       self.type_of_depth[depths], rows.start, sched.newest + 1,
-                                       self.sampling, u)
+            draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop], types, rows.start,
+                                       sched.newest + 1, self.sampling, u)
             from_lookup = False
             if self.lookup is not None:
                 draft, from_lookup = self._lookup(sched.newest + 1, draft)
-            self.pending[sched.newest + 1] = PendingDraft(sched.count, draft.q, from_lookup)
+            self.pending[sched.newest + 1] = PendingDraft(sched.count, draft.q, draft.q_ids,
+                                                          from_lookup)
             self.stats.draft_calls += 1
             sched.after_draft()
         self.draft_s.append(time.perf_counter() - t0)
@@ -276,23 +291,40 @@ class SequenceDecode:
         if found is None:
             return draft, False
         token, match_len = found
-        q = None
+        q, q_ids = None, None
         if not self.sampling.greedy:
-            q = torch.zeros(self.target.vocab_size, device=self.target.device)
-            q[token] = 1.0
+            q, q_ids, draft = self._one_hot(token, draft)
         trust = self.lookup.trust(match_len)
         used = self.lookup_used.buf[position:position + 1]
         if draft.p is None or trust >= 1.0:  # a drafter without a confidence: the match wins
             used.fill_(True)
             self.lookup_used.wrote(position, position + 1)
-            return Draft(token, q), True
+            return Draft(token, q, q_ids=q_ids), True
         # Gate on the device (the PDM's token and confidence stay there: no host sync); the
         # choice reaches the host through a mirror by the time the draft is judged (stats).
         use = draft.p < trust
         used.copy_(use.view(1))
         self.lookup_used.wrote(position, position + 1)
         return Draft(torch.where(use, torch.full_like(draft.token, token), draft.token),
-                     None if q is None else torch.where(use, q, draft.q)), True
+                     None if q is None else torch.where(use, q, draft.q), q_ids=q_ids), True
+
+    def _one_hot(self, token: int, draft: Draft):
+        """(q, q_ids, draft) for the lookup's proposal of `token` under sampling: q one-hot on
+        it, over the drafter's columns when the token is one of them (q_ids its map, the
+        verifier maps it), else over every target id, the drafter's q scattered there too
+        (the rare token outside the draft vocabulary)."""
+        column_of = getattr(self.drafter, "draft_column", None)
+        column = column_of(token) if column_of is not None and draft.q_ids is not None else None
+        if column is not None:
+            q = torch.zeros_like(draft.q)
+            q[column] = 1.0
+            return q, draft.q_ids, draft
+        q = torch.zeros(self.target.vocab_size, device=self.target.device)
+        q[token] = 1.0
+        if draft.q is not None and draft.q_ids is not None:
+            full = torch.zeros_like(q).index_copy_(0, draft.q_ids, draft.q)
+            draft = Draft(draft.token, full, draft.p)
+        return q, None, draft
 
     def fill(self, draft: Draft) -> None:
         """Filling cycle: nothing left the pipeline, the draft enters at depth 0."""
@@ -311,8 +343,9 @@ class SequenceDecode:
                     return bool(ok), token
                 return bool(ok[0]), int(token[0])
             judged = self.sched.judged
-            return verify(self.target, hidden, self.tokens[judged:judged + 1],
-                          self.pending[judged].q, self.sampling, self.gen)
+            pending = self.pending[judged]
+            return verify(self.target, hidden, self.tokens[judged:judged + 1], pending.q,
+                          self.sampling, self.gen, pending.q_ids)
 
     def commit(self, accepted: bool, token: int, draft: Draft) -> int | None:
         """Commit the judged token. Accept: this cycle's draft enters stage 0 next. Reject: the
