@@ -10,7 +10,7 @@ random weights, at a context of --context tokens already cached:
           the PDM's L_s layers over them, the draft LM head and argmax (draft vocabulary
           --draft-vocab, MLP width --pdm-intermediate, default the target's); on a GPU both
           eagerly and as the CUDA-graph replay the runtime uses there (spd.draft.graphs);
-  verify  spd.runtime.sequence.verify, greedy: final norm + the target's LM head + argmax +
+  verify  spd.runtime.verdict.verify, greedy: final norm + the target's LM head + argmax +
           compare. Where it runs depends on the sampling: greedy, the last stage judges each
           draft itself, fused after its layers (its cycle is stage + verify, the draft rank's
           the draft alone); under sampling the draft rank judges (its cycle is draft + verify,
@@ -50,8 +50,8 @@ from spd.draft.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd.model.loading import describe_device  # noqa: E402
 from spd.model.partition import DepthLayout  # noqa: E402
 from spd.model.target import Stage, TargetModel  # noqa: E402
-from spd.runtime.sequence import verify  # noqa: E402
 from spd.runtime.types import SamplingParams  # noqa: E402
+from spd.runtime.verdict import verify  # noqa: E402
 
 
 def stage_target(shape, layers: int, device, dtype) -> TargetModel:

@@ -5,12 +5,13 @@ a single-process SPD decode of a tiny random target with an untrained PDM (sys.s
 for the deepest cycle after the fill (from one draft call to the next; greedy: every draft
 accepted; sampled: the target's greedy tokens drafted, so rejections and rollbacks occur):
 
-  levels  the deepest chain of project calls below the loop's own frame (functions in
-          python/spd and spd_kernels; frames of torch and the standard library are passed
-          through, not counted);
+  levels  the deepest chain of project calls below `SPDEngine.generate`, the entry every
+          version has (functions in python/spd and spd_kernels; frames of torch and the
+          standard library are passed through, not counted);
   to ops  the same down to an op's entry (an `@op` public function of spd_kernels, where the
           kernel library's own dispatch begins): the runtime's layering alone;
-  files   the project source files that cycle enters, the loop's own included.
+  files   the project source files that cycle enters (the loop's own and the entry's
+          included).
 
 The cycle boundary is a call of `SequenceDecode.draft`, which every version of the runtime has,
 so the probe runs on any checkout:
@@ -61,6 +62,7 @@ def measure(n: int, tokens: int, greedy: bool) -> dict:
 
     cycles: list[dict] = []
     stack: list[tuple | None] = []  # per live frame: (file, function) of project code, or None
+    entry = os.path.join("spd", "runtime", "engine.py")
     state = {"loop": None, "cur": None}
 
     def prof(frame, event, arg):
@@ -68,13 +70,16 @@ def measure(n: int, tokens: int, greedy: bool) -> dict:
             f = _project_file(frame.f_code.co_filename)
             if frame.f_code.co_name == "draft" and f == os.path.join("spd", "runtime",
                                                                       "sequence.py"):
-                # a new cycle: its loop is the frame that called draft
-                depth_loop = sum(1 for x in stack if x is not None)
-                state["loop"] = depth_loop
-                state["cur"] = {"levels": 0, "to_ops": 0, "files": set()}
+                # a new cycle: levels count from the engine's generate frame
+                ours = [x for x in stack if x is not None]
+                state["loop"] = max(i for i, x in enumerate(ours)
+                                    if x == (entry, "generate")) + 1
+                state["cur"] = {"levels": 0, "to_ops": 0, "files": {entry}}
                 loop_file = _project_file(frame.f_back.f_code.co_filename)
                 state["cur"]["files"].add(loop_file)
                 state["cur"]["loop"] = f"{loop_file}:{frame.f_back.f_code.co_name}"
+                for a, _ in ours[state["loop"]:]:  # frames between the entry and the draft
+                    state["cur"]["files"].add(a)
                 cycles.append(state["cur"])
             stack.append(None if f is None else (f, frame.f_code.co_name))
             if f is not None and state["cur"] is not None:
@@ -132,7 +137,7 @@ def main() -> None:
     results = {"after": run_checkout(REPO, args.stages, args.tokens)}
     if args.before is not None:
         results["before"] = run_checkout(args.before.resolve(), args.stages, args.tokens)
-    table = Table([("what", "<30", "cycle (CPU)"), ("checkout", "<9"), ("loop", "<40"),
+    table = Table([("what", "<30", "cycle (CPU)"), ("checkout", "<9"), ("loop", "<40", "draft called from"),
                    ("levels", ">7"), ("to_ops", ">7", "to ops"), ("files", ">6")])
     table.print_header()
     for i, row in enumerate(results["after"]):

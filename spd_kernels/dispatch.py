@@ -174,6 +174,7 @@ def backend_unavailable(backend: str, device: torch.device) -> str | None:
     return f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)} or auto)"
 
 
+@functools.lru_cache(maxsize=8)  # read on every op call: parse each value once
 def _parse_env(value: str) -> tuple[str | None, dict[str, str]]:
     default, per_op = None, {}
     for part in filter(None, (p.strip() for p in value.split(","))):

@@ -81,19 +81,16 @@ class PDMDrafter:
         one-hot proposal of the context lookup goes in q."""
         return self._columns[1].get(token)
 
-    def _run(self, anchors: torch.Tensor, types: torch.Tensor, start: int) -> torch.Tensor:
-        self.cache.truncate(start)
-        feats = self.pdm.features(anchors, types)
-        return self.pdm.step(feats, start, self.cache)
-
     def prefill(self, anchors, types) -> None:
-        self._run(anchors, types, 0)  # eager: the prompt's length differs every time
+        # eager: the prompt's length differs every time
+        self.pdm.step(self.pdm.features(anchors, types), 0, self.cache)
 
     def draft_logits(self, anchors, types, start: int) -> torch.Tensor:
-        """Draft logits [Vd] of the last of the rows at positions start.. (graph replay on a GPU)."""
+        """Draft logits [Vd] of the last of the rows at positions start.. (graph replay on a
+        GPU). Rows from `start` on are recomputed: the step writes them, the cache ends there."""
         if self.graphs is not None:
             return self.graphs.run(anchors, types, start)
-        return self._run(anchors, types, start)
+        return self.pdm.step(self.pdm.features(anchors, types), start, self.cache)
 
     def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
         logits = self.draft_logits(anchors, types, start)

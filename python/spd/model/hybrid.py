@@ -139,43 +139,48 @@ class HybridCache(KVCache):
         else:
             self.conv = torch.zeros(0, ring, 0, 0, device=dev, dtype=target.dtype)
             self.state = torch.zeros(0, ring, 0, 0, 0, device=dev, dtype=torch.float32)
-        self.restorable_from = 0
+        self.restorable_from = 0  # the lowest length a truncation may restore
+        self.written_to = 0       # the furthest length written at a host position
 
     def ring_bytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.state.numel() * 4
 
-    def reserve(self, start: int, rows: int, *, advance: bool = True) -> None:
-        super().reserve(start, rows, advance=advance)
+    def check_room(self, start: int, rows: int) -> None:
+        """As KVCache's; a write at a host position also moves how far back the rings reach."""
+        super().check_room(start, rows)
+        self.written_to = max(self.written_to, start + rows)
         self.restorable_from = max(self.restorable_from, start + rows - self.ring + 1)
+
+    def reserve(self, start: int, rows: int) -> None:
+        self.check_room(start, rows)
+        self.lengths.fill_(start + rows)
 
     def truncate(self, length: int) -> None:
         if length < 0:
             raise InternalError("truncation to a negative length", length=length)
-        old = self._length
         if length == 0:  # a reset: the empty state is zeros
-            self.restorable_from = 0
+            self.restorable_from = self.written_to = 0
             if self.num_attention:
                 super().truncate(0)
             else:
                 self.lengths.fill_(0)
-                self._length = 0
             self.conv[:, 0].zero_()
             self.state[:, 0].zero_()
             if self.poison_on_truncate:
                 self.conv[:, 1:].fill_(float("nan"))
                 self.state[:, 1:].fill_(float("nan"))
             return
-        if length >= old:
-            return
+        # (writes at host positions, which the single-process engines make, set the bound; a
+        # stage rank's units carry device positions, and its rollbacks are those positions)
         if length < self.restorable_from:
             raise InternalError("a linear-attention state rolled back deeper than its ring "
                                 "holds", length=length, ring=self.ring,
-                                restorable=f"{self.restorable_from}..{old}")
+                                restorable=f"{self.restorable_from}..{self.written_to}")
+        old = self.length if self.poison_on_truncate else 0  # debug: a host read
         if self.num_attention:
             super().truncate(length)
         else:
             truncate_kv_(self.lengths, self._new_length.fill_(length))
-            self._length = length
         if self.poison_on_truncate:
             dropped = [p % self.ring for p in range(length + 1, old + 1)]
             if dropped:
