@@ -90,6 +90,9 @@ def _has(op: str, backend: str) -> bool:
     return backend in _REGISTRY[op] or backend in _DEFERRED.get(op, ())
 
 
+has = _has  # public: tests ask whether an op has a kernel before they skip for its absence
+
+
 def _impl(op: str, backend: str) -> _Impl | None:
     """`op`'s `backend` implementation, importing its module if it was deferred."""
     pending = _DEFERRED.get(op)

@@ -71,7 +71,7 @@ def test_each_cycle_reads_one_verdict_and_nothing_else(sampling):
     assert sum(("rollback",) in c for c in cycles) == st.drafts_judged - st.drafts_accepted > 3
     for c in cycles:
         reads = [e[2].split()[-1] for e in c if e[0] == "read"]
-        assert reads == ["read_verdict"] * c.count(("commit",)), c
+        assert reads == ["to_host"] * c.count(("commit",)), c  # the verdict (spd.device)
     # set-up: the prompt's checks, pick (the first token), begin (the draft vocabulary's
     # columns, once per map)
     assert {e[2].split()[-1] for e in setup if e[0] == "read"} <= {

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from spd.device import to_device
+from spd.device import to_device, to_host
 from spd.runtime.types import SamplingParams
 from spd_kernels import filtered_probs, rejection_sample_logits, sample_from_probs, verify_greedy
 
@@ -38,8 +38,8 @@ def pick(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -
 
 def read_verdict(token: torch.Tensor, accepted: torch.Tensor) -> Verdict:
     """The Verdict of a verifier's token [1] int64 and accepted [1] bool: one host read of both
-    values, not two."""
-    tok, ok = torch.cat([token[:1], accepted[:1].to(token.dtype)]).tolist()
+    values, not two, waiting for their own copy (spd.device.to_host)."""
+    tok, ok = to_host(torch.cat([token[:1], accepted[:1].to(token.dtype)]))
     return Verdict(bool(ok), tok)
 
 
