@@ -157,11 +157,12 @@ def _distributed_job(engine, lengths, refs, sampling):
     out = []
     for gen, m in enumerate(lengths, start=1):
         log: list = []
-        with ReadLog(log):
+        with ReadLog(log, where=True):
             res = run_requests([GenerateRequest(PROMPT, m, sampling, reference=refs)],
                                engine)[0]
         stages = [int(engine.rt.store.get(f"probe/reads/{gen}/{r}")) for r in range(1, engine.n + 1)]
-        out.append({"m": m, "K": res.stats.K, "rank0": reads(log), "stages": stages})
+        out.append({"m": m, "K": res.stats.K, "rank0": reads(log),
+                    "outside": reads(log, outside_kernels=True), "stages": stages})
     return out
 
 
@@ -184,6 +185,7 @@ def distributed_row(n: int, m: int, sampled: bool = False) -> dict:
     dk = b["K"] - a["K"]
     return {"what": f"distributed, n = {n}{', sampled' if sampled else ''}", "cycles": dk,
             "rank 0": (b["rank0"] - a["rank0"]) / dk,
+            "outside spd_kernels": (b["outside"] - a["outside"]) / dk,
             "stage ranks": [(y - x) / dk for x, y in zip(a["stages"], b["stages"])]}
 
 
