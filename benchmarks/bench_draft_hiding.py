@@ -10,10 +10,14 @@ random weights, at a context of --context tokens already cached:
           the PDM's L_s layers over them, the draft LM head and argmax (draft vocabulary
           --draft-vocab, MLP width --pdm-intermediate, default the target's); on a GPU both
           eagerly and as the CUDA-graph replay the runtime uses there (spd.draft.graphs);
-  verify  spd.runtime.sequence.verify, greedy: final norm + the target's LM head + argmax + compare, which
-          the draft rank also runs every cycle (it holds the verifier).
+  verify  spd.runtime.verdict.verify, greedy: final norm + the target's LM head + argmax +
+          compare. Where it runs depends on the sampling: greedy, the last stage judges each
+          draft itself, fused after its layers (its cycle is stage + verify, the draft rank's
+          the draft alone); under sampling the draft rank judges (its cycle is draft + verify,
+          and rejection sampling adds to the verify timed here).
 
-The draft is hidden when draft + verify <= stage (the draft rank's whole cycle behind a stage).
+Greedy, the draft is hidden when draft <= stage; under sampling when draft + verify <= stage
+(the last column: "yes" for both, "draft only" for greedy alone).
 Only the largest stage's layers and the LM head are built, so Qwen3-8B shapes fit a laptop.
 
     python benchmarks/bench_draft_hiding.py                                  # GPU: qwen3-4b, bf16
@@ -46,8 +50,8 @@ from spd.draft.pdm import PDMConfig, PipelineDraftModule  # noqa: E402
 from spd.model.loading import describe_device  # noqa: E402
 from spd.model.partition import DepthLayout  # noqa: E402
 from spd.model.target import Stage, TargetModel  # noqa: E402
-from spd.runtime.sequence import verify  # noqa: E402
 from spd.runtime.types import SamplingParams  # noqa: E402
+from spd.runtime.verdict import verify  # noqa: E402
 
 
 def stage_target(shape, layers: int, device, dtype) -> TargetModel:

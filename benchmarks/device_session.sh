@@ -2,6 +2,8 @@
 # Everything a lent GPU should run, in one call, inside a short device budget:
 #   1. the environment (nvidia-smi, torch, triton)            -> env.txt
 #   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> build.log
+#   2b. the single-process engine's decode under CUDA's sync debug mode set to raise, greedy
+#      and sampled, rollbacks included (tests/runtime/test_gpu_no_sync.py; one GPU) -> no-sync.log
 #   3. the stage step and the AR step against their floors (graphed one-row stage of 3, 5, 9
 #      layers, attention at 1k context, the whole-model AR step; Qwen3-4B and Qwen3-8B shapes)
 #                                                               -> $OUT/<date>-stage-<dev>.json
@@ -104,6 +106,9 @@ bench_on_request() {  # bench_on_request CAP OP: one op's on-request rows in a p
 
 # the host emulation of the CUDA kernels (spd_kernels._spd_simt) is for machines without a GPU
 SPD_SKIP_SIMT_BUILD=1 step build 150 "$LOGS/build.log" "$PY" setup.py build_ext --inplace
+# a decode loop that never synchronises: short, and first, so a tight budget still checks it
+step no-sync 120 "$LOGS/no-sync.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/runtime/test_gpu_no_sync.py
 # the stage and AR steps first: the figures the stage-graphs issue is judged by
 step stage 120 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
     --json-out "$OUT/$DATE-stage-$DEV.json"
@@ -147,6 +152,8 @@ step bench-compile 120 "$LOGS/bench-compile.log" "$PY" benchmarks/bench_kernels.
 cp "$SUMMARY" "$LOGS/"
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
+echo "---- no sync";        show no-sync.log | grep -E "^(FAILED|ERROR|SKIPPED)" | cut -c1-200
+show no-sync.log | tail -n 1
 echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
 show gpu-tests.log | tail -n 2
 benches() { tar -xzOf "$OUT/logs.tar.gz" --wildcards 'logs/bench-*.log' 2>/dev/null; }

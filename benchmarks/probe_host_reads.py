@@ -16,7 +16,9 @@ end cancel out and the probe needs no hook inside the code it measures: it runs 
   * single process (SPDEngine.generate), the default model with its shipped PDM, n = 4: the
     issue's measurement (reads of the CPU reference kernels included), and the reads made
     outside spd_kernels (its CPU-only value checks and reference paths aside: what a GPU run
-    would pay).
+    would pay);
+  * both again under seeded sampling (temperature 1): drafts are then judged by rejection
+    sampling on rank 0, and rejections roll every cache back.
 
     python benchmarks/probe_host_reads.py                      # this checkout
     python benchmarks/probe_host_reads.py --before /path/old   # and another checkout, same table
@@ -149,58 +151,72 @@ def _counting_factory(rank: int):
     return tiny_target(4, 6)
 
 
-def _distributed_job(engine, lengths, refs):
+def _distributed_job(engine, lengths, refs, sampling):
     from spd.distributed.config import GenerateRequest
     from spd.distributed.rank import run_requests
     out = []
     for gen, m in enumerate(lengths, start=1):
         log: list = []
-        with ReadLog(log):
-            res = run_requests([GenerateRequest(PROMPT, m, reference=refs)], engine)[0]
+        with ReadLog(log, where=True):
+            res = run_requests([GenerateRequest(PROMPT, m, sampling, reference=refs)],
+                               engine)[0]
         stages = [int(engine.rt.store.get(f"probe/reads/{gen}/{r}")) for r in range(1, engine.n + 1)]
-        out.append({"m": m, "K": res.stats.K, "rank0": reads(log), "stages": stages})
+        out.append({"m": m, "K": res.stats.K, "rank0": reads(log),
+                    "outside": reads(log, outside_kernels=True), "stages": stages})
     return out
 
 
-def distributed_row(n: int, m: int) -> dict:
+def _sampling(sampled: bool):
+    from spd.runtime.types import SamplingParams
+    return SamplingParams(temperature=1.0, seed=1) if sampled else SamplingParams()
+
+
+def distributed_row(n: int, m: int, sampled: bool = False) -> dict:
+    """Greedy: every draft right. Sampled: the same drafts (the emulated target's greedy
+    continuation) judged by rejection sampling, so some are rejected and roll back."""
     from spd.distributed.config import DistConfig
     from spd.distributed.emulate import reference_tokens, tiny_target
     from spd.distributed.launch import launch_local
-    ref = reference_tokens(tiny_target(4, 6), PROMPT, 2 * m + n + 2)
+    ref = reference_tokens(tiny_target(4, 6), PROMPT, 4 * m + n + 2)
     config = DistConfig(n_stages=n, target_factory=_counting_factory, fault_timeout=10.0,
                         op_timeout=120.0, lookup=0, speculative_control="on", emulate_s=0.002)
-    a, b = launch_local(config, partial(_distributed_job, lengths=(m, 2 * m), refs=ref),
-                        timeout=600)
+    a, b = launch_local(config, partial(_distributed_job, lengths=(m, 2 * m), refs=ref,
+                                        sampling=_sampling(sampled)), timeout=600)
     dk = b["K"] - a["K"]
-    return {"what": f"distributed, n = {n}", "cycles": dk,
+    return {"what": f"distributed, n = {n}{', sampled' if sampled else ''}", "cycles": dk,
             "rank 0": (b["rank0"] - a["rank0"]) / dk,
+            "outside spd_kernels": (b["outside"] - a["outside"]) / dk,
             "stage ranks": [(y - x) / dk for x, y in zip(a["stages"], b["stages"])]}
 
 
 # --- single process, default model ---------------------------------------------------------------
-def single_row(n: int, m: int) -> dict:
+def single_row(n: int, m: int, sampled: bool = False) -> dict:
     from spd.model.loading import load_target
     from spd.model.prompt import encode_prompt
     from spd.runtime.engine import SPDEngine
     target = load_target(None)
     engine = SPDEngine(target, n_stages=n)
     ids = torch.tensor(encode_prompt(target.tokenizer, DEFAULT_PROMPT, chat=True))
-    engine.generate(ids, 4)  # warm-up: first-call work is not a cycle's
+    sampling = _sampling(sampled)
+    engine.generate(ids, 4, sampling)  # warm-up: first-call work is not a cycle's
     runs = []
     for length in (m, 2 * m):
         log: list = []
         with ReadLog(log, where=True):
-            res = engine.generate(ids, length)
+            res = engine.generate(ids, length, sampling)
         runs.append((reads(log), reads(log, outside_kernels=True), res.stats.K))
     dk = runs[1][2] - runs[0][2]
-    return {"what": f"one process, default model, n = {n}", "cycles": dk,
+    return {"what": f"one process, default model, n = {n}{', sampled' if sampled else ''}",
+            "cycles": dk,
             "rank 0": (runs[1][0] - runs[0][0]) / dk,
             "outside spd_kernels": (runs[1][1] - runs[0][1]) / dk, "stage ranks": []}
 
 
 def measure(m: int) -> list[dict]:
     torch.set_num_threads(1)
-    return [distributed_row(2, m), distributed_row(4, m), single_row(4, m)]
+    return [distributed_row(2, m), distributed_row(4, m), single_row(4, m),
+            distributed_row(2, m, sampled=True), distributed_row(4, m, sampled=True),
+            single_row(4, m, sampled=True)]
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -230,7 +246,7 @@ def main() -> None:
     results = {"after": run_checkout(REPO, args.tokens)}
     if args.before is not None:
         results["before"] = run_checkout(args.before.resolve(), args.tokens)
-    table = Table([("what", "<38", "decode"), ("checkout", "<9"), ("cycles", ">7"),
+    table = Table([("what", "<47", "decode"), ("checkout", "<9"), ("cycles", ">7"),
                    ("rank0", ">10.2f", "rank 0"), ("outside", ">22.2f", "outside spd_kernels"),
                    ("stages", ">24", "each stage rank")])
     table.print_header()

@@ -90,6 +90,9 @@ def _has(op: str, backend: str) -> bool:
     return backend in _REGISTRY[op] or backend in _DEFERRED.get(op, ())
 
 
+has = _has  # public: tests ask whether an op has a kernel before they skip for its absence
+
+
 def _impl(op: str, backend: str) -> _Impl | None:
     """`op`'s `backend` implementation, importing its module if it was deferred."""
     pending = _DEFERRED.get(op)
@@ -174,6 +177,7 @@ def backend_unavailable(backend: str, device: torch.device) -> str | None:
     return f"unknown backend {backend!r} (expected one of {', '.join(BACKENDS)} or auto)"
 
 
+@functools.lru_cache(maxsize=8)  # read on every op call: parse each value once
 def _parse_env(value: str) -> tuple[str | None, dict[str, str]]:
     default, per_op = None, {}
     for part in filter(None, (p.strip() for p in value.split(","))):

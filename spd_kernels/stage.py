@@ -1,12 +1,13 @@
 """A block of decoder layers as plain tensors: the target's stage step (and the PDM's layers).
 
-`stage_step` runs rows through Llama / Qwen2 / Qwen3 decoder layers against their KV cache, per
-layer: RMSNorm + QKV (+ biases) + q/k norm + RoPE + cache append (`qkv_rope_append`), causal GQA
-attention over the cache (`cache_attention`), output projection + residual (`fused_linear`),
-RMSNorm + SwiGLU (`fused_swiglu`), down projection + residual (`fused_linear`). On the reference
-backend with an int position it is spd.model.layers.decoder_layer_step bit for bit. With the
-position an int64 device tensor nothing reads it on the host, so a CUDA graph of the step replays
-at every position.
+`decoder_layer` is the one decoder layer against a KV cache in the project: the target's stages
+(`stage_step`), the PDM's step (spd_kernels.pdm) and EAGLE-3's head run it. Per layer: RMSNorm +
+QKV (+ biases) + q/k norm + RoPE + cache append (`qkv_rope_append`), causal GQA attention over
+the cache (`cache_attention`), output projection + residual (`fused_linear`), RMSNorm + SwiGLU
+(`fused_swiglu`), down projection + residual (`fused_linear`). Training runs the same layer
+cache-free under a mask (spd.model.layers.decoder_layer_step; tests/kernels/test_pdm_step.py
+holds the two equal). With the position an int64 device tensor nothing reads it on the host, so
+a CUDA graph of the step replays at every position.
 """
 from __future__ import annotations
 

@@ -8,8 +8,11 @@ import warnings
 import pytest
 import torch
 
-# The Triton interpreter must be chosen before any kernel module is imported (CPU machines).
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# The Triton interpreter must be chosen before any kernel module is imported: on a CPU machine
+# it is how the Triton kernels run at all; on a GPU it would turn them off for CUDA tensors (the
+# GPU tests would then have nothing to run), so there Triton compiles for the GPU unless asked.
+if "TRITON_INTERPRET" not in os.environ:
+    os.environ["TRITON_INTERPRET"] = "0" if torch.cuda.is_available() else "1"
 
 from spd.draft.drafters import PDMDrafter, ReferenceDrafter  # noqa: E402
 from spd_kernels import dispatch  # noqa: E402
@@ -25,6 +28,21 @@ needs_triton = pytest.mark.skipif(TRITON_DEVICE is None, reason=TRITON_SKIP_REAS
 needs_triton_interpreter = pytest.mark.skipif(TRITON_DEVICE != "cpu",
                                               reason="needs the Triton interpreter")
 needs_simt = pytest.mark.skipif(SIMT_SKIP_REASON is not None, reason=str(SIMT_SKIP_REASON))
+GPU_BACKENDS = ("triton", "cuda")  # what the GPU tests of an op run it on, one by one
+
+
+def gpu_backend(op: str, backend: str) -> str:
+    """`backend` for a GPU test of `op`, or a skip that says why it cannot run here (no GPU, no
+    built extension, Triton in its CPU interpreter). The test then forces it (`backend=`),
+    which raises rather than fall back, so a test that passes ran it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    if not dispatch.has(op, backend):
+        pytest.skip(f"{op} has no {backend} kernel")
+    why = dispatch.backend_unavailable(backend, torch.device("cuda"))
+    if why is not None:
+        pytest.skip(f"{op} on {backend}: {why}")
+    return backend
 
 
 def make_tiny_target(seed: int = 0, vocab: int = 16, layers: int = 4, hidden: int = 32,

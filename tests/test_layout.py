@@ -12,9 +12,9 @@ SPD = Path(__file__).resolve().parents[1] / "python" / "spd"
 
 # Each subpackage may import only those of a lower rank (and itself); equal ranks are siblings
 # that must not import each other. The top-level modules (errors, env, version) are rank 0.
-RANKS = {"errors": 0, "env": 0, "version": 0, "cuda_graphs": 1, "data": 1, "model": 2, "draft": 3,
-         "runtime": 4, "train": 4, "baselines": 5, "distributed": 5, "evaluation": 6, "serve": 6,
-         "cli": 7}
+RANKS = {"errors": 0, "env": 0, "version": 0, "cuda_graphs": 1, "device": 1, "data": 1,
+         "model": 2, "draft": 3, "runtime": 4, "train": 4, "baselines": 5, "distributed": 5,
+         "evaluation": 6, "serve": 6, "cli": 7}
 
 
 def _module_name(path: Path) -> str:

@@ -81,9 +81,8 @@ def _(q, k_cache, v_cache, start, scale=None):
 @dispatch.register("cache_attention", "reference")
 def cache_attention_reference(q, k_cache, v_cache, start, scale):
     """Two paths with the same result (up to rounding):
-    - start an int: exactly spd.model.layers.attention_step's attention (SDPA over cache rows
-      [0, start + R) with the causal chunk mask), so the runtime's PDM step is unchanged bit for
-      bit on the reference backend;
+    - start an int: SDPA over cache rows [0, start + R) with the causal chunk mask, as the
+      training form of the layer computes it (spd.model.layers.attention_step, cache-free);
     - start a tensor: the mask over all S cache positions is built on the device (no .item()),
       math in fp32; rows at or past start + R are zeroed first, so whatever an unwritten cache
       holds (NaN poison) cannot leak through a zero softmax weight."""

@@ -121,14 +121,21 @@ def verify_greedy_reference(hidden, norm_weight, eps, lm_head_weight, draft_toke
 
 def scatter_draft_probs(draft_probs: torch.Tensor, draft_to_target: torch.Tensor,
                         vocab_size: int) -> torch.Tensor:
-    """q on the draft vocabulary [R, Vd] -> q on target ids [R, V] (zero outside the mapping)."""
+    """q on the draft vocabulary [R, Vd] -> q on target ids [R, V] (zero outside the mapping).
+    The ids' range is checked where values are (CPU tensors; device ones with
+    SPD_CHECK_VALUES=1): on a GPU that check would be a host read per call."""
     check_tensor("draft_to_target", draft_to_target, dim=1, device=draft_probs.device)
     if draft_to_target.shape[0] != draft_probs.shape[-1]:
         raise SPDInputError(f"draft_to_target maps {draft_to_target.shape[0]} ids but draft_probs "
                             f"has {draft_probs.shape[-1]} columns")
-    if draft_to_target.numel() and (int(draft_to_target.min()) < 0
-                                    or int(draft_to_target.max()) >= vocab_size):
+    if draft_to_target.numel() and check_values_enabled(draft_to_target) and (
+            int(draft_to_target.min()) < 0 or int(draft_to_target.max()) >= vocab_size):
         raise SPDInputError(f"draft_to_target holds ids outside the target vocabulary [0, {vocab_size})")
+    return _scatter(draft_probs, draft_to_target, vocab_size)
+
+
+def _scatter(draft_probs, draft_to_target, vocab_size):
+    """scatter_draft_probs without its checks (the caller checked the map)."""
     q = draft_probs.new_zeros(*draft_probs.shape[:-1], vocab_size, dtype=torch.float32)
     return q.index_copy_(-1, draft_to_target.long(), draft_probs.float())
 
@@ -363,7 +370,7 @@ def rejection_sample_logits_reference(target_logits, draft_probs, draft_to_targe
         uniforms = _philox_uniforms_reference(rows, target_logits.device, philox_seed,
                                               philox_offset)
     p = filtered_probs(target_logits, temperature, top_k, top_p)
-    q = scatter_draft_probs(draft_probs, draft_to_target, vocab)
+    q = _scatter(draft_probs, draft_to_target, vocab)  # the op checked the map (cached)
     return rejection_sample_reference(p, q, draft_tokens, uniforms)
 
 

@@ -135,3 +135,21 @@ def test_prompt_file_stdin_system_threads_quiet_parse_and_refuse(tmp_path, capsy
     assert "not allowed with argument" in _err(capsys)
     assert main(["generate", "--prompt", "a", "--threads", "0"]) == 2
     assert "argument --threads: must be an integer >= 1" in _err(capsys)
+
+
+@pytest.mark.parametrize("error,status,line", [
+    (lambda: __import__("spd.errors").errors.SPDError("the model folder has no config.json"),
+     2, "spd: error: the model folder has no config.json"),
+    (lambda: __import__("spd.errors").errors.InternalError("KV cache overflow", rows=9,
+                                                           capacity=8),
+     1, "spd: internal error: KV cache overflow (rows=9, capacity=8). This is a bug in spd"),
+])
+def test_input_errors_exit_2_and_internal_faults_exit_1(capsys, monkeypatch, error, status,
+                                                         line):
+    """Whose fault it is decides the status: the caller's input 2, the runtime's own fault 1,
+    and its message says it is a bug, not a usage error."""
+    def load(*a, **k):
+        raise error()
+    monkeypatch.setattr(loading, "load_target", load)
+    assert main(GEN) == status
+    assert _err(capsys).startswith(line)

@@ -56,38 +56,52 @@ def counting_factory(rank: int):
 
 
 def counted_job(engine, request: GenerateRequest):
-    """Rank 0: run `request` logging reads, each cycle's draft and each unit sent."""
-    from spd.distributed.draft_rank import UnitStream
+    """Rank 0: run `request` logging reads (and where they were made), each cycle's draft, each
+    unit sent, each judged draft committed and each rollback."""
+    import pytest
+
+    from spd.distributed.draft_rank import RemoteStages, UnitStream
     from spd.runtime.sequence import SequenceDecode
     log: list = []
-    send, draft = UnitStream.send, SequenceDecode.draft
 
-    def logged_send(self, *args):
-        log.append(("send",))
-        return send(self, *args)
-
-    def logged_draft(self, *args):
-        log.append(("draft",))
-        return draft(self, *args)
-    UnitStream.send, SequenceDecode.draft = logged_send, logged_draft
-    try:
-        with ReadLog(log):
+    def logged(name, real):
+        def method(self, *args):
+            log.append((name,))
+            return real(self, *args)
+        return method
+    with pytest.MonkeyPatch.context() as mp:
+        for cls, name, event in ((UnitStream, "send", "send"), (SequenceDecode, "draft", "draft"),
+                                 (SequenceDecode, "commit", "commit"),
+                                 (RemoteStages, "rollback", "rollback")):
+            mp.setattr(cls, name, logged(event, getattr(cls, name)))
+        with ReadLog(log, where=True):
             result = run_requests([request], engine)[0]
-    finally:
-        UnitStream.send, SequenceDecode.draft = send, draft
     stages = [json.loads(engine.rt.store.get(f"test/reads/1/{r}")) for r in range(1, engine.n + 1)]
     return result, log, stages
 
 
 def _cycles(log: list) -> list[list]:
-    """The log split at each draft (one per cycle); what comes before the first is dropped."""
+    """The log split at each draft (one per cycle); what comes before the first is dropped, and
+    so are the reads made inside spd_kernels (its CPU-only value checks and reference paths,
+    which a GPU run does not take)."""
     out = []
     for event in log:
         if event[0] == "draft":
             out.append([])
-        elif out:
+        elif out and not (event[0] == "read" and "spd_kernels" in event[2]):
             out[-1].append(event[0])
     return out
+
+
+def _stage_reads(result, stages) -> None:
+    """No stage rank reads a tensor value but one host header per unit (and the stop's)."""
+    for rank, slog in enumerate(stages, start=1):
+        units = [e for e in slog if e[0] == "unit"]
+        assert len(units) == result.stats.distributed["units"]
+        first = slog.index(["unit"])
+        assert [e for e in slog[first:] if e[0] == "read"] == [], f"rank {rank} reads"
+        headers = [e for e in slog if e[0] == "header"]
+        assert len(headers) == len(units) + 1, f"rank {rank}: a header per unit and the stop"
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -105,13 +119,7 @@ def test_host_reads_per_accepted_cycle(n):
                                        timeout=150)
     assert result.token_ids == ref[len(PROMPT):len(PROMPT) + m]
     assert result.stats.K == result.stats.N + n - 1  # every draft accepted
-    for rank, slog in enumerate(stages, start=1):
-        units = [e for e in slog if e[0] == "unit"]
-        assert len(units) == result.stats.distributed["units"]
-        first = slog.index(["unit"])
-        assert [e for e in slog[first:] if e[0] == "read"] == [], f"rank {rank} reads"
-        headers = [e for e in slog if e[0] == "header"]
-        assert len(headers) == len(units) + 1, f"rank {rank}: a header per unit and the stop"
+    _stage_reads(result, stages)
     cycles = _cycles(log)
     assert len(cycles) == result.stats.K
     steady = cycles[n - 1:-2]  # full cycles with a successor announced (not the last two)
@@ -119,6 +127,32 @@ def test_host_reads_per_accepted_cycle(n):
     for events in steady:
         assert events.count("read") == 1, events
         assert "send" in events[:events.index("read")], events  # the next unit went first
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_host_reads_per_sampled_cycle_with_rollbacks(n):
+    """Seeded sampling: rank 0 judges every draft itself (rejection sampling), many are
+    rejected and roll every stage back. Still no read on the stage ranks but the headers; on
+    rank 0, outside spd_kernels' CPU paths, one read per judged cycle (the verdict) and none in
+    a filling cycle or a rollback."""
+    from spd.runtime.types import SamplingParams
+    m = 24
+    target = tiny_target(SEED, LAYERS)
+    ref = reference_tokens(target, PROMPT, 4 * m)  # greedy: a sampled decode rejects some
+    config = DistConfig(n_stages=n, target_factory=counting_factory, fault_timeout=5.0,
+                        op_timeout=60.0, lookup=0, speculative_control="auto",
+                        emulate_s=0.002)
+    request = GenerateRequest(PROMPT, m, SamplingParams(temperature=1.0, seed=3), reference=ref)
+    result, log, stages = launch_local(config, partial(counted_job, request=request),
+                                       timeout=150)
+    st = result.stats
+    assert len(result.token_ids) == m and st.distributed["verify_on"] == "rank 0"
+    _stage_reads(result, stages)
+    cycles = _cycles(log)
+    assert len(cycles) == st.K
+    assert sum("rollback" in c for c in cycles) == st.drafts_judged - st.drafts_accepted > 2
+    for events in cycles:
+        assert events.count("read") == events.count("commit") <= 1, events
 
 
 def _sync_free_factory(rank: int):

@@ -2,7 +2,7 @@
 anchors read in place through their strides, outputs poisoned first."""
 import pytest
 import torch
-from conftest import needs_gpu, needs_simt, needs_triton
+from conftest import GPU_BACKENDS, gpu_backend, needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, anchor_projection, dispatch
 from spd_kernels.features import (
@@ -253,15 +253,16 @@ def test_cuda_variant_is_chosen_by_the_environment(monkeypatch):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("d,d_out", [(576, 576), (2560, 2560), (4096, 4096), (100, 36)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_backends_match_reference(d, d_out, dtype):
-    backends = [b for b in ("triton", "cuda") if b in dispatch.available("anchor_projection", "cuda")]
+def test_gpu_backends_match_reference(backend, d, d_out, dtype):
+    gpu_backend("anchor_projection", backend)
     args = make_case(5, 9, d, d_out, dtype, "cuda", seed=d, types=staircase(8, 5))
     ref = oracle(*args)
     tol = 1e-4 if dtype == torch.float32 else torch.finfo(dtype).eps
-    fns = {b: lambda *a, b=b: anchor_projection(*a, backend=b) for b in backends}
-    if "cuda" in backends and dtype != torch.float32 and d % 8 == 0:
+    fns = {backend: lambda *a: anchor_projection(*a, backend=backend)}
+    if backend == "cuda" and dtype != torch.float32 and d % 8 == 0:
         fns["cuda_mma"] = anchor_projection_cuda_mma  # the tensor-core variant
     for name, fn in fns.items():
         with poisoned_outputs("a"):
@@ -271,16 +272,18 @@ def test_gpu_backends_match_reference(d, d_out, dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("name", list(SHARED_TYPES))
 # CUDA vector path (D = 1600: full, half and single k steps; 41 outputs: a warp with one) and
 # the scalar path (D = 100)
 @pytest.mark.parametrize("d,d_out", [(1600, 41), (100, 36)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_rows_sharing_types(name, d, d_out, dtype):
+def test_gpu_rows_sharing_types(backend, name, d, d_out, dtype):
     """Rows grouped by type on the device: shared, unsorted, unused and bad types, many rows."""
-    fns = {"triton": anchor_projection_triton, "cuda": anchor_projection_cuda}
-    if dtype != torch.float32 and d % 8 == 0:
+    gpu_backend("anchor_projection", backend)
+    fns = {"triton": {"triton": anchor_projection_triton},
+           "cuda": {"cuda": anchor_projection_cuda}}[backend]
+    if backend == "cuda" and dtype != torch.float32 and d % 8 == 0:
         fns["cuda_mma"] = anchor_projection_cuda_mma
-    for backend, fn in fns.items():
-        if backend.split("_")[0] in dispatch.available("anchor_projection", "cuda"):
-            check_shared_types(fn, name, d, d_out, dtype, "cuda")
+    for fn in fns.values():
+        check_shared_types(fn, name, d, d_out, dtype, "cuda")

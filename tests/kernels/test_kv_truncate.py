@@ -2,7 +2,7 @@
 one launch, debug poison of exactly the dropped rows (rows kept and rows never written untouched)."""
 import pytest
 import torch
-from conftest import needs_gpu, needs_simt, needs_triton
+from conftest import GPU_BACKENDS, gpu_backend, needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, truncate_kv_
 from spd_kernels.kv_cache import truncate_kv_reference
@@ -160,36 +160,34 @@ def test_cuda_kernels_in_host_emulation(C, H, S, hd, dtype):
 
 # --- GPU ------------------------------------------------------------------------------------------
 
-def gpu_backends():
-    return [b for b in ("triton", "cuda") if b in dispatch.available("truncate_kv", "cuda")]
-
-
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_backends_match_reference(dtype):
-    for backend in gpu_backends():
-        run_both(36, 8, 2048, 128, dtype, "cuda", seed=3, backend=backend)
-        run_both(7, 3, 33, 7, dtype, "cuda", seed=4, backend=backend, per_cache=False)
+def test_gpu_backends_match_reference(backend, dtype):
+    gpu_backend("truncate_kv", backend)
+    run_both(36, 8, 2048, 128, dtype, "cuda", seed=3, backend=backend)
+    run_both(7, 3, 33, 7, dtype, "cuda", seed=4, backend=backend, per_cache=False)
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_truncation_in_cuda_graph_without_host_sync():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_truncation_in_cuda_graph_without_host_sync(backend):
     """New lengths live in a device tensor: a captured graph truncates to whatever it holds."""
-    for backend in gpu_backends():
-        length = torch.full((36,), 1000, dtype=torch.int64, device="cuda")
-        new = torch.tensor(900, device="cuda")
-        k = torch.randn(36, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
-        truncate_kv_(length, new, [k], poison=True, backend=backend)  # warm up
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            truncate_kv_(length, new, [k], poison=True, backend=backend)
-        expect = 900  # after the warm-up call
-        for target in (800, 512, 600, 3):
-            new.fill_(target)
-            graph.replay()
-            torch.cuda.synchronize()
-            expect = min(expect, target)  # never grows
-            assert int(length.max()) == int(length.min()) == expect
-        assert k[:, :, 3:1000].isnan().all() and not k[:, :, :3].isnan().any()
+    gpu_backend("truncate_kv", backend)
+    length = torch.full((36,), 1000, dtype=torch.int64, device="cuda")
+    new = torch.tensor(900, device="cuda")
+    k = torch.randn(36, 8, 1024, 128, device="cuda", dtype=torch.bfloat16)
+    truncate_kv_(length, new, [k], poison=True, backend=backend)  # warm up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        truncate_kv_(length, new, [k], poison=True, backend=backend)
+    expect = 900  # after the warm-up call
+    for target in (800, 512, 600, 3):
+        new.fill_(target)
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = min(expect, target)  # never grows
+        assert int(length.max()) == int(length.min()) == expect
+    assert k[:, :, 3:1000].isnan().all() and not k[:, :, :3].isnan().any()

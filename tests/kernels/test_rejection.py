@@ -8,7 +8,7 @@ import math
 
 import pytest
 import torch
-from conftest import needs_gpu, needs_simt, needs_triton
+from conftest import GPU_BACKENDS, gpu_backend, needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import (
     SPDInputError,
@@ -573,30 +573,25 @@ def test_library_ops():
 
 # --- GPU ------------------------------------------------------------------------------------------
 
-def gpu_backends():
-    return [b for b in ("triton", "cuda") if b in dispatch.available("rejection_sample_logits",
-                                                                     "cuda")]
-
-
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("temperature,top_k,top_p", SAMPLING)
-def test_gpu_backends_match_reference_at_qwen_vocab(temperature, top_k, top_p):
+def test_gpu_backends_match_reference_at_qwen_vocab(backend, temperature, top_k, top_p):
+    gpu_backend("rejection_sample_logits", backend)
     logits, q, d2t, tok, u = logits_case(3, 151936, 32768, seed=1, device="cuda")
     ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, temperature, top_k, top_p)
-    for backend in gpu_backends():
-        out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=temperature,
-                                      top_k=top_k, top_p=top_p, backend=backend)
-        # exp/division on the GPU may differ from torch's in the last bit: allow a rare flip
-        assert (out[0] == ref[0]).float().mean() >= 2 / 3, backend
+    out = rejection_sample_logits(logits, q, d2t, tok, u, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, backend=backend)
+    # exp/division on the GPU may differ from torch's in the last bit: allow a rare flip
+    assert (out[0] == ref[0]).float().mean() >= 2 / 3, backend
 
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_philox_in_cuda_graph(backend):
-    if backend not in gpu_backends():
-        pytest.skip(f"{backend} is not available here")
+    gpu_backend("rejection_sample_logits", backend)
     logits, q, d2t, tok, _ = logits_case(2, 4096, 1024, seed=3, device="cuda")
     seed = torch.tensor([7], device="cuda")
     offset = torch.tensor([0], device="cuda")
@@ -615,13 +610,12 @@ def test_gpu_philox_in_cuda_graph(backend):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_top_k_top_p_follows_target_distribution(backend):
     """At 20k entries a row: Triton takes the split-row plan with the radix select, CUDA one
     block per row. Their own Philox draws must be distributed as p after temperature, top-k
     and top-p (chi-square)."""
-    if backend not in gpu_backends():
-        pytest.skip(f"{backend} is not available here")
+    gpu_backend("rejection_sample_logits", backend)
     g = torch.Generator().manual_seed(9)
     V, Vd, n = 20000, 4096, 20000
     logits = torch.randn(V, generator=g) * 3

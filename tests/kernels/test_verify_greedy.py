@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import needs_gpu, needs_simt, needs_triton
+from conftest import GPU_BACKENDS, gpu_backend, needs_gpu, needs_simt, needs_triton
 
 from spd_kernels import SPDBackendError, SPDInputError, _cuda, dispatch, verify_greedy
 from spd_kernels.testing import (
@@ -268,33 +268,31 @@ def test_cuda_kernel_load_shapes_in_host_emulation(variant):
 
 # --- GPU ------------------------------------------------------------------------------------------
 
-def gpu_backends():
-    return [b for b in ("triton", "cuda") if b in dispatch.available("verify_greedy", "cuda")]
-
-
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("R,D,V", [(1, 576, 49152), (1, 2560, 151936), (3, 2560, 151936),
                                    (9, 4096, 151936), (2, 100, 1001)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_backends_match_reference(R, D, V, dtype):
-    for backend in gpu_backends():
-        args = make_inputs(R, D, V, dtype, "cuda", seed=R + D)
-        check_against_reference(*args, backend=backend, exact=False)
+def test_gpu_backends_match_reference(backend, R, D, V, dtype):
+    gpu_backend("verify_greedy", backend)
+    args = make_inputs(R, D, V, dtype, "cuda", seed=R + D)
+    check_against_reference(*args, backend=backend, exact=False)
 
 
 @pytest.mark.gpu
 @needs_gpu
-def test_gpu_cuda_graph_replay():
-    for backend in gpu_backends():
-        hidden, norm, head, drafts = make_inputs(1, 2560, 151936, torch.bfloat16, "cuda", seed=5)
-        verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)  # warm up / compile
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            t, ok = verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)
-        for seed in range(3):
-            hidden.copy_(torch.randn_like(hidden) * 2)
-            graph.replay()
-            ref, _ = verify_greedy_reference(hidden, norm, 1e-6, head, drafts)
-            torch.cuda.synchronize()
-            assert torch.equal(t, ref)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_cuda_graph_replay(backend):
+    gpu_backend("verify_greedy", backend)
+    hidden, norm, head, drafts = make_inputs(1, 2560, 151936, torch.bfloat16, "cuda", seed=5)
+    verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)  # warm up / compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        t, ok = verify_greedy(hidden, norm, 1e-6, head, drafts, backend=backend)
+    for seed in range(3):
+        hidden.copy_(torch.randn_like(hidden) * 2)
+        graph.replay()
+        ref, _ = verify_greedy_reference(hidden, norm, 1e-6, head, drafts)
+        torch.cuda.synchronize()
+        assert torch.equal(t, ref)

@@ -1,11 +1,11 @@
 """Hybrid stages roll back by length: after random accept / reject sequences (poisoned dropped
 slots and rows) every stage's state equals a fresh prefill of the committed tokens, and a
-truncation deeper than the state ring holds is an SPDError that changes nothing."""
+truncation deeper than the state ring holds is an InternalError that changes nothing."""
 import pytest
 import torch
 from conftest import make_tiny_hybrid
 
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd.model.target import Stage
 
 VOCAB = 40
@@ -54,7 +54,7 @@ def test_random_rollbacks_equal_a_fresh_prefill(model_type, pattern, n):
         back = int(torch.randint(0, n + 2, (), generator=g))
         if back and length - back < stages[0].cache.restorable_from:
             before = [[x.clone() for x in _state(st, length)] for st in stages]
-            with pytest.raises(SPDError, match="cannot roll a linear-attention state back"):
+            with pytest.raises(InternalError, match="rolled back deeper than its ring"):
                 stages[0].cache.truncate(length - back)
             for st, b in zip(stages, before):  # the refused truncation changed nothing
                 assert st.cache.length == length
@@ -82,7 +82,7 @@ def test_truncate_to_zero_resets_and_poison_marks_dropped_slots():
     st.cache.truncate(5)  # lengths 6 and 7 dropped: their slots poisoned
     assert st.cache.state[:, 6 % 3].isnan().all() and st.cache.state[:, 7 % 3].isnan().all()
     assert not st.cache.state[:, 5 % 3].isnan().any()
-    with pytest.raises(SPDError):
+    with pytest.raises(InternalError):
         st.cache.truncate(4)
     st.cache.truncate(0)
     out = st.forward(t.embed_tokens(ids[:3]), 0)
@@ -106,5 +106,5 @@ def test_chunked_prefill_leaves_its_last_lengths_restorable():
                                    rtol=1e-5, atol=1e-6)
     st = Stage(t, 0, range(4), capacity=16, max_rollback=3)
     st.forward(t.embed_tokens(ids[:9]), 0)
-    with pytest.raises(SPDError, match="holds lengths 6..9"):
+    with pytest.raises(InternalError, match="restorable='6..9'"):
         st.cache.truncate(5)

@@ -5,7 +5,7 @@ import pytest
 import torch
 from conftest import make_tiny_target, needs_gpu, needs_triton_interpreter
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.model.layers import pack_layer_
 from spd.model.partition import partition_layers
 from spd.model.target import Stage
@@ -99,8 +99,8 @@ def test_triton_stage_step_equals_hugging_face(model_type):
 
 
 def test_the_device_length_is_the_position_a_graphed_step_reads():
-    """The graphed step's body (run eagerly here) writes at the cache's device length and
-    advances it; a truncation only lowers that length, and the next step writes there."""
+    """The graphed step's body (run eagerly here) sets the cache's device length to its device
+    position, writes there and advances it; a lower position is a truncation."""
     t = _randomised("qwen3", seed=9)
     ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(3))
     ref = _hf_states(t, ids)
@@ -109,8 +109,8 @@ def test_the_device_length_is_the_position_a_graphed_step_reads():
     st.cache.truncate(5)
     outs = []
     for p in range(5, 12):
-        st.cache.reserve(p, 1, advance=False)
-        outs.append(st._graphed_step(t.embed_tokens(ids[p:p + 1]))[-1].clone())
+        pos = torch.tensor([p])
+        outs.append(st._device_step(t.embed_tokens(ids[p:p + 1]), pos)[-1].clone())
     assert st.cache.lengths.tolist() == [12] * t.num_layers
     torch.testing.assert_close(t.logits(torch.cat(outs)), ref.logits[0, 5:].float(), rtol=1e-4,
                                atol=1e-4)
@@ -193,7 +193,8 @@ def _verify_walk(t, last, plain, ids, *, sync_check=False):
         if sync_check:
             torch.cuda.set_sync_debug_mode("error")
         try:
-            out, token, ok = (y.clone() for y in last.forward_verify(x, pos, draft))
+            outs, (token, ok) = last.run(x, pos, draft)
+            out, token, ok = outs[-1].clone(), token.clone(), ok.clone()
         finally:
             if sync_check:
                 torch.cuda.set_sync_debug_mode("default")
@@ -207,15 +208,15 @@ def _verify_walk(t, last, plain, ids, *, sync_check=False):
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3"])
 def test_fused_last_stage_judges_with_the_stage_output(model_type):
-    """Stage.forward_verify: the stage's output and, from it, final norm + LM head + argmax and
+    """Stage.run with a draft: the stage's output and, from it, final norm + LM head + argmax and
     the verdict on the draft, across rollbacks; only the last stage may judge."""
     t = _randomised(model_type, seed=13)
     ids = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(14))
     first, last = (Stage(t, i, r, capacity=32, poison=True)
                    for i, r in enumerate(partition_layers(t.num_layers, 2, [1, 3])))
     plain = Stage(t, 1, last.layer_ids, capacity=32, poison=True)
-    with pytest.raises(SPDError, match="not the last stage"):
-        first.forward_verify(t.embed_tokens(ids[:1]), 0, ids[:1])
+    with pytest.raises(InternalError, match="only the last stage can verify"):
+        first.run(t.embed_tokens(ids[:1]), 0, ids[:1])
     # the last stage alone: embeddings stand in for stage 0's output
     assert _verify_walk(t, last, plain, ids) == 9
 

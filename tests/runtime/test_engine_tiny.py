@@ -196,8 +196,19 @@ def test_post_step_drafting_is_lossless(n):
     assert eng.drafter.post_step
     ar = eng.generate_ar(PROMPT, 30).token_ids
     assert eng.generate(PROMPT, 30).token_ids == ar
+    # Sampled: its law is tested in test_sampling_lossless (post-step case); here the same
+    # seed gives the same tokens and counts, another seed other tokens, and the accounting
+    # holds across its rejections (every token after the first judged, refills counted).
     sp = SamplingParams(temperature=1.0, seed=3)
-    assert len(eng.generate(PROMPT, 12, sp).token_ids) == 12
+    a, b = eng.generate(PROMPT, 24, sp), eng.generate(PROMPT, 24, sp)
+    other = eng.generate(PROMPT, 24, SamplingParams(temperature=1.0, seed=4))
+    assert a.token_ids == b.token_ids and a.token_ids != other.token_ids
+    assert len(a.token_ids) == 24 and all(0 <= x < 32 for x in a.token_ids)
+    st = a.stats
+    assert (st.N, st.K, st.drafts_accepted) == (b.stats.N, b.stats.K, b.stats.drafts_accepted)
+    rejects = st.drafts_judged - st.drafts_accepted
+    assert st.N == 23 and st.drafts_judged == st.N and rejects > 0
+    assert st.N + (n - 1) * rejects <= st.K <= st.N + (n - 1) * (rejects + 1)
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -17,7 +17,7 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from spd import SPDEngine  # noqa: E402
-from spd.errors import SPDError  # noqa: E402
+from spd.errors import InternalError, SPDError  # noqa: E402
 from spd.model.prompt import encode_messages  # noqa: E402
 from spd.serve.backends import LocalBackend  # noqa: E402
 from spd.serve.server import start_background  # noqa: E402
@@ -386,6 +386,41 @@ def test_a_fatal_engine_error_fails_the_request_and_stops_the_server(served):
         thread.join(15)
         assert not thread.is_alive() and not server._http_thread.is_alive()
         assert server.fatal_error == "rank 2 (stage 1) was killed: killed by SIGKILL"
+    finally:
+        server.stop()
+        thread.join(10)
+
+
+def test_input_errors_are_400_and_internal_faults_500_logged_with_context(served, caplog):
+    """An SPDError from the engine is the request's fault (400); an InternalError is the
+    engine's (500, logged with its context), and the server goes on serving after either."""
+    import logging
+    _, engine, _ = served
+
+    class Faulty(LocalBackend):
+        def generate(self, job, on_token):
+            if job.max_new == 3:
+                raise SPDError("stop strings need the target's tokenizer")
+            if job.max_new == 4:
+                raise InternalError("KV cache overflow", rows=9, capacity=8)
+            return super().generate(job, on_token)
+
+    server, thread = start_background(Faulty(engine), model_name=MODEL, port=0)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
+                               timeout=60)
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=3)
+        assert bad.value.status_code == 400 and "tokenizer" in bad.value.message
+        with caplog.at_level(logging.ERROR, logger="spd.serve"):
+            with pytest.raises(openai.InternalServerError) as fault:
+                client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4)
+        assert fault.value.status_code == 500
+        assert "internal error: KV cache overflow (rows=9, capacity=8)" in fault.value.message
+        logged = [r for r in caplog.records if "inside the engine" in r.getMessage()]
+        assert logged and "'capacity': 8" in logged[0].getMessage() and logged[0].exc_info
+        assert_greedy_answer_is_the_engines(engine, client, 5)  # still serving
+        assert health(server)["status"] == "ok"
     finally:
         server.stop()
         thread.join(10)

@@ -35,8 +35,9 @@ from spd.draft.checkpoint import (
 )
 from spd.draft.pdm import SHIPPED_DIR, _Layer, attention_shape_for
 from spd.errors import SPDError
-from spd.model.layers import RMSNorm, _attend, _qkv, decoder_layer_step, rope_table
+from spd.model.layers import RMSNorm, _attend, _qkv, rope_table
 from spd.model.partition import default_anchors
+from spd_kernels.stage import LayerWeights, decoder_layer
 
 METHOD = "eagle3"
 DEFAULT_DRAFT_STEPS = 5
@@ -204,11 +205,11 @@ class EagleHead(nn.Module, SavedDrafter):
         logits of the last row [draft_vocab])."""
         c = self.config
         x = self.rows(token_embeddings, g)
-        need = start + x.shape[0]
-        cos, sin = self._rope_for(need, x)
+        cos, sin = self._rope_for(start + x.shape[0], x)
         cache.reserve(start, x.shape[0])
-        out = decoder_layer_step(self.layer, x, cos[start:need], sin[start:need], cache.k[0],
-                                 cache.v[0], start, c.num_heads, c.num_kv_heads, c.head_dim)
+        # the one cached decoder layer (spd_kernels.stage), on this head's weights
+        out = decoder_layer(x, LayerWeights.from_module(self.layer), cache.k[0], cache.v[0],
+                            start, cos, sin, c.num_heads, c.num_kv_heads, c.rms_eps)
         return out, self.logits(out[-1:])[0]
 
     # --- training-time test ---------------------------------------------------------------

@@ -23,8 +23,10 @@ from spd.baselines.eagle import METHOD, EagleHead, check_compatible, find_shippe
 from spd.errors import SPDError
 from spd.model.target import Stage, TargetModel
 from spd.runtime.engine import SPDEngine
-from spd.runtime.sequence import PhaseTimer, check_prompt, pick
+from spd.runtime.request import check_prompt
+from spd.runtime.sequence import PhaseTimer
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
+from spd.runtime.verdict import pick
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 from spd_kernels.verify import scatter_draft_probs
 

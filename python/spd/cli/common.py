@@ -128,21 +128,18 @@ def add_model_layout_args(p, stages_help: str = "pipeline stages n") -> None:
 
 
 class Streamer:
-    """Prints text as tokens arrive (decoding the whole suffix keeps multi-token characters right)."""
+    """Prints text as tokens arrive, decoded incrementally (spd.runtime.text: a character split
+    over tokens is printed once complete)."""
 
     def __init__(self, tokenizer):
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.shown = ""
+        from spd.runtime.text import IncrementalText
+        self.text = IncrementalText(tokenizer)
 
     def __call__(self, token_id: int) -> None:
-        self.ids.append(token_id)
-        text = self.tok.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-            return
-        sys.stdout.write(text[len(self.shown):])
-        sys.stdout.flush()
-        self.shown = text
+        piece = self.text.add(token_id)
+        if piece:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
 
 
 def print_generation(tokenizer, result, as_json: bool, quiet: bool = False) -> None:

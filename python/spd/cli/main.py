@@ -8,7 +8,7 @@ from functools import partial
 
 from spd.cli import eval as eval_cmd
 from spd.cli import generate, serve, train
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.version import __version__
 from spd_kernels import SPDBackendError, _cuda
 
@@ -62,6 +62,10 @@ def main(argv=None) -> int:
     except (SPDError, SPDBackendError) as exc:  # bad input, or a backend forced where it can't run
         print(f"spd: error: {exc}", file=sys.stderr)
         return 2
+    except InternalError as exc:  # the runtime's own fault: not a usage error
+        print(f"spd: internal error: {exc}. This is a bug in spd: please report it with the "
+              "command that gave it", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nspd: interrupted", file=sys.stderr)
         return 130

@@ -6,15 +6,17 @@ Roles (world size n + 1):
   rank s + 1  stage s: its decoder layers and their KV cache (stage 0 also embeds the token that
               enters the pipeline, from its id; stage 0 and rank 0 both keep the embedding table).
 
-Where verification runs: greedy, on the last stage (Stage.forward_verify's fused step: final norm + LM head +
-argmax where the hidden state already is), which sends rank 0 the verdict (two ints) instead of
-its hidden row; rank 0 keeps the PDM, the context lookup and the generator. Under sampling the
-last stage sends its output row and rank 0 judges (q and the one random stream live there).
+Where verification runs: greedy, on the last stage (Stage.run with a draft: final norm + LM head
++ argmax fused after its layers, where the hidden state already is), which sends rank 0 the
+verdict (two ints) instead of its hidden row; rank 0 keeps the PDM, the context lookup and the
+generator. Under sampling the last stage sends its output row and rank 0 judges (q and the one
+random stream live there).
 
-One cycle, as `SPDEngine.generate` runs it (both drive the same `spd.runtime.sequence.SequenceDecode`:
-same schedule, same draw order of the generator, so greedy tokens, N and K and seeded samples are
-identical). Decode is a stream of units (spd.distributed.protocol): each token rank 0 puts into
-the pipeline is one unit, which every stage runs as soon as its input arrives, in order:
+One cycle is `spd.runtime.sequence.SequenceDecode.run`, the loop the single-process engine runs
+too (rank 0 gives it `draft_rank.RemoteStages`: same schedule, same draw order of the generator,
+so greedy tokens, N and K and seeded samples are identical). Decode is a stream of units
+(spd.distributed.protocol): each token rank 0 puts into the pipeline is one unit, which every
+stage runs as soon as its input arrives, in order:
   rank 0: take the anchor rows the stages sent up to last cycle (pre-step features), draft; while
           filling, send the draft to stage 0 as the next unit; when full, send it at once as if
           it will be accepted (speculative control), then read the last stage's verdict on the
@@ -39,14 +41,14 @@ Requests and statistics go through the rendezvous store; how failures are detect
 
 Modules, each importing only those above it:
   config      DistConfig, SpeculationPolicy, GenerateRequest, parse_fault, role_of
-  protocol    message tags and the unit messages' layout
+  protocol    message tags, the unit messages' layout and each stage's snap (SnapFormat)
   emulate     emulated compute (fixed waits) for protocol tests and benchmarks
   faults      exit statuses, failure records and blame, SIGTERM, the heartbeat watchdog
   transport   Runtime: the stores, process groups and point-to-point with host staging
   handshake   the consistency check every rank passes before the first message
   stats       the per-cycle breakdown rank 0 reports
   stage_rank  StageWorker: one stage's loop
-  draft_rank  DistributedSPDEngine: rank 0's loop and its CUDA streams
+  draft_rank  DistributedSPDEngine and RemoteStages: rank 0's side of the cycle, its streams
   rank        one rank's whole life (run_rank) and rank-0 jobs
   launch      the local launcher and torchrun entry (imports the rest lazily)
 """

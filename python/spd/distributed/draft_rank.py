@@ -22,14 +22,17 @@ from spd.distributed.protocol import (
     UNIT,
     UNIT_BYTES,
     UNIT_TAG,
+    VERDICT_SIZE,
     VERDICT_TAG,
     Ring,
     UnitMessage,
+    snap_format,
 )
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Runtime
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
-from spd.runtime.sequence import SequenceDecode
+from spd.runtime.sequence import SequenceDecode, StageRunner
+from spd.runtime.verdict import Verdict
 
 
 class DraftRankStreams:
@@ -49,7 +52,7 @@ class DraftRankStreams:
 
         # The verdict's way to the host (to_host): one pinned buffer and one event suffice, as
         # each verdict is read before the next one is copied.
-        self.pinned = torch.empty(2, dtype=torch.int64, pin_memory=self.cuda)
+        self.pinned = torch.empty(VERDICT_SIZE, dtype=torch.int64, pin_memory=self.cuda)
         self.copied = torch.cuda.Event() if self.cuda else None
 
     def to_host(self, verdict: torch.Tensor) -> HostVerdict:
@@ -103,14 +106,14 @@ class HostVerdict(NamedTuple):
     values: torch.Tensor  # [target token, accepted] int64 in host memory (pinned on CUDA)
     ready: object         # the CUDA event after the copy into `values`; None on a CPU
 
-    def read(self) -> tuple[int, int]:
-        """The one host read of an accepted cycle. Event.synchronize waits for the copy alone;
+    def read(self) -> Verdict:
+        """The one host read of a judged cycle. Event.synchronize waits for the copy alone;
         CUDA's sync debug mode does not flag it (torch's CUDAEvent::synchronize calls no
         warn_or_error_on_sync: only stream and device synchronisation and blocking copies do)."""
         if self.ready is not None:
             self.ready.synchronize()
         token, ok = self.values.tolist()
-        return token, ok
+        return Verdict(bool(ok), token)
 
 
 class SnapState(Enum):
@@ -154,22 +157,20 @@ class UnitStream:
     """Rank 0's side of one generation's unit stream (spd.distributed.protocol): sending units,
     the receives posted for what the stages send back about them, rollbacks and the end."""
 
-    def __init__(self, deng: DistributedSPDEngine, greedy: bool, streams: DraftRankStreams):
-        self.deng, self.rt, self.n = deng, deng.rt, deng.n
-        self.greedy, self.streams = greedy, streams
-        self.device = deng.target.device
+    def __init__(self, rt: Runtime, dec: SequenceDecode, streams: DraftRankStreams):
+        self.rt, self.dec, self.n = rt, dec, dec.n
+        self.greedy, self.streams = dec.sampling.greedy, streams
+        self.device = dec.target.device
         n = self.n
-        # Rows of stage s's snap per unit: its anchors; under sampling the last stage's output
-        # too (rank 0 judges it); greedy, the last stage sends its verdict instead.
-        self.rows = [len(sl) + (1 if s == n - 1 and not greedy else 0)
-                     for s, sl in enumerate(deng.snap_slots)]
+        # Rows of stage s's snap per unit (protocol.snap_format)
+        self.rows = [snap_format(dec.layout, s, greedy=self.greedy).rows for s in range(n)]
         self.units: deque[Unit] = deque()  # sent; the last stage's message not taken yet
         self.snaps: list[SnapRecv] = []    # posted, in order, not taken yet
         self.sent = 0
         self._pending: Unit | None = None  # greedy: its last-stage receives not posted yet
         self.folded = self.rt.backend == "gloo"  # one message per unit (protocol)
         depth = ring_depth(n)  # rings (protocol.Ring), so no unit allocates
-        dev, d, dtype = self.device, deng.target.hidden_size, deng.target.dtype
+        dev, d, dtype = self.device, dec.target.hidden_size, dec.target.dtype
         self.outbox = Ring(lambda: UnitMessage(UNIT_BYTES, dev, self.folded), depth,
                            "unit sends", lambda m, _: self.rt.sending(m.data)
                            or self.rt.sending(m.header))
@@ -178,7 +179,8 @@ class UnitStream:
                  f"stage {s}'s snap receives",
                  lambda _, item: item is not None and item.state is not SnapState.RECEIVED)
             if rows else None for s, rows in enumerate(self.rows)]
-        self.verdicts = Ring(lambda: torch.empty(2, dtype=torch.int64, device=dev), depth,
+        self.verdicts = Ring(lambda: torch.empty(VERDICT_SIZE, dtype=torch.int64, device=dev),
+                             depth,
                              "verdict receives", lambda _, u: u is not None and not u.taken)
 
     def _send_unit(self, unit: UnitMessage, epoch: int = 0) -> None:
@@ -236,7 +238,17 @@ class UnitStream:
             self._pending = self.units[-1]
         self.sent += 1
 
-    def take_due(self, cycle: int, anchors) -> None:
+    def take(self, item: SnapRecv) -> None:
+        """Wait for a snap message and keep its anchor rows (once; a discarded one is dropped)."""
+        if item.state is SnapState.RECEIVED:
+            return
+        self.rt.wait(item.work, item.stage + 1, "anchor states")
+        keep = item.state is SnapState.POSTED
+        item.state = SnapState.RECEIVED
+        if keep:
+            self.dec.keep_anchors(item.stage, item.pos, item.buf)
+
+    def take_due(self, cycle: int) -> None:
         """Take every snap its stage computed by the end of `cycle` (features for the draft)."""
         left = []
         with self.streams.receiving():
@@ -244,7 +256,7 @@ class UnitStream:
                 if item.due <= cycle and item.work is None:
                     self._post_last()  # not reached in a run: a successor was sent first
                 if item.due <= cycle:
-                    self.deng._take_snap(item, anchors)
+                    self.take(item)
                 elif item.state is not SnapState.RECEIVED:
                     left.append(item)
         self.snaps = left
@@ -258,7 +270,7 @@ class UnitStream:
                     if item.state is SnapState.POSTED:
                         item.state = SnapState.DISCARD
 
-    def oldest(self, anchors) -> tuple[Unit, object]:
+    def oldest(self) -> tuple[Unit, object]:
         """The oldest kept unit, once the last stage has sent its message about it: greedy, its
         verdict on the way to the host (HostVerdict: read it with .read()); sampling, its snap
         (with the output row). Dropped units before it are received and discarded."""
@@ -275,11 +287,11 @@ class UnitStream:
             last = u.snaps[-1] if u.snaps and u.snaps[-1].stage == self.n - 1 else None
             if not u.dropped:
                 with self.streams.receiving():
-                    self.deng._take_snap(last, anchors)
+                    self.take(last)
                 self.streams.after_receive(last.buf)
                 return u, last
 
-    def finish(self, anchors) -> None:
+    def finish(self) -> None:
         """The end: the last stage gets the two drafts past the last unit it waits for, every
         posted receive completes (dropped), then stage 0 gets the stop (each stage passes it on)."""
         rt, n = self.rt, self.n
@@ -292,12 +304,89 @@ class UnitStream:
             for u in self.units:
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
-            self.take_due(1 << 62, anchors)
+            self.take_due(1 << 62)
         stop = UnitMessage(UNIT_BYTES, self.device, self.folded)  # (not steady: no ring)
         stop.set_header(STOP, self.sent)
         self._send_unit(stop)
         self.units.clear()
         rt.flush_sends()
+
+
+class RemoteStages(StageRunner):
+    """The stages on their ranks, driven from rank 0 through its unit stream (SequenceDecode.run's
+    runner). A token entering stage 0 is sent as a unit; anchor rows arrive as snaps, greedy
+    verdicts from the last stage; a rollback drops the units past it (the correction carries the
+    lower position down the pipeline). Speculative control: a full cycle's draft is sent before
+    its verdict is read, as if accepted, so no stage waits on rank 0 in an accepted cycle."""
+
+    def __init__(self, rt: Runtime, dec: SequenceDecode, stream: UnitStream,
+                 streams: DraftRankStreams, policy: SpeculationPolicy):
+        self.rt, self.dec, self.stream, self.streams, self.policy = rt, dec, stream, streams, policy
+        config = rt.config
+        self.fault = config.fault if config.fault and config.fault["rank"] == rt.rank else None
+        self.spec = {"announced": 0, "redone": 0}
+        self.cycle_s: list[float] = []
+        self.verify_s: list[float] = []  # each cycle's verification and rollback on this rank
+        self.cycle = 0                   # units entered now go in at the next one
+        self._ahead: int | None = None   # the position this cycle's draft was sent to ahead
+        self._t0 = self._judged0 = 0.0
+
+    def _judging_s(self) -> float:
+        phase = self.dec.stats.phase_s
+        return phase.get("verify", 0.0) + phase.get("rollback", 0.0)
+
+    def begin(self, cycle: int) -> None:
+        self.cycle, self._t0, self._judged0 = cycle, time.perf_counter(), self._judging_s()
+        if self.fault and cycle == self.fault["cycle"]:
+            inject_fault(self.fault)
+
+    def features(self, through: int) -> None:
+        with self.dec.timer("wait_stage" if self.dec.post_step else "wait_snaps"):
+            self.stream.take_due(through)
+
+    def drafting(self):
+        return self.streams.drafting()
+
+    def drafted(self, draft) -> None:
+        self.streams.after_draft(draft)
+
+    def announce(self, cycle: int, position: int, draft) -> None:
+        dec = self.dec
+        if self.policy.speculate() and len(dec.out) + 1 < dec.max_new:
+            with dec.timer("send"):
+                self.stream.send(cycle + 1, position, draft.token)
+            self.spec["announced"] += 1
+            self._ahead = position
+
+    def verdict(self, dec: SequenceDecode) -> Verdict:
+        # The oldest unit has left the last stage: greedy, its verdict is the one value this
+        # cycle reads on the host; sampling, rank 0 judges its output row.
+        with dec.timer("wait_stage"):
+            _, got = self.stream.oldest()
+        if dec.sampling.greedy:
+            with dec.timer("verify"):
+                verdict = got.read()
+        else:
+            verdict = dec.judge(got.buf[-1])
+        self.policy.record(verdict.accepted)
+        return verdict
+
+    def enter(self, position: int, token) -> None:
+        if self._ahead is not None:  # this cycle's draft went ahead
+            ahead, self._ahead = self._ahead, None
+            if position == ahead:  # accepted: it is in the pipeline already
+                return
+            self.spec["redone"] += 1  # rejected: the correction follows the dropped unit
+        with self.dec.timer("send"):
+            self.stream.send(self.cycle + 1, position, token)
+
+    def rollback(self, length: int) -> None:
+        self.stream.drop_from(length)
+
+    def end(self, cycle: int) -> None:
+        self._ahead = None
+        self.cycle_s.append(time.perf_counter() - self._t0)
+        self.verify_s.append(self._judging_s() - self._judged0)
 
 
 class DistributedSPDEngine:
@@ -310,12 +399,6 @@ class DistributedSPDEngine:
         self.layout = engine.layout
         self.n = engine.n
         self._gen = 0
-        lay = self.layout
-        # Rows of stage s's snap message: its anchors (slots), then (last stage, prefill) its
-        # output.
-        self.snap_slots = [[j for j, _ in lay.anchors_of_stage(s)] for s in range(self.n)]
-        self.snap_rows = [len(sl) + (1 if s == self.n - 1 else 0)
-                          for s, sl in enumerate(self.snap_slots)]
 
     def _request(self, payload: dict) -> int:
         self._gen += 1
@@ -326,28 +409,16 @@ class DistributedSPDEngine:
     def shutdown(self) -> None:
         self._request({"op": "shutdown"})
 
-    def _post_prefill_snaps(self, rows: int) -> list[SnapRecv]:
-        """Post receives for every stage's prefill snap (rows positions each)."""
-        t = self.target
-        out = []
+    def _post_prefill_snaps(self, dec: SequenceDecode) -> list[SnapRecv]:
+        """Post receives for every stage's prefill snap (protocol.snap_format, prefill)."""
+        t, out = self.target, []
         for s in range(self.n):
-            if self.snap_rows[s]:
-                buf = torch.empty(self.snap_rows[s], rows, t.hidden_size, dtype=t.dtype,
+            rows = snap_format(self.layout, s, greedy=dec.sampling.greedy, prefill=True).rows
+            if rows:
+                buf = torch.empty(rows, dec.prompt_len, t.hidden_size, dtype=t.dtype,
                                   device=t.device)
                 out.append(SnapRecv(s, 0, buf, self.rt.irecv(buf, s + 1, SNAP_TAG)))
         return out
-
-    def _take_snap(self, item: SnapRecv, anchors) -> None:
-        """Wait for a snap message and store its anchor rows (once; a discarded one is dropped)."""
-        if item.state is SnapState.RECEIVED:
-            return
-        self.rt.wait(item.work, item.stage + 1, "anchor states")
-        keep = item.state is SnapState.POSTED
-        item.state = SnapState.RECEIVED
-        if keep:
-            rows = item.buf.shape[1]
-            for i, j in enumerate(self.snap_slots[item.stage]):
-                anchors[j, item.pos:item.pos + rows] = item.buf[i]
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,
@@ -363,91 +434,34 @@ class DistributedSPDEngine:
         drafter = wrap_drafter(drafter or self.engine.drafter, rt.config)
         dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
                              DistributedDecodeStats(mode="spd", n=n), on_token, rule)
-        prompt_len = dec.prompt_len
         greedy = sampling.greedy
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
-                                "prompt_len": prompt_len, "capacity": dec.capacity,
+                                "prompt_len": dec.prompt_len, "capacity": dec.capacity,
                                 "greedy": greedy})
-        stats, timer, anchors = dec.stats, dec.timer, dec.anchors
         streams = DraftRankStreams(torch.device(t.device))
         staged_before = rt.host_staged
-        fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
+        stream = UnitStream(rt, dec, streams)
+        policy = SpeculationPolicy(rt.config.speculative_control)
+        stages = RemoteStages(rt, dec, stream, streams, policy)
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
         t0 = time.perf_counter()
-        snaps = self._post_prefill_snaps(prompt_len)
-        anchors[0, :prompt_len] = t.embed_tokens(ids)
+        snaps = self._post_prefill_snaps(dec)
+        dec.anchors[0, :dec.prompt_len] = t.embed_tokens(ids)
         for item in snaps:
-            self._take_snap(item, anchors)
-        dec.start(snaps[-1].buf[-1][-1:], t0)
-        stream = UnitStream(self, greedy, streams)
-        stream.send(1, dec.sched.newest, dec.out[-1])  # the first token starts the pipeline
-        policy = SpeculationPolicy(rt.config.speculative_control)
-        spec = {"announced": 0, "redone": 0}
-        cycle_s: list[float] = []
-        verify_s: list[float] = []  # each cycle's verification and rollback on this rank
-        judged = lambda: stats.phase_s.get("verify", 0.0) + stats.phase_s.get("rollback", 0.0)  # noqa: E731
-        while not dec.done:
-            tc, judged_before = time.perf_counter(), judged()
-            stats.K += 1
-            K = stats.K
-            if fault and K == fault["cycle"]:
-                inject_fault(fault)
-            sched = dec.sched
-            # 1. Draft the successor of the newest token from pre-step features (the stages'
-            #    work up to last cycle), overlapping the stages' forwards of this cycle.
-            #    (Post-step drafting, an ablation, waits for this cycle's and sees every
-            #    in-flight token one stage deeper.)
-            with timer("wait_stage" if dec.post_step else "wait_snaps"):
-                stream.take_due(K if dec.post_step else K - 1, anchors)
-            with streams.drafting():
-                draft = dec.draft(1 if dec.post_step else 0)
-            streams.after_draft(draft)
-            if not sched.full:  # filling: nothing leaves the pipeline this cycle
-                dec.fill(draft)
-                with timer("send"):
-                    stream.send(K + 1, sched.newest, draft.token)
-                cycle_s.append(time.perf_counter() - tc)
-                verify_s.append(judged() - judged_before)
-                continue
-            # 2. Speculative control: the draft enters stage 0 before this cycle's judgement is
-            #    read, as if it will be accepted, so no stage waits on rank 0 in an accepted
-            #    cycle. On a rejection it is dropped with the other in-flight units.
-            ahead = policy.speculate() and len(dec.out) + 1 < dec.max_new
-            if ahead:
-                with timer("send"):
-                    stream.send(K + 1, sched.newest + 1, draft.token)
-                spec["announced"] += 1
-            # 3. The oldest token has left the last stage, which judged the next one (greedy):
-            #    its verdict is the one value this cycle reads on the host.
-            with timer("wait_stage"):
-                _, got = stream.oldest(anchors)
-            if greedy:
-                with timer("verify"):
-                    token, ok = got.read()
-                accepted, token = dec.judge(None, verdict=([token], [ok]))
-            else:
-                accepted, token = dec.judge(got.buf[-1])
-            policy.record(accepted)
-            # 4. On rejection the correction enters alone; its position rolls every stage back.
-            rollback_to = dec.commit(accepted, token, draft)
-            if rollback_to is not None:
-                stream.drop_from(rollback_to)
-                spec["redone"] += int(ahead and not dec.done)
-            if not dec.done and (rollback_to is not None or not ahead):
-                with timer("send"):
-                    stream.send(K + 1, dec.sched.newest, dec.out[-1] if rollback_to is not None
-                                else draft.token)
-            cycle_s.append(time.perf_counter() - tc)
-            verify_s.append(judged() - judged_before)
+            stream.take(item)
+        dec.start(snaps[-1].buf[-1][-1:], t0, stages)  # the first token enters: a unit
+        dec.run()
         dec.finish()
-        stream.finish(anchors)
+        stream.finish()
+        stats = dec.stats
         stage_stats = [json.loads(rt.store.get(f"stats/{gen_id}/{r}"))
                        for r in range(1, rt.world)]
         for r in range(1, rt.world):
             rt.store.delete_key(f"stats/{gen_id}/{r}")
-        stats.distributed = breakdown(rt, stats, cycle_s, dec.draft_s, stage_stats, verify_s)
-        stats.distributed["speculative_control"] = dict(mode=policy.mode, **spec)
+        stats.distributed = breakdown(rt, stats, stages.cycle_s, dec.draft_s, stage_stats,
+                                      stages.verify_s)
+        stats.distributed["speculative_control"] = dict(mode=policy.mode, **stages.spec)
         stats.distributed["units"] = stream.sent
         # greedy: the last stage judges (final norm + LM head there); sampling: rank 0 (q, p)
         stats.distributed["verify_on"] = "last stage" if greedy else "rank 0"

@@ -23,7 +23,7 @@ import signal
 import sys
 import time
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -190,7 +190,7 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
                 break
             if all(p.exitcode == 0 for p in procs.values()):
                 if not have_result:
-                    raise SPDError("the ranks finished but rank 0 returned no result")
+                    raise InternalError("the ranks finished but rank 0 returned no result")
                 return result
             if deadline is not None and time.monotonic() >= deadline:
                 if have_result:  # the answer is in; a rank that lingers at shutdown is killed

@@ -23,9 +23,11 @@ and besides:
   rank 0 -> last stage       the unit message of every unit but the first (JUDGE_TAG; under NCCL
                              its payload only): the draft the last stage judges when the unit
                              before it leaves
-  stage s -> rank 0          its anchor rows of the unit (SNAP_TAG)
-  last stage -> rank 0       greedy: the verdict [target token, accepted] (VERDICT_TAG);
-                             sampling: the output row rides in its snap (rank 0 judges)
+  stage s -> rank 0          its snap of the unit (SNAP_TAG): its anchor rows, then its output
+                             row where rank 0 needs it (SnapFormat, `snap_format`)
+  last stage -> rank 0       greedy: the verdict [target token, accepted] int64
+                             (VERDICT_TAG, VERDICT_SIZE); sampling: the output row rides in its
+                             snap (rank 0 judges)
 
 A unit's position sets the stage's KV cache length before its rows are written, so a rollback
 is only a lower position: the correction carries it down the pipeline. Units rank 0 dropped
@@ -47,11 +49,15 @@ whole prompts on PREFILL_TAG.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
 
 import torch
 
-from spd.errors import SPDError
+from spd.errors import InternalError
+
+if TYPE_CHECKING:
+    from spd.model.partition import DepthLayout
 
 T = TypeVar("T")
 
@@ -63,6 +69,33 @@ UNIT, STOP = 1, 0          # a header's op
 HEADER_BYTES = 16  # [op, seq] int64
 UNIT_BYTES = 16    # rank 0's unit payload: [position, token] int64
 POS_BYTES = 8      # the position in front of a stage's output row
+VERDICT_SIZE = 2   # the last stage's verdict: [target token, accepted] int64
+
+
+@dataclass(frozen=True)
+class SnapFormat:
+    """What stage s sends rank 0 about a unit (or, at prefill, about the prompt): a tensor
+    [rows, positions, hidden] holding its anchor rows in slot order (`hidden`: their hidden-
+    state indices, `slots`: the anchor slots rank 0 keeps them in), then its output row when
+    `with_output`. Both sides read it from here (`snap_format`)."""
+    hidden: tuple[int, ...]
+    slots: tuple[int, ...]
+    with_output: bool
+
+    @property
+    def rows(self) -> int:
+        return len(self.hidden) + int(self.with_output)
+
+
+def snap_format(layout: DepthLayout, stage: int, *, greedy: bool,
+                prefill: bool = False) -> SnapFormat:
+    """Stage `stage`'s snap. The last stage adds its output row at prefill (the prompt's last
+    row picks the first token on rank 0) and under sampling (rank 0 judges each unit); greedy,
+    it sends a verdict instead."""
+    pairs = layout.anchors_of_stage(stage)
+    last = stage == layout.n - 1
+    return SnapFormat(tuple(b for _, b in pairs), tuple(j for j, _ in pairs),
+                      last and (prefill or not greedy))
 
 
 def _mark(buf: torch.Tensor) -> torch.Tensor:
@@ -166,8 +199,8 @@ class Ring(Generic[T]):
         k = self.i % len(self.items)
         item = self.items[k]
         if self.busy is not None and self.busy(item, self.owners[k]):
-            raise SPDError(f"ring of {self.what} (depth {len(self.items)}) came round to a "
-                           "buffer still in flight: it is too shallow")
+            raise InternalError(f"the ring of {self.what} came round to a buffer still in "
+                                "flight: it is too shallow", depth=len(self.items))
         self.owners[k] = owner
         self.i += 1
         return item

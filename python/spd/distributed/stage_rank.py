@@ -18,13 +18,16 @@ from spd.distributed.protocol import (
     UNIT,
     UNIT_BYTES,
     UNIT_TAG,
+    VERDICT_SIZE,
     VERDICT_TAG,
     Ring,
+    SnapFormat,
     UnitMessage,
     row_bytes,
+    snap_format,
 )
 from spd.distributed.transport import Runtime, _td
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
 from spd.runtime.sequence import PhaseTimer
@@ -39,7 +42,6 @@ class StageWorker:
         self.n = layout.n
         self.first = self.s == 0
         self.last = self.s == self.n - 1
-        self.snap_idx = [b for _, b in layout.anchors_of_stage(self.s)]
         self.stage: Stage | None = None
         self.prev, self.next = rt.rank - 1, rt.rank + 1
         self.source = DRAFT_RANK if self.first else self.prev  # where its units come from
@@ -53,29 +55,20 @@ class StageWorker:
                 return
             self.run(gen, req)
 
-    def _snap(self, outs: dict[int, torch.Tensor], out: torch.Tensor, with_out: bool,
-              into: Ring | None = None):
-        """This stage's rows for rank 0: its anchors (and, `with_out`, its output) [rows, T, d],
-        stacked into the next buffer of `into` when given (the decode's: T = 1)."""
-        rows = [outs[b] for b in self.snap_idx] + ([out] if with_out else [])
+    def _snap(self, fmt: SnapFormat, outs: list[torch.Tensor], into: Ring | None = None):
+        """This stage's snap for rank 0 (protocol.SnapFormat) from its layers' outputs [T, d]
+        each: [rows, T, d], stacked into the next buffer of `into` when given (decode: T = 1)."""
+        first = self.stage.layer_ids.start
+        rows = [outs[b - first - 1] for b in fmt.hidden] + ([outs[-1]] if fmt.with_output else [])
         if not rows:
             return None
         return torch.stack(rows) if into is None else torch.stack(rows, out=into.take())
 
-    def _forward(self, h: torch.Tensor, pos: int):
-        """The prefill: rows h [T, d] from position `pos` (a host value: the request's)."""
-        snaps: dict[int, torch.Tensor] = {}
-        out = self.stage.forward(h, pos, snaps.__setitem__)
-        return out, self._snap(snaps, out, self.last)
-
     def _forward_unit(self, h: torch.Tensor, pos: torch.Tensor, draft: torch.Tensor | None):
         """One unit: row h [1, d] at position pos [1] int64, both where the data arrived (no host
-        read: Stage.step_at). draft [1] (last stage, greedy): also judge it -> verdict
-        (token [1], ok [1]). -> (output row, {hidden index: row}, verdict or None)."""
-        st = self.stage
-        outs, verdict = st.step_at(h, pos, draft)
-        snaps = {lid + 1: x for lid, x in zip(st.layer_ids, outs)}
-        return outs[-1], snaps, verdict
+        read: Stage.run at a device position). draft [1] (last stage, greedy): also judge it.
+        -> (every layer's output [1, d], verdict (token [1], ok [1]) or None)."""
+        return self.stage.run(h, pos, draft)
 
     @torch.no_grad()
     def run(self, gen: int, req: dict) -> None:
@@ -87,7 +80,6 @@ class StageWorker:
         if self.stage is None or self.stage.cache.capacity < cap:
             self.stage = make_stage(t, self.s, self.layout.stages[self.s], cap, rt.config)
         self.stage.cache.truncate(0)
-        self.stage.cache.lengths.zero_()
         d, dev = t.hidden_size, t.device
         # Prefill: the whole prompt through this stage as one chunk.
         t0 = time.perf_counter()
@@ -96,11 +88,12 @@ class StageWorker:
         else:
             h = torch.empty(int(req["prompt_len"]), d, dtype=t.dtype, device=dev)
             rt.wait(rt.irecv(h, self.prev, PREFILL_TAG), self.prev, "prefill input")
-        out, snap = self._forward(h, 0)
+        outs, _ = self.stage.run(h, 0)
+        snap = self._snap(snap_format(self.layout, self.s, greedy=greedy, prefill=True), outs)
         if snap is not None:
             rt.isend(snap, DRAFT_RANK, SNAP_TAG)
         if not self.last:
-            rt.isend(out.contiguous(), self.next, PREFILL_TAG)
+            rt.isend(outs[-1].contiguous(), self.next, PREFILL_TAG)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
         # Decode: one unit message (protocol) per unit from its source (stage 0: rank 0).
@@ -123,10 +116,10 @@ class StageWorker:
         inbox = Ring(lambda: UnitMessage(in_bytes, dev, folded), 2, "unit receives",
                      lambda m, _: m.busy)
         outbox = Ring(lambda: UnitMessage(out_bytes, dev, folded), 2, "unit sends", sent)
-        rows = len(self.snap_idx) + (1 if self.last and not greedy else 0)
-        snap_ring = Ring(lambda: torch.empty(rows, 1, d, dtype=t.dtype, device=dev), 2,
+        fmt = snap_format(self.layout, self.s, greedy=greedy)
+        snap_ring = Ring(lambda: torch.empty(fmt.rows, 1, d, dtype=t.dtype, device=dev), 2,
                          "snap sends", lambda b, _: rt.sending(b))
-        verdict_ring = Ring(lambda: torch.empty(2, dtype=torch.int64, device=dev), 2,
+        verdict_ring = Ring(lambda: torch.empty(VERDICT_SIZE, dtype=torch.int64, device=dev), 2,
                             "verdict sends", lambda b, _: rt.sending(b))
         judges = Ring(lambda: UnitMessage(UNIT_BYTES, dev, folded), 2, "judge receives",
                       lambda m, _: m.busy)
@@ -168,8 +161,8 @@ class StageWorker:
             if op == STOP:
                 break
             if op != UNIT or seq != unit:
-                raise SPDError(f"stage {self.s}: header {[op, seq]} from rank {src}, expected "
-                               f"unit {unit}")
+                raise InternalError("a unit header out of step", stage=self.s, header=[op, seq],
+                                    source_rank=src, expected_unit=unit)
             msg.landed()
             cur = msg
             msg, hwork = post()  # the next unit's, posted before this one runs
@@ -190,10 +183,10 @@ class StageWorker:
                 judge_msg = next_judge()
                 judge = post_judge() if folded else None
             tf = time.perf_counter()
-            out, snaps, verdict = self._forward_unit(h, pos, draft)
+            outs, verdict = self._forward_unit(h, pos, draft)
             fwd.append(time.perf_counter() - tf)
             with timer("send"):
-                snap = self._snap(snaps, out, self.last and not greedy, snap_ring)
+                snap = self._snap(fmt, outs, snap_ring)
                 if snap is not None:
                     rt.isend(snap, DRAFT_RANK, SNAP_TAG, unit)
                 if verdict is not None:
@@ -203,7 +196,7 @@ class StageWorker:
                     both[1:].copy_(ok.view(1))
                     rt.isend(both, DRAFT_RANK, VERDICT_TAG, unit)
                 if not self.last:
-                    send_unit(UNIT, unit, pos, out, unit)
+                    send_unit(UNIT, unit, pos, outs[-1], unit)
                 rt.flush_sends(before=unit)
             cur.busy = False  # its data is copied out (or queued to be, on this stream)
             if draft is not None:

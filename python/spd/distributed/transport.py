@@ -159,9 +159,9 @@ class Runtime(FaultHandling):
         return any(item.tensor.data_ptr() == ptr for item in self._outgoing)
 
     def flush_sends(self, before: int | None = None) -> None:
-        """Wait for the sends of epochs (cycles) < before (all when None). Waiting one cycle
-        late keeps these waits off the critical path; parity tags keep at most one send per
-        (peer, tag) outstanding."""
+        """Wait for the sends of epochs (cycles or units) < before (all when None). Waiting an
+        epoch late keeps these waits off the critical path; a buffer is not reused while its
+        send is pending (protocol.Ring asks `sending`)."""
         keep = []
         for item in self._outgoing:
             if before is None or item.epoch < before:

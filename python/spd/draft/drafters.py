@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from spd.device import to_device
 from spd.draft.graphs import PDMStepGraphs, graphs_enabled
 from spd.draft.lookup import MAX_LEN
 from spd.errors import SPDError
 from spd_kernels import filtered_probs, sample_from_probs
-from spd_kernels.verify import scatter_draft_probs
 
 
 @dataclass
@@ -23,9 +23,13 @@ class Draft:
     stay there, so entering the draft into the pipeline needs no host synchronisation; `int()`
     it where the host needs the id)."""
     token: int | torch.Tensor
-    q: torch.Tensor | None = None  # draft distribution on target ids (sampling only)
+    # the draft distribution (sampling only) [Vq] fp32, over the columns `q_ids` names: the
+    # PDM's own draft vocabulary (never scattered to the target's; the verifier maps it)
+    q: torch.Tensor | None = None
     # the drafter's top probability (0-d, on its device), where the context lookup's gate needs it
     p: torch.Tensor | None = None
+    # [Vq] int64: the target id of each column of q; None when q is over every target id
+    q_ids: torch.Tensor | None = None
 
 
 def target_id(d2t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -55,6 +59,7 @@ class PDMDrafter:
         self.post_step = pdm.config.features == "post-step"
         self.cuda_graphs = cuda_graphs
         self.graphs = None  # spd.draft.graphs.PDMStepGraphs on a GPU: the draft step as replays
+        self._columns: tuple[object, dict[int, int]] = (None, {})  # (map's identity, columns)
 
     def begin(self, capacity: int, vocab_size: int) -> None:
         if self.cache is None or self.cache.capacity < capacity:
@@ -66,20 +71,26 @@ class PDMDrafter:
             self.graphs.check_weights()
         self.cache.truncate(0)
         self.vocab_size = vocab_size
+        d2t = self.pdm.draft_to_target
+        key = (d2t.data_ptr(), d2t._version)
+        if self._columns[0] != key:  # read once per map, before any decode cycle
+            self._columns = (key, {t: c for c, t in enumerate(d2t.tolist())})
 
-    def _run(self, anchors: torch.Tensor, types: torch.Tensor, start: int) -> torch.Tensor:
-        self.cache.truncate(start)
-        feats = self.pdm.features(anchors, types)
-        return self.pdm.step(feats, start, self.cache)
+    def draft_column(self, token: int) -> int | None:
+        """The column of target id `token` in the draft vocabulary (None: outside it): where a
+        one-hot proposal of the context lookup goes in q."""
+        return self._columns[1].get(token)
 
     def prefill(self, anchors, types) -> None:
-        self._run(anchors, types, 0)  # eager: the prompt's length differs every time
+        # eager: the prompt's length differs every time
+        self.pdm.step(self.pdm.features(anchors, types), 0, self.cache)
 
     def draft_logits(self, anchors, types, start: int) -> torch.Tensor:
-        """Draft logits [Vd] of the last of the rows at positions start.. (graph replay on a GPU)."""
+        """Draft logits [Vd] of the last of the rows at positions start.. (graph replay on a
+        GPU). Rows from `start` on are recomputed: the step writes them, the cache ends there."""
         if self.graphs is not None:
             return self.graphs.run(anchors, types, start)
-        return self._run(anchors, types, start)
+        return self.pdm.step(self.pdm.features(anchors, types), start, self.cache)
 
     def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
         logits = self.draft_logits(anchors, types, start)
@@ -90,8 +101,8 @@ class PDMDrafter:
         if sampling.greedy:
             return Draft(target_id(d2t, logits.argmax()), p=p)
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        idx = sample_from_probs(q, uniform.to(q.device))
-        return Draft(target_id(d2t, idx), scatter_draft_probs(q[None], d2t, self.vocab_size)[0], p)
+        idx = sample_from_probs(q, to_device(uniform, q.device))
+        return Draft(target_id(d2t, idx), q.float(), p, q_ids=d2t)
 
 
 class ReferenceDrafter:

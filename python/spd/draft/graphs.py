@@ -5,7 +5,7 @@ append, cache attention, o_proj, MLP, then the draft head). One graph per row co
 decoding) replays at every position: the position is a device tensor filled before the replay.
 Besides what every graph keeps by address (spd.cuda_graphs), a replaced PDM Parameter is noticed
 when the next generation begins, and the graphs are rebuilt; a new cache means a new
-`PDMStepGraphs`. Host bookkeeping (cache length, truncation) stays outside the graph, as eager
+`PDMStepGraphs`. The cache's length and the overflow check stay outside the graph, as eager
 calls before the replay.
 """
 from __future__ import annotations
@@ -58,9 +58,8 @@ class PDMStepGraphs:
 
     def run(self, anchors: torch.Tensor, types: torch.Tensor, start: int) -> torch.Tensor:
         """Draft logits of the last row [Vd] for rows anchors [m, R, d] with types [R] at
-        positions start..start+R-1 (the cache is truncated to `start` first)."""
+        positions start..start+R-1 (rows from `start` on are rewritten)."""
         rows = anchors.shape[1]
-        self.cache.truncate(start)
         self.cache.reserve(start, rows)  # raises an overflow clearly
         self.start.fill_(start)
         logits = self.set.run(rows, anchors, types)

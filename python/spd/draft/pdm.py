@@ -239,8 +239,8 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
     def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:
         """Run rows at positions start.. through the layers; return draft logits of the last row.
 
-        Runs spd_kernels.pdm_step (backends per spd_kernels.dispatch). On the reference backend
-        it computes exactly what spd.model.layers.decoder_layer_step does, bit for bit."""
+        Runs spd_kernels.pdm_step (backends per spd_kernels.dispatch): the layers of
+        `forward_train`, cached (tests/kernels/test_pdm_step.py holds them equal)."""
         rows = features.shape[0]
         cos, sin = self._rope_for(start + rows, features)
         cache.reserve(start, rows)

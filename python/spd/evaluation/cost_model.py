@@ -1,28 +1,18 @@
 """Measured costs for draft-cost-adjusted speedups (the evaluation harness's cost model).
 
-Theoretical speedup counts target work only. To charge each method its drafting where drafting is
-not hidden, the harness times the target's pieces on the current device, here and now:
+Theoretical speedup counts target work only. To charge each method what it pays beyond that, on
+the device where it pays it, the harness times the target's pieces on the current device:
 
-- one full forward of one token (all layers, final norm and LM head): the plain AR step;
-- each stage's forward of one token, for every stage count in the grid;
-- the final norm + LM head on one row (the verify that SPD's draft rank runs every cycle);
+- one full forward of one token (all layers, final norm and LM head): the plain AR step, t_fwd;
+- each stage's forward of one token (its layers only), for every stage count in the grid;
+- the final norm + LM head on one row, t_head (verification: greedy, the last stage runs it
+  fused after its layers; under sampling SPD's draft rank runs it);
 - one forward of a chunk of k+1 tokens (EAGLE-3's verification pass).
 
 All at a fixed context length (a prefilled KV cache), median of `reps` runs after a warm-up.
 Draft steps are timed inside each method's own decoding runs (its `draft` phase seconds over its
-draft calls), so every method's drafter is measured as it actually runs.
-
-The formulas (t_fwd = full forward, t_s = slowest stage, t_head, t_draft, t_chunk(k+1)):
-
-  ar      1
-  pp      t_fwd / (sum of stage forwards + t_head)         one token per pass through n stages
-  spd     alpha*n * t_fwd / (n * max(t_s, t_draft + t_head)) the draft rank drafts and verifies
-                                                         while the stages run (hidden up to t_s)
-  ppsd    alpha*n * t_fwd / (n * (t_s + t_draft))           drafting waits for each step (not hidden)
-  eagle3  tau * t_fwd / (k * t_draft + t_chunk(k+1))       k serial drafts, one verification pass
-
-(alpha*n is S_theory; a cycle of SPD/PPSD costs one stage time, so tokens/s relative to AR is
-alpha * t_fwd / cycle_time.)
+draft calls), so every method's drafter is measured as it actually runs. The formulas are in
+`spd.evaluation.methods`; what they share is here (`Costs.cycle`).
 """
 from __future__ import annotations
 
@@ -53,8 +43,25 @@ class Costs:
     def from_dict(cls, d: dict) -> "Costs":
         return cls(**d)
 
-    def slowest_stage(self, n: int) -> float:
-        return max(self.stage_s[str(n)])
+    def slowest_stage(self, n: int, head_on_last: bool = False) -> float:
+        """The slowest of the n stage forwards; `head_on_last`: the last stage also runs the
+        final norm + LM head (it verifies greedy drafts, fused after its layers)."""
+        per = list(self.stage_s[str(n)])
+        if head_on_last:
+            per[-1] += self.head_s
+        return max(per)
+
+    def balanced(self, n: int) -> float:
+        """A cycle as S_theory assumes it: an n-th of the full forward (layers and head)."""
+        return self.forward_s / n
+
+    def cycle(self, n: int, *work: float) -> float:
+        """One pipelined cycle: the slowest of the devices' work in it (`work`: seconds per
+        device), and never less than the balanced cycle S_theory assumes. So the adjusted
+        speedup charges what a method pays beyond S_theory's premise (a stage slower than its
+        share, the head where it runs, drafting that is not hidden) and never credits more than
+        the premise (measurement noise, or work moved to an extra device)."""
+        return max(self.balanced(n), *work)
 
 
 def _interleaved_medians(pieces: dict, reps: int) -> dict:

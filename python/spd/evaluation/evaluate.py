@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from spd.data.datasets import load_dataset, load_question_file
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.model.loading import describe_device
 from spd.runtime import metrics
 from spd.runtime.types import SamplingParams
@@ -24,6 +24,15 @@ def encode_question(tokenizer, question: dict) -> list[int]:
     """A question's first turn in the chat template: what every evaluation decodes."""
     from spd.model.prompt import encode_prompt
     return encode_prompt(tokenizer, question["turns"][0], chat=True)
+
+
+def first_difference(expected: list[int], got: list[int]) -> int | None:
+    """The first index where two token lists differ (their common length when one is a prefix
+    of the other), None when equal: what a losslessness failure reports."""
+    if expected == got:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b),
+                min(len(expected), len(got)))
 
 
 def result_row(question: dict, res) -> dict:
@@ -132,8 +141,9 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
                 ref = (references.reference(engine, ids, max_new_tokens, sampling) if references
                        else engine.generate_ar(ids, max_new_tokens, sampling).token_ids)
                 if ref != res.token_ids:
-                    raise SPDError(f"{name} prompt {q['id']}: SPD output differs from the "
-                                   "autoregressive output (this is a bug; please report it)")
+                    raise InternalError("SPD output differs from the autoregressive output",
+                                        dataset=name, prompt=q["id"],
+                                        first_difference=first_difference(ref, res.token_ids))
             in_vocab = sum(t in vocab for t in res.token_ids)
             rows.append(result_row(q, res) | {"in_vocab": in_vocab})
             bar.update(1)

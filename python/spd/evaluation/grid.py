@@ -24,10 +24,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.evaluation import methods
 from spd.evaluation.cost_model import Costs, measure_costs
-from spd.evaluation.evaluate import add_totals, encode_question, result_row
+from spd.evaluation.evaluate import add_totals, encode_question, first_difference, result_row
 from spd.evaluation.methods import NAMES as METHODS
 from spd.runtime import metrics
 from spd.runtime.types import SamplingParams
@@ -148,7 +148,8 @@ def derived(cell: dict, costs: Costs, ar_totals: dict | None) -> dict:
     alpha = metrics.alpha(t["N"], t["K"])
     s_theory = metrics.theoretical_speedup(t["N"], t["K"], n)
     draft_s = t["draft_s"] / t["draft_calls"] if t["draft_calls"] else 0.0  # per drafter call
-    adj = method.adjusted(costs, n, s_theory, draft_s, cell.get("draft_steps", 0))
+    adj = method.adjusted(costs, n, s_theory, draft_s, cell.get("draft_steps", 0),
+                          cell["temperature"] == 0)
     devices = method.devices(n)
     tok_s = _tok_s(t)
     measured = None
@@ -213,7 +214,21 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
         state["cells"][cell.key] = _run_cell(cell, spec, decoders, state, costs, bar)
         _save(out_dir, state)
     bar.close()
+    _rederive(state, costs)
+    _save(out_dir, state)
     return state
+
+
+def _rederive(state: dict, costs: Costs) -> None:
+    """Every finished cell's derived speedups from its counts and the current cost model and
+    formulas (the counts never change; a re-measured cost or a corrected formula applies to
+    every cell alike, as in the report)."""
+    for cell in state["cells"].values():
+        if "totals" in cell:
+            ar = state["cells"].get(_reference_cell(Cell(
+                cell["method"], cell["n"], cell["pdm_layers"], cell["dataset"],
+                cell["temperature"])).key)
+            cell["derived"] = derived(cell, costs, ar["totals"] if ar else None)
 
 
 def _cost_chunks(cells: list[Cell], decoders: _Decoders) -> list[int]:
@@ -267,8 +282,9 @@ def _run_cell(cell: Cell, spec: GridSpec, decoders: _Decoders, state: dict, cost
                 res = decoder.generate(ids, spec.max_new_tokens, sampling)
                 ref = reference.get(str(q["id"]))
                 if sampling.greedy and ref is not None and ref != res.token_ids:
-                    raise SPDError(f"{cell.key}, prompt {q['id']}: output differs from "
-                                   "autoregressive decoding (a bug: please report it)")
+                    raise InternalError("output differs from autoregressive decoding",
+                                        cell=cell.key, prompt=q["id"],
+                                        first_difference=first_difference(ref, res.token_ids))
             rows.append(result_row(q, res) | {"id": str(q["id"])})  # grid.json keys ids as text
             bar.update(1)
         record.update(totals=add_totals(rows), per_prompt=rows,

@@ -2,9 +2,24 @@
 
 Terms (`spd.evaluation.cost_model` measures the times):
   t_fwd   one full target forward at one row (what AR pays per token)
-  t_s     the slowest of the n stages; t_head the final norm + LM head
+  t_i     stage i's forward (its layers); t_head the final norm + LM head
   t_draft one drafter call (measured inside the method's own decoding)
   S       the theoretical speedup alpha * n (EAGLE-3: tokens per verification round)
+  cycle   Costs.cycle: the slowest device's work in a cycle, at least the balanced t_fwd / n
+
+Each cost is charged where it runs (docs/definitions.md):
+  ar      1
+  pp      t_fwd / max(t_fwd, sum t_i + t_head)   a token passes the n stages one after another;
+                                                the last stage computes the head
+  spd     S / n * t_fwd / cycle, cycle over: every stage, the last one with t_head when greedy
+          (it judges the draft after its layers); the draft rank's t_draft, plus t_head under
+          sampling (there the draft rank judges)
+  ppsd    S / n * t_fwd / cycle, cycle = max_i(t_i, the last with t_head) + t_draft (it drafts
+          after each step: on the critical path; the last stage verifies)
+  eagle3  S * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))   k serial drafts, then one
+          verification pass (a chunk of k+1 rows costs at least one row's forward)
+So the adjusted speedup never exceeds S (tests/evaluation/test_grid.py holds it for every
+method, n and temperature).
 
 A `Method` says how the grid lays out its cells (once per device count n, per PDM depth),
 how many devices it occupies, its draft-cost-adjusted speedup over AR on one device, and how to
@@ -32,8 +47,8 @@ class Method:
     per_depth: bool                  # one cell per PDM depth L_s as well
     measured_for_real: bool          # this process runs it as deployed: its tok/s ratio counts
     devices: Callable[[int], int]    # devices occupied at n stages
-    # (costs, n, S, t_draft, draft steps) -> draft-cost-adjusted speedup over AR
-    adjusted: Callable[[Costs, int, float, float, int], float]
+    # (costs, n, S, t_draft, draft steps, greedy) -> draft-cost-adjusted speedup over AR
+    adjusted: Callable[[Costs, int, float, float, int, bool], float]
     # (target, n, L_s, search folders, lookup) -> (decoder or None, source or why skipped)
     build: Callable
     is_reference: bool = False       # AR: the outputs every greedy check compares with
@@ -83,23 +98,25 @@ def _pdm_builder(method: str, layout_of: Callable):
     return build
 
 
-def _adjusted_pp(c: Costs, n, s, draft_s, steps):
-    return c.forward_s / (sum(c.stage_s[str(n)]) + c.head_s)
+def _adjusted_pp(c: Costs, n, s, draft_s, steps, greedy):
+    return c.forward_s / max(c.forward_s, sum(c.stage_s[str(n)]) + c.head_s)
 
 
-def _adjusted_spd(c: Costs, n, s, draft_s, steps):
-    # drafting and verify run on the draft rank, beside the stages: hidden unless slower
-    return s / n * c.forward_s / max(c.slowest_stage(n), draft_s + c.head_s)
+def _adjusted_spd(c: Costs, n, s, draft_s, steps, greedy):
+    # Greedy: the last stage judges after its layers, the draft rank only drafts. Sampling: the
+    # draft rank drafts and judges (head and rejection sampling); the stages run layers only.
+    rank0 = draft_s + (0.0 if greedy else c.head_s)
+    return s / n * c.forward_s / c.cycle(n, c.slowest_stage(n, head_on_last=greedy), rank0)
 
 
-def _adjusted_ppsd(c: Costs, n, s, draft_s, steps):
-    # PPSD drafts after each step on the first stage's device: on the critical path
-    return s / n * c.forward_s / (c.slowest_stage(n) + draft_s)
+def _adjusted_ppsd(c: Costs, n, s, draft_s, steps, greedy):
+    # PPSD drafts after each step (on the critical path) and its last stage verifies
+    return s / n * c.forward_s / c.cycle(n, c.slowest_stage(n, head_on_last=True) + draft_s)
 
 
-def _adjusted_eagle(c: Costs, n, s, draft_s, steps):
+def _adjusted_eagle(c: Costs, n, s, draft_s, steps, greedy):
     # a round: `steps` chained drafts, then one verification chunk of steps + 1 tokens
-    return s * c.forward_s / (steps * draft_s + c.chunk_s[str(steps + 1)])
+    return s * c.forward_s / (steps * draft_s + max(c.forward_s, c.chunk_s[str(steps + 1)]))
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -132,9 +149,10 @@ def reference() -> Method:
 
 
 def adjusted_speedup(method: str, costs: Costs, *, n: int = 1, s_theory: float = 1.0,
-                     draft_s: float = 0.0, draft_steps: int = 0) -> float:
-    """Draft-cost-adjusted speedup over AR on one device (the terms above)."""
-    return get(method).adjusted(costs, n, s_theory, draft_s, draft_steps)
+                     draft_s: float = 0.0, draft_steps: int = 0, greedy: bool = True) -> float:
+    """Draft-cost-adjusted speedup over AR on one device (the terms above); `greedy`: where
+    verification runs depends on it."""
+    return get(method).adjusted(costs, n, s_theory, draft_s, draft_steps, greedy)
 
 
 def devices_used(method: str, n: int) -> int:

@@ -48,7 +48,7 @@ def _merge(cells: list[dict]) -> dict | None:
     if not cells:
         return None
     first = cells[0]
-    return {k: first[k] for k in ("method", "n", "pdm_layers", "config")} | {
+    return {k: first[k] for k in ("method", "n", "pdm_layers", "config", "temperature")} | {
         "dataset": OVERALL, "totals": add_totals([c["totals"] for c in cells]),
         "draft_steps": first.get("draft_steps", 0)}
 
@@ -125,12 +125,16 @@ def markdown(state: dict) -> str:
         lines.append(f"- forward of a {rows_}-token chunk (EAGLE-3 verification): "
                      f"{s * 1e3:.2f} ms")
     lines += ["", "Draft steps are timed inside each method's own decoding (draft ms/call "
-              "above). Formulas (t_fwd full forward, t_s slowest stage):",
-              "- pp: t_fwd / (sum of stages + head)",
-              "- spd: S_theory/n * t_fwd / max(t_s, t_draft + t_head) (drafting and verify "
-              "hidden behind the stages on the draft rank)",
-              "- ppsd: S_theory/n * t_fwd / (t_s + t_draft) (drafting waits for each step)",
-              "- eagle3: S_theory * t_fwd / (k * t_draft + t_chunk(k+1))"]
+              "above). Each cost is charged where it runs (t_fwd full forward, t_i stage i, "
+              "t_head final norm + LM head; a cycle is the slowest device's work in it, and at "
+              "least t_fwd / n, the balanced cycle S_theory assumes):",
+              "- pp: t_fwd / max(t_fwd, sum of t_i + t_head)",
+              "- spd: S_theory/n * t_fwd / cycle; greedy, the last stage runs t_i + t_head (it "
+              "judges the draft) and the draft rank t_draft; under sampling the stages run t_i "
+              "and the draft rank t_draft + t_head (it judges)",
+              "- ppsd: S_theory/n * t_fwd / cycle, cycle = (slowest t_i, the last with t_head) "
+              "+ t_draft (drafting waits for each step)",
+              "- eagle3: S_theory * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))"]
     return "\n".join(lines) + "\n"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd.model.cache import KVCache
 from spd.model.hybrid_layout import (  # noqa: F401 (rotary_dim, head_permutation: re-exported)
     arrange_layer_,
@@ -107,7 +107,8 @@ class HybridCache(KVCache):
     histories indexed by length mod ring (spd_kernels.deltanet).
 
     A truncation may go back at most ring - 1 positions from the furthest length written since
-    (`restorable_from`); deeper is an SPDError, since the state it needs is overwritten.
+    (`restorable_from`); deeper is an InternalError (the engines never roll back further),
+    since the state it needs is overwritten.
     Truncating to 0 is a reset (the empty state is zeros). With poisoning the slots of dropped
     lengths are NaN'd, so a step that read one would give NaN.
     """
@@ -124,7 +125,7 @@ class HybridCache(KVCache):
             self.k = self.k[:0]
             self.v = self.v[:0]
         if ring < 2:
-            raise SPDError(f"a state ring needs at least 2 slots, got {ring}")
+            raise InternalError("a state ring needs at least 2 slots", ring=ring)
         self.capacity = capacity
         self.ring = ring
         dev = target.device
@@ -138,43 +139,48 @@ class HybridCache(KVCache):
         else:
             self.conv = torch.zeros(0, ring, 0, 0, device=dev, dtype=target.dtype)
             self.state = torch.zeros(0, ring, 0, 0, 0, device=dev, dtype=torch.float32)
-        self.restorable_from = 0
+        self.restorable_from = 0  # the lowest length a truncation may restore
+        self.written_to = 0       # the furthest length written at a host position
 
     def ring_bytes(self) -> int:
         return self.conv.numel() * self.conv.element_size() + self.state.numel() * 4
 
-    def reserve(self, start: int, rows: int, *, advance: bool = True) -> None:
-        super().reserve(start, rows, advance=advance)
+    def check_room(self, start: int, rows: int) -> None:
+        """As KVCache's; a write at a host position also moves how far back the rings reach."""
+        super().check_room(start, rows)
+        self.written_to = max(self.written_to, start + rows)
         self.restorable_from = max(self.restorable_from, start + rows - self.ring + 1)
+
+    def reserve(self, start: int, rows: int) -> None:
+        self.check_room(start, rows)
+        self.lengths.fill_(start + rows)
 
     def truncate(self, length: int) -> None:
         if length < 0:
-            raise SPDError(f"cannot truncate a cache to negative length {length}")
-        old = self._length
+            raise InternalError("truncation to a negative length", length=length)
         if length == 0:  # a reset: the empty state is zeros
-            self.restorable_from = 0
+            self.restorable_from = self.written_to = 0
             if self.num_attention:
                 super().truncate(0)
             else:
                 self.lengths.fill_(0)
-                self._length = 0
             self.conv[:, 0].zero_()
             self.state[:, 0].zero_()
             if self.poison_on_truncate:
                 self.conv[:, 1:].fill_(float("nan"))
                 self.state[:, 1:].fill_(float("nan"))
             return
-        if length >= old:
-            return
+        # (writes at host positions, which the single-process engines make, set the bound; a
+        # stage rank's units carry device positions, and its rollbacks are those positions)
         if length < self.restorable_from:
-            raise SPDError(f"cannot roll a linear-attention state back to length {length}: the "
-                           f"ring of {self.ring} states holds lengths {self.restorable_from}.."
-                           f"{old} (a rollback of at most {self.ring - 1} positions)")
+            raise InternalError("a linear-attention state rolled back deeper than its ring "
+                                "holds", length=length, ring=self.ring,
+                                restorable=f"{self.restorable_from}..{self.written_to}")
+        old = self.length if self.poison_on_truncate else 0  # debug: a host read
         if self.num_attention:
             super().truncate(length)
         else:
-            truncate_kv_(self.lengths, torch.tensor(length, device=self.lengths.device))
-            self._length = length
+            truncate_kv_(self.lengths, self._new_length.fill_(length))
         if self.poison_on_truncate:
             dropped = [p % self.ring for p in range(length + 1, old + 1)]
             if dropped:

@@ -1,8 +1,11 @@
-"""Decoder-layer math against a project-owned KV cache.
+"""The training form of a decoder layer, and the layers' packed weights.
 
-Target layers are Hugging Face modules (Llama / Qwen2 / Qwen3); the PDM's layers are our own
-modules with the same attribute names, so one function runs both. Only attention is ours: it
-writes the chunk's keys/values into the preallocated cache and attends causally over it.
+A decoder layer against a KV cache (inference: the target's stages, the PDM's step, EAGLE-3's
+head) is written once, over plain weight tensors and the kernels' ops:
+spd_kernels.stage.decoder_layer. Training needs what that form cannot give: autograd through
+nn.Modules, and attention under an arbitrary mask (the replicated-sequence layout of
+spd.train.layout) with only some rows querying. `decoder_layer_step` is that form, cache-free;
+tests/kernels/test_pdm_step.py holds it equal to the cached one under a causal mask.
 """
 from __future__ import annotations
 
@@ -66,39 +69,28 @@ def _attend(attn, q, keys, values, mask, num_heads, num_kv_heads, head_dim):
     return attn.o_proj(out[0].transpose(0, 1).reshape(q.shape[1], num_heads * head_dim))
 
 
-def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: torch.Tensor | None,
-                   v_cache: torch.Tensor | None, start: int, num_heads: int, num_kv_heads: int,
-                   head_dim: int, mask: torch.Tensor | None = None,
+def attention_step(attn: nn.Module, x: torch.Tensor, cos, sin, k_cache: None, v_cache: None,
+                   start: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                   mask: torch.Tensor | None = None,
                    query_rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x [T, d] at positions start..start+T-1 -> attention output [T, d].
-
-    With caches: writes K/V into k_cache/v_cache [kvh, S, hd] at rows start..start+T-1 and
-    attends over rows 0..start+T-1, causally inside the chunk. Without caches (training): the
-    rows attend to each other under the boolean `mask` [T, T] (True = may attend); with
+    """x [T, d] (cos/sin [T, hd]: each row's own position) -> attention output [T, d]: the rows
+    attend to each other under the boolean `mask` [T, T] (True = may attend); with
     `query_rows`, only those rows query (output [len(query_rows), d]; every row is still a key).
-    """
-    if query_rows is not None and k_cache is not None:
-        raise ValueError("query_rows is for the cache-free (training) path only")
+    k_cache / v_cache / start stay in the signature for the training code; a cache is refused
+    (the cached layer is spd_kernels.stage.decoder_layer)."""
+    if k_cache is not None or v_cache is not None:
+        raise ValueError("spd.model.layers computes the cache-free (training) form of a layer; "
+                         "with a KV cache use spd_kernels.stage.decoder_layer")
     q, k, v = _qkv(attn, x, cos, sin, num_heads, num_kv_heads, head_dim, query_rows)
-    if k_cache is None:
-        if query_rows is not None:
-            mask = mask[query_rows]
-        return _attend(attn, q, k, v, mask, num_heads, num_kv_heads, head_dim)
-    t = x.shape[0]
-    end = start + t
-    k_cache[:, start:end] = k
-    v_cache[:, start:end] = v
-    if t > 1:
-        mask = (torch.arange(end, device=x.device)[None, :]
-                <= torch.arange(start, end, device=x.device)[:, None])
-    return _attend(attn, q, k_cache[:, :end], v_cache[:, :end], mask, num_heads, num_kv_heads,
-                   head_dim)
+    if query_rows is not None:
+        mask = mask[query_rows]
+    return _attend(attn, q, k, v, mask, num_heads, num_kv_heads, head_dim)
 
 
 def decoder_layer_step(layer: nn.Module, x, cos, sin, k_cache, v_cache, start: int,
                        num_heads: int, num_kv_heads: int, head_dim: int, mask=None, rows=None):
-    """One decoder layer. `rows` (training only): compute the outputs of those rows alone; the
-    other rows still serve as keys and values (a last layer needs no more)."""
+    """One decoder layer, cache-free (attention_step). `rows`: compute the outputs of those
+    rows alone; the other rows still serve as keys and values (a last layer needs no more)."""
     h = layer.input_layernorm(x)
     a = attention_step(layer.self_attn, h, cos, sin, k_cache, v_cache, start,
                        num_heads, num_kv_heads, head_dim, mask, query_rows=rows)

@@ -12,7 +12,7 @@ import hashlib
 import torch
 
 from spd.cuda_graphs import GraphSet, graphs_enabled
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.model.cache import KVCache
 from spd.model.hybrid import (
     HybridCache,
@@ -182,8 +182,8 @@ class TargetModel:
         key = (None if self.weight_files is None or name is None
                else self.weight_files.key(name))
         if key is None:
-            raise SPDError(f"{self.name}: {name or 'a weight'} is not loaded here and there is "
-                           "no model file to read it from")
+            raise InternalError("a fingerprint sample of a weight not loaded here, with no "
+                                "model file to read it from", target=self.name, weight=name)
         return self.weight_files.sample(key, count)
 
     def final_norm_weight(self) -> torch.Tensor:
@@ -207,7 +207,13 @@ class TargetModel:
 
 
 class Stage:
-    """Layers [first, last) of the target plus their KV cache."""
+    """Layers [first, last) of the target plus their KV cache.
+
+    `run` is the one way through the stage: rows at a position, given on the host (an int) or
+    on the device (an int64 tensor [1], a stage rank's unit: never read on the host). The cache
+    first holds exactly that many rows (a lower position is a rollback), then the rows are
+    written and it holds position + rows; on a GPU a step of up to GRAPH_MAX_ROWS rows is one
+    CUDA-graph replay that does all of this on the device."""
 
     def __init__(self, target: TargetModel, index: int, layer_ids: range, capacity: int,
                  poison: bool = False, cuda_graphs: bool = True, max_rollback: int = 8):
@@ -223,17 +229,17 @@ class Stage:
         self.cos, self.sin = target.rope(0, capacity)
         if target.hybrid:  # partial rotation as full-width RoPE (spd.model.hybrid)
             self.cos, self.sin = full_width_rope(self.cos, self.sin, target.head_dim)
+        # a host position on the device, for a graph's replay (filled in place: no copy)
+        self._position = torch.zeros(1, dtype=torch.int64, device=target.device)
         self.graphs = self.verify_graphs = None
         if cuda_graphs and graphs_enabled(target.device):
-            # undo(hidden, ...): the warm-up before a capture advanced the device length
-            undo = lambda h, *_: self.cache.lengths.sub_(h.shape[0])
-            self.graphs = GraphSet(target.device, f"stage {index} step", self._graphed_step,
-                                   undo=undo)
+            self.graphs = GraphSet(target.device, f"stage {index} step", self._device_step)
             self.verify_graphs = GraphSet(target.device, f"stage {index} step + verify",
-                                          self._graphed_verify, undo=undo)
+                                          self._device_verify)
 
     def step(self, hidden: torch.Tensor, start) -> list[torch.Tensor]:
-        """The kernel step: every layer's output for rows hidden [T, d] at positions start.."""
+        """The kernel step: every layer's output for rows hidden [T, d] at positions start..
+        (the cache's length is the caller's: `run` keeps it)."""
         if self.target.hybrid:
             c = self.cache
             return hybrid_stage_step(hidden, self.weights, c.k, c.v, c.conv, c.state, start,
@@ -241,94 +247,59 @@ class Stage:
         return stage_step(hidden, self.weights, self.cache.k, self.cache.v, start, self.cos,
                           self.sin)
 
-    def _graphed_step(self, hidden: torch.Tensor) -> list[torch.Tensor]:
-        # The position is the cache's device length, advanced in the graph: a replay needs no
-        # host value, and after a truncation (which lowers the length) it writes at the right row.
-        outs = self.step(hidden, self.cache.position)
-        self.cache.lengths.add_(hidden.shape[0])
+    def _device_step(self, hidden: torch.Tensor, position: torch.Tensor) -> list[torch.Tensor]:
+        # Everything on the device, so a graph of it replays at any position, and its warm-up
+        # and capture leave the cache as one step does.
+        self.cache.set_length(position)
+        outs = self.step(hidden, position)
+        self.cache.advance(hidden.shape[0])
         return outs
+
+    def _device_verify(self, hidden: torch.Tensor, position: torch.Tensor, draft: torch.Tensor):
+        outs = self._device_step(hidden, position)
+        return outs, self._verify(outs[-1], draft)
 
     def _verify(self, last: torch.Tensor, draft: torch.Tensor):
         t = self.target
         return verify_greedy(last, t.norm.weight, t.rms_eps, t.lm_head.weight, draft,
                              t.norm_offset)
 
-    def _graphed_verify(self, hidden: torch.Tensor, draft: torch.Tensor):
-        outs = self._graphed_step(hidden)
-        return outs, self._verify(outs[-1], draft)
-
-    def _run(self, graphs: GraphSet | None, eager, hidden: torch.Tensor, start: int, *extra):
-        """`eager(hidden, start, *extra)`, or its graph replay when there is one for this row
-        count; the cache accounts for the rows either way."""
+    @torch.no_grad()
+    def run(self, hidden: torch.Tensor, position, draft: torch.Tensor | None = None):
+        """hidden [T, d] at positions position.. -> (every layer's output [T, d], verdict).
+        draft [T] int64 (the last stage only): also judge the token proposed after each row by
+        final norm + LM head + argmax (spd_kernels.verify_greedy) where the hidden state
+        already is -> verdict (the target's token [T] int64, accepted [T] bool); else None.
+        Copy what you keep of a replay's outputs (the next replay rewrites them)."""
         rows = hidden.shape[0]
-        if graphs is not None and rows <= GRAPH_MAX_ROWS:
-            self.cache.reserve(start, rows, advance=False)
-            out = graphs.run(rows, hidden, *extra)
-            if out is not None:
-                return out
-            self.cache.lengths.fill_(start + rows)  # capture failed: eager from here on
-        else:
-            self.cache.reserve(start, rows)
-        return eager(hidden, start, *extra)
-
-    @staticmethod
-    def _record(record, layer_ids, outs) -> None:
-        if record is not None:
-            for lid, h in zip(layer_ids, outs):
-                record(lid + 1, h)
-
-    @torch.no_grad()
-    def forward(self, hidden: torch.Tensor, start: int, record=None) -> torch.Tensor:
-        """hidden [T, d] at positions start.. -> output hidden [T, d].
-
-        `record(hidden_index, tensor)` is called with each layer's output (hidden index
-        layer_id + 1), so the caller can keep anchor states; copy what you keep (a graph's outputs
-        are rewritten by its next replay).
-        """
-        outs = self._run(self.graphs, self.step, hidden, start)
-        self._record(record, self.layer_ids, outs)
-        return outs[-1]
-
-    @torch.no_grad()
-    def forward_verify(self, hidden: torch.Tensor, start: int, draft: torch.Tensor,
-                       record=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The last stage fused with greedy verification: hidden [T, d] at positions start..,
-        draft [T] int64 (the token proposed after each row) -> (output hidden [T, d], the
-        target's token [T] int64, accepted [T] bool), judged by final norm + LM head + argmax
-        (spd_kernels.verify_greedy) where the hidden state already is; on a GPU one graph with
-        the stage step. Only the stage holding the model's last layer may judge."""
-        self._check_last()
-
-        def eager(h, pos, d):
-            outs = self.step(h, pos)
-            return outs, self._verify(outs[-1], d)
-
-        outs, (token, accepted) = self._run(self.verify_graphs, eager, hidden, start, draft)
-        self._record(record, self.layer_ids, outs)
-        return outs[-1], token, accepted
-
-    @torch.no_grad()
-    def step_at(self, hidden: torch.Tensor, position: torch.Tensor,
-                draft: torch.Tensor | None = None):
-        """One row hidden [1, d] at a device position [1] int64, with no host read (a stage rank's
-        unit): the cache first holds exactly `position` rows (fewer than it had: a truncation),
-        then the step runs (a graph replay where there is one) and the cache advances by one.
-        -> (every layer's output [1, d], None), or with draft [1] (the last stage judging it)
-        (outputs, (the target's token [1], accepted [1]))."""
+        on_host = not isinstance(position, torch.Tensor)
+        if on_host:
+            self.cache.check_room(position, rows)
         if draft is not None:
             self._check_last()
-        lengths = self.cache.lengths
-        lengths.copy_(position.expand_as(lengths))
-        graphs = self.verify_graphs if draft is not None else self.graphs
-        res = graphs.run(1, hidden, *(() if draft is None else (draft,))) if graphs else None
-        if res is None:  # eager (CPU, no graph, or a capture that failed after its warm-up
-            lengths.copy_(position.expand_as(lengths))  # step had moved the lengths: again)
-            outs = self.step(hidden, position)
-            lengths.add_(1)
-            res = outs if draft is None else (outs, self._verify(outs[-1], draft))
-        return res if draft is not None else (res, None)
+        graphs = self.graphs if draft is None else self.verify_graphs
+        if graphs is not None and rows <= GRAPH_MAX_ROWS:
+            pos = self._position.fill_(position) if on_host else position
+            res = graphs.run(rows, hidden, pos, *(() if draft is None else (draft,)))
+            if res is not None:
+                return (res, None) if draft is None else res
+        # eagerly (a CPU, a prefill chunk, or a capture that failed): a host position stays on
+        # the host, where the reference kernels take it as it is
+        self.cache.set_length(position)
+        outs = self.step(hidden, position)
+        self.cache.advance(rows)
+        return outs, (None if draft is None else self._verify(outs[-1], draft))
+
+    def forward(self, hidden: torch.Tensor, start: int, record=None) -> torch.Tensor:
+        """`run` without a verdict -> the stage's output [T, d]; `record(hidden_index, rows)`
+        is called with each layer's output (hidden index layer_id + 1)."""
+        outs, _ = self.run(hidden, start)
+        if record is not None:
+            for lid, h in zip(self.layer_ids, outs):
+                record(lid + 1, h)
+        return outs[-1]
 
     def _check_last(self) -> None:
         if self.layer_ids.stop != self.target.num_layers:
-            raise SPDError(f"stage {self.index} (layers {self.layer_ids.start}.."
-                           f"{self.layer_ids.stop - 1}) is not the last stage: it cannot verify")
+            raise InternalError("only the last stage can verify", stage=self.index,
+                                layers=f"{self.layer_ids.start}..{self.layer_ids.stop - 1}")

@@ -14,10 +14,11 @@ from typing import Callable
 import torch
 
 from spd.cuda_graphs import GraphSet, graphs_enabled
+from spd.device import to_device
 from spd.model.target import Stage, TargetModel
-from spd.runtime.sequence import pick
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import SamplingParams
+from spd.runtime.verdict import pick
 from spd_kernels import verify_greedy
 
 
@@ -58,12 +59,12 @@ class ARDecoder:
         """The forward of `token` [1] at position `pos`: greedy token [1] or logits [V]."""
         if self.graphs is not None and self.graphs.failed is None:
             for st in self.stages:
-                st.cache.reserve(pos, 1, advance=False)
+                st.cache.check_room(pos, 1)
             out = self.graphs.run(self.sampling.greedy, token)
             if out is not None:
                 return out
-            for st in self.stages:  # capture failed (warned): take the reservation back
-                st.cache.truncate(pos)
+            for st in self.stages:  # capture failed (warned): the eager step writes at pos
+                st.cache.set_length(pos)
         h = self.t.embed_tokens(token)
         for st in self.stages:
             h = st.forward(h, pos)
@@ -88,7 +89,7 @@ class ARDecoder:
                 chosen = self._step(token, pos)
                 nxt = int(chosen[0]) if self.sampling.greedy else pick(chosen, self.sampling,
                                                                        self.gen)
-            token = torch.tensor([nxt], dtype=torch.int64, device=dev)
+            token = to_device(torch.tensor([nxt], dtype=torch.int64), dev)
             pos += 1
             out.append(nxt)
             stop.feed(nxt)

@@ -21,10 +21,12 @@ from spd.model.partition import DepthLayout
 from spd.model.prompt import encode_request_prompt
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
-from spd.runtime.sequence import PhaseTimer, SequenceDecode, check_prompt, pick
+from spd.runtime.request import check_prompt
+from spd.runtime.sequence import PhaseTimer, SequenceDecode, StageRunner
 from spd.runtime.stopping import StopRule
 from spd.runtime.streaming import TextStream
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
+from spd.runtime.verdict import Verdict, pick, read_verdict
 
 
 class SPDEngine:
@@ -85,12 +87,17 @@ class SPDEngine:
             s.cache.truncate(0)
         return self._stages
 
-    def _prefill(self, stages, ids, record=None) -> torch.Tensor:
+    def _prefill(self, stages, ids, dec: SequenceDecode | None = None) -> torch.Tensor:
+        """The prompt through every stage as one chunk -> the last stage's output [P, d]; with
+        `dec`, each stage's anchor rows are kept there (the embedding is anchor 0)."""
         h = self.target.embed_tokens(ids)
-        if record is not None:
-            record(0, h)
-        for st in stages:
-            h = st.forward(h, 0, record)
+        if dec is not None:
+            dec.anchors[0, :h.shape[0]] = h
+        for s, st in enumerate(stages):
+            outs, _ = st.run(h, 0)
+            if dec is not None:
+                dec.keep_anchors(s, 0, [outs[i] for i in LocalStages.anchor_layers_of(st, dec, s)])
+            h = outs[-1]
         return h
 
     # --- autoregressive path ------------------------------------------------------------------
@@ -174,61 +181,59 @@ class SPDEngine:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
                                     stop_token_ids=stop_token_ids)
         ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
-        t, n, layout = self.target, self.n, self.layout
-        drafter = drafter or self.drafter
-        dec = SequenceDecode(t, layout, drafter, ids, max_new, sampling,
-                             DecodeStats(mode="spd", n=n), on_token, rule)
-        stages = self._prepare_stages(dec.capacity, n)
-        # The hidden state an in-flight token carries from one stage to the next.
-        carry = torch.zeros(dec.capacity, t.hidden_size, device=t.device, dtype=t.dtype)
-        slot = {b: j for j, b in enumerate(layout.anchors)}
-
-        def record_at(position):
-            def record(hidden_index, h):
-                j = slot.get(hidden_index)
-                if j is not None:
-                    dec.anchors[j, position:position + h.shape[0]] = h
-            return record
-
-        # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
+        dec = SequenceDecode(self.target, self.layout, drafter or self.drafter, ids, max_new,
+                             sampling, DecodeStats(mode="spd", n=self.n), on_token, rule)
+        stages = self._prepare_stages(dec.capacity, self.n)
         t0 = time.perf_counter()
-        h = self._prefill(stages, ids, record_at(0))
-        dec.start(h[-1:], t0)
-        while not dec.done:
-            dec.stats.K += 1
-            # 1. Draft the successor of the newest token from pre-step features, concurrently
-            #    with 2. every in-flight token running its next stage (stage 0 takes the
-            #    embedding, anchor 0). Post-step drafting waits for the stages.
-            if not dec.post_step:
-                draft = dec.draft(0)
-            #    Greedy with a full window: the last stage judges the next token itself
-            #    (final norm + LM head + argmax fused after its layers).
-            verdict = None
-            fused = dec.sampling.greedy and dec.sched.full
-            for s, p in dec.sched.stage_work():
-                with dec.timer(f"stage_{s}"):
-                    x = dec.anchors[0, p:p + 1] if s == 0 else carry[p:p + 1]
-                    if fused and s == n - 1:
-                        out, *verdict = stages[s].forward_verify(x, p, dec.tokens[p + 1:p + 2],
-                                                                 record_at(p))
-                    else:
-                        out = stages[s].forward(x, p, record_at(p))
-                    carry[p] = out[0]
-            if dec.post_step:
-                draft = dec.draft(1)
-            if not dec.sched.full:  # filling: nothing leaves the pipeline this cycle
-                dec.fill(draft)
-                continue
-            # 3. The oldest token leaves the last stage; its state judges the next one.
-            oldest = dec.sched.start
-            accepted, token = dec.judge(carry[oldest:oldest + 1], verdict)
-            # 4. Accept: the draft enters. Reject: truncate every cache to the committed length.
-            rollback_to = dec.commit(accepted, token, draft)
-            if rollback_to is not None:
-                with dec.timer("rollback"):
-                    for st in stages:
-                        st.cache.truncate(rollback_to)
-                for hook in self.rollback_hooks:
-                    hook(stages, drafter, dec.tokens, rollback_to)
+        # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
+        dec.start(self._prefill(stages, ids, dec)[-1:], t0, LocalStages(self, stages, dec))
+        dec.run()
         dec.finish()
         return self.build_result(dec.out, dec.stats, rule)
+
+
+class LocalStages(StageRunner):
+    """The stages in this process, run one after another (SequenceDecode.run's runner). A stage
+    writes its anchor rows into the decode's buffer and hands the next stage its output; greedy
+    with a full window, the last stage judges the next token after its layers."""
+
+    def __init__(self, engine: SPDEngine, stages: list[Stage], dec: SequenceDecode):
+        t = engine.target
+        self.engine, self.stages, self.dec = engine, stages, dec
+        # the hidden state each in-flight token carries from one stage to the next [C, d]
+        self.carry = torch.zeros(dec.capacity, t.hidden_size, device=t.device, dtype=t.dtype)
+        self.fused = None  # this cycle's verdict from the last stage (token [1], accepted [1])
+        # per stage, which of its layers' outputs are its anchors (in slot order)
+        self.anchor_layers = [self.anchor_layers_of(st, dec, s) for s, st in enumerate(stages)]
+
+    @staticmethod
+    def anchor_layers_of(stage: Stage, dec: SequenceDecode, s: int) -> list[int]:
+        """Indices into stage `s`'s layer outputs of the anchors it produces, in slot order."""
+        first = stage.layer_ids.start
+        return [b - first - 1 for _, b in dec.layout.anchors_of_stage(s)]
+
+    def advance(self, cycle: int, work: list[tuple[int, int]], judge: bool) -> None:
+        dec, last = self.dec, len(self.stages) - 1
+        self.fused = None
+        for s, p in work:
+            with dec.timer(f"stage_{s}"):
+                x = dec.anchors[0, p:p + 1] if s == 0 else self.carry[p:p + 1]
+                draft = dec.tokens[p + 1:p + 2] if judge and s == last else None
+                outs, verdict = self.stages[s].run(x, p, draft)
+                dec.keep_anchors(s, p, [outs[i] for i in self.anchor_layers[s]])
+                self.carry[p] = outs[-1][0]
+                if verdict is not None:
+                    self.fused = verdict
+
+    def verdict(self, dec: SequenceDecode) -> Verdict:
+        if self.fused is not None:  # greedy: the last stage judged already
+            with dec.timer("verify"):
+                return read_verdict(*self.fused)
+        oldest = dec.sched.start
+        return dec.judge(self.carry[oldest:oldest + 1])
+
+    def rollback(self, length: int) -> None:
+        for st in self.stages:
+            st.cache.truncate(length)
+        for hook in self.engine.rollback_hooks:
+            hook(self.stages, self.dec.drafter, self.dec.tokens, length)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from spd.errors import SPDError
+from spd.runtime.text import StopText
 
 
 def _strings(stop) -> tuple[str, ...]:
@@ -36,17 +37,12 @@ def _ids(ids, vocab_size: int | None) -> frozenset[int]:
     return frozenset(ids)
 
 
-def find_stop(text: str, stop_strings, since: int = 0) -> int | None:
-    """Where the first stop string found in text[since:] begins, or None."""
-    hits = [i for i in (text.find(s, since) for s in stop_strings) if i >= 0]
-    return min(hits) if hits else None
-
-
 class StopRule:
     """Feed every new token once, in order (`feed`); `ended` says whether the decode ends there.
 
     eos_ids: the model's end-of-sequence ids; stop_token_ids / stop: the request's. Stop strings
-    need the tokenizer (the text is decoded with special tokens skipped)."""
+    need the tokenizer (the text is decoded with special tokens skipped, incrementally:
+    spd.runtime.text)."""
 
     def __init__(self, eos_ids: Iterable[int] = (), stop_token_ids=None, stop=None,
                  tokenizer=None, vocab_size: int | None = None):
@@ -59,31 +55,29 @@ class StopRule:
         # an Event that, once set, ends the decode at its next token (a client that left)
         self.cancel = None
         self.ended = False
-        self.cut: int | None = None  # where the text ends (a stop string's start), if one hit
-        self._checked = 0            # characters of the text already searched
+        self._text = StopText(tokenizer, self.stop_strings) if self.stop_strings else None
+
+    @property
+    def cut(self) -> int | None:
+        """Where the text ends (a stop string's start), if one hit."""
+        return None if self._text is None else self._text.cut
 
     def feed(self, token: int) -> bool:
         self.ids.append(token)
         if token in self.stop_ids or (self.cancel is not None and self.cancel.is_set()):
             self.ended = True
-        elif self.stop_strings:
-            text = self.decoded()
-            # search only what can hold a stop string that ends in the new characters
-            since = max(0, self._checked - max(len(s) for s in self.stop_strings) + 1)
-            cut = find_stop(text, self.stop_strings, since)
-            if cut is not None:
-                self.ended, self.cut = True, cut
-            self._checked = len(text)
+        elif self._text is not None:
+            self._text.add(token)
+            self.ended = self._text.cut is not None
         return self.ended
 
     @property
     def finish_reason(self) -> str:
         return "stop" if self.ended else "length"
 
-    def decoded(self) -> str:
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True)
-
     def text(self) -> str:
-        """The decoded text of the fed tokens, cut before the stop string that ended it."""
-        text = self.decoded()
-        return text if self.cut is None else text[:self.cut]
+        """The decoded text of the fed tokens, cut before the stop string that ended it (once,
+        at the end: the whole answer, or what the incremental text settled)."""
+        if self._text is not None:
+            return self._text.final()
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True)

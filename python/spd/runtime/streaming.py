@@ -1,10 +1,11 @@
 """A decode as an iterator of text pieces: what a streaming client reads.
 
 `TextStream` runs a generate call in a worker thread and hands over each new token with the text
-it adds, so the caller iterates instead of passing a callback. Text that could still turn out to
-be the start of a stop string is held back until the next token settles it, so no part of a stop
-string is ever sent. Leaving the loop early (break, close(), an exception in the consumer) stops
-the decode at its next token and leaves the engine free for the next request.
+it adds (spd.runtime.text.TextPieces: decoded incrementally), so the caller iterates instead of
+passing a callback. Text that could still turn out to be the start of a stop string is held back
+until the next token settles it, so no part of a stop string is ever sent. Leaving the loop
+early (break, close(), an exception in the consumer) stops the decode at its next token and
+leaves the engine free for the next request.
 """
 from __future__ import annotations
 
@@ -14,26 +15,13 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from spd.errors import SPDError
-from spd.runtime.stopping import find_stop
+from spd.runtime.text import TextPieces
 
 
 @dataclass
 class TextPiece:
     token_id: int | None  # None: held-back text released at the end
     text: str             # the text it adds (may be empty: a partial character, held-back text)
-
-
-def safe_text(tokenizer, ids: list[int], stop_strings: tuple[str, ...] = ()) -> str:
-    """The text of `ids` that can be shown now: cut before a stop string found in it, without a
-    partial character at the end or a tail that may still become a stop string."""
-    text = tokenizer.decode(ids, skip_special_tokens=True)
-    cut = find_stop(text, stop_strings)
-    if cut is not None:
-        return text[:cut]
-    if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the next token
-        text = text[:-1]
-    hold = max((len(s) - 1 for s in stop_strings), default=0)
-    return text[:len(text) - hold] if hold else text
 
 
 class _Cancelled(Exception):
@@ -75,21 +63,15 @@ class TextStream:
             raise SPDError("a TextStream can be iterated once")
         self._started = True
         self._thread.start()
-        ids: list[int] = []
-        sent = ""
+        pieces = TextPieces(self.tokenizer, self.stop_strings)
         try:
             while (item := self._queue.get()) is not self._END:
-                ids.append(item)
-                text = (safe_text(self.tokenizer, ids, self.stop_strings)
-                        if hasattr(self.tokenizer, "decode") else "")
-                piece = text[len(sent):] if text.startswith(sent) else ""
-                sent += piece
-                yield TextPiece(item, piece)
+                yield TextPiece(item, pieces.add(item))
             if self._error is not None:
                 raise self._error
-            final = self.result.text if self.result is not None else None
-            if final and len(final) > len(sent) and final.startswith(sent):
-                yield TextPiece(None, final[len(sent):])
+            tail = pieces.rest(self.result.text if self.result is not None else None)
+            if tail:
+                yield TextPiece(None, tail)
         finally:
             self.close()
 

@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from spd.errors import SPDError
-from spd.runtime.streaming import safe_text
+from spd.errors import InternalError, SPDError
+from spd.runtime.text import TextPieces
 from spd.serve.backends import DecodeCancelled, RankFailure
 from spd.serve.jobs import Job
 
@@ -96,18 +96,14 @@ class EngineWorker:
         if job.cancel.is_set():  # the client left while it waited
             self.counts["cancelled"] += 1
             return
-        tok = self.backend.target.tokenizer
-        stop_strings = tuple(job.stop or ())  # checked when the job was made
-        ids: list[int] = []
-        sent = ""
+        # (stop strings were checked when the job was made)
+        pieces = TextPieces(self.backend.target.tokenizer, tuple(job.stop or ()))
+        count = 0
 
         def on_token(token: int) -> None:
-            nonlocal sent
-            ids.append(token)
-            text = safe_text(tok, ids, stop_strings)
-            piece = text[len(sent):] if text.startswith(sent) else ""
-            sent += piece
-            job.emit(TokenEvent(token, piece))
+            nonlocal count
+            count += 1
+            job.emit(TokenEvent(token, pieces.add(token)))
 
         t0 = time.perf_counter()
         self.busy, self._current = True, job
@@ -115,12 +111,18 @@ class EngineWorker:
             result = self.backend.generate(job, on_token)
         except DecodeCancelled:
             self.counts["cancelled"] += 1
-            log.info("%s cancelled (client left) after %d tokens, %.2f s", job.id, len(ids),
+            log.info("%s cancelled (client left) after %d tokens, %.2f s", job.id, count,
                      time.perf_counter() - t0)
             return
-        except SPDError as exc:
+        except SPDError as exc:  # the request's fault
             self.counts["failed"] += 1
             job.emit(ErrorEvent(400, str(exc)))
+            return
+        except InternalError as exc:  # the engine's fault: logged with its context
+            self.counts["failed"] += 1
+            log.error("%s failed inside the engine: %s; context %s", job.id, exc.message,
+                      exc.context, exc_info=exc)
+            job.emit(ErrorEvent(500, f"internal error: {exc}"))
             return
         except self.backend.fatal as exc:
             self._fail(job, str(exc) if isinstance(exc, RankFailure)
@@ -137,9 +139,7 @@ class EngineWorker:
             self.counts["cancelled"] += 1
         else:
             self.counts["served"] += 1
-        final = result.text if result.text is not None else sent
-        tail = final[len(sent):] if final.startswith(sent) else ""
-        job.emit(DoneEvent(result, tail))
+        job.emit(DoneEvent(result, pieces.rest(result.text)))
         st = result.stats
         log.info("%s prompt=%d new=%d finish=%s time=%.2f s (queued %.2f s) %s", job.id,
                  len(job.prompt_ids), len(result.token_ids), result.finish_reason,
