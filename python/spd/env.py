@@ -39,6 +39,12 @@ BUILD_VARIABLES = (
         "benchmarks/device_session.sh"),
     Var("SPD_TEST_WORKERS", "8", "pytest-xdist workers of the device session's GPU tests",
         "benchmarks/device_session.sh"),
+    Var("SPD_TRAIN_SECONDS", "300", "how long the device training script trains the default "
+        "model's drafter (20 in its smoke mode)", "benchmarks/device_train.sh"),
+    Var("SPD_TRAIN_DATA", "sharegpt", "the --data of the device training script's run "
+        "(space-separated)", "benchmarks/device_train.sh"),
+    Var("SPD_TRAIN_MODEL", "", "a local Hugging Face folder for the device training script "
+        "(default: the default model in SPD_CACHE)", "benchmarks/device_train.sh"),
 )
 
 RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT, TRAIN_FAULT, RUN_SECRET)

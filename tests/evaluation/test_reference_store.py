@@ -6,7 +6,7 @@ import pytest
 from conftest import make_tiny_target
 
 from spd import SPDEngine
-from spd.errors import SPDError
+from spd.errors import InternalError
 from spd.evaluation.evaluate import ReferenceStore, run_eval
 from spd.runtime.types import SamplingParams
 
@@ -40,5 +40,5 @@ def test_references_are_decoded_once_and_still_check(tmp_path, monkeypatch):
     for f in (tmp_path / "ref").iterdir():  # a wrong reference fails the check
         ids = json.loads(f.read_text())["token_ids"]
         f.write_text(json.dumps({"token_ids": ids[:-1] + [(ids[-1] + 1) % 16]}))
-    with pytest.raises(SPDError, match="differs from the autoregressive output"):
+    with pytest.raises(InternalError, match="differs from the autoregressive output"):
         run_eval(engine, sets, 12, greedy, check=True, progress=False, references=store)
