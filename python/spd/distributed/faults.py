@@ -216,7 +216,14 @@ class FaultHandling:
                 return
             self._exiting = True
         if message:
-            print(f"spd: rank {self.rank} ({role_of(self.rank)}): {message}", file=sys.stderr)
+            # One write per line: ranks share the launcher's stderr, and print() writes the
+            # text and its newline apart, so two ranks' lines could run together.
+            line = f"spd: rank {self.rank} ({role_of(self.rank)}): {message}\n"
+            try:
+                sys.stderr.flush()
+                os.write(sys.stderr.fileno(), line.encode(errors="replace"))
+            except (OSError, ValueError):
+                print(line, end="", file=sys.stderr)
         for hook in self.exit_hooks:
             try:
                 hook(message or f"rank {self.rank} is stopping")

@@ -265,10 +265,14 @@ def run_steps(model, cfg, out: Path, batches, *, batch_loss: Callable, evaluate:
         bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{rate:,.0f}",
                         **({"accept": f"{last_eval['accept']:.3f}"} if "accept" in last_eval
                            else {}))
-        if group.main and (step % cfg.save_every == 0 or step == cfg.steps):
-            save_state({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
-                        "history": cfg.history, "config": config}, state_path)
-            write_history(out, cfg.history)
+        if step % cfg.save_every == 0 or step == cfg.steps:
+            if group.main:
+                save_state({"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                            "history": cfg.history, "config": config}, state_path)
+                write_history(out, cfg.history)
+            # No rank runs ahead of a checkpoint still being written: a rank lost in the next
+            # step then cannot take rank 0 down with its save half done.
+            group.sum_floats([0.0], "the checkpoint")
     bar.close()
     model.eval()
     return cfg.history
