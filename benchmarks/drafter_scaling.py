@@ -87,8 +87,8 @@ def main() -> int:
     args = ap.parse_args()
     rows = sorted((point(s, args.base_tokens) for s in args.point), key=lambda r: r["tokens"])
     table = Table([("drafter", "<24"), ("tokens", ">10.0f"), ("S_est", ">7.2f"),
-                   ("S_alone", ">8.2f", "S alone"), ("accept_alone", ">8.2f", "acc alone"),
-                   ("S_lookup", ">9.2f", "S lookup"), ("accept_lookup", ">9.2f", "acc lookup")])
+                   ("S_alone", ">9.2f", "S alone"), ("accept_alone", ">11.2f", "acc alone"),
+                   ("S_lookup", ">10.2f", "S lookup"), ("accept_lookup", ">12.2f", "acc lookup")])
     table.print_header()
     for r in rows:
         table.print(r)

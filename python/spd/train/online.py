@@ -122,6 +122,7 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
         if mask_of is not None:
             held_out[-1]["mask"] = torch.tensor(mask_of(ids), dtype=torch.bool)
     vocab = init_vocab(cfg, counts)
+    cfg.draft_vocab_size = int(vocab.numel())  # --init-from's size wins; record that one
 
     def batches(plan, rank, n):
         return OnlineBatches(corpus, teacher, plan, rank, cfg.crop_len, cfg.seed,
