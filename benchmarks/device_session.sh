@@ -40,18 +40,12 @@
 #   SPD_DEVICE_SMOKE=1 OUT=/tmp/x bash benchmarks/device_session.sh   # CPU: checks the script
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/spd-device-out}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-DATE="${SPD_DATE:-$(date +%F)}"
-export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+source benchmarks/device_steps.sh  # OUT, PY, DATE, BUDGET; step NAME CAP_S LOG CMD...
+export TRITON_INTERPRET=0
 SUMMARY="$OUT/summary.txt"
 : > "$SUMMARY"
-BUDGET="${SPD_DEVICE_BUDGET:-560}"
 LOGS="$OUT/logs"
 mkdir -p "$LOGS"
-source benchmarks/device_steps.sh  # step NAME CAP_S LOG CMD...
 
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
     export TRITON_INTERPRET=1 SPD_SKIP_CUDA_BUILD=1

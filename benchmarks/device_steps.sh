@@ -1,7 +1,16 @@
-# Sourced by the device scripts (device_session.sh, device_train.sh): `step`, which runs one
-# command inside the session's time budget and logs one line of it to $SUMMARY.
-#   BUDGET=560 SUMMARY=$OUT/summary.txt; source benchmarks/device_steps.sh
+# Sourced by the device scripts (device_session.sh, device_train.sh) from the repository root:
+# their common settings, and `step`, which runs one command inside the session's time budget and
+# logs one line of it to $SUMMARY.
+#   cd "$(dirname "$0")/.."; source benchmarks/device_steps.sh; SUMMARY=$OUT/summary.txt
 #   step NAME CAP_S LOG CMD...   # CMD for at most min(CAP_S, time left - 25 s); returns its rc
+OUT="${OUT:-/tmp/spd-device-out}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+DATE="${SPD_DATE:-$(date +%F)}"
+BUDGET="${SPD_DEVICE_BUDGET:-560}"
+export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1
+
 step() {
     local name=$1 cap=$2 log=$3; shift 3
     local left=$((BUDGET - SECONDS - 25)) t0=$SECONDS rc

