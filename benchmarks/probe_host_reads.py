@@ -127,6 +127,37 @@ class ReadLog:
         self.methods.__exit__(*exc)
 
 
+class CallLog:
+    """Appends (name,) to `log` on every call of each given method (`(cls, name)` pairs) while
+    active, so that reads can be placed between the calls: a cycle's draft, its commit, a
+    rollback, a unit sent."""
+
+    def __init__(self, log: list, *methods: tuple[type, str]):
+        self.log, self.methods, self.saved = log, methods, []
+
+    def _logged(self, name: str, real):
+        log = self.log
+
+        def method(obj, *args):
+            log.append((name,))
+            return real(obj, *args)
+        return method
+
+    def __enter__(self):
+        for cls, name in self.methods:
+            self.saved.append((cls, name, cls.__dict__.get(name)))  # None: inherited
+            setattr(cls, name, self._logged(name, getattr(cls, name)))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, name, own in reversed(self.saved):
+            if own is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, own)
+        self.saved.clear()
+
+
 def reads(log: list, outside_kernels: bool = False) -> int:
     """The reads in `log`; `outside_kernels`: only those not made inside spd_kernels (its CPU
     value checks and reference paths, which a GPU run does not take). Needs ReadLog(where=True)."""

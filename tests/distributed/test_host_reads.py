@@ -31,7 +31,8 @@ from spd.distributed.rank import run_requests
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
 SEED, LAYERS = 4, 6
-ReadLog = bench_module("probe_host_reads").ReadLog  # what a read is: its docstring
+probe = bench_module("probe_host_reads")
+ReadLog, CallLog = probe.ReadLog, probe.CallLog  # what a read is: ReadLog's docstring
 
 
 def counting_factory(rank: int):
@@ -58,22 +59,11 @@ def counting_factory(rank: int):
 def counted_job(engine, request: GenerateRequest):
     """Rank 0: run `request` logging reads (and where they were made), each cycle's draft, each
     unit sent, each judged draft committed and each rollback."""
-    import pytest
-
     from spd.distributed.draft_rank import RemoteStages, UnitStream
     from spd.runtime.sequence import SequenceDecode
     log: list = []
-
-    def logged(name, real):
-        def method(self, *args):
-            log.append((name,))
-            return real(self, *args)
-        return method
-    with pytest.MonkeyPatch.context() as mp:
-        for cls, name, event in ((UnitStream, "send", "send"), (SequenceDecode, "draft", "draft"),
-                                 (SequenceDecode, "commit", "commit"),
-                                 (RemoteStages, "rollback", "rollback")):
-            mp.setattr(cls, name, logged(event, getattr(cls, name)))
+    with CallLog(log, (UnitStream, "send"), (SequenceDecode, "draft"),
+                 (SequenceDecode, "commit"), (RemoteStages, "rollback")):
         with ReadLog(log, where=True):
             result = run_requests([request], engine)[0]
     stages = [json.loads(engine.rt.store.get(f"test/reads/1/{r}")) for r in range(1, engine.n + 1)]

@@ -45,17 +45,8 @@ def test_each_cycle_reads_one_verdict_and_nothing_else(sampling):
     eng = SPDEngine(t, n_stages=3, lookup=2, warn_untrained=False)
     prompt = [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3]
     log: list = []
-    draft, commit, rollback = SequenceDecode.draft, SequenceDecode.commit, LocalStages.rollback
-
-    def logged(name, real):
-        def method(self, *args):
-            log.append((name,))
-            return real(self, *args)
-        return method
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SequenceDecode, "draft", logged("draft", draft))
-        mp.setattr(SequenceDecode, "commit", logged("commit", commit))
-        mp.setattr(LocalStages, "rollback", logged("rollback", rollback))
+    with probe.CallLog(log, (SequenceDecode, "draft"), (SequenceDecode, "commit"),
+                       (LocalStages, "rollback")):
         with probe.ReadLog(log, where=True):
             res = eng.generate(prompt, 40, sampling)
     st = res.stats
