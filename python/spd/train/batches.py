@@ -17,8 +17,6 @@ import random
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from spd.errors import SPDError
 
 
@@ -26,7 +24,7 @@ from spd.errors import SPDError
 class Piece:
     """One sequence window of a micro-batch with its fill level. item: tokens [T] int32,
     anchors [m, T, d], final [T, d], argmax [T] int32 (a FeatureSet item, or the teacher's)."""
-    item: dict   # (and mask [T] bool where only some rows count: spd.train.corpus.AnswerMask)
+    item: dict   # (and mask [T] bool where only some rows count: spd.train.teacher)
     fill: int
     index: int  # global index
 
@@ -82,10 +80,9 @@ class OnlineBatches:
     """Micro-batches whose features the frozen target computes now (spd.train.teacher)."""
 
     def __init__(self, corpus, teacher, plan: BatchPlan, rank: int, crop_len: int, seed: int,
-                 fill_of: FillOf, mask_of: Callable[[list[int]], list[bool]] | None = None):
-        """mask_of(ids) -> the rows that count (None: every row)."""
+                 fill_of: FillOf):
         self.corpus, self.teacher, self.plan, self.rank = corpus, teacher, plan, rank
-        self.crop_len, self.seed, self.fill_of, self.mask_of = crop_len, seed, fill_of, mask_of
+        self.crop_len, self.seed, self.fill_of = crop_len, seed, fill_of
         self._stream = None
         self._next = None  # global index the stream yields next (None: not opened)
 
@@ -112,9 +109,6 @@ class OnlineBatches:
                 spans.append(window(len(ids), self.crop_len, rng))
             # the teacher reads each window with the context before it
             items = self.teacher([ids[:b] for ids, (_, b) in zip(seqs, spans)])
-            if self.mask_of is not None:
-                for it, ids, (_, b) in zip(items, seqs, spans):
-                    it["mask"] = torch.tensor(self.mask_of(ids[:b]), dtype=torch.bool)
             batches.append([Piece(cut(it, a, b), f, g) for it, (a, b), f, g
                             in zip(items, spans, fills, indices)])
         return batches

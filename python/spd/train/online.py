@@ -110,23 +110,20 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
     layout_anchors = cfg.anchors
     from spd.model.partition import DepthLayout
     layout = DepthLayout.build(target.num_layers, cfg.n_stages, cfg.split, layout_anchors)
-    teacher = Teacher(target, list(layout.anchors))
+    teacher = Teacher(target, list(layout.anchors), mask_of)
     held_seqs = corpus.held_out(cfg.eval_sequences) if group.main else []
     if group.main and not held_seqs:
         raise SPDError(f"no held-out sequence to evaluate on in {', '.join(corpus_cfg.sources)}"
                        f" (held-out share {corpus_cfg.holdout}): raise --holdout or add data")
     held_out = []
     for ids in held_seqs:  # the first crop_len tokens of each, as the cached path does
-        ids = ids[:cfg.crop_len] if cfg.crop_len > 0 else ids
-        held_out += teacher([ids])
-        if mask_of is not None:
-            held_out[-1]["mask"] = torch.tensor(mask_of(ids), dtype=torch.bool)
+        held_out += teacher([ids[:cfg.crop_len] if cfg.crop_len > 0 else ids])
     vocab = init_vocab(cfg, counts)
     cfg.draft_vocab_size = int(vocab.numel())  # --init-from's size wins; record that one
 
     def batches(plan, rank, n):
         return OnlineBatches(corpus, teacher, plan, rank, cfg.crop_len, cfg.seed,
-                             fill_sampler(n, cfg), mask_of)
+                             fill_sampler(n, cfg))
     last = fit(target, cfg, out, vocab=vocab, feature_anchors=list(layout.anchors),
                held_out=held_out, make_batches=batches, data_id=data_id,
                train_tokens=stats.tokens, progress=progress, storage=storage, group=group,

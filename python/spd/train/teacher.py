@@ -13,6 +13,8 @@ never formed: the argmax is computed in row chunks).
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from spd.errors import SPDError
@@ -26,9 +28,11 @@ def _output(out):
 
 class Teacher:
     """teacher(sequences) -> one item per sequence, as a FeatureSet item: tokens [T] int32,
-    anchors [m, T, d], final [T, d], argmax [T] int32 (the target's dtype and device)."""
+    anchors [m, T, d], final [T, d], argmax [T] int32 (the target's dtype and device), and
+    mask [T] bool where `mask_of(ids)` names the rows that count (spd.train.corpus.AnswerMask)."""
 
-    def __init__(self, target, anchors: list[int]):
+    def __init__(self, target, anchors: list[int],
+                 mask_of: Callable[[list[int]], list[bool]] | None = None):
         if target.hf is None or any(p.is_meta for p in target.hf.parameters()):
             raise SPDError("online distillation needs the whole target in this process (a stage "
                            "rank's partial load cannot teach)")
@@ -37,6 +41,7 @@ class Teacher:
                            f"(layer outputs 0..{target.num_layers - 1}), got {anchors}")
         self.target = target
         self.anchors = list(anchors)
+        self.mask_of = mask_of
         self._states: dict[int, torch.Tensor] = {}
 
     def _hooks(self):
@@ -82,6 +87,8 @@ class Teacher:
             items.append({"tokens": torch.as_tensor(s, dtype=torch.int32),
                           "anchors": states[:, r, :n], "final": f,
                           "argmax": argmax.to(torch.int32)})
+            if self.mask_of is not None:
+                items[-1]["mask"] = torch.tensor(self.mask_of(s), dtype=torch.bool)
         return items
 
 
