@@ -18,6 +18,9 @@ Backends (see spd_kernels.dispatch):
              split an equal share of the weights, rows through mma.m16n8k16 (csrc/kernels/mma_stream.cuh),
              partial sums reduced in order with the bias by a second launch. Not timed on a GPU
              yet, so not the default.
+Quantised projections (spd_kernels.quant; reference and Triton, not CUDA): weights[e] int8 or
+float8_e4m3fn with scales[e] [d_out] fp32; the feature is round_to_anchor_dtype(scale_e * (sum_j
+h_{b_j}[r] @ q_{e,j}^T summed in fp32) + bias_e) (the bias added in fp32, one rounding).
 On device tensors the kernels write NaN for a row whose type is out of range or has no weight
 (value checks there need a host sync; SPD_CHECK_VALUES=1 turns them on).
 """
@@ -37,9 +40,10 @@ from spd_kernels.checks import (
     last_dim_contiguous,
 )
 from spd_kernels.opdef import op
+from spd_kernels.quant import QUANT_DTYPES, check_weight
 
 
-def _check(anchors, types, weights, biases):
+def _check(anchors, types, weights, biases, scales=None):
     check_tensor("anchors", anchors, dim=3, floating=True)
     check_tensor("types", types, dim=1)
     m, rows, d = anchors.shape
@@ -53,18 +57,24 @@ def _check(anchors, types, weights, biases):
         raise SPDInputError(f"expected one weight slot per anchor ({m}), got {len(weights)}")
     if biases is not None and len(biases) != m:
         raise SPDInputError(f"expected one bias slot per anchor ({m}), got {len(biases)}")
+    if scales is not None and len(scales) != m:
+        raise SPDInputError(f"expected one scale slot per anchor ({m}), got {len(scales)}")
     d_out = None
     for e, w in enumerate(weights):  # shapes of every slot: no host sync needed
+        scale = None if scales is None else scales[e]
         if w is None:
+            if scale is not None:
+                raise SPDInputError(f"scales[{e}] is given but weights[{e}] is None")
             continue
-        check_tensor(f"weights[{e}]", w, dim=2, floating=True, device=anchors.device)
+        check_weight(f"weights[{e}]", w, f"scales[{e}]", scale, anchors.device)
+        check_tensor(f"weights[{e}]", w, dim=2, floating=scale is None, device=anchors.device)
         if w.shape[1] != (e + 1) * d:
             raise SPDInputError(
                 f"weights[{e}] must have {(e + 1) * d} input columns ((e+1)*hidden), got {w.shape[1]}")
         if d_out is not None and w.shape[0] != d_out:
             raise SPDInputError(f"weights[{e}] has {w.shape[0]} output rows, the others {d_out}")
         d_out = w.shape[0]
-        if w.dtype != anchors.dtype:
+        if w.dtype != anchors.dtype and scale is None:
             raise SPDInputError(f"weights[{e}] has dtype {w.dtype} but anchors {anchors.dtype}: "
                                 f"give every tensor one dtype")
         if biases is not None and biases[e] is not None:
@@ -86,22 +96,27 @@ def _check(anchors, types, weights, biases):
 @op("anchor_projection")
 def anchor_projection(anchors: torch.Tensor, types: torch.Tensor,
                       weights: Sequence[torch.Tensor | None],
-                      biases: Sequence[torch.Tensor | None] | None = None, *,
+                      biases: Sequence[torch.Tensor | None] | None = None,
+                      scales: Sequence[torch.Tensor | None] | None = None, *,
                       backend: str | None = None) -> torch.Tensor:
     """anchors [m, R, d] (row r's anchor j at anchors[j, r]), types [R] -> features [R, d_out].
 
     weights[e] is the type-e projection [d_out, (e+1)*d] (None for a type that never occurs),
-    biases[e] its bias [d_out] or None.
+    biases[e] its bias [d_out] or None. scales[e] [d_out] fp32: weights[e] is quantised (int8 /
+    float8_e4m3fn, spd_kernels.quant) and the feature is round_to_anchor_dtype(scales[e] * (the
+    fp32 sum of the anchors times float(weights[e])) + biases[e]), the bias in the anchors'
+    dtype, added in fp32.
     """
     weights = list(weights)
     biases = None if biases is None else list(biases)
-    _check(anchors, types, weights, biases)
+    scales = None if scales is None or all(s is None for s in scales) else list(scales)
+    _check(anchors, types, weights, biases, scales)
     return dispatch.call("anchor_projection", anchors.device, anchors, types, weights, biases,
-                         backend=backend)
+                         scales, backend=backend)
 
 
 @anchor_projection.register_fake
-def _(anchors, types, weights, biases=None):
+def _(anchors, types, weights, biases=None, scales=None):
     return anchors.new_empty(anchors.shape[1], _d_out(anchors, weights))
 
 
@@ -111,12 +126,22 @@ def _d_out(anchors, weights):
 
 
 @dispatch.register("anchor_projection", "reference")
-def anchor_projection_reference(anchors, types, weights, biases=None):
+def anchor_projection_reference(anchors, types, weights, biases=None, scales=None):
     m, rows, d = anchors.shape
     out = anchors.new_empty(rows, _d_out(anchors, weights))
     for e in types.unique().tolist():
         sel = (types == e).nonzero(as_tuple=True)[0]
         w = weights[e]
+        if scales is not None and scales[e] is not None:  # quantised: fp32 sum, scale, bias, round
+            acc = None
+            for j in range(e + 1):
+                part = anchors[j, sel].float() @ w[:, j * d:(j + 1) * d].float().t()
+                acc = part if acc is None else acc + part
+            acc = acc * scales[e]
+            if biases is not None and biases[e] is not None:
+                acc = acc + biases[e].float()
+            out[sel] = acc.to(out.dtype)
+            continue
         acc = None
         for j in range(e + 1):  # sum of column blocks: the concat is never built
             part = anchors[j, sel] @ w[:, j * d:(j + 1) * d].t()
@@ -127,7 +152,7 @@ def anchor_projection_reference(anchors, types, weights, biases=None):
     return out
 
 
-def _kernel_supports(anchors, types, weights, biases=None):
+def _kernel_supports(anchors, types, weights, biases=None, scales=None):
     why = check_kernel_float("anchors", anchors) or last_dim_contiguous("anchors", anchors)
     if why:
         return why
@@ -135,34 +160,47 @@ def _kernel_supports(anchors, types, weights, biases=None):
     if not present:
         return "no projection weights given"
     dt = present[0][1].dtype
+    quant = dt in QUANT_DTYPES
     for e, w in present:
         if w.dtype != dt or not w.is_contiguous():
             return "the kernels need contiguous projection weights of one dtype"
         b = None if biases is None else biases[e]
-        if b is not None and (b.dtype != dt or not b.is_contiguous()):
+        if quant:  # biases stay in the anchors' dtype (spd_kernels.quant)
+            if b is not None and (b.dtype != anchors.dtype or not b.is_contiguous()):
+                return "the kernels need biases of the anchors' dtype, contiguous"
+            if scales is None or scales[e] is None or not scales[e].is_contiguous():
+                return "the kernels need a contiguous scale for every quantised projection"
+        elif b is not None and (b.dtype != dt or not b.is_contiguous()):
             return "the kernels need biases of the weights' dtype, contiguous"
-    return check_kernel_float("weights", present[0][1])
+    return None if quant else check_kernel_float("weights", present[0][1])
 
 
 _TABLES: dict = {}
 
 
-def _tables(weights, biases, device):
-    """int64 device tables of weight and bias addresses per type (0 = none), cached."""
+def _tables(weights, biases, device, scales=None):
+    """int64 device tables of weight and bias addresses per type (0 = none), then of the scales'
+    when given ([2 or 3, m]), cached."""
     w_ptrs = tuple(0 if w is None else w.data_ptr() for w in weights)
     b_ptrs = tuple(0 if biases is None or b is None else b.data_ptr()
                    for b in (biases or [None] * len(weights)))
-    key = (device, w_ptrs, b_ptrs)
+    rows = [w_ptrs, b_ptrs]
+    if scales is not None:
+        rows.append(tuple(0 if s is None else s.data_ptr() for s in scales))
+    key = (device, *rows)
     t = _TABLES.get(key)
     if t is None:
         if len(_TABLES) > 64:
             _TABLES.clear()
-        t = torch.tensor([w_ptrs, b_ptrs], dtype=torch.int64).to(device)
+        t = torch.tensor(rows, dtype=torch.int64).to(device)
         _TABLES[key] = t
     return t
 
 
-def _cuda_supports(anchors, types, weights, biases=None):
+def _cuda_supports(anchors, types, weights, biases=None, scales=None):
+    if scales is not None:
+        return ("the CUDA kernels read float projection weights; these are quantised "
+                "(int8 / fp8 with scales): the Triton kernel and the reference take them")
     why = _kernel_supports(anchors, types, weights, biases)
     if why:
         return why
@@ -242,7 +280,8 @@ dispatch.defer("anchor_projection", "triton", "spd_kernels.features_triton")
 
 
 @dispatch.register("anchor_projection", "cuda", supports=_cuda_supports)
-def anchor_projection_cuda(anchors, types, weights, biases=None):
+def anchor_projection_cuda(anchors, types, weights, biases=None, scales=None):
+    # quantised projections never get here: _cuda_supports refuses them
     if cuda_variant() == "mma" and _mma_ok(anchors, weights):
         return _launch_mma(anchors, types, weights, biases, None)
     vec = _vector_loads_ok(anchors, weights)

@@ -10,14 +10,18 @@ be a device tensor, so nothing in the step needs the host.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from spd_kernels.linear import fused_linear
+from spd_kernels.qkv_rope import back_to_back
+from spd_kernels.quant import quantize_weight
 from spd_kernels.stage import LayerWeights, decoder_layer
 
-__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_step"]
+__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_step", "quantize_group",
+           "quantize_pdm_weights"]
 
 # the dispatched ops the step runs (benchmarks time the step against them)
 STEP_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
@@ -32,12 +36,42 @@ class PDMWeights:
     num_kv_heads: int
     head_dim: int
     eps: float
+    # [Vd] fp32 when lm_head is quantised (int8 / float8_e4m3fn, spd_kernels.quant); the layers
+    # carry their own scales (LayerWeights)
+    lm_head_scale: torch.Tensor | None = None
 
     @classmethod
     def from_pdm(cls, pdm) -> "PDMWeights":
         c = pdm.config
         return cls([LayerWeights.from_module(layer) for layer in pdm.layers], pdm.norm.weight,
                    pdm.lm_head.weight, c.num_heads, c.num_kv_heads, c.head_dim, c.rms_eps)
+
+
+def quantize_group(ws: list[torch.Tensor], kind: str) -> list[tuple]:
+    """[(q, scale)] of weights ws; weights lying back to back (pack_qkv) are quantised as one,
+    so the copies and their scales lie back to back too (one product in the step)."""
+    packed = back_to_back(*ws) if len(ws) > 1 else None
+    if packed is None:
+        return [quantize_weight(w, kind) for w in ws]
+    q, scale = quantize_weight(packed, kind)
+    sizes = [w.shape[0] for w in ws]
+    return list(zip(q.split(sizes), scale.split(sizes)))
+
+
+def quantize_pdm_weights(weights: PDMWeights, kind: str = "int8") -> PDMWeights:
+    """A copy of float `weights` with every matrix the step reads (q/k/v, o, gate/up, down, the
+    LM head) quantised: int8 or fp8 (spd_kernels.quant.quantize_weight); norms and biases kept."""
+    layers = []
+    for lw in weights.layers:
+        (wq, sq), (wk, sk), (wv, sv) = quantize_group([lw.wq, lw.wk, lw.wv], kind)
+        (wg, sg), (wu, su) = quantize_group([lw.w_gate, lw.w_up], kind)
+        wo, so = quantize_weight(lw.wo, kind)
+        wd, sd = quantize_weight(lw.w_down, kind)
+        layers.append(dataclasses.replace(
+            lw, wq=wq, wk=wk, wv=wv, wq_scale=sq, wk_scale=sk, wv_scale=sv, wo=wo, wo_scale=so,
+            w_gate=wg, gate_scale=sg, w_up=wu, up_scale=su, w_down=wd, down_scale=sd))
+    head, head_scale = quantize_weight(weights.lm_head, kind)
+    return dataclasses.replace(weights, layers=layers, lm_head=head, lm_head_scale=head_scale)
 
 
 def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
@@ -48,7 +82,8 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
     values; cos/sin are the full RoPE tables. `backend` picks the backend of every op of the step
     (qkv_rope_append, cache_attention, fused_linear, fused_swiglu; None: the dispatcher's
     choice). `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
-    step reads the position on the host (a CUDA graph of it replays at any position)."""
+    step reads the position on the host (a CUDA graph of it replays at any position). Quantised
+    weights (scales in `weights`, spd_kernels.quant) go to the ops that read them."""
     if not isinstance(start, torch.Tensor):
         start = int(start)
     x = features
@@ -56,4 +91,4 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
         x = decoder_layer(x, lw, k_cache[i], v_cache[i], start, cos, sin, weights.num_heads,
                           weights.num_kv_heads, weights.eps, backend=backend)
     return fused_linear(x[-1:], weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
-                        backend=backend)[0].float()
+                        weight_scale=weights.lm_head_scale, backend=backend)[0].float()

@@ -35,6 +35,16 @@ class LayerWeights:
     w_up: torch.Tensor
     w_down: torch.Tensor
     qkv_bias: torch.Tensor | None = None  # [Nq + Nk + Nv]: q/k/v biases back to back (Qwen2)
+    # Weight-only quantisation (spd_kernels.quant): None = float weights; else the weight of the
+    # same name is int8 / float8_e4m3fn [N, K] and this its fp32 row scale [N]. The q/k/v scales
+    # lie back to back when their weights do (one product).
+    wq_scale: torch.Tensor | None = None
+    wk_scale: torch.Tensor | None = None
+    wv_scale: torch.Tensor | None = None
+    wo_scale: torch.Tensor | None = None
+    gate_scale: torch.Tensor | None = None
+    up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
 
     @classmethod
     def from_module(cls, layer) -> "LayerWeights":
@@ -73,11 +83,13 @@ def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
     """x [T, d] at positions start.. -> [T, d]; k_cache/v_cache [kv_heads, S, head_dim]."""
     q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
                         sin, start, k_cache, v_cache, num_heads, num_kv_heads,
-                        qkv_bias=lw.qkv_bias, backend=backend)
+                        qkv_bias=lw.qkv_bias, wq_scale=lw.wq_scale, wk_scale=lw.wk_scale,
+                        wv_scale=lw.wv_scale, backend=backend)
     att = cache_attention(q, k_cache, v_cache, start, backend=backend)
-    x = fused_linear(att, lw.wo, residual=x, backend=backend)
-    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, backend=backend)
-    return fused_linear(mid, lw.w_down, residual=x, backend=backend)
+    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
+    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
+                       up_scale=lw.up_scale, backend=backend)
+    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
 
 
 def stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,

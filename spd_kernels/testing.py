@@ -221,18 +221,21 @@ def _variants():
                          OUTER="i32", S="i32", INNER="i32", CODE="constexpr",
                          BLOCK="constexpr"), dict(CODE=code, BLOCK=1024)))
     # bf16 (aligned, D a multiple of BLOCK_K); fp32 anchors with bf16 weights (mixed: fp32 dot,
-    # ragged K); fp32 with many rows
+    # ragged K); fp32 with many rows; bf16 with int8 / fp8 e4m3 weights (spd_kernels.quant)
     for tag, dt, w_code, fp32_dot, even, r_scan in (("bf16", "bf16", 1, False, True, 16),
                                                      ("fp32-bf16w", "fp32", 1, True, False, 32),
-                                                     ("fp32", "fp32", 0, True, True, 256)):
+                                                     ("fp32", "fp32", 0, True, True, 256),
+                                                     ("bf16-int8w", "bf16", 3, False, True, 16),
+                                                     ("bf16-fp8w", "bf16", 4, False, False, 16)):
         out.append((f"features._anchor_kernel[{tag}-R{r_scan}]", features._anchor_kernel,
                     dict(a_ptr=ptr(dt), stride_am="i32", stride_ar="i32", types_ptr="*i64",
                          table_ptr="*i64", out_ptr=ptr(dt), stride_or="i32", M="i32", R="i32",
                          D="i32", N="i32", W_CODE="constexpr", OUT_CODE="constexpr",
-                         FP32_DOT="constexpr", W_ALIGNED="constexpr", EVEN_K="constexpr",
+                         QUANT="constexpr", FP32_DOT="constexpr", W_ALIGNED="constexpr", EVEN_K="constexpr",
                          R_SCAN="constexpr", BLOCK_R="constexpr", BLOCK_N="constexpr",
                          BLOCK_K="constexpr", PDL="constexpr"),
-                    dict(W_CODE=w_code, OUT_CODE=1 if dt == "bf16" else 0, FP32_DOT=fp32_dot,
+                    dict(W_CODE=w_code, OUT_CODE=1 if dt == "bf16" else 0, QUANT=w_code > 2,
+                         FP32_DOT=fp32_dot,
                          W_ALIGNED=even, EVEN_K=even, R_SCAN=r_scan, BLOCK_R=16, BLOCK_N=16,
                          BLOCK_K=256, PDL=tag == "bf16")))
     for code, dt, hd, qkn in ((1, "bf16", 128, True), (0, "fp32", 64, False)):
@@ -266,32 +269,41 @@ def _variants():
                          HD="constexpr", HD_PAD="constexpr", BLOCK_S="constexpr",
                          OUT="constexpr", PDL="constexpr"),
                     dict(HD=hd, HD_PAD=max(16, hd), BLOCK_S=16, OUT=code, PDL=hd == 128)))
-    lin_sig = lambda dt: dict(
-        x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(dt), w2_ptr=ptr(dt),
+    lin_sig = lambda dt, wt: dict(
+        x_ptr=ptr(dt), stride_x="i32", g_ptr=ptr(dt), w_ptr=ptr(wt), w2_ptr=ptr(wt),
         res_ptr=ptr(dt), stride_res="i32", out_ptr=ptr(dt), stride_out="i32", ws_ptr="*fp32",
-        SET_STRIDE="i32", R="i32", N="i32", K="i32", K_PER="i32", eps="fp32",
-        NORM="constexpr", SWIGLU="constexpr", RESIDUAL="constexpr", PARTIAL="constexpr",
-        DT="constexpr", FP32_DOT="constexpr", R_PAD="constexpr", BLOCK_N="constexpr",
-        BLOCK_K="constexpr", PDL="constexpr")
-    for tag, dt, code, norm, swiglu, res, partial in (
-            ("bf16-residual", "bf16", 1, False, False, True, False),
-            ("bf16-residual-split", "bf16", 1, False, False, True, True),
-            ("bf16-norm-head", "bf16", 1, True, False, False, False),
-            ("bf16-swiglu-split", "bf16", 1, True, True, False, True),
-            ("fp32-swiglu", "fp32", 0, True, True, False, False)):
+        SET_STRIDE="i32", sc_ptr="*fp32", sc2_ptr="*fp32", R="i32", N="i32", K="i32",
+        K_PER="i32", eps="fp32", NORM="constexpr", SWIGLU="constexpr", RESIDUAL="constexpr",
+        PARTIAL="constexpr", QUANT="constexpr", DT="constexpr", FP32_DOT="constexpr",
+        R_PAD="constexpr", BLOCK_N="constexpr", BLOCK_K="constexpr", PDL="constexpr")
+    # weight-only quantised draft weights (spd_kernels.quant): int8 and fp8 e4m3 (fp8e4nv)
+    for tag, dt, wt, code, norm, swiglu, res, partial in (
+            ("bf16-residual", "bf16", "bf16", 1, False, False, True, False),
+            ("bf16-residual-split", "bf16", "bf16", 1, False, False, True, True),
+            ("bf16-norm-head", "bf16", "bf16", 1, True, False, False, False),
+            ("bf16-swiglu-split", "bf16", "bf16", 1, True, True, False, True),
+            ("fp32-swiglu", "fp32", "fp32", 0, True, True, False, False),
+            ("bf16-int8-norm-head", "bf16", "i8", 1, True, False, False, False),
+            ("bf16-int8-swiglu-split", "bf16", "i8", 1, True, True, False, True),
+            ("bf16-fp8-residual-split", "bf16", "fp8e4nv", 1, False, False, True, True)):
         # every autotuning config for the widest variant, the first one for the others
-        for bn, bk, _ in linear.GPU_CONFIGS if swiglu and partial else linear.GPU_CONFIGS[:1]:
+        for bn, bk, _ in linear.GPU_CONFIGS if tag == "bf16-swiglu-split" else \
+                linear.GPU_CONFIGS[:1]:
             out.append((f"linear._linear_kernel[{tag}-{bn}x{bk}]", linear._linear_kernel,
-                        lin_sig(dt), dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=res, PARTIAL=partial,
-                                          DT=code, FP32_DOT=code == 0, R_PAD=16, BLOCK_N=bn,
-                                          BLOCK_K=bk, PDL=tag == "bf16-residual-split")))
-    for tag, swiglu, res in (("residual", False, True), ("swiglu", True, False)):
+                        lin_sig(dt, wt),
+                        dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=res, PARTIAL=partial,
+                             QUANT=wt != dt, DT=code, FP32_DOT=code == 0, R_PAD=16, BLOCK_N=bn,
+                             BLOCK_K=bk, PDL=tag == "bf16-residual-split")))
+    for tag, swiglu, res, quant in (("residual", False, True, False),
+                                    ("swiglu", True, False, False),
+                                    ("swiglu-quant", True, False, True)):
         out.append((f"linear._reduce_kernel[bf16-{tag}]", linear._reduce_kernel,
                     dict(ws_ptr="*fp32", SET_STRIDE="i32", res_ptr="*bf16", stride_res="i32",
-                         out_ptr="*bf16", stride_out="i32", R="i32", N="i32", SPLITS="i32",
-                         SWIGLU="constexpr", RESIDUAL="constexpr", DT="constexpr",
+                         out_ptr="*bf16", stride_out="i32", sc_ptr="*fp32", sc2_ptr="*fp32",
+                         R="i32", N="i32", SPLITS="i32", SWIGLU="constexpr",
+                         RESIDUAL="constexpr", QUANT="constexpr", DT="constexpr",
                          R_PAD="constexpr", BLOCK_N="constexpr", PDL="constexpr"),
-                    dict(SWIGLU=swiglu, RESIDUAL=res, DT=1, R_PAD=16, BLOCK_N=64,
+                    dict(SWIGLU=swiglu, RESIDUAL=res, QUANT=quant, DT=1, R_PAD=16, BLOCK_N=64,
                          PDL=tag == "residual")))
     return out
 

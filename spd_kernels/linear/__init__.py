@@ -6,10 +6,14 @@ With at most n+1 rows these are GEMVs in disguise: the time is reading the weigh
 reads each weight tile once for all rows, normalises the rows on the fly (the normed activations
 never go to memory) and applies the epilogue in registers.
 
-Op `fused_linear(x, weight, norm_weight=None, eps, residual=None)`:
+Op `fused_linear(x, weight, norm_weight=None, eps, residual=None, weight_scale=None)`:
     residual + rms_norm(x) @ weight.T   (norm and residual optional), in x's dtype.
-Op `fused_swiglu(x, norm_weight, eps, w_gate, w_up)`:
+Op `fused_swiglu(x, norm_weight, eps, w_gate, w_up, gate_scale=None, up_scale=None)`:
     silu(h @ w_gate.T) * (h @ w_up.T) with h = rms_norm(x), in x's dtype.
+Quantised weights (spd_kernels.quant): an int8 / float8_e4m3fn weight [N, K] with its fp32 scale
+[N] stands for weight * scale[:, None]; its product is round(fp32 sum of h * float(q), times the
+scale) to x's dtype (`quantized_product`), then the epilogue as for float weights. Reference and
+Triton take them; the CUDA kernel does not (its `supports` says so, the dispatcher falls back).
 
   reference  torch, exactly what spd.model.layers computes (rms_norm: fp32 statistics, rounded to the
              model dtype before the weight), so the runtime's step is unchanged bit for bit.
@@ -36,6 +40,7 @@ import torch.nn.functional as F
 from spd_kernels import dispatch
 from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, last_dim_contiguous
 from spd_kernels.opdef import op
+from spd_kernels.quant import QUANT_DTYPES, check_weight
 
 MAX_KERNEL_ROWS = 64   # past this (a prefill chunk) a GEMM library is the right tool
 CUDA_MAX_ROWS = 16     # the MMA's M: rows of x
@@ -55,11 +60,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # argument checks and public functions
 # ------------------------------------------------------------------------------------------------
 
+def quantized_product(h: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """h [R, K] (model dtype) times a quantised weight q [N, K] with scale [N] (fp32) -> [R, N]
+    in h's dtype: (h @ q.T summed in fp32) * scale, rounded once (spd_kernels.quant)."""
+    return ((h.float() @ q.float().t()) * scale).to(h.dtype)
+
+
+def product(h: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """h @ w.T for a float weight (F.linear, as spd.model.layers) or a quantised one."""
+    return F.linear(h, w) if scale is None else quantized_product(h, w, scale)
+
+
 def _check_common(x, norm_weight, weights):
+    """weights: (name, w [N, K], scale name, scale [N] or None) for each weight."""
     check_tensor("x", x, dim=2, floating=True)
     R, K = x.shape
-    for name, w in weights:
-        check_tensor(name, w, dim=2, floating=True, device=x.device)
+    for name, w, scale_name, scale in weights:
+        check_weight(name, w, scale_name, scale, x.device)
+        check_tensor(name, w, dim=2, floating=scale is None, device=x.device)
         if w.shape[1] != K:
             raise SPDInputError(f"{name} must be [out, {K}] to take rows of width {K}, got "
                                 f"{tuple(w.shape)}")
@@ -73,39 +91,50 @@ def _check_common(x, norm_weight, weights):
 @op("fused_linear")
 def fused_linear(x: torch.Tensor, weight: torch.Tensor, *, norm_weight: torch.Tensor | None = None,
                  eps: float = 1e-6, residual: torch.Tensor | None = None,
+                 weight_scale: torch.Tensor | None = None,
                  backend: str | None = None) -> torch.Tensor:
     """x [R, K] -> [R, N]: residual + rms_norm(x, norm_weight, eps) @ weight.T, weight [N, K].
-    norm_weight None: no normalisation; residual None: no residual. Result in x's dtype."""
-    _check_common(x, norm_weight, [("weight", weight)])
+    norm_weight None: no normalisation; residual None: no residual. Result in x's dtype.
+    weight_scale [N] fp32: weight is quantised (int8 / float8_e4m3fn, spd_kernels.quant) and the
+    product is round_to_x_dtype((h @ weight.float().T in fp32) * weight_scale), h the (normed)
+    rows; the residual is then added in x's dtype as for a float weight."""
+    _check_common(x, norm_weight, [("weight", weight, "weight_scale", weight_scale)])
     if residual is not None:
         check_tensor("residual", residual, dim=2, floating=True, device=x.device)
         if tuple(residual.shape) != (x.shape[0], weight.shape[0]):
             raise SPDInputError(f"residual must be [{x.shape[0]}, {weight.shape[0]}] like the "
                                 f"output, got {tuple(residual.shape)}")
     return dispatch.call("fused_linear", x.device, x, weight, norm_weight, float(eps), residual,
-                         backend=backend)
+                         weight_scale, backend=backend)
 
 
 @fused_linear.register_fake
-def _(x, weight, norm_weight=None, eps=1e-6, residual=None):
+def _(x, weight, norm_weight=None, eps=1e-6, residual=None, weight_scale=None):
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
 @op("fused_swiglu")
 def fused_swiglu(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, w_gate: torch.Tensor,
-                 w_up: torch.Tensor, *, backend: str | None = None) -> torch.Tensor:
+                 w_up: torch.Tensor, *, gate_scale: torch.Tensor | None = None,
+                 up_scale: torch.Tensor | None = None,
+                 backend: str | None = None) -> torch.Tensor:
     """x [R, K] -> [R, I]: silu(h @ w_gate.T) * (h @ w_up.T), h = rms_norm(x, norm_weight, eps);
-    w_gate and w_up [I, K]. Result in x's dtype."""
-    _check_common(x, norm_weight, [("w_gate", w_gate), ("w_up", w_up)])
+    w_gate and w_up [I, K]. Result in x's dtype. gate_scale / up_scale [I] fp32: the weights are
+    quantised (both or neither), each product rounded as fused_linear's with weight_scale."""
+    _check_common(x, norm_weight, [("w_gate", w_gate, "gate_scale", gate_scale),
+                                   ("w_up", w_up, "up_scale", up_scale)])
     if w_gate.shape != w_up.shape:
         raise SPDInputError(f"w_gate and w_up must have one shape, got {tuple(w_gate.shape)} and "
                             f"{tuple(w_up.shape)}")
+    if (gate_scale is None) != (up_scale is None):
+        raise SPDInputError("quantise w_gate and w_up both (with gate_scale and up_scale) or "
+                            "neither")
     return dispatch.call("fused_swiglu", x.device, x, norm_weight, float(eps), w_gate, w_up,
-                         backend=backend)
+                         gate_scale, up_scale, backend=backend)
 
 
 @fused_swiglu.register_fake
-def _(x, norm_weight, eps, w_gate, w_up):
+def _(x, norm_weight, eps, w_gate, w_up, gate_scale=None, up_scale=None):
     return x.new_empty(x.shape[0], w_gate.shape[0])
 
 
@@ -114,16 +143,16 @@ def _(x, norm_weight, eps, w_gate, w_up):
 # ------------------------------------------------------------------------------------------------
 
 @dispatch.register("fused_linear", "reference")
-def fused_linear_reference(x, weight, norm_weight, eps, residual):
+def fused_linear_reference(x, weight, norm_weight, eps, residual, weight_scale=None):
     h = x if norm_weight is None else rms_norm(x, norm_weight, eps)
-    y = F.linear(h, weight)
+    y = product(h, weight, weight_scale)
     return y if residual is None else residual + y
 
 
 @dispatch.register("fused_swiglu", "reference")
-def fused_swiglu_reference(x, norm_weight, eps, w_gate, w_up):
+def fused_swiglu_reference(x, norm_weight, eps, w_gate, w_up, gate_scale=None, up_scale=None):
     h = rms_norm(x, norm_weight, eps)
-    return F.silu(F.linear(h, w_gate)) * F.linear(h, w_up)
+    return F.silu(product(h, w_gate, gate_scale)) * product(h, w_up, up_scale)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,6 +165,11 @@ def kernel_supports(x, tensors, *, cuda: bool = False):
     if why:
         return why
     R, K = x.shape
+    quantized = [(n, t.dtype) for n, t in tensors if t is not None and t.dtype in QUANT_DTYPES]
+    if cuda and quantized:
+        return (f"the CUDA kernel reads bf16 / fp16 weights; {quantized[0][0]} is quantised "
+                f"({quantized[0][1]}): the Triton kernel and the reference take int8 / fp8 "
+                f"weights")
     if cuda:
         if x.dtype not in (torch.bfloat16, torch.float16):
             return (f"the CUDA kernel runs bf16 / fp16 on tensor cores, got {x.dtype} (the "
@@ -151,7 +185,13 @@ def kernel_supports(x, tensors, *, cuda: bool = False):
     for name, t in tensors:
         if t is None:
             continue
-        if t.dtype != x.dtype:
+        if name.endswith("scale"):  # fp32 whatever x's dtype (spd_kernels.quant), read [N]
+            if cuda:
+                return f"the CUDA kernel takes no weight scales ({name} given)"
+            if not t.is_contiguous():
+                return f"{name} must be contiguous"
+            continue
+        if t.dtype != x.dtype and not (name.startswith("w") and t.dtype in QUANT_DTYPES):
             return f"the kernel needs every tensor in x's dtype (x is {x.dtype}, {name} is {t.dtype})"
         why = last_dim_contiguous(name, t)
         if why:
@@ -164,12 +204,14 @@ def kernel_supports(x, tensors, *, cuda: bool = False):
     return None
 
 
-def linear_tensors(x, weight, norm_weight, eps, residual):
-    return [("x", x), ("weight", weight), ("norm_weight", norm_weight), ("residual", residual)]
+def linear_tensors(x, weight, norm_weight, eps, residual, weight_scale=None):
+    return [("x", x), ("weight", weight), ("norm_weight", norm_weight), ("residual", residual),
+            ("weight_scale", weight_scale)]
 
 
-def swiglu_tensors(x, norm_weight, eps, w_gate, w_up):
-    return [("x", x), ("norm_weight", norm_weight), ("w_gate", w_gate), ("w_up", w_up)]
+def swiglu_tensors(x, norm_weight, eps, w_gate, w_up, gate_scale=None, up_scale=None):
+    return [("x", x), ("norm_weight", norm_weight), ("w_gate", w_gate), ("w_up", w_up),
+            ("gate_scale", gate_scale), ("up_scale", up_scale)]
 
 
 def linear_supports(*args):

@@ -48,10 +48,16 @@ def plan(rows: int, N: int, K: int, device, split_k: int | None = None):
 if HAS_TRITON:
 
     @triton.jit
-    def _epilogue(acc, acc2, res_ptr, stride_res, rows, cols, mask, SWIGLU: tl.constexpr,
-                  RESIDUAL: tl.constexpr, DT: tl.constexpr):
-        """Round like the reference: each product to the model dtype, then SwiGLU (silu in fp32,
-        rounded; times up, rounded) or the residual add (rounded)."""
+    def _epilogue(acc, acc2, res_ptr, stride_res, sc_ptr, sc2_ptr, rows, cols, N, mask,
+                  SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, QUANT: tl.constexpr,
+                  DT: tl.constexpr):
+        """Round like the reference: each product to the model dtype (QUANT: the fp32 sum times
+        its row scale first, spd_kernels.quant), then SwiGLU (silu in fp32, rounded; times up,
+        rounded) or the residual add (rounded)."""
+        if QUANT:  # once per output, never per weight
+            acc = acc * tl.load(sc_ptr + cols, mask=cols < N, other=0.0)[None, :]
+            if SWIGLU:
+                acc2 = acc2 * tl.load(sc2_ptr + cols, mask=cols < N, other=0.0)[None, :]
         y = round_to(acc, DT)
         if SWIGLU:
             s = round_to(y / (1.0 + tl.exp(-y)), DT)
@@ -64,13 +70,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _linear_kernel(x_ptr, stride_x, g_ptr, w_ptr, w2_ptr, res_ptr, stride_res, out_ptr,
-                       stride_out, ws_ptr, SET_STRIDE, R, N, K, K_PER, eps,
+                       stride_out, ws_ptr, SET_STRIDE, sc_ptr, sc2_ptr, R, N, K, K_PER, eps,
                        NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-                       PARTIAL: tl.constexpr, DT: tl.constexpr, FP32_DOT: tl.constexpr,
+                       PARTIAL: tl.constexpr, QUANT: tl.constexpr, DT: tl.constexpr,
+                       FP32_DOT: tl.constexpr,
                        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        PDL: tl.constexpr):
         """Program (j, s): output columns j*BLOCK_N.. over K range s*K_PER.. (PARTIAL: store fp32
-        partial sums into ws [splits, 1 or 2, R, N]; else apply the epilogue and store out)."""
+        partial sums into ws [splits, 1 or 2, R, N]; else apply the epilogue and store out).
+        QUANT: w / w2 are int8 or fp8 (exact in the model dtype and in fp32): each tile is
+        converted as loaded and sc / sc2 [N] (fp32 row scales) multiply the sums in the epilogue."""
         pdl_enter(PDL)
         j = tl.program_id(0)
         s = tl.program_id(1)
@@ -103,6 +112,9 @@ if HAS_TRITON:
                 xv = round_to(gv[None, :] * round_to(xv * rstd[:, None], DT), DT)
             wmask = nmask[:, None] & km[None, :]
             w = tl.load(w_ptr + w_rows + kk[None, :], mask=wmask, other=0.0)
+            if QUANT:  # int8 / e4m3 values are exact in the model dtype and in fp32 (the
+                # interpreter's int8 -> bf16 cast is wrong, so there it goes through fp32)
+                w = w.to(tl.float32) if FP32_DOT else w.to(x_ptr.dtype.element_ty)
             # FP32_DOT: fp32 weights, or the interpreter (its bf16 dot is wrong); bf16 x bf16
             # products are exact in fp32, so only the summation order differs from the MMA path
             if FP32_DOT:
@@ -111,6 +123,8 @@ if HAS_TRITON:
                 acc += tl.dot(xv.to(w.dtype), tl.trans(w))
             if SWIGLU:
                 w2 = tl.load(w2_ptr + w_rows + kk[None, :], mask=wmask, other=0.0)
+                if QUANT:
+                    w2 = w2.to(tl.float32) if FP32_DOT else w2.to(x_ptr.dtype.element_ty)
                 if FP32_DOT:
                     acc2 += tl.dot(xv, tl.trans(w2).to(tl.float32), input_precision="ieee")
                 else:
@@ -123,13 +137,15 @@ if HAS_TRITON:
             if SWIGLU:
                 tl.store(base + R * N + offs, acc2, mask=omask)
         else:
-            y = _epilogue(acc, acc2, res_ptr, stride_res, rows, cols, omask, SWIGLU, RESIDUAL, DT)
+            y = _epilogue(acc, acc2, res_ptr, stride_res, sc_ptr, sc2_ptr, rows, cols, N, omask,
+                          SWIGLU, RESIDUAL, QUANT, DT)
             tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], y,
                      mask=omask)
 
     @triton.jit
-    def _reduce_kernel(ws_ptr, SET_STRIDE, res_ptr, stride_res, out_ptr, stride_out, R, N, SPLITS,
-                       SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, DT: tl.constexpr,
+    def _reduce_kernel(ws_ptr, SET_STRIDE, res_ptr, stride_res, out_ptr, stride_out, sc_ptr,
+                       sc2_ptr, R, N, SPLITS, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+                       QUANT: tl.constexpr, DT: tl.constexpr,
                        R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         """Program j: sums the splits' partials for columns j*BLOCK_N.. in split order, then the
         epilogue."""
@@ -146,7 +162,8 @@ if HAS_TRITON:
             acc += tl.load(base + offs, mask=mask, other=0.0)
             if SWIGLU:
                 acc2 += tl.load(base + R * N + offs, mask=mask, other=0.0)
-        y = _epilogue(acc, acc2, res_ptr, stride_res, rows, cols, mask, SWIGLU, RESIDUAL, DT)
+        y = _epilogue(acc, acc2, res_ptr, stride_res, sc_ptr, sc2_ptr, rows, cols, N, mask,
+                      SWIGLU, RESIDUAL, QUANT, DT)
         tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_out + cols[None, :], y, mask=mask)
 
     def _quick_bench(fn, quantiles):
@@ -157,12 +174,14 @@ if HAS_TRITON:
     # the outputs are pure functions of the inputs, so the autotuner may rerun the kernel freely
     _linear_tuned = triton.autotune(
         [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in GPU_CONFIGS],
-        key=["N", "K", "R_PAD", "NORM", "SWIGLU", "PARTIAL"], do_bench=_quick_bench)(_linear_kernel)
+        key=["N", "K", "R_PAD", "NORM", "SWIGLU", "PARTIAL", "QUANT"], do_bench=_quick_bench)(_linear_kernel)
 
 
 def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
-           split_k: int | None = None) -> torch.Tensor:
-    """Launcher shared by both ops (w_up given: SwiGLU). split_k None: chosen by `plan`."""
+           split_k: int | None = None, scale: torch.Tensor | None = None,
+           scale_up: torch.Tensor | None = None) -> torch.Tensor:
+    """Launcher shared by both ops (w_up given: SwiGLU). split_k None: chosen by `plan`.
+    scale / scale_up [N] fp32: weight / w_up are quantised (spd_kernels.quant)."""
     R, K = x.shape
     N = weight.shape[0]
     out = _alloc.empty(R, N, dtype=x.dtype, device=x.device)
@@ -176,10 +195,14 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
     partial = splits > 1
     ws = torch.empty(splits * set_stride, dtype=torch.float32, device=x.device) if partial else out
     res = residual if residual is not None else out
-    flags = dict(SWIGLU=swiglu, RESIDUAL=residual is not None, DT=dtype_code(x.dtype), R_PAD=r_pad)
+    quant = scale is not None
+    sc = scale if quant else out  # a placeholder pointer when not read
+    sc2 = scale_up if quant and swiglu else sc
+    flags = dict(SWIGLU=swiglu, RESIDUAL=residual is not None, QUANT=quant,
+                 DT=dtype_code(x.dtype), R_PAD=r_pad)
     args = (x, x.stride(0), norm_weight if norm_weight is not None else x, weight,
-            w_up if swiglu else weight, res, res.stride(0), out, out.stride(0), ws, set_stride, R,
-            N, K, k_per, eps)
+            w_up if swiglu else weight, res, res.stride(0), out, out.stride(0), ws, set_stride, sc,
+            sc2, R, N, K, k_per, eps)
     programmatic = pdl(x.device)
     kw = dict(NORM=norm_weight is not None, PARTIAL=partial,
               FP32_DOT=x.dtype == torch.float32 or INTERPRET, PDL=programmatic,
@@ -192,7 +215,8 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
                                                           BLOCK_K=block_k, num_warps=1, **kw)
     if partial:
         _reduce_kernel[(triton.cdiv(N, block_n),)](ws, set_stride, res, res.stride(0), out,
-                                                   out.stride(0), R, N, splits, BLOCK_N=block_n,
+                                                   out.stride(0), sc, sc2, R, N, splits,
+                                                   BLOCK_N=block_n,
                                                    num_warps=1 if INTERPRET else 4,
                                                    PDL=programmatic, launch_pdl=programmatic,
                                                    **flags)
@@ -200,10 +224,10 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
 
 
 @dispatch.register("fused_linear", "triton", supports=linear_supports, programmatic=True)
-def fused_linear_triton(x, weight, norm_weight, eps, residual):
-    return launch(x, weight, None, norm_weight, eps, residual)
+def fused_linear_triton(x, weight, norm_weight, eps, residual, weight_scale=None):
+    return launch(x, weight, None, norm_weight, eps, residual, scale=weight_scale)
 
 
 @dispatch.register("fused_swiglu", "triton", supports=swiglu_supports, programmatic=True)
-def fused_swiglu_triton(x, norm_weight, eps, w_gate, w_up):
-    return launch(x, w_gate, w_up, norm_weight, eps)
+def fused_swiglu_triton(x, norm_weight, eps, w_gate, w_up, gate_scale=None, up_scale=None):
+    return launch(x, w_gate, w_up, norm_weight, eps, scale=gate_scale, scale_up=up_scale)

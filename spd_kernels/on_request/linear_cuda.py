@@ -60,10 +60,11 @@ def cuda_launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None,
 
 
 @dispatch.register("fused_linear", "cuda", supports=_linear_cuda_supports, automatic=False)
-def fused_linear_cuda(x, weight, norm_weight, eps, residual):
+def fused_linear_cuda(x, weight, norm_weight, eps, residual, weight_scale=None):
+    # quantised weights never get here: _linear_cuda_supports refuses them
     return cuda_launch(x, weight, None, norm_weight, eps, residual)
 
 
 @dispatch.register("fused_swiglu", "cuda", supports=_swiglu_cuda_supports, automatic=False)
-def fused_swiglu_cuda(x, norm_weight, eps, w_gate, w_up):
+def fused_swiglu_cuda(x, norm_weight, eps, w_gate, w_up, gate_scale=None, up_scale=None):
     return cuda_launch(x, w_gate, w_up, norm_weight, eps)

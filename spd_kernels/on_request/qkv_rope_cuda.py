@@ -14,7 +14,11 @@ CUDA_ROPE_MAX_HEAD_DIM = 256  # a thread per pair of RoPE elements, one block pe
 
 
 def _qkv_cuda_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
-                       v_cache, num_heads, num_kv_heads, qkv_bias):
+                       v_cache, num_heads, num_kv_heads, qkv_bias, wq_scale=None, wk_scale=None,
+                       wv_scale=None):
+    if wq_scale is not None:
+        return (f"the CUDA kernel reads bf16 / fp16 weights; wq, wk, wv are quantised "
+                f"({wq.dtype}): the Triton kernel and the reference take int8 / fp8 weights")
     if qkv_bias is not None:
         return "the CUDA kernel takes no q/k/v biases (the Triton one does)"
     hd = k_cache.shape[2]
@@ -40,13 +44,14 @@ def _qkv_cuda_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin
     return None
 
 
-def _project_cuda(x, w, norm_weight, eps):
+def _project_cuda(x, w, norm_weight, eps, scale=None):  # float weights only (supports)
     return linear_cuda_launch(x, w, None, norm_weight, eps)
 
 
 @dispatch.register("qkv_rope_append", "cuda", supports=_qkv_cuda_supports, automatic=False)
 def qkv_rope_append_cuda(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
-                         k_cache, v_cache, num_heads, num_kv_heads, qkv_bias):
+                         k_cache, v_cache, num_heads, num_kv_heads, qkv_bias, wq_scale=None,
+                         wk_scale=None, wv_scale=None):
     # The products on linear.cu's tensor-core kernel (packed into one when the weights lie back
     # to back), then csrc/kernels/rope_append.cu, a block per (row, head): per-head norm, RoPE, append.
     T = x.shape[0]

@@ -9,6 +9,10 @@ RoPE + cache append.
              cache at position start + row (read on the device; rows past the capacity dropped).
   cuda       on request (spd_kernels.on_request.qkv_rope_cuda): the products on fused_linear's
              tensor-core CUDA kernel, then csrc/kernels/rope_append.cu, a block per (row, head).
+Quantised q/k/v weights (spd_kernels.quant; reference and Triton): wq/wk/wv int8 or
+float8_e4m3fn with wq_scale/wk_scale/wv_scale [rows] fp32, each product as fused_linear's
+(`quantized_product`); packed weights with packed scales (both back to back, as
+`pack_qkv(..., scales)` leaves them) stay one product.
 """
 from __future__ import annotations
 
@@ -26,8 +30,9 @@ from spd_kernels.checks import (
     last_dim_contiguous,
 )
 from spd_kernels.linear import kernel_supports as linear_kernel_supports
-from spd_kernels.linear import rms_norm
+from spd_kernels.linear import product, rms_norm
 from spd_kernels.opdef import Position, op
+from spd_kernels.quant import QUANT_DTYPES, check_weight
 
 
 def pack_back_to_back(*parts: torch.Tensor) -> list[torch.Tensor]:
@@ -38,7 +43,8 @@ def pack_back_to_back(*parts: torch.Tensor) -> list[torch.Tensor]:
 
 def pack_qkv(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor):
     """Copies of wq, wk, wv as consecutive views of one buffer: the Triton qkv_rope_append then
-    streams the three as one [Nq + Nk + Nv, D] product (one launch, a wider N to split)."""
+    streams the three as one [Nq + Nk + Nv, D] product (one launch, a wider N to split). For
+    quantised weights pack their scales [rows] the same way (pack_back_to_back)."""
     return tuple(pack_back_to_back(wq, wk, wv))
 
 
@@ -71,15 +77,26 @@ def rotate_half(x):
 
 
 def _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
-               num_heads, num_kv_heads, qkv_bias):
+               num_heads, num_kv_heads, qkv_bias, scales=(None, None, None)):
     check_tensor("x", x, dim=2, floating=True)
     dev = x.device
     T, d = x.shape
+    for (name, w), scale in zip((("wq", wq), ("wk", wk), ("wv", wv)), scales):
+        check_weight(name, w, f"{name}_scale", scale, dev)
+    quantized = scales[0] is not None
+    if any((s is None) == quantized for s in scales):
+        raise SPDInputError("quantise wq, wk and wv all three (with wq_scale, wk_scale and "
+                            "wv_scale) or none")
     for name, t in (("norm_weight", norm_weight), ("wq", wq), ("wk", wk), ("wv", wv),
                     ("cos", cos), ("sin", sin), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_tensor(name, t, floating=True, device=dev)
-    check_same_dtype(x=x, norm_weight=norm_weight, wq=wq, wk=wk, wv=wv, q_norm=q_norm,
-                     k_norm=k_norm, qkv_bias=qkv_bias)
+        check_tensor(name, t, floating=not (quantized and name[0] == "w"), device=dev)
+    if quantized:  # the weights share their own dtype; the rest x's
+        check_same_dtype(wq=wq, wk=wk, wv=wv)
+        check_same_dtype(x=x, norm_weight=norm_weight, q_norm=q_norm, k_norm=k_norm,
+                         qkv_bias=qkv_bias)
+    else:
+        check_same_dtype(x=x, norm_weight=norm_weight, wq=wq, wk=wk, wv=wv, q_norm=q_norm,
+                         k_norm=k_norm, qkv_bias=qkv_bias)
     check_not_aliased("k_cache", k_cache, "v_cache", v_cache)
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise SPDInputError(f"num_heads ({num_heads}) must be a positive multiple of "
@@ -126,23 +143,29 @@ def qkv_rope_append(x: torch.Tensor, norm_weight: torch.Tensor, eps: float, wq: 
                     start: Position, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     num_heads: int, num_kv_heads: int, *,
                     qkv_bias: torch.Tensor | None = None,
+                    wq_scale: torch.Tensor | None = None, wk_scale: torch.Tensor | None = None,
+                    wv_scale: torch.Tensor | None = None,
                     backend: str | None = None) -> torch.Tensor:
     """Rows x [T, d] at positions start..start+T-1 -> q [num_heads, T, head_dim] (RMSNorm'd input,
     per-head q/k RMSNorm when q_norm/k_norm are given, RoPE from the full tables cos/sin
     [P, head_dim] at those positions). Writes the rows' k (with RoPE) and v into k_cache/v_cache
     [num_kv_heads, S, head_dim] at the same positions. `start` is an int or an int64 tensor.
     qkv_bias [(num_heads + 2 * num_kv_heads) * head_dim]: the q, k and v projections' biases back
-    to back (Qwen2), added to the products before the norms and RoPE."""
+    to back (Qwen2), added to the products before the norms and RoPE. wq_scale / wk_scale /
+    wv_scale [rows of the weight] fp32: wq, wk, wv are quantised (int8 / float8_e4m3fn, all three
+    or none; spd_kernels.quant), each product round_to_x_dtype((h @ w.float().T in fp32) *
+    scale), the bias then added in x's dtype."""
+    scales = (wq_scale, wk_scale, wv_scale)
     _check_qkv(x, norm_weight, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
-               num_heads, num_kv_heads, qkv_bias)
+               num_heads, num_kv_heads, qkv_bias, scales)
     return dispatch.call("qkv_rope_append", x.device, x, norm_weight, float(eps), wq, wk, wv,
                          q_norm, k_norm, cos, sin, start, k_cache, v_cache, int(num_heads),
-                         int(num_kv_heads), qkv_bias, backend=backend)
+                         int(num_kv_heads), qkv_bias, *scales, backend=backend)
 
 
 @qkv_rope_append.register_fake
 def _(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache, v_cache,
-      num_heads, num_kv_heads, qkv_bias=None):
+      num_heads, num_kv_heads, qkv_bias=None, wq_scale=None, wk_scale=None, wv_scale=None):
     return x.new_empty(num_heads, x.shape[0], k_cache.shape[2])
 
 
@@ -156,14 +179,20 @@ def split_bias(qkv_bias, wq, wk):
 
 @dispatch.register("qkv_rope_append", "reference")
 def qkv_rope_append_reference(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
-                              k_cache, v_cache, num_heads, num_kv_heads, qkv_bias):
+                              k_cache, v_cache, num_heads, num_kv_heads, qkv_bias, wq_scale=None,
+                              wk_scale=None, wv_scale=None):
     T = x.shape[0]
     hd = k_cache.shape[2]
     h = rms_norm(x, norm_weight, eps)
-    bq, bk, bv = split_bias(qkv_bias, wq, wk)  # as nn.Linear with a bias: one addmm each
-    q = F.linear(h, wq, bq).view(T, num_heads, hd)
-    k = F.linear(h, wk, bk).view(T, num_kv_heads, hd)
-    v = F.linear(h, wv, bv).view(T, num_kv_heads, hd)
+    bq, bk, bv = split_bias(qkv_bias, wq, wk)
+    if wq_scale is None:  # as nn.Linear with a bias: one addmm each
+        q, k, v = F.linear(h, wq, bq), F.linear(h, wk, bk), F.linear(h, wv, bv)
+    else:  # the quantised product, rounded, then the bias (spd_kernels.quant)
+        q, k, v = (product(h, w, s) if b is None else product(h, w, s) + b
+                   for w, s, b in ((wq, wq_scale, bq), (wk, wk_scale, bk), (wv, wv_scale, bv)))
+    q = q.view(T, num_heads, hd)
+    k = k.view(T, num_kv_heads, hd)
+    v = v.view(T, num_kv_heads, hd)
     if q_norm is not None:
         q = rms_norm(q, q_norm, eps)
         k = rms_norm(k, k_norm, eps)
@@ -179,7 +208,8 @@ def qkv_rope_append_reference(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, c
 
 
 def qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start, k_cache,
-                  v_cache, num_heads, num_kv_heads, qkv_bias):
+                  v_cache, num_heads, num_kv_heads, qkv_bias, wq_scale=None, wk_scale=None,
+                  wv_scale=None):
     hd = k_cache.shape[2]
     if hd != next_pow2(hd):
         return f"the kernel needs a power-of-two head_dim, got {hd}"
@@ -191,26 +221,33 @@ def qkv_supports(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, star
     if why:
         return why
     for name, t in named:
-        if t.dtype != x.dtype:
+        if t.dtype != x.dtype and not (name[0] == "w" and t.dtype in QUANT_DTYPES):
             return (f"the kernel needs every tensor in one dtype (x is {x.dtype}, {name} is "
                     f"{t.dtype})")
         why = last_dim_contiguous(name, t)
         if why:
             return why
     for name, t in (("wq", wq), ("wk", wk), ("wv", wv), ("k_cache", k_cache),
-                    ("v_cache", v_cache)):
-        if not t.is_contiguous():
+                    ("v_cache", v_cache), ("wq_scale", wq_scale), ("wk_scale", wk_scale),
+                    ("wv_scale", wv_scale)):
+        if t is not None and not t.is_contiguous():
             return f"{name} must be contiguous"
     return None
 
 
-def qkv_products(x, norm_weight, eps, wq, wk, wv, project):
-    """(q, k, v) projections of rms_norm(x) through project(x, w, norm_weight, eps): one product
-    over the packed weights when they lie back to back (then views of its columns), else three."""
+def qkv_products(x, norm_weight, eps, wq, wk, wv, project, scales=(None, None, None)):
+    """(q, k, v) projections of rms_norm(x) through project(x, w, norm_weight, eps, scale): one
+    product over the packed weights when they lie back to back (then views of its columns; with
+    quantised weights their scales must lie back to back too), else three."""
     qkv = packed_qkv(wq, wk, wv)
+    scale = None
+    if qkv is not None and scales[0] is not None:
+        scale = back_to_back(*scales)
+        if scale is None:
+            qkv = None
     if qkv is None:
-        return tuple(project(x, w, norm_weight, eps) for w in (wq, wk, wv))
-    y = project(x, qkv, norm_weight, eps)
+        return tuple(project(x, w, norm_weight, eps, s) for w, s in zip((wq, wk, wv), scales))
+    y = project(x, qkv, norm_weight, eps, scale)
     nq, nk = wq.shape[0], wk.shape[0]
     return y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
 

@@ -77,18 +77,20 @@ if HAS_TRITON:
             tl.store(v_row + HALF + half, hi.to(vc_ptr.dtype.element_ty), mask=ok & (half >= 0))
 
 
-def _project(x, w, norm_weight, eps):
-    """rms_norm(x) @ w.T for the Triton QKV step. On a GPU it goes through fused_linear's
-    dispatch, so use_backend(fused_linear="cuda") (or SPD_BACKEND) moves these products to the
-    CUDA kernel with the others; in the interpreter it is the Triton kernel."""
+def _project(x, w, norm_weight, eps, scale=None):
+    """rms_norm(x) @ w.T for the Triton QKV step (scale [N]: w quantised). On a GPU it goes
+    through fused_linear's dispatch, so use_backend(fused_linear="cuda") (or SPD_BACKEND) moves
+    these products to the CUDA kernel with the others; in the interpreter it is the Triton
+    kernel."""
     if x.device.type == "cuda":
-        return fused_linear(x, w, norm_weight=norm_weight, eps=eps)
-    return linear_launch(x, w, None, norm_weight, eps)
+        return fused_linear(x, w, norm_weight=norm_weight, eps=eps, weight_scale=scale)
+    return linear_launch(x, w, None, norm_weight, eps, scale=scale)
 
 
 @dispatch.register("qkv_rope_append", "triton", supports=qkv_supports, programmatic=True)
 def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos, sin, start,
-                           k_cache, v_cache, num_heads, num_kv_heads, qkv_bias):
+                           k_cache, v_cache, num_heads, num_kv_heads, qkv_bias, wq_scale=None,
+                           wk_scale=None, wv_scale=None):
     # The projections are the fused RMSNorm + linear kernel (each weight tile read once for all
     # rows, split over K to fill the GPU); a program per (row, head) then does the per-head norm,
     # RoPE and cache append. A program per (row, head) that also did the product read every
@@ -99,7 +101,8 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
     if T == 0:
         return q
     start = start_tensor(start, x.device)
-    qp, kp, vp = qkv_products(x, norm_weight, eps, wq, wk, wv, _project)
+    qp, kp, vp = qkv_products(x, norm_weight, eps, wq, wk, wv, _project,
+                              (wq_scale, wk_scale, wv_scale))
     programmatic = pdl(x.device)
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
         qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
