@@ -14,7 +14,8 @@ triton_1split and cuda_1split(_cg), the keys not split over programs; for sampli
 one program a row
 instead of the split-row plan; for every op with a CUDA kernel also cuda_pdl(_cg), the same
 kernels as programmatic dependent launches, SPD_PDL=1, and triton_pdl(_cg) for the Triton kernels
-of the PDM step's graph) it prints the median
+of the PDM step's graph; "int8 ..." cases: fused_linear and the PDM step on weight-only int8
+weights, spd_kernels.quant, reference and Triton, floor at one byte a weight) it prints the median
 time per call, the bytes the op must move at least (weights it reads once, inputs, outputs), the
 achieved GB/s, that as a percentage of this device's measured copy bandwidth, and the time over
 the bytes-moved floor (floor = bytes / copy bandwidth). JSON goes to --json-out (default
@@ -73,8 +74,9 @@ from spd_kernels.kv_cache import truncate_kv_reference
 from spd_kernels.linear import fused_linear_reference, fused_swiglu_reference
 from spd_kernels.on_request.attention_cuda import attention_cuda_launch
 from spd_kernels.on_request.linear_cuda import cuda_launch, cuda_plan
-from spd_kernels.pdm import STEP_OPS, LayerWeights, PDMWeights, pdm_step
+from spd_kernels.pdm import STEP_OPS, LayerWeights, PDMWeights, pdm_step, quantize_pdm_weights
 from spd_kernels.qkv_rope import pack_qkv, qkv_rope_append_reference
+from spd_kernels.quant import quantize_weight
 from spd_kernels.testing import cuda_context_error
 from spd_kernels.verify import (
     rejection_sample_logits_reference,
@@ -313,6 +315,16 @@ def build_cases(op: str, s: Shape, dtype, device):
                 xx, ww, None, gg, e, rr, split_k=split), args))
             floor = (N * K + n_rows * K + n_rows * N * (2 if res else 1)) * el  # + residual read
             yield case, fns, floor, {"graph": True}
+            # the draft step's weight-only int8 weights (spd_kernels.quant): the bytes floor
+            # counts one byte a weight and the fp32 row scales; the CUDA kernel refuses them
+            q, sc = quantize_weight(w, "int8")
+            qargs = (x, q, g, 1e-6, r, sc)
+            fns = {"reference": (fused_linear_reference, qargs),
+                   "triton": (lambda xx, ww, gg, e, rr, ss: spd_kernels.fused_linear(
+                       xx, ww, norm_weight=gg, eps=e, residual=rr, weight_scale=ss,
+                       backend="triton"), qargs)}
+            floor = N * K + 4 * N + (n_rows * K + n_rows * N * (2 if res else 1)) * el
+            yield f"int8 {case}", fns, floor, {"graph": True}
     elif op == "fused_swiglu":
         rows = N_STAGES + 1
         x = rand(rows, d, dtype=dtype, device=device)
@@ -353,6 +365,18 @@ def build_cases(op: str, s: Shape, dtype, device):
             floor = sum(layer_bytes(lw) for lw in layers) + w.lm_head.numel() * el
             floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
             yield case, fns, floor, {"graph": True}
+            if head_rows == 1:
+                continue
+            # the PDM step on int8 weights (PipelineDraftModule.quantize_, --draft-weights int8)
+            qw = quantize_pdm_weights(w, "int8")
+            fns = {"reference": (lambda *a: pdm_step(*a, backend="reference"),
+                                 (x, qw, kc, vc, CONTEXT, cos, sin)),
+                   "triton": (lambda *a: pdm_step(*a, backend="triton"),
+                              (x, qw, kc, vc, start, cos, sin))}
+            floor = sum(layer_bytes(lw) for lw in qw.layers) + qw.lm_head.numel()
+            floor += qw.lm_head_scale.numel() * 4
+            floor += n_layers * 2 * s.kv_heads * (CONTEXT + n_rows) * s.head_dim * el
+            yield f"int8 {case}", fns, floor, {"graph": True}
 
 
 def takes_pdl(op: str, backend: str) -> bool:

@@ -10,6 +10,8 @@ and right half the time (rejections, rollbacks and refills), both proposing the 
 target's own continuation.
 
     python benchmarks/bench_protocol.py --stages 2,4,8 --emulate-ms 2,5,10 --json-out out.json
+    # n devices against n + 1: the draft rank in stage 0's process as well (--draft-on-stage)
+    python benchmarks/bench_protocol.py --stages 2,4 --draft-on-stage none,0
     # GPU (ranks sharing one GPU over gloo; see --wait)
     python benchmarks/bench_protocol.py --device cuda --backend gloo --emulate-ms 0.2,0.3,0.6
 
@@ -36,8 +38,9 @@ PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
 SEED = 3
 
 
-def run_one(n: int, f_s: float, args) -> list[dict]:
-    """One launch of n + 1 ranks with F = f_s: a warm-up, then each drafter's generation."""
+def run_one(n: int, f_s: float, args, on_stage: int | None = None) -> list[dict]:
+    """One launch of n + 1 ranks (n with the draft on stage `on_stage`) with F = f_s: a warm-up,
+    then each drafter's generation."""
     layers = max(8, n)
     target = tiny_target(SEED, layers, device=args.device)
     m = args.max_new_tokens
@@ -50,7 +53,8 @@ def run_one(n: int, f_s: float, args) -> list[dict]:
     config = DistConfig(n_stages=n, target_factory=factory,
                         device=args.device, backend=args.backend, threads=1,
                         fault_timeout=30.0, op_timeout=120.0, lookup=0,
-                        speculative_control=args.control, emulate_s=f_s, emulate_wait=args.wait)
+                        speculative_control=args.control, emulate_s=f_s, emulate_wait=args.wait,
+                        draft_on_stage=on_stage)
     t0 = time.perf_counter()
     res = launch_local(config, partial(run_requests, reqs), timeout=900)[1:]
     wall = time.perf_counter() - t0
@@ -61,7 +65,9 @@ def run_one(n: int, f_s: float, args) -> list[dict]:
         d = r.stats.distributed
         cycle = d["cycle_ms"]["mean"]
         f_ms = f_s * 1e3
-        rows.append(dict(n=n, F_ms=f_ms, drafter=name, control=args.control, N=r.stats.N,
+        rows.append(dict(n=n, processes=d["processes"],
+                         draft_on_stage=on_stage,
+                         F_ms=f_ms, drafter=name, control=args.control, N=r.stats.N,
                          K=r.stats.K, cycle_ms=cycle, cycle_ms_median=d["cycle_ms"]["median"],
                          overhead=(cycle - f_ms) / f_ms,
                          overhead_median=(d["cycle_ms"]["median"] - f_ms) / f_ms,
@@ -69,8 +75,8 @@ def run_one(n: int, f_s: float, args) -> list[dict]:
                          speculative=d["speculative_control"],
                          rank_phase_ms_per_cycle={x["rank"]: x["phase_ms_per_cycle"]
                                                   for x in d["ranks"]}))
-    print(f"n={n} F={f_s * 1e3:g} ms: launch + {len(reqs)} generations took {wall:.1f} s",
-          file=sys.stderr)
+    print(f"n={n} draft on stage {on_stage} F={f_s * 1e3:g} ms: launch + {len(reqs)} "
+          f"generations took {wall:.1f} s", file=sys.stderr)
     return rows
 
 
@@ -86,17 +92,27 @@ def main() -> int:
     ap.add_argument("--wait", default="sleep", choices=("sleep", "spin"),
                     help="the emulated compute: a host sleep, or a CUDA spin kernel (one GPU per "
                          "rank only: kernels of processes sharing a GPU are time-sliced)")
+    ap.add_argument("--draft-on-stage", default="none",
+                    help="comma-separated: none (a draft rank of its own: n + 1 processes) or a "
+                         "stage S whose process also runs the draft rank (n processes)")
     ap.add_argument("--label", default=None, help="a name for this run (e.g. before, after)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     rows = []
-    table = Table([("n", ">3"), ("F_ms", ">7.2f", "F ms"), ("drafter", ">14"), ("N", ">5"),
+    try:
+        placements = [None if x.strip() == "none" else int(x)
+                      for x in args.draft_on_stage.split(",")]
+    except ValueError:
+        sys.exit(f"--draft-on-stage takes none or stage indices, got {args.draft_on_stage!r}")
+    table = Table([("n", ">3"), ("processes", ">7", "procs"), ("draft_on_stage", ">8", "draft@"),
+                   ("F_ms", ">7.2f", "F ms"), ("drafter", ">14"), ("N", ">5"),
                    ("K", ">5"), ("cycle_ms", ">10.3f", "cycle ms"),
                    ("overhead", ">12.3f", "(cycle-F)/F"), ("overhead_median", ">10.3f", "(median)"),
                    ("tokens_per_F", ">12.3f", "tokens / F")])
     for n in [int(x) for x in args.stages.split(",")]:
         for f_ms in [float(x) for x in args.emulate_ms.split(",")]:
-            rows += run_one(n, f_ms * 1e-3, args)
+            for on_stage in placements:
+                rows += run_one(n, f_ms * 1e-3, args, on_stage)
     device = "CPU" if args.device == "cpu" else args.device
     print(f"\nProtocol overhead with emulated compute ({device}, {args.backend or 'default'} "
           f"backend, {os.cpu_count()} cores, {args.wait} wait, {args.control} control, "

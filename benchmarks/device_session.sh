@@ -20,8 +20,13 @@
 #      (and where a kernel lost the CUDA context: its op once more under compute-sanitizer)
 #   8. is drafting hidden? (PDM draft + verify vs one stage,
 #      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
-#   8b. the distributed protocol's own cost per cycle, compute emulated by a fixed wait of
-#      F = 200, 300, 600 us (ranks share the one GPU over gloo, so the wait is a host sleep:
+#   8a. the draft step against the stage step like for like: both graphed, each against its
+#      bytes / the measured copy bandwidth, beside the bytes-only projection (Qwen3-4B and
+#      Qwen3-8B shapes, n = 4, 8, L_s = 1, 2, 3, Vd = 16k, 32k; bf16 and int8 drafts; the
+#      draft-on-stage-0 split)                                  -> $OUT/<date>-draft-<dev>.json
+#   8b. the distributed protocol's own cost per cycle, n + 1 processes and n (the draft rank in
+#      stage 0's process, --draft-on-stage), compute emulated by a fixed wait of
+#      F = 300, 600 us (ranks share the one GPU over gloo, so the wait is a host sleep:
 #      spin kernels of different processes would be time-sliced) -> $OUT/<date>-protocol-<dev>.json
 #   9. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
 #  10. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
@@ -55,10 +60,13 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     FIRST_TRIALS=(truncate_kv)
     MORE_TRIALS=(fused_linear)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
+    DRAFT_ARGS=(--models qwen3-4b --stages 4 --pdm-layers 1 --draft-vocab 16384 --iters 1
+                --warmup 0 --context 64)
     STAGE_ARGS=(--models smollm2-135m --layers 2 --context 64 --iters 1 --warmup 0)
     KERNEL_TESTS=(tests/kernels/test_kv_truncate.py)
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
-    PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --max-new-tokens 8)
+    PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --draft-on-stage none,0
+                   --max-new-tokens 8)
 else
     DEV=$("$PY" - <<'EOF'
 import torch
@@ -74,11 +82,13 @@ EOF
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
     STAGE_ARGS=(--models qwen3-4b,qwen3-8b --layers 3,5,9 --context 1024 --iters 50)
+    DRAFT_ARGS=(--models qwen3-4b,qwen3-8b --stages 4,8 --pdm-layers 1,2,3
+                --draft-vocab 16384,32768 --context 1024 --iters 30)
     KERNEL_TESTS=(tests/kernels/test_*.py)
     COMPILE_ARGS=(--models qwen3-4b --ops verify_greedy,anchor_projection,truncate_kv,fused_swiglu
                   --compile on --iters 20)
-    PROTOCOL_ARGS=(--device cuda --backend gloo --stages 2,4,8 --emulate-ms 0.2,0.3,0.6
-                   --max-new-tokens 48)
+    PROTOCOL_ARGS=(--device cuda --backend gloo --stages 2,4,8 --emulate-ms 0.3,0.6
+                   --draft-on-stage none,0 --max-new-tokens 48)
 fi
 
 { nvidia-smi 2>&1 || echo "no nvidia-smi"; nproc; "$PY" -c "
@@ -113,7 +123,8 @@ for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 45 "$op"; done
 step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/kernels/test_*.py \
     tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py \
-    tests/model/test_stage_step.py tests/model/test_default_model.py tests/runtime/test_engine_tiny.py
+    tests/model/test_stage_step.py tests/model/test_default_model.py tests/runtime/test_engine_tiny.py \
+    tests/distributed/test_draft_on_stage.py
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
 BENCH_JSONS=("$LOGS"/bench-*.json)
@@ -134,7 +145,9 @@ if [[ -n "$LOST_OPS" && -n "$SANITIZER" ]]; then
 fi
 step draft-hiding 100 "$LOGS/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
     "${HIDING_ARGS[@]}" --json-out "$OUT/$DATE-draft-hiding-$DEV.json"
-step protocol 120 "$LOGS/protocol.log" "$PY" benchmarks/bench_protocol.py "${PROTOCOL_ARGS[@]}" \
+step draft 150 "$LOGS/draft.log" "$PY" benchmarks/bench_draft.py "${DRAFT_ARGS[@]}" \
+    --json-out "$OUT/$DATE-draft-$DEV.json"
+step protocol 150 "$LOGS/protocol.log" "$PY" benchmarks/bench_protocol.py "${PROTOCOL_ARGS[@]}" \
     --json-out "$OUT/$DATE-protocol-$DEV.json"
 step kernel-tests 150 "$LOGS/kernel-tests.log" "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" "${KERNEL_TESTS[@]}"
@@ -157,6 +170,7 @@ benches | grep -E "ERROR|^CUDA context lost" | cut -c1-240 | head -n 20
 echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
 echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
+echo "---- draft vs stage"; show draft.log | grep -E "measured|^model|^---" | head -n 30
 echo "---- protocol";     show protocol.log | tail -n 22
 echo "---- stage";          show stage.log | tail -n 16
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2

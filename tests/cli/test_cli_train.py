@@ -88,6 +88,24 @@ def test_train_refuses_before_building_data(tiny_setup, tmp_path, capsys):
         assert not fresh.exists() and not (tmp_path / "e").exists()
 
 
+def test_train_draft_vocab_by_coverage(tiny_setup, tmp_path, capsys):
+    from spd.model.loading import load_target
+    from spd.train.distill import FeatureSet
+    from spd.train.trainer import coverage_size
+    model_dir, feat = tiny_setup
+    t = load_target(str(model_dir))
+    counts = FeatureSet(feat, t).argmax_counts(t.vocab_size)
+    assert _train(tiny_setup, tmp_path / "c", "--stages", "2",
+                  "--draft-vocab-coverage", "0.5") == 0  # capped by _train's size 64
+    c = json.loads((tmp_path / "c" / "config.json").read_text())
+    assert c["draft_vocab_size"] == min(64, coverage_size(counts, 0.5))
+    assert _train(tiny_setup, tmp_path / "c", "--draft-vocab-coverage", "1.5") == 2
+    assert "--draft-vocab-coverage must lie in (0, 1]" in capsys.readouterr().err
+    assert _train(tiny_setup, tmp_path / "e", "--method", "eagle3",
+                  "--draft-vocab-coverage", "0.9") == 2
+    assert "PDM option" in capsys.readouterr().err
+
+
 def test_train_with_fill_and_argmax_weights(tiny_setup, tmp_path):
     assert _train(tiny_setup, tmp_path / "fw", "--stages", "2", "--fill-weights", "3,1",
                   "--argmax-weight", "0.5") == 0

@@ -353,7 +353,7 @@ def test_mismatched_model_on_one_rank_is_refused():
 
 
 def test_handshake_checks_pdm_and_layout():
-    base = {"rank": 0, "world_size": 3, "spd_version": "x", "n_stages": 2,
+    base = {"rank": 0, "world_size": 3, "spd_version": "x", "n_stages": 2, "draft_on_stage": None,
             "stage_split": [2, 2], "anchors": [0, 2], "target_fingerprint": "f",
             "target_name": "m", "dtype": "float32", "pdm": "abc", "pdm_path": "/a"}
     check_handshake([base, dict(base, rank=1), dict(base, rank=2)])
@@ -361,6 +361,8 @@ def test_handshake_checks_pdm_and_layout():
         check_handshake([base, dict(base, rank=1, pdm="def", pdm_path="/b"), dict(base, rank=2)])
     with pytest.raises(SPDError, match=r"rank 2 \(stage 1\).*stage split"):
         check_handshake([base, dict(base, rank=1), dict(base, rank=2, stage_split=[3, 1])])
+    with pytest.raises(SPDError, match=r"rank 1 \(stage 0\).*draft's stage"):
+        check_handshake([base, dict(base, rank=1, draft_on_stage=0), dict(base, rank=2)])
 
 
 def test_busy_port_is_a_clear_error(capsys):

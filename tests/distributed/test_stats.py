@@ -3,6 +3,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from spd.distributed.config import DistConfig
 from spd.distributed.stats import breakdown
 from spd.runtime.types import DecodeStats
 
@@ -18,7 +19,7 @@ def test_comm_control_is_per_cycle_overhead_minus_that_cycles_verification():
     # from every cycle made the median -1 ms; per cycle it is 2, 2 and 1 ms.
     stats = DecodeStats(mode="spd", n=2)
     stats.phase_s = {"verify": 0.004, "rollback": 0.005}
-    rt = SimpleNamespace(world=3, backend="gloo")
+    rt = SimpleNamespace(world=3, backend="gloo", config=DistConfig(n_stages=2))
     out = breakdown(rt, stats, [0.010, 0.010, 0.018], [0.001, 0.001, 0.001],
                     [_stage(1, [0.008, 0.008, 0.008])], verify_s=[0.0, 0.0, 0.009])
     assert out["overhead_ms"]["median"] == pytest.approx(2.0)
@@ -31,6 +32,7 @@ def test_comm_control_is_never_negative():
     # a verification that overlapped a slower stage forward: more verify time than overhead
     stats = DecodeStats(mode="spd", n=2)
     stats.phase_s = {"verify": 0.005}
-    out = breakdown(SimpleNamespace(world=3, backend="gloo"), stats, [0.010], [0.001],
+    rt = SimpleNamespace(world=3, backend="gloo", config=DistConfig(n_stages=2))
+    out = breakdown(rt, stats, [0.010], [0.001],
                     [_stage(1, [0.009])], verify_s=[0.005])
     assert out["comm_control_ms"]["median"] == 0.0

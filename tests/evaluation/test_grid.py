@@ -226,7 +226,33 @@ def test_cost_model_formulas():
                             draft_steps=5) == pytest.approx(3.0 * 0.040 / (5 * 0.002 + 0.040))
     assert adjusted_speedup("pp", c, n=4) == pytest.approx(0.040 / 0.042)
     assert adjusted_speedup("ar", c) == 1.0
-    assert [devices_used(m, 4) for m in ("ar", "eagle3", "pp", "ppsd", "spd")] == [1, 1, 4, 4, 5]
+    assert [devices_used(m, 4) for m in ("ar", "eagle3", "pp", "ppsd", "spd", "spd-nd")] == \
+        [1, 1, 4, 4, 5, 4]
+
+
+def test_spd_on_n_devices_charges_the_draft_to_a_shorter_first_stage():
+    """spd-nd: no draft rank; stage 0 drafts too, and the balanced split gives it fewer layers
+    (8 layers of 2.5 ms, measured as 4 stages of 2; head 4 ms on the last stage, greedy)."""
+    c = Costs(device="cpu", context=8, reps=1, forward_s=0.024, head_s=0.004,
+              stage_s={"4": [0.005] * 4}, num_layers=8)
+    assert c.layer_costs(4) == [0.0025] * 8
+    # draft 3 ms on stage 0 and head 4 ms on stage 3: split [1, 3, 3, 1], stage times
+    # 5.5, 7.5, 7.5, 6.5 ms: the cycle is 7.5 ms
+    assert c.balanced_cycle(4, 0.004, {0: 0.003}) == pytest.approx(0.0075)
+    assert adjusted_speedup("spd-nd", c, n=4, s_theory=2.0, draft_s=0.003) == \
+        pytest.approx(2.0 / 4 * 0.024 / 0.0075)
+    # sampling: stage 0 drafts and judges (3 + 4 ms), the last stage runs layers only
+    assert adjusted_speedup("spd-nd", c, n=4, s_theory=2.0, draft_s=0.003, greedy=False) == \
+        pytest.approx(2.0 / 4 * 0.024 / c.balanced_cycle(4, 0.0, {0: 0.007}))
+    # the same n devices, without the layer count (an older grid): the fractional bound
+    old = Costs(**dict(c.as_dict(), num_layers=0))
+    assert old.balanced_cycle(4, 0.004, {0: 0.003}) == pytest.approx((0.020 + 0.007) / 4)
+    # spd (n + 1 devices) runs the uniform split, its last stage 5 + 4 ms; spd-nd's balanced
+    # split pays the 3 ms draft and is still faster here; a dearer draft turns it round
+    assert adjusted_speedup("spd", c, n=4, s_theory=2.0, draft_s=0.003) == \
+        pytest.approx(2.0 / 4 * 0.024 / 0.009)
+    assert adjusted_speedup("spd-nd", c, n=4, s_theory=2.0, draft_s=0.008) < \
+        adjusted_speedup("spd", c, n=4, s_theory=2.0, draft_s=0.008)
 
 
 def test_measure_costs_times_every_piece():
@@ -296,7 +322,8 @@ def _cost_cases():
         r = lambda: float(torch.rand((), generator=g)) * 0.02 + 1e-4  # noqa: E731
         stages = {str(n): [r() for _ in range(n)] for n in (2, 3, 4, 6, 8)}
         cases.append(Costs(device="cpu", context=8, reps=1, forward_s=r() * 3, head_s=r(),
-                           stage_s=stages, chunk_s={str(k + 1): r() * 3 for k in range(1, 8)}))
+                           stage_s=stages, chunk_s={str(k + 1): r() * 3 for k in range(1, 8)},
+                           num_layers=24 * (len(cases) % 2)))  # spd-nd: both cost paths
     return cases
 
 
@@ -331,3 +358,15 @@ def test_stored_grid_charges_the_head_to_the_last_stage_when_greedy():
     assert d["adjusted_speedup"] == pytest.approx(
         d["theoretical_speedup"] * costs.forward_s / (2 * (t1 + costs.head_s)))
     assert d["adjusted_speedup"] < d["theoretical_speedup"]
+
+
+def test_grid_runs_spd_on_n_devices(trained, tmp_path):
+    """spd-nd decodes with SPD's drafters (same counts, same greedy check) on n devices."""
+    t, ckpt = trained
+    spec = _spec(ckpt, methods=["spd", "spd-nd"], temperatures=[0.0], pdm_layers=[1])
+    cells = run_grid(t, spec, tmp_path, progress=False)["cells"]
+    nd, spd = cells["spd-nd n=2 L_s=1 | a | T=0"], cells["spd n=2 L_s=1 | a | T=0"]
+    assert nd["checked_against_ar"] is True
+    assert (nd["totals"]["N"], nd["totals"]["K"]) == (spd["totals"]["N"], spd["totals"]["K"])
+    assert nd["derived"]["devices"] == 2 and spd["derived"]["devices"] == 3
+    assert 0 < nd["derived"]["adjusted_speedup"] <= nd["derived"]["theoretical_speedup"]

@@ -192,6 +192,21 @@ def test_draft_vocab_by_frequency():
     assert build_draft_vocab(counts, 10).tolist() == list(range(6))
 
 
+def test_draft_vocab_by_coverage():
+    """The fewest frequent ids that cover a share of the argmax counts (29 in all)."""
+    from spd.train.trainer import coverage_size
+    counts = torch.tensor([5, 0, 9, 5, 1, 9])
+    assert [coverage_size(counts, c) for c in (0.1, 18 / 29, 18.5 / 29, 28 / 29, 1.0)] == \
+        [1, 2, 3, 4, 5]
+    assert build_draft_vocab(counts, None, 18 / 29).tolist() == [2, 5]
+    assert build_draft_vocab(counts, None, 0.9).tolist() == [0, 2, 3, 5]
+    assert build_draft_vocab(counts, 3, 0.99).tolist() == [0, 2, 5]  # capped by the size
+    assert build_draft_vocab(counts, 0, 1.0).tolist() == [0, 2, 3, 4, 5]  # 0: no cap
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(SPDError, match="coverage must lie in"):
+            build_draft_vocab(counts, None, bad)
+
+
 def test_truncated_sharegpt_json_decodes_whole_objects():
     text = ('[\n {"id": "a", "conversations": [{"from": "human", "value": "hi"}, '
             '{"from": "gpt", "value": "hello"}]},\n {"id": "b", "conversations": '

@@ -194,6 +194,8 @@ TRAIN = TrainMethod(
         Refusal(("fill_weights",), "--fill-weights is a PDM option; the eagle3 head has no fill "
                 "levels", given=lambda v: v is not None),
         Refusal(("argmax_weight",), ARGMAX_MESSAGE),
+        Refusal(("draft_vocab_coverage",), "--draft-vocab-coverage is a PDM option; give the "
+                "eagle3 head a --draft-vocab-size", given=lambda v: v is not None),
         Refusal(("init_from", "pdm_layers", "feature_timing"), "--init-from, --pdm-layers and "
                 "--feature-timing are PDM options; the eagle3 head has one layer and drafts in a "
                 "chain"),

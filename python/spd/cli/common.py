@@ -93,6 +93,24 @@ def check_lookup(k: int | None, default: int | None = None) -> int:
     return k
 
 
+def draft_weights_arg(text: str) -> str:
+    """argparse type of --draft-weights: model, int8 or fp8 (spd.draft.pdm.DRAFT_WEIGHTS)."""
+    from spd.draft.pdm import DRAFT_WEIGHTS
+    if text not in DRAFT_WEIGHTS:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(DRAFT_WEIGHTS)}, got "
+                                         f"'{text}'")
+    return text
+
+
+def add_draft_weights_arg(p) -> None:
+    p.add_argument("--draft-weights", type=draft_weights_arg, default="model", metavar="KIND",
+                   help="what the PDM's draft step reads: model (default: the PDM's own "
+                        "dtype), int8 or fp8 (e4m3): weight-only quantised copies, one scale "
+                        "per output row, half the weight bytes of bf16 per draft step. The "
+                        "output is unchanged (verification is exact); only the acceptance rate "
+                        "may move")
+
+
 def dtype_arg(text: str) -> str:
     """argparse type of --dtype: a name of spd.model.loading.DTYPE_NAMES or a short form."""
     from spd.model.loading import DTYPE_ALIASES, DTYPE_NAMES
@@ -118,7 +136,10 @@ def add_model_layout_args(p, stages_help: str = "pipeline stages n") -> None:
                         "repo id (org/name) found in the local Hugging Face cache; default: "
                         "SmolLM2-135M-Instruct, fetched and converted once into $SPD_CACHE")
     p.add_argument("--stages", type=int, default=4, help=stages_help)
-    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (default uniform)")
+    p.add_argument("--split", default=None,
+                   help="layers per stage, e.g. 8,8,7,7, or auto: equal stage times by bytes read "
+                        "per step (weights, KV at 1024 tokens; the last stage also the LM head it "
+                        "verifies with); default uniform")
     p.add_argument("--anchors", default=None,
                    help="anchor hidden-state indices, e.g. 0,8,15,23,29 (default: 0, L/4, L/2, "
                         "3L/4, L-1)")

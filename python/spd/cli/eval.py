@@ -7,6 +7,7 @@ from pathlib import Path
 
 from spd.cli.common import (
     MAX_SEED,
+    add_draft_weights_arg,
     add_dtype_arg,
     add_lookup_arg,
     check_lookup,
@@ -25,7 +26,7 @@ def add_eval(sub) -> None:
     p = sub.add_parser(
         "eval", help="decode prompt sets with SPD (or a grid of methods) and report speedups",
         description="Decode prompt sets and report N, K, alpha, theoretical speedup and "
-        "acceptance. With --methods, run the comparison grid (ar, pp, eagle3, ppsd, spd over "
+        "acceptance. With --methods, run the comparison grid (ar, pp, eagle3, ppsd, spd, spd-nd over "
         "--stages, --pdm-layers, --datasets and --temperature lists), check every greedy output "
         "against autoregressive decoding, and write grid.json, report.md and plots to --out-dir "
         "(rerun the same command to resume).")
@@ -34,7 +35,9 @@ def add_eval(sub) -> None:
                         "(default: SmolLM2)")
     p.add_argument("--stages", default="4",
                    help="pipeline stages n (a comma list with --methods, e.g. 2,4,6)")
-    p.add_argument("--split", default=None, help="layers per stage, e.g. 8,8,7,7 (single run)")
+    p.add_argument("--split", default=None,
+                   help="layers per stage, e.g. 8,8,7,7, or auto (equal stage times by bytes "
+                        "read per step, the last stage's LM head included); single run")
     p.add_argument("--anchors", default=None, help="anchor hidden-state indices (single run)")
     p.add_argument("--device", type=device_arg, default="cpu")
     add_dtype_arg(p)
@@ -62,9 +65,11 @@ def add_eval(sub) -> None:
                         "serves every drafter compared on the same target, dtype, device and "
                         "budget (single run)")
     add_lookup_arg(p)
+    add_draft_weights_arg(p)
     g = p.add_argument_group("comparison grid")
     g.add_argument("--methods", default=None,
-                   help="comma list of ar, pp, eagle3, ppsd, spd: run the grid")
+                   help="comma list of ar, pp, eagle3, ppsd, spd, spd-nd (SPD on n devices: "
+                        "the PDM on stage 0's): run the grid")
     g.add_argument("--pdm-layers", default="2", help="SPD drafter depths L_s, e.g. 1,2,3")
     g.add_argument("--out-dir", default="spd-eval-grid",
                    help="where grid.json, report.md and the plots go (default: ./spd-eval-grid)")
@@ -92,10 +97,13 @@ def cmd_eval(args) -> int:
         names = ["mt_bench", "humaneval"]
     sets = collect_sets(names, args.prompts, args.limit)
     if args.methods:
+        if args.draft_weights != "model":
+            raise SPDError("--draft-weights applies to a single run, not the --methods grid")
         return _eval_grid(args, sets, stages, temps)
     if args.json_out:
         check_output_file(args.json_out, "--json-out")  # before hours of decoding, not after
     from spd.evaluation.evaluate import format_table, run_eval, write_json
+    from spd.model.stage_costs import resolve_split, target_costs
     from spd.runtime.engine import SPDEngine
     from spd.runtime.types import SamplingParams
     sampling = SamplingParams(temps[0], args.top_k, args.top_p, args.seed)
@@ -105,9 +113,11 @@ def cmd_eval(args) -> int:
                        "only holds at --temperature 0")
     precheck_pdm(args.pdm)
     target = load_target(args.model, device=args.device, dtype=args.dtype)
-    engine = SPDEngine(target, n_stages=stages[0], split=parse_ints(args.split, "--split"),
+    split = resolve_split(args.split, lambda: target_costs(target), stages[0])
+    engine = SPDEngine(target, n_stages=stages[0], split=split,
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
-                       warn_untrained=False, lookup=check_lookup(args.lookup))
+                       warn_untrained=False, lookup=check_lookup(args.lookup),
+                       draft_weights=args.draft_weights)
     if engine.pdm_source == "untrained":
         warn_untrained_pdm(detail=False)
     references = None

@@ -12,6 +12,7 @@ from spd.cli import plain_speed
 from spd.cli.common import (
     MAX_SEED,
     Streamer,
+    add_draft_weights_arg,
     add_lookup_arg,
     add_model_layout_args,
     check_lookup,
@@ -71,11 +72,13 @@ def add_engine_args(p) -> None:
                    help="spd (default) or ar: plain autoregressive decoding on the same stages")
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
+    add_draft_weights_arg(p)
 
 
 def build_engine(args):
     """The target and the one-process engine the engine flags describe: (target, engine)."""
     from spd.model.loading import load_target
+    from spd.model.stage_costs import resolve_split, target_costs
     from spd.runtime.engine import SPDEngine
 
     t0 = time.perf_counter()
@@ -83,11 +86,14 @@ def build_engine(args):
     log.info("loaded %s (%d layers, %s) in %.1f s", target.name, target.num_layers,
              args.device, time.perf_counter() - t0)
     n = 1 if args.mode == "ar" else args.stages
-    engine = SPDEngine(target, n_stages=n, split=parse_ints(args.split, "--split"),
+    engine = SPDEngine(target, n_stages=n,
+                       split=resolve_split(args.split, lambda: target_costs(target), n),
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        pdm_layers=args.pdm_layers, warn_untrained=False,
-                       lookup=check_lookup(args.lookup))
-    log.info("engine: n=%d, PDM %s", engine.n, engine.pdm_source)
+                       lookup=check_lookup(args.lookup),
+                       draft_weights=getattr(args, "draft_weights", "model"))
+    log.info("engine: n=%d, split %s, PDM %s", engine.n,
+             ",".join(map(str, engine.layout.split)), engine.pdm_source)
     return target, engine
 
 
@@ -125,6 +131,7 @@ def cmd_generate(args) -> int:
     precheck_pdm(args.pdm)
     if wants_distributed(args):
         return cmd_generate_distributed(args)
+    require_distributed_for_draft_on_stage(args)
     import torch
 
     from spd.runtime.types import SamplingParams
@@ -150,7 +157,8 @@ def cmd_generate(args) -> int:
 
 # --- distributed ---------------------------------------------------------------------------------
 def add_distributed_args(p) -> None:
-    g = p.add_argument_group("distributed runtime (n stage ranks + 1 draft rank)")
+    g = p.add_argument_group("distributed runtime (n stage ranks + 1 draft rank, or n with "
+                             "--draft-on-stage)")
     g.add_argument("--distributed", action="store_true",
                    help="run one process per stage plus a draft rank (spawned locally; under "
                         "torchrun this is automatic)")
@@ -170,18 +178,44 @@ def add_distributed_args(p) -> None:
                    help="send each draft into the pipeline before the previous verdict is read, "
                         "so the stages start it at once (a rejection drops it): "
                         "auto (default) while recent drafts are mostly accepted, on, or off")
+    g.add_argument("--draft-on-stage", type=int, default=None, metavar="S",
+                   help="n devices instead of n + 1: the draft rank runs in stage S's process, "
+                        "on its device and its own CUDA stream (S = 0..n-1; stage S should get "
+                        "fewer layers, see --split). Default: a draft rank of its own")
 
 
 def wants_distributed(args) -> bool:
     return bool(getattr(args, "distributed", False)) or under_torchrun()
 
 
+def require_distributed_for_draft_on_stage(args) -> None:
+    """One process runs every stage and the draft on one device already."""
+    if getattr(args, "draft_on_stage", None) is not None:
+        raise SPDError("--draft-on-stage places the draft rank of the distributed runtime: add "
+                       "--distributed (or run under torchrun)")
+
+
 def config_from_args(args):
     from spd.distributed.config import DistConfig, parse_fault
+    from spd.draft.pdm import default_pdm_layers
+    from spd.model.loading import model_config, resolve_dtype
+    from spd.model.partition import AUTO, parse_split
+    from spd.model.stage_costs import draft_step_cost, file_costs, resolve_split
 
     if args.mode == "ar":
         raise SPDError("--mode ar is single-process only: drop --distributed (or torchrun)")
-    return DistConfig(n_stages=args.stages, split=parse_ints(args.split, "--split"),
+    # --split auto is resolved here, from the model's files: every rank gets the same split
+    # (with --draft-on-stage S, stage S also pays an estimated draft step)
+    split, on_stage = parse_split(args.split), getattr(args, "draft_on_stage", None)
+    if split == AUTO:
+        dtype = resolve_dtype(args.dtype, args.device)
+        draft = 0.0
+        if on_stage is not None:
+            n, config = args.stages, model_config(args.model)
+            layers = args.pdm_layers or default_pdm_layers(config.num_hidden_layers, n)
+            draft = draft_step_cost(config, n, layers, el=dtype.itemsize)
+        split = resolve_split(split, file_costs(args.model, dtype), args.stages, on_stage, draft)
+    return DistConfig(n_stages=args.stages, split=split,
                       anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                       pdm_layers=args.pdm_layers, model=args.model, device=args.device,
                       dtype=args.dtype, threads=getattr(args, "threads", None),
@@ -189,6 +223,8 @@ def config_from_args(args):
                       speculative_control=getattr(args, "speculative_control", "auto"),
                       backend=getattr(args, "backend", None),
                       lookup=check_lookup(getattr(args, "lookup", None)),
+                      draft_weights=getattr(args, "draft_weights", "model"),
+                      draft_on_stage=getattr(args, "draft_on_stage", None),
                       fault=parse_fault(env.fault_injection()))
 
 

@@ -18,6 +18,7 @@ from spd.cli.generate import (
     add_distributed_args,
     add_engine_args,
     build_engine,
+    require_distributed_for_draft_on_stage,
     wants_distributed,
 )
 from spd.cli.logs import add_log_level_arg, setup_logging
@@ -88,6 +89,7 @@ def cmd_serve(args) -> int:
     precheck_pdm(args.pdm)
     if wants_distributed(args):
         return cmd_serve_distributed(args)
+    require_distributed_for_draft_on_stage(args)
     import torch
 
     from spd.serve.backends import LocalBackend
@@ -121,12 +123,12 @@ def serve_job(opts: dict, engine):
     backend = DistributedBackend(engine)
     server = Server(backend, **opts)
     # the watchdog may end this process first (a peer's failure record): answer before leaving
-    engine.rt.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
+    engine.process.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
     server.start_http()
     _announce(server)
     server.run()
     if backend.failure is not None:
-        engine.rt.stop_for(backend.failure)  # leaves the process, naming the failed rank
+        engine.process.stop_for(backend.failure)  # leaves the process, naming the failed rank
     if server.fatal_error is not None:
         raise RuntimeError(server.fatal_error)
     return dict(server.worker.counts)

@@ -90,7 +90,14 @@ def add_train(sub) -> None:
     p.add_argument("--draft-steps", type=int, default=None,
                    help="eagle3: tokens drafted per round at inference (default 5), stored in "
                         "the checkpoint")
-    p.add_argument("--draft-vocab-size", type=int, default=8192)
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="draft vocabulary: the most frequent target tokens (default 8192; with "
+                        "--draft-vocab-coverage, the cap on its size)")
+    p.add_argument("--draft-vocab-coverage", type=float, default=None, metavar="F",
+                   help="PDM: the smallest draft vocabulary whose tokens make up a share F in "
+                        "(0, 1] of the tokens counted (the target's argmax tokens of a feature "
+                        "cache; online, the data's tokens), e.g. 0.99 (capped by "
+                        "--draft-vocab-size if given)")
     p.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations")
     p.add_argument("--self-distill", type=int, default=128,
                    help="prompts answered by the target itself (self-distillation)")
@@ -187,6 +194,13 @@ def _check_numbers(args) -> None:
     """Bad values, refused before any model loads."""
     if (args.steps is not None and args.steps < 1) or args.batch < 1:
         raise SPDError("--steps and --batch must be >= 1")
+    cover = args.draft_vocab_coverage
+    if cover is not None and not 0.0 < cover <= 1.0:
+        raise SPDError(f"--draft-vocab-coverage must lie in (0, 1], got {cover}")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
+        raise SPDError(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")
+    if args.draft_vocab_size is None:  # 0: no cap on a vocabulary chosen by coverage
+        args.draft_vocab_size = 0 if cover is not None else 8192
     for flag in ("data_skip", "code_prompts", "self_distill", "conversations", "micro_batch",
                  "pack_tokens"):
         if getattr(args, flag) < 0:
@@ -244,11 +258,12 @@ _DEFAULTS = {"conversations": 600, "self_distill": 128}
 def _job(args, method, target, mode: str) -> TrainJob:
     """The layout, precision and fill weights, checked before any data is built."""
     from spd.model.partition import DepthLayout
+    from spd.model.stage_costs import resolve_split, target_costs
     from spd.train.loop import resolve_precision
     from spd.train.trainer import check_fill_weights
 
     anchors = parse_ints(args.anchors, "--anchors")
-    split = parse_ints(args.split, "--split")
+    split = resolve_split(args.split, lambda: target_costs(target), args.stages)
     if anchors is None and method.anchors is not None:  # e.g. PPSD: the first stage's output
         anchors = method.anchors(target.num_layers, args.stages, split)
     layout = DepthLayout.build(target.num_layers, args.stages, split, anchors)

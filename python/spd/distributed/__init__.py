@@ -1,6 +1,7 @@
 """The distributed runtime: n stage ranks and one draft rank on torch.distributed.
 
-Roles (world size n + 1):
+Roles (n + 1 of them; each a process of its own, or with --draft-on-stage S the draft rank and
+  stage S share process 0, see config.Placement):
   rank 0      the draft rank: PDM, anchor buffers and feature aggregation, the sampler and the
               verifier under sampling, the pipeline schedule; it sends the units.
   rank s + 1  stage s: its decoder layers and their KV cache (stage 0 also embeds the token that
@@ -44,7 +45,8 @@ Modules, each importing only those above it:
   protocol    message tags, the unit messages' layout and each stage's snap (SnapFormat)
   emulate     emulated compute (fixed waits) for protocol tests and benchmarks
   faults      exit statuses, failure records and blame, SIGTERM, the heartbeat watchdog
-  transport   Runtime: the stores, process groups and point-to-point with host staging
+  transport   Runtime (the stores, process groups), Endpoint (one role's point-to-point, host
+              staging) and Mailbox (messages between the two roles of one process)
   handshake   the consistency check every rank passes before the first message
   stats       the per-cycle breakdown rank 0 reports
   stage_rank  StageWorker: one stage's loop

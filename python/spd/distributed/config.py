@@ -8,11 +8,59 @@ from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.errors import SPDError
 from spd.runtime.engine import SamplingParams
 
-DRAFT_RANK = 0
+DRAFT_RANK = 0  # the draft rank's role, and the process that hosts it
+
+
+def role_name(role: int) -> str:
+    """A role of the protocol: 0 the draft rank, s + 1 stage s."""
+    return "draft rank" if role == DRAFT_RANK else f"stage {role - 1}"
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which process runs which role. The protocol addresses n + 1 roles (role 0 the draft rank,
+    role s + 1 stage s); by default each role is a process of its own (rank = role). With the
+    draft on stage S (--draft-on-stage) process 0 runs the draft rank and stage S (the PDM on
+    that stage's device, each role on its own thread and CUDA stream), and processes 1.. the
+    other stages in order: n processes, n devices."""
+    n: int
+    draft_on_stage: int | None = None
+
+    @property
+    def roles(self) -> int:
+        return self.n + 1
+
+    @property
+    def processes(self) -> int:
+        return self.roles if self.draft_on_stage is None else self.n
+
+    def process_of(self, role: int) -> int:
+        S = self.draft_on_stage
+        if S is None or role == DRAFT_RANK:
+            return role
+        s = role - 1
+        return 0 if s == S else s + 1 if s < S else s
+
+    def roles_of(self, process: int) -> list[int]:
+        return [r for r in range(self.roles) if self.process_of(r) == process]
+
+    def describe(self, process: int) -> str:
+        return " + ".join(role_name(r) for r in self.roles_of(process)) or f"rank {process}"
+
+
+# How this process names ranks in its messages (set once by the launcher and by each rank, so
+# a failure names the roles a process runs).
+_PLACEMENT: Placement | None = None
+
+
+def use_placement(config: "DistConfig") -> None:
+    global _PLACEMENT
+    _PLACEMENT = config.placement
 
 
 def role_of(rank: int) -> str:
-    return "draft rank" if rank == DRAFT_RANK else f"stage {rank - 1}"
+    """What process `rank` runs ("draft rank", "stage 2", "draft rank + stage 0")."""
+    return role_name(rank) if _PLACEMENT is None else _PLACEMENT.describe(rank)
 
 
 # --- configuration ----------------------------------------------------------------------------
@@ -43,14 +91,30 @@ class DistConfig:
     speculative_control: str = "auto"
     # Context lookup's shortest match (spd.draft.lookup; 0: the PDM alone).
     lookup: int = DEFAULT_LOOKUP
+    # What the draft step reads (spd.draft.pdm.DRAFT_WEIGHTS): "model", "int8" or "fp8".
+    draft_weights: str = "model"
     # Test and benchmark hook (spd.distributed.emulate): every stage forward and draft step
     # becomes a fixed wait of this many seconds; emulate_wait "sleep" (host) or "spin" (CUDA).
     emulate_s: float | None = None
     emulate_wait: str = "sleep"
+    # n-device mode: the PDM runs in stage S's process, on that device (Placement); None: the
+    # draft rank is a process and a device of its own (n + 1).
+    draft_on_stage: int | None = None
+
+    @property
+    def placement(self) -> Placement:
+        return Placement(int(self.n_stages), self.draft_on_stage)
 
     @property
     def world_size(self) -> int:
-        return self.n_stages + 1
+        """Processes (torch.distributed ranks): n + 1, or n with the draft on a stage."""
+        return self.placement.processes
+
+    def describe_world(self) -> str:
+        if self.draft_on_stage is None:
+            return f"{self.world_size} ({self.n_stages} stage ranks + 1 draft rank)"
+        return (f"{self.world_size} (one per stage; the draft rank runs in stage "
+                f"{self.draft_on_stage}'s)")
 
     def validate(self) -> None:
         if int(self.n_stages) != self.n_stages or self.n_stages < 2:
@@ -65,6 +129,10 @@ class DistConfig:
                            f"got {self.speculative_control!r}")
         if self.emulate_s is not None and not self.emulate_s > 0:
             raise SPDError(f"emulated compute must be > 0 seconds, got {self.emulate_s}")
+        S = self.draft_on_stage
+        if S is not None and (isinstance(S, bool) or int(S) != S or not 0 <= S < self.n_stages):
+            raise SPDError(f"--draft-on-stage takes a stage index in 0..{self.n_stages - 1} "
+                           f"(there are {self.n_stages} stages), got {S!r}")
         if self.emulate_wait not in ("sleep", "spin"):
             raise SPDError(f"emulated wait must be sleep or spin, got {self.emulate_wait!r}")
 

@@ -29,7 +29,7 @@ from spd.distributed.protocol import (
     snap_format,
 )
 from spd.distributed.stats import DistributedDecodeStats, breakdown
-from spd.distributed.transport import Runtime
+from spd.distributed.transport import Endpoint
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
 from spd.runtime.sequence import SequenceDecode, StageRunner
 from spd.runtime.verdict import Verdict
@@ -157,7 +157,7 @@ class UnitStream:
     """Rank 0's side of one generation's unit stream (spd.distributed.protocol): sending units,
     the receives posted for what the stages send back about them, rollbacks and the end."""
 
-    def __init__(self, rt: Runtime, dec: SequenceDecode, streams: DraftRankStreams):
+    def __init__(self, rt: Endpoint, dec: SequenceDecode, streams: DraftRankStreams):
         self.rt, self.dec, self.n = rt, dec, dec.n
         self.greedy, self.streams = dec.sampling.greedy, streams
         self.device = dec.target.device
@@ -319,11 +319,10 @@ class RemoteStages(StageRunner):
     lower position down the pipeline). Speculative control: a full cycle's draft is sent before
     its verdict is read, as if accepted, so no stage waits on rank 0 in an accepted cycle."""
 
-    def __init__(self, rt: Runtime, dec: SequenceDecode, stream: UnitStream,
+    def __init__(self, rt: Endpoint, dec: SequenceDecode, stream: UnitStream,
                  streams: DraftRankStreams, policy: SpeculationPolicy):
         self.rt, self.dec, self.stream, self.streams, self.policy = rt, dec, stream, streams, policy
-        config = rt.config
-        self.fault = config.fault if config.fault and config.fault["rank"] == rt.rank else None
+        self.fault = rt.fault_here()
         self.spec = {"announced": 0, "redone": 0}
         self.cycle_s: list[float] = []
         self.verify_s: list[float] = []  # each cycle's verification and rollback on this rank
@@ -392,8 +391,9 @@ class RemoteStages(StageRunner):
 class DistributedSPDEngine:
     """Rank 0's side of the distributed engine: `generate` has `SPDEngine.generate`'s contract."""
 
-    def __init__(self, rt: Runtime, engine: SPDEngine):
-        self.rt = rt
+    def __init__(self, rt: Endpoint, engine: SPDEngine):
+        self.rt = rt               # the draft rank's messages
+        self.process = rt.rt       # its process's Runtime: failure handling, exit hooks
         self.engine = engine
         self.target = engine.target
         self.layout = engine.layout

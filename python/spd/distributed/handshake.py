@@ -39,14 +39,16 @@ def pdm_digest(pdm) -> str | None:
 def rank_info(rank: int, world: int, config: DistConfig, target, layout: DepthLayout) -> dict:
     from spd.version import __version__
     return {"rank": rank, "world_size": world, "spd_version": __version__,
-            "n_stages": layout.n, "stage_split": layout.split, "anchors": list(layout.anchors),
+            "n_stages": layout.n, "draft_on_stage": config.draft_on_stage,
+            "stage_split": layout.split, "anchors": list(layout.anchors),
             "target_fingerprint": target.fingerprint(), "target_name": target.name,
             "dtype": str(target.dtype), "pdm": pdm_digest(config.pdm),
             "pdm_path": str(config.pdm) if config.pdm else None}
 
 
 _CHECKED = (("world_size", "world size"), ("spd_version", "spd version"),
-            ("n_stages", "number of stages"), ("stage_split", "stage split"),
+            ("n_stages", "number of stages"), ("draft_on_stage", "draft's stage"),
+            ("stage_split", "stage split"),
             ("anchors", "anchor layers"), ("target_fingerprint", "target model"),
             ("dtype", "model dtype"), ("pdm", "PDM checkpoint"))
 

@@ -134,6 +134,8 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     from spd.distributed.faults import RankFailedError, Signer, read_failure, write_failure
 
     config.validate()
+    from spd.distributed.config import use_placement
+    use_placement(config)  # failures name the roles each process runs
     secret = secrets.token_hex(32)  # this run's: signs the records that can stop it
     signer = Signer(secret, "launcher")
     world = config.world_size
@@ -311,9 +313,9 @@ def run_torchrun(config, job) -> int:
         raise SPDError(f"torchrun environment is incomplete or malformed: {exc}") from exc
     if world != config.world_size:
         raise SPDError(f"torchrun started {world} ranks (WORLD_SIZE={world}) but --stages "
-                       f"{config.n_stages} needs {config.world_size} ({config.n_stages} stage "
-                       f"ranks + 1 draft rank): use --nproc-per-node {config.world_size} on one "
-                       "node, or nodes whose --nproc-per-node add up to that")
+                       f"{config.n_stages} needs {config.describe_world()}: use "
+                       f"--nproc-per-node {config.world_size} on one node, or nodes whose "
+                       "--nproc-per-node add up to that")
     # torchrun's agent hosts the store on node 0; otherwise rank 0 does.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     prefix = (f"spd/{os.environ.get('TORCHELASTIC_RUN_ID', 'run')}/"

@@ -3,17 +3,18 @@ Also the rank-0 jobs tests and benchmarks run (run_requests, run_forever)."""
 from __future__ import annotations
 
 import sys
+import threading
 import traceback
 from typing import Callable
 
 import torch
 
-from spd.distributed.config import DRAFT_RANK, DistConfig, GenerateRequest
+from spd.distributed.config import DRAFT_RANK, DistConfig, GenerateRequest, use_placement
 from spd.distributed.draft_rank import DistributedSPDEngine
 from spd.distributed.faults import EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_OK
 from spd.distributed.handshake import check_handshake, exchange_info, rank_info
 from spd.distributed.stage_rank import StageWorker
-from spd.distributed.transport import CommError, Runtime
+from spd.distributed.transport import CommError, Mailbox, Runtime
 from spd.draft.drafters import ReferenceDrafter
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
@@ -54,25 +55,28 @@ def _drop_unused_layers(target, keep: range) -> None:
             target.layers[lid].to("meta")
 
 
-def _load_own_part(config: DistConfig, rank: int, device: str):
-    """The target as this rank holds it, reading only that from the files: rank 0 the embedding,
-    final norm and LM head (it drafts, embeds the committed tokens and judges sampled tokens);
-    stage s its layers, stage 0 the embedding (it embeds the token it is sent) and the last stage
-    the final norm and LM head (a tied head: the embedding), since it judges greedy drafts; a stage
-    rank needs no tokenizer, and builds a Llama / Qwen2 / Qwen3 target without importing
-    transformers (spd.model.plain_build: its modeling imports weigh more than a middle stage's
-    layers of the default model)."""
+def _load_own_part(config: DistConfig, roles: list[int], device: str):
+    """The target as this process holds it, reading only that from the files: the draft rank
+    the embedding, final norm and LM head (it drafts, embeds the committed tokens and judges
+    sampled tokens); stage s its layers, stage 0 the embedding (it embeds the token it is sent)
+    and the last stage the final norm and LM head (a tied head: the embedding), since it judges
+    greedy drafts. A process of stage roles alone needs no tokenizer, and builds a Llama /
+    Qwen2 / Qwen3 target without importing transformers (spd.model.plain_build: its modeling
+    imports weigh more than a middle stage's layers of the default model)."""
     from spd.model.loading import load_target, model_config, resolve_model_path
-    if rank == DRAFT_RANK:
-        return load_target(config.model, device=device, dtype=config.dtype, layers=range(0))
     from spd.model.plain_build import read_plain_config
+    stages = [r - 1 for r in roles if r != DRAFT_RANK]
+    layers = range(0)
     folder = resolve_model_path(config.model)
-    model_cfg = read_plain_config(folder) or model_config(folder)
-    layout = DepthLayout.build(model_cfg.num_hidden_layers, config.n_stages, config.split,
-                               config.anchors)
-    return load_target(folder, device=device, dtype=config.dtype,
-                       layers=layout.stages[rank - 1], embed=rank == 1,
-                       head=rank == config.n_stages, tokenizer=False, plain=True)
+    if stages:
+        model_cfg = read_plain_config(folder) or model_config(folder)
+        layers = DepthLayout.build(model_cfg.num_hidden_layers, config.n_stages, config.split,
+                                   config.anchors).stages[stages[0]]
+    if DRAFT_RANK in roles:
+        return load_target(folder, device=device, dtype=config.dtype, layers=layers)
+    s = stages[0]
+    return load_target(folder, device=device, dtype=config.dtype, layers=layers, embed=s == 0,
+                       head=s == config.n_stages - 1, tokenizer=False, plain=True)
 
 
 def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:
@@ -94,6 +98,50 @@ def _rank_device(config: DistConfig, local_rank: int, local_world: int) -> str:
     return config.device
 
 
+def _leave_for(rt: Runtime, exc: BaseException, config: DistConfig) -> None:
+    """Record why this process stops and leave (exit_now: every thread of it goes)."""
+    if isinstance(exc, SPDError):
+        rt.leave_if_launcher_gone(settle=0.3)
+        rt.report("input", str(exc))
+        rt.exit_now(EXIT_INPUT, f"error: {exc}")
+    elif isinstance(exc, CommError):
+        # Usually a symptom: the peer died or failed (see blame_after_comm_error).
+        rt.stop_for(rt.blame_after_comm_error(exc, min(1.0, config.fault_timeout)))
+    elif isinstance(exc, KeyboardInterrupt):
+        rt.report("interrupted", "interrupted (Ctrl-C)")
+        rt.exit_now(EXIT_INTERRUPTED, None)
+    else:
+        # a store or connection error because the launcher died is not this rank's failure
+        rt.leave_if_launcher_gone(settle=0.3)
+        tb = "".join(traceback.format_exception(exc))
+        rt.report("error", f"{type(exc).__name__}: {exc}")
+        print(tb, file=sys.stderr)
+        rt.exit_now(EXIT_ERROR, f"failed: {type(exc).__name__}: {exc}")
+
+
+def _stage_thread(rt: Runtime, endpoint, target, layout: DepthLayout,
+                  mailbox: Mailbox) -> threading.Thread:
+    """Stage S's loop on a thread of the draft rank's process (--draft-on-stage), on a CUDA
+    stream of its own; its failure stops the process as the main thread's would."""
+    device = torch.device(target.device)
+
+    def serve():
+        try:
+            if device.type == "cuda":  # the current device and stream are per thread
+                torch.cuda.set_device(device)
+                with torch.cuda.stream(torch.cuda.Stream(device)):
+                    StageWorker(endpoint, target, layout).serve()
+            else:
+                StageWorker(endpoint, target, layout).serve()
+        except BaseException as exc:  # noqa: BLE001 - the process stops: say why
+            mailbox.fail(f"{type(exc).__name__}: {exc}")
+            _leave_for(rt, exc, rt.config)
+
+    th = threading.Thread(target=serve, name=f"spd-stage{endpoint.rank - 1}", daemon=True)
+    th.start()
+    return th
+
+
 def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, host: str,
              port: int, *, is_master: bool = False, prefix: str = "spd/", local_rank: int = 0,
              local_world: int | None = None, result_sink: Callable | None = None,
@@ -103,64 +151,53 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
     (None: the parent process, e.g. torchrun's agent)."""
     rt = None
     try:
+        use_placement(config)
         if world != config.world_size:
             raise SPDError(f"{world} ranks were started but --stages {config.n_stages} needs "
-                           f"{config.world_size} ({config.n_stages} stage ranks + 1 draft rank)")
+                           f"{config.describe_world()}")
         rt = Runtime(rank, world, config, host, port, is_master=is_master, prefix=prefix,
                      secret=secret, launcher_pid=launcher_pid)
         if config.threads:
             torch.set_num_threads(int(config.threads))
         device = _rank_device(config, local_rank, local_world or world)
+        roles = config.placement.roles_of(rank)
         if config.target_factory is not None:
             target = config.target_factory(rank)
         else:
-            target = _load_own_part(config, rank, device)
+            target = _load_own_part(config, roles, device)
         layout = DepthLayout.build(target.num_layers, config.n_stages, config.split,
                                    config.anchors)
         target.fingerprint()
         engine = None
-        if rank == DRAFT_RANK:
+        if DRAFT_RANK in roles:
             engine = SPDEngine(target, n_stages=config.n_stages, split=config.split,
                                anchors=config.anchors, pdm=config.pdm,
                                pdm_layers=config.pdm_layers, warn_untrained=False,
-                               lookup=config.lookup)
+                               lookup=config.lookup, draft_weights=config.draft_weights)
         check_handshake(exchange_info(rt, rank_info(rank, world, config, target, layout)))
-        _drop_unused_layers(target, range(0) if rank == DRAFT_RANK else layout.stages[rank - 1])
+        stage_roles = [r for r in roles if r != DRAFT_RANK]
+        _drop_unused_layers(target, layout.stages[stage_roles[0] - 1] if stage_roles else range(0))
         rt.init_groups(torch.device(target.device))
-        if rank == DRAFT_RANK:
-            deng = DistributedSPDEngine(rt, engine)
+        if engine is None:
+            StageWorker(rt.endpoint(roles[0]), target, layout).serve()
+        else:
+            mailbox = Mailbox() if stage_roles else None
+            beside = None
+            if stage_roles:  # the draft on this stage's device: the stage on a thread
+                beside = _stage_thread(rt, rt.endpoint(stage_roles[0], mailbox), target, layout,
+                                       mailbox)
+            deng = DistributedSPDEngine(rt.endpoint(DRAFT_RANK, mailbox), engine)
             result = job(deng) if job is not None else None
             deng.shutdown()
+            if beside is not None:
+                beside.join()
             if result_sink is not None:
                 result_sink(result)
-        else:
-            StageWorker(rt, target, layout).serve()
         rt.finish()
         rt.close_groups()
         return EXIT_OK
-    except SPDError as exc:
-        if rt is None:
-            raise
-        rt.leave_if_launcher_gone(settle=0.3)
-        rt.report("input", str(exc))
-        rt.exit_now(EXIT_INPUT, f"error: {exc}")
-    except CommError as exc:
-        if rt is None:
-            raise
-        # Usually a symptom: the peer died or failed (see blame_after_comm_error).
-        rt.stop_for(rt.blame_after_comm_error(exc, min(1.0, config.fault_timeout)))
-    except KeyboardInterrupt:
-        if rt is None:
-            raise
-        rt.report("interrupted", "interrupted (Ctrl-C)")
-        rt.exit_now(EXIT_INTERRUPTED, None)
     except BaseException as exc:  # noqa: BLE001 - any error: record it, then leave
         if rt is None:
             raise
-        # a store or connection error because the launcher died is not this rank's failure
-        rt.leave_if_launcher_gone(settle=0.3)
-        tb = traceback.format_exc()
-        rt.report("error", f"{type(exc).__name__}: {exc}")
-        print(tb, file=sys.stderr)
-        rt.exit_now(EXIT_ERROR, f"failed: {type(exc).__name__}: {exc}")
+        _leave_for(rt, exc, config)
     return EXIT_ERROR  # not reached: exit_now leaves the process

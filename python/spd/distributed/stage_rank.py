@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from spd.distributed.config import DRAFT_RANK, role_of
+from spd.distributed.config import DRAFT_RANK, role_name
 from spd.distributed.emulate import make_stage
 from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import (
@@ -26,7 +26,7 @@ from spd.distributed.protocol import (
     row_bytes,
     snap_format,
 )
-from spd.distributed.transport import Runtime, _td
+from spd.distributed.transport import Endpoint, _td
 from spd.errors import InternalError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
@@ -34,9 +34,9 @@ from spd.runtime.sequence import PhaseTimer
 
 
 class StageWorker:
-    """Stage s = rank s + 1: its layers, its KV cache, and the unit loop of one stage."""
+    """Stage s = role s + 1: its layers, its KV cache, and the unit loop of one stage."""
 
-    def __init__(self, rt: Runtime, target, layout: DepthLayout):
+    def __init__(self, rt: Endpoint, target, layout: DepthLayout):
         self.rt, self.target, self.layout = rt, target, layout
         self.s = rt.rank - 1
         self.n = layout.n
@@ -148,7 +148,7 @@ class StageWorker:
         post_judge = lambda: rt.irecv(judge_msg.data, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
         judge = post_judge() if judge_msg is not None and folded else None
         fwd: list[float] = []
-        fault = rt.config.fault if rt.config.fault and rt.config.fault["rank"] == rt.rank else None
+        fault = rt.fault_here()
         t_dec = time.perf_counter()
         while True:
             unit = len(fwd)
@@ -210,12 +210,12 @@ class StageWorker:
         rt.flush_sends()
         phases["forward"] = sum(fwd)
         rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
-            {"rank": rt.rank, "role": role_of(rt.rank),
+            {"rank": rt.rank, "role": role_name(rt.rank),
              "layers": [self.stage.layer_ids.start, self.stage.layer_ids.stop],
              "prefill_s": prefill_s, "decode_s": decode_s, "phase_s": phases, "forward_s": fwd}))
 
 
-def wait_request(rt: Runtime, gen: int) -> dict:
+def wait_request(rt: Endpoint, gen: int) -> dict:
     """Idle stage ranks wait here (the store, no communication timeout); faults end the process
     through the watchdog. A request not signed with the run's secret is ignored (logged once)
     until rank 0's own replaces it."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-from spd.distributed.config import DRAFT_RANK, role_of
-from spd.distributed.transport import Runtime
+from spd.distributed.config import DRAFT_RANK, role_name
+from spd.distributed.transport import Endpoint
 from spd.runtime.engine import DecodeStats
 
 
@@ -30,7 +30,7 @@ def _summary(xs: list[float]) -> dict:
             "p90": srt[min(len(srt) - 1, int(0.9 * len(srt)))]}
 
 
-def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: list[float],
+def breakdown(rt: Endpoint, stats: DecodeStats, cycle_s: list[float], draft_s: list[float],
               stage_stats: list[dict], verify_s: list[float]) -> dict:
     """Per-cycle breakdown: each rank's phases, stage forwards, waits, and the overhead.
 
@@ -52,7 +52,7 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
         overhead.append((cycle_s[c] - max(stage_fwd, draft_s[c])) * ms)
     verify_per_cycle = per_cycle(verify_total)
     comm = [max(0.0, o - v * ms) for o, v in zip(overhead, verify_s)]
-    ranks = [{"rank": 0, "role": role_of(0),
+    ranks = [{"rank": 0, "role": role_name(0),
               "phase_ms_per_cycle": {k: per_cycle(v) for k, v in stats.phase_s.items()}}]
     for st in stage_stats:
         worked = st["forward_s"]  # one per unit, dropped units included
@@ -61,7 +61,11 @@ def breakdown(rt: Runtime, stats: DecodeStats, cycle_s: list[float], draft_s: li
                       "forward_ms": _summary([f * ms for f in worked]),
                       "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
                       "prefill_ms": st["prefill_s"] * ms})
-    return {"world_size": rt.world, "backend": rt.backend, "draft_rank": DRAFT_RANK,
+    placement = rt.config.placement
+    # world_size counts the roles (ranks of the protocol); processes the devices they run on
+    return {"world_size": rt.world, "processes": placement.processes,
+            "draft_on_stage": placement.draft_on_stage, "backend": rt.backend,
+            "draft_rank": DRAFT_RANK,
             "cycles": K, "cycle_ms": _summary([c * ms for c in cycle_s]),
             "draft_ms": _summary([d * ms for d in draft_s]),
             "overhead_ms": _summary(overhead),

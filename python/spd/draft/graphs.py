@@ -5,8 +5,9 @@ append, cache attention, o_proj, MLP, then the draft head). One graph per row co
 decoding) replays at every position: the position is a device tensor filled before the replay.
 Besides what every graph keeps by address (spd.cuda_graphs), a replaced PDM Parameter is noticed
 when the next generation begins, and the graphs are rebuilt; a new cache means a new
-`PDMStepGraphs`. The cache's length and the overflow check stay outside the graph, as eager
-calls before the replay.
+`PDMStepGraphs`; quantised draft weights are remade (and the graphs with them when their
+addresses move) at the same point. The cache's length and the overflow check stay outside the
+graph, as eager calls before the replay.
 """
 from __future__ import annotations
 
@@ -45,8 +46,12 @@ class PDMStepGraphs:
     def check_weights(self) -> None:
         """Drop the graphs if a weight was replaced since they were captured. Called once per
         generation (PDMDrafter.begin), not per draft: the addresses cost ~30 reads."""
+        # quantised draft weights (PipelineDraftModule.quantize_): their kind and the copies'
+        # addresses (remade here, outside any capture, when a parameter changed)
         key = tuple(p.data_ptr() for p in self.pdm.parameters()) + (
-            self.pdm.draft_to_target.data_ptr(),)
+            self.pdm.draft_to_target.data_ptr(), getattr(self.pdm, "draft_weights", "model")) + \
+            (self.pdm.draft_weight_addresses() if hasattr(self.pdm, "draft_weight_addresses")
+             else ())
         if key != self.weights_key:
             self.set.clear()
             self.weights_key = key

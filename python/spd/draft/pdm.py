@@ -5,6 +5,10 @@ projection per aggregation type e that occurs at some depth. Then L_s Qwen3-styl
 (RMSNorm, GQA with per-head q/k norm, RoPE, SwiGLU), a final norm and an LM head over a reduced
 draft vocabulary whose rows map to target ids (`draft_to_target`).
 
+The draft step may read weight-only quantised copies of the weights (`quantize_("int8" | "fp8")`,
+spd_kernels.quant: one scale per output row): half the bytes of bf16 per step, and since
+verification is exact, SPD's output is unchanged; only the acceptance rate may move.
+
 A checkpoint is a folder with `config.json` (names the target, its fingerprint, n, the split,
 the anchors, L_s, the draft vocabulary size) and `model.safetensors`.
 """
@@ -28,7 +32,24 @@ from spd.errors import SPDError
 from spd.model.layers import RMSNorm, decoder_layer_step, pack_layer_, rope_table
 from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
-from spd_kernels.pdm import PDMWeights
+from spd_kernels.pdm import PDMWeights, quantize_group
+from spd_kernels.qkv_rope import back_to_back
+from spd_kernels.quant import KINDS as QUANT_KINDS
+
+# --draft-weights: "model" = the PDM's own dtype (today's path); int8 / fp8 = weight-only
+# quantised copies for the draft step (spd_kernels.quant)
+DRAFT_WEIGHTS = ("model", *QUANT_KINDS)
+
+
+def check_draft_weights(value: str) -> str:
+    if value not in DRAFT_WEIGHTS:
+        raise SPDError(f"draft weights must be one of {', '.join(DRAFT_WEIGHTS)}, got {value!r}")
+    return value
+
+
+# the layer weights the step reads, with the LayerWeights field of each one's scale
+_LAYER_QUANT = (("wq", "wq_scale"), ("wk", "wk_scale"), ("wv", "wv_scale"), ("wo", "wo_scale"),
+                ("w_gate", "gate_scale"), ("w_up", "up_scale"), ("w_down", "down_scale"))
 
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "checkpoints"  # spd/checkpoints
 
@@ -161,6 +182,9 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         self.register_buffer("draft_to_target",
                              torch.arange(config.draft_vocab_size, dtype=torch.int64))
         self._rope = None
+        self.draft_weights = "model"   # what the draft step reads (quantize_)
+        # slot -> (key of the float tensors, [(q, scale), ...], quantised as one packed tensor)
+        self._quant: dict = {}
 
     # --- construction ---------------------------------------------------------------------
     @classmethod
@@ -196,15 +220,25 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, w.device, w.dtype,
                        poison_on_truncate=poison)
 
-    def features(self, anchors: torch.Tensor, types: torch.Tensor) -> torch.Tensor:
-        """anchors [m, R, d_target], types [R] -> PDM inputs [R, hidden]."""
+    def features(self, anchors: torch.Tensor, types: torch.Tensor, *,
+                 quantized: bool = True) -> torch.Tensor:
+        """anchors [m, R, d_target], types [R] -> PDM inputs [R, hidden]. With quantize_ on, the
+        projections' quantised copies (quantized=False: the float parameters, for training)."""
         m = len(self.layout.anchors)
         weights = [None] * m
         biases = [None] * m
+        scales = None
+        quant = quantized and self.draft_weights != "model"
+        if quant:
+            scales = [None] * m
         for key, proj in self.projections.items():
-            weights[int(key)] = proj.weight
-            biases[int(key)] = proj.bias
-        return anchor_projection(anchors, types, weights, biases)
+            e = int(key)
+            if quant:
+                [(weights[e], scales[e])] = self._quantized(f"proj{key}", [proj.weight])
+            else:
+                weights[e] = proj.weight
+            biases[e] = proj.bias
+        return anchor_projection(anchors, types, weights, biases, scales)
 
     def _rope_for(self, need: int, like: torch.Tensor):
         c = self.config
@@ -221,7 +255,7 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         the LM head reads (a trainer that applies the frozen head itself).
         """
         c = self.config
-        x = self.features(anchors[:, tl.tokens], tl.types)
+        x = self.features(anchors[:, tl.tokens], tl.types, quantized=False)
         cos, sin = self._rope_for(int(tl.position.max()) + 1, x)
         cos, sin = cos[tl.position], sin[tl.position]
         last = len(self.layers) - 1
@@ -258,8 +292,80 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
 
     def kernel_weights(self) -> PDMWeights:
         """The layers as plain tensors for spd_kernels.pdm_step. Built on every call (a few
-        microseconds: references, no copies), so replaced or moved parameters are never stale."""
-        return PDMWeights.from_pdm(self)
+        microseconds: references, no copies), so replaced or moved parameters are never stale.
+        With quantize_ on, the weights are the cached quantised copies with their scales."""
+        weights = PDMWeights.from_pdm(self)
+        if self.draft_weights == "model":
+            return weights
+        # one check of every tensor the step reads (address, version) returns the last result:
+        # the per-group checks below cost more than building the weights
+        key = tuple((t.data_ptr(), t._version) for lw in weights.layers
+                    for t in vars(lw).values() if t is not None)
+        key += ((weights.lm_head.data_ptr(), weights.lm_head._version),
+                (weights.final_norm.data_ptr(), weights.final_norm._version))
+        hit = self._quant.get("step")
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        for i, lw in enumerate(weights.layers):
+            # q/k/v, then gate/up, quantised together so copies of packed weights stay packed
+            groups = (_LAYER_QUANT[:3], _LAYER_QUANT[3:4], _LAYER_QUANT[4:6], _LAYER_QUANT[6:])
+            for g, group in enumerate(groups):
+                pairs = self._quantized(f"layer{i}.{g}", [getattr(lw, w) for w, _ in group])
+                for (w_name, s_name), (q, scale) in zip(group, pairs):
+                    setattr(lw, w_name, q)
+                    setattr(lw, s_name, scale)
+        [(weights.lm_head, weights.lm_head_scale)] = self._quantized("lm_head", [weights.lm_head])
+        self._quant["step"] = (key, weights, None)
+        return weights
+
+    def draft_weight_addresses(self) -> tuple:
+        """Addresses of the quantised copies the draft step reads (remade now if stale; () for
+        float weights): a captured step (spd.draft.graphs) is stale when they change."""
+        if self.draft_weights == "model":
+            return ()
+        w = self.kernel_weights()
+        tensors = [w.lm_head, w.lm_head_scale]
+        tensors += [getattr(lw, f) for lw in w.layers for pair in _LAYER_QUANT for f in pair]
+        for key, proj in self.projections.items():
+            tensors += self._quantized(f"proj{key}", [proj.weight])[0]
+        return tuple(t.data_ptr() for t in tensors)
+
+    @torch.no_grad()
+    def quantize_(self, kind: str = "int8") -> "PipelineDraftModule":
+        """Make the draft step (kernel_weights, features) read weight-only quantised copies of
+        every weight it reads: "int8" or "fp8" (e4m3), one fp32 scale per output row
+        (spd_kernels.quant.quantize_weight); "model" goes back to the float parameters. The
+        parameters stay float (training reads them); the copies are made on first use and
+        remade when a parameter is replaced or written in place (its address or version
+        changes), into the same buffers when the shapes allow, so a captured draft step keeps
+        reading them."""
+        check_draft_weights(kind)
+        if kind != self.draft_weights:
+            self._quant.clear()
+        self.draft_weights = kind
+        return self
+
+    @torch.no_grad()
+    def _quantized(self, slot: str, tensors: list[torch.Tensor]) -> list[tuple]:
+        """[(q, scale)] for float weights `tensors`, cached under `slot` until one of them
+        changes. Tensors lying back to back (pack_qkv_) are quantised as one, so their copies
+        and scales lie back to back too (one product in the step)."""
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        hit = self._quant.get(slot)
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        packed = len(tensors) > 1 and back_to_back(*tensors) is not None
+        pairs = quantize_group(tensors, self.draft_weights)
+        old = None if hit is None else hit[1]
+        if old is not None and hit[2] == packed and len(old) == len(pairs) and all(
+                a.shape == b.shape and a.dtype == b.dtype and a.device == b.device
+                for (a, _), (b, _) in zip(old, pairs)):
+            for (q_old, s_old), (q_new, s_new) in zip(old, pairs):  # same addresses
+                q_old.copy_(q_new)
+                s_old.copy_(s_new)
+            pairs = old
+        self._quant[slot] = (key, pairs, packed)
+        return pairs
 
 
 def read_pdm_config(folder) -> PDMConfig:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from spd.model.partition import DepthLayout
+from spd.model.partition import DepthLayout, balanced_split, stage_times
 from spd.model.target import Stage
 
 
@@ -35,6 +35,7 @@ class Costs:
     head_s: float = 0.0                          # final norm + LM head, one row
     stage_s: dict = field(default_factory=dict)  # str(n) -> [seconds per stage], one token
     chunk_s: dict = field(default_factory=dict)  # str(rows) -> full forward of `rows` tokens
+    num_layers: int = 0                          # the target's L (0: not recorded, older grids)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -50,6 +51,28 @@ class Costs:
         if head_on_last:
             per[-1] += self.head_s
         return max(per)
+
+    def layer_costs(self, n: int) -> list[float] | None:
+        """Seconds per layer from the n-stage measurement: each layer of uniform stage i costs
+        t_i / its layer count (so a hybrid's dearer stages stay dearer); None when the layer
+        count was not recorded."""
+        if not self.num_layers:
+            return None
+        sizes = [len(r) for r in DepthLayout.build(self.num_layers, n).stages]
+        return [t / k for t, k in zip(self.stage_s[str(n)], sizes) for _ in range(k)]
+
+    def balanced_cycle(self, n: int, last_extra: float = 0.0,
+                       extra: dict[int, float] | None = None) -> float:
+        """The slowest stage of the balanced split (spd.model.partition.balanced_split) of the
+        measured layer costs, the last stage paying `last_extra` and stage s `extra[s]`.
+        Without the layer count, the bound of a split into fractions of layers: the total over
+        n, and no stage below its own extra work."""
+        per = self.layer_costs(n)
+        if per is None:
+            total = sum(self.stage_s[str(n)]) + last_extra + sum((extra or {}).values())
+            return max(total / n, last_extra, *(extra or {}).values())
+        split = balanced_split(per, n, last_extra, extra)
+        return max(stage_times(per, split, last_extra, extra))
 
     def balanced(self, n: int) -> float:
         """A cycle as S_theory assumes it: an n-th of the full forward (layers and head)."""
@@ -84,7 +107,8 @@ def _interleaved_medians(pieces: dict, reps: int) -> dict:
 def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
                   reps: int = 10) -> Costs:
     """Time the target's pieces on its device (see the module docstring)."""
-    costs = Costs(device=str(target.device), context=context, reps=reps)
+    costs = Costs(device=str(target.device), context=context, reps=reps,
+                  num_layers=target.num_layers)
     capacity = context + max([1, *chunk_rows]) + 1
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).to(target.device)

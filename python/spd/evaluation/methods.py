@@ -14,6 +14,11 @@ Each cost is charged where it runs (docs/definitions.md):
   spd     S / n * t_fwd / cycle, cycle over: every stage, the last one with t_head when greedy
           (it judges the draft after its layers); the draft rank's t_draft, plus t_head under
           sampling (there the draft rank judges)
+  spd-nd  SPD on n devices (no draft rank: the PDM shares stage 0's device): S / n * t_fwd /
+          cycle, cycle = the slowest stage of the balanced split of the measured layer costs
+          (Costs.balanced_cycle), stage 0 paying t_draft (+ t_head under sampling, it judges
+          there) and the last stage t_head when greedy. Its counts are SPD's (the same
+          drafters); the split is charged in the cost, as the n-device mode would run it
   ppsd    S / n * t_fwd / cycle, cycle = max_i(t_i, the last with t_head) + t_draft (it drafts
           after each step: on the critical path; the last stage verifies)
   eagle3  S * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))   k serial drafts, then one
@@ -109,6 +114,14 @@ def _adjusted_spd(c: Costs, n, s, draft_s, steps, greedy):
     return s / n * c.forward_s / c.cycle(n, c.slowest_stage(n, head_on_last=greedy), rank0)
 
 
+def _adjusted_spd_nd(c: Costs, n, s, draft_s, steps, greedy):
+    # n devices: stage 0's device also drafts (and judges under sampling); the split is
+    # rebalanced so that stage 0 holds fewer layers
+    rank0 = draft_s + (0.0 if greedy else c.head_s)
+    cycle = c.balanced_cycle(n, c.head_s if greedy else 0.0, {0: rank0})
+    return s / n * c.forward_s / c.cycle(n, cycle)
+
+
 def _adjusted_ppsd(c: Costs, n, s, draft_s, steps, greedy):
     # PPSD drafts after each step (on the critical path) and its last stage verifies
     return s / n * c.forward_s / c.cycle(n, c.slowest_stage(n, head_on_last=True) + draft_s)
@@ -131,6 +144,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            adjusted=_adjusted_ppsd, build=_pdm_builder(ppsd.NAME, ppsd.layout)),
     Method("spd", staged=True, per_depth=True, measured_for_real=False,
            devices=lambda n: n + 1, adjusted=_adjusted_spd,
+           build=_pdm_builder("spd", DepthLayout.build)),
+    Method("spd-nd", staged=True, per_depth=True, measured_for_real=False,
+           devices=lambda n: n, adjusted=_adjusted_spd_nd,
            build=_pdm_builder("spd", DepthLayout.build)),
 )}
 NAMES = tuple(METHODS)
@@ -156,8 +172,9 @@ def adjusted_speedup(method: str, costs: Costs, *, n: int = 1, s_theory: float =
 
 
 def devices_used(method: str, n: int) -> int:
-    """Devices each method occupies: SPD adds a draft rank to its n stage ranks; PPSD drafts on
-    its first stage's device; PP uses the n stage ranks; AR and EAGLE-3 one device."""
+    """Devices each method occupies: SPD adds a draft rank to its n stage ranks (SPD-nd drafts
+    on stage 0's device); PPSD drafts on its first stage's device; PP uses the n stage ranks;
+    AR and EAGLE-3 one device."""
     return get(method).devices(n)
 
 

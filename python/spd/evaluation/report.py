@@ -132,6 +132,9 @@ def markdown(state: dict) -> str:
               "- spd: S_theory/n * t_fwd / cycle; greedy, the last stage runs t_i + t_head (it "
               "judges the draft) and the draft rank t_draft; under sampling the stages run t_i "
               "and the draft rank t_draft + t_head (it judges)",
+              "- spd-nd (n devices, the PDM on stage 0's): S_theory/n * t_fwd / cycle, cycle = "
+              "the slowest stage of the balanced split of the measured layer costs, stage 0 "
+              "also running t_draft (+ t_head under sampling), the last t_head when greedy",
               "- ppsd: S_theory/n * t_fwd / cycle, cycle = (slowest t_i, the last with t_head) "
               "+ t_draft (drafting waits for each step)",
               "- eagle3: S_theory * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))"]

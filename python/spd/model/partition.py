@@ -7,16 +7,25 @@ prefix b_0..b_e; e(k) is its aggregation type.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 from spd.errors import SPDError
 
+log = logging.getLogger(__name__)
 
-def parse_split(text: str | None) -> list[int] | None:
-    """'8,8,7,7' -> [8, 8, 7, 7]; None/'' -> None."""
+
+AUTO = "auto"  # --split auto: balanced_split over spd.model.stage_costs' cost model
+
+
+def parse_split(text: str | None) -> list[int] | str | None:
+    """'8,8,7,7' -> [8, 8, 7, 7]; 'auto' -> AUTO (resolved once the model's costs are known:
+    spd.model.stage_costs.resolve_split); None/'' -> None."""
     if not text:
         return None
+    if str(text).strip().lower() == AUTO:
+        return AUTO
     try:
         return [int(x) for x in str(text).split(",") if x.strip()]
     except ValueError as exc:
@@ -46,6 +55,97 @@ def partition_layers(num_layers: int, n_stages: int, split: Sequence[int] | None
         ranges.append(range(start, start + size))
         start += size
     return ranges
+
+
+def stage_times(layer_costs: Sequence[float], split: Sequence[int], last_extra: float = 0.0,
+                extra: dict[int, float] | None = None) -> list[float]:
+    """Each stage's time under `split`: its layers' costs, plus `last_extra` on the last stage
+    (final norm + LM head + verify) and `extra[s]` on stage s (e.g. a draft step sharing its
+    device)."""
+    times, start = [], 0
+    for s, size in enumerate(split):
+        t = sum(layer_costs[start:start + size]) + (extra or {}).get(s, 0.0)
+        times.append(t + (last_extra if s == len(split) - 1 else 0.0))
+        start += size
+    return times
+
+
+def balanced_split(layer_costs: Sequence[float], n: int, last_extra: float = 0.0,
+                   extra: dict[int, float] | None = None) -> list[int]:
+    """The contiguous split of the layers into n stages (each >= 1 layer) whose slowest stage is
+    fastest (stage_times: the last stage also pays `last_extra`, stage s `extra[s]`); among
+    those, the one whose fastest stage is slowest (the times as even as they can be); among
+    those, the largest stages first, like the uniform default (equal costs and no extras give
+    exactly partition_layers' split). With equal layer costs (or a hybrid's periodic ones) the
+    stage times then differ by at most one layer's cost, unless a stage with extra work is
+    down to one layer.
+
+    Every stage keeps at least one layer even where an extra alone exceeds the others' cycle
+    (a draft dearer than a stage): that stage then holds one layer and is the cycle, and a
+    warning says so, since no split hides such work. Raises SPDError for n outside
+    1..len(layer_costs), a stage index of `extra` outside 0..n-1, or a negative cost."""
+    costs = [float(c) for c in layer_costs]
+    L, extra = len(costs), dict(extra or {})
+    if int(n) != n or n < 1:
+        raise SPDError(f"number of stages must be a positive integer, got {n}")
+    if n > L:
+        raise SPDError(f"cannot cut a {L}-layer model into {n} stages (at most one stage per "
+                       f"layer: use --stages <= {L})")
+    bad = [s for s in extra if not (isinstance(s, int) and 0 <= s < n)]
+    if bad:
+        raise SPDError(f"extra work on stage(s) {bad}: stages are numbered 0..{n - 1}")
+    if any(c < 0 for c in costs) or last_extra < 0 or any(v < 0 for v in extra.values()):
+        raise SPDError("stage costs must be >= 0")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # comparisons allow for float rounding of sums of the same costs taken in another order
+    eps = 1e-9 * (prefix[-1] + last_extra + sum(extra.values()) + 1e-30)
+
+    def seg(s: int, i: int, j: int) -> float:  # stage s holding layers i..j-1
+        return (prefix[j] - prefix[i] + extra.get(s, 0.0)
+                + (last_extra if s == n - 1 else 0.0))
+
+    inf = float("inf")
+    # best[s][j]: the least possible slowest stage of stages 0..s holding layers 0..j-1
+    best = [[inf] * (L + 1) for _ in range(n)]
+    for j in range(1, L - n + 2):
+        best[0][j] = seg(0, 0, j)
+    for s in range(1, n):
+        for j in range(s + 1, L - n + s + 2):
+            best[s][j] = min(max(best[s - 1][i], seg(s, i, j)) for i in range(s, j))
+    hi = best[n - 1][L]
+    # most[s][j]: the largest possible fastest stage, with no stage above hi
+    most = [[-inf] * (L + 1) for _ in range(n)]
+    for j in range(1, L - n + 2):
+        if seg(0, 0, j) <= hi + eps:
+            most[0][j] = seg(0, 0, j)
+    for s in range(1, n):
+        for j in range(s + 1, L - n + s + 2):
+            most[s][j] = max((min(most[s - 1][i], seg(s, i, j)) for i in range(s, j)
+                              if seg(s, i, j) <= hi + eps), default=-inf)
+    lo = most[n - 1][L]
+    # fits[s][i]: layers i..L-1 split into stages s..n-1, every stage time within [lo, hi]
+    fits = [[False] * (L + 1) for _ in range(n + 1)]
+    fits[n][L] = True
+    for s in range(n - 1, -1, -1):
+        for i in range(L):
+            fits[s][i] = any(fits[s + 1][j] and lo - eps <= seg(s, i, j) <= hi + eps
+                             for j in range(i + 1, L + 1))
+    split, i = [], 0
+    for s in range(n):  # the largest stage that still lets the rest fit
+        j = max(j for j in range(i + 1, L + 1)
+                if fits[s + 1][j] and lo - eps <= seg(s, i, j) <= hi + eps)
+        split.append(j - i)
+        i = j
+    times = stage_times(costs, split, last_extra, extra)
+    for s, t in enumerate(times):
+        own = extra.get(s, 0.0) + (last_extra if s == n - 1 else 0.0)
+        if n > 1 and split[s] == 1 and own > 0 and t > max(times[:s] + times[s + 1:]) + eps:
+            log.warning("stage %d keeps one layer and is still the slowest (%.3g against "
+                        "%.3g for the others): its extra work does not fit in one cycle",
+                        s, t, max(times[:s] + times[s + 1:]))
+    return split
 
 
 def default_anchors(num_layers: int) -> list[int]:

@@ -15,7 +15,13 @@ import torch
 
 from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
-from spd.draft.pdm import PipelineDraftModule, check_compatible, find_shipped_pdm, read_pdm_config
+from spd.draft.pdm import (
+    PipelineDraftModule,
+    check_compatible,
+    check_draft_weights,
+    find_shipped_pdm,
+    read_pdm_config,
+)
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
 from spd.model.prompt import encode_request_prompt
@@ -36,11 +42,18 @@ class SPDEngine:
     shipped for this target and layout (an untrained PDM if there is none: exact output, many
     rejections, and a warning says so). lookup: shortest context match the drafter uses in
     place of the PDM's guess (spd.draft.lookup; 0: the PDM alone); `engine.drafter.lookup` changes it.
+    draft_weights: what the draft step reads, "model" (the PDM's own dtype), "int8" or "fp8"
+    (weight-only quantised copies, spd_kernels.quant: half the weight bytes of bf16; the output
+    is unchanged, only the acceptance may move); None leaves a given PDM as it is ("model" for
+    one the engine loads).
     """
 
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,
                  pdm=None, pdm_layers: int | None = None, debug_poison: bool = False,
-                 warn_untrained: bool = True, lookup: int = DEFAULT_LOOKUP):
+                 warn_untrained: bool = True, lookup: int = DEFAULT_LOOKUP,
+                 draft_weights: str | None = None):
+        if draft_weights is not None:  # a bad value fails before anything loads
+            check_draft_weights(draft_weights)
         self.target = target
         if isinstance(pdm, (str, Path)) and str(pdm) != "untrained" and anchors is None:
             # A checkpoint fixes its own anchors (a PPSD drafter's differ from the default)
@@ -70,6 +83,8 @@ class SPDEngine:
             else:
                 check_compatible(pdm.config, target, self.layout)
                 self.pdm_source = "given"
+            if draft_weights is not None:
+                pdm.quantize_(draft_weights)
             self.pdm = pdm
             self.drafter = PDMDrafter(pdm, lookup=lookup)
 

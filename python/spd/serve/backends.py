@@ -63,6 +63,6 @@ class DistributedBackend:
                                         on_token=on_token, stop=job.stop,
                                         stop_token_ids=job.stop_token_ids, cancel=job.cancel)
         except CommError as exc:  # usually a peer died: name it, as run_rank would
-            rt = self.engine.rt
+            rt = self.engine.process
             self.failure = rt.blame_after_comm_error(exc, min(1.0, rt.config.fault_timeout))
             raise RankFailure(describe_failure(self.failure), self.failure) from exc

@@ -92,6 +92,7 @@ def pdm_train_config(method: TrainMethod, job: TrainJob):
                        method=method.name, init_from=o.init_from,
                        intermediate_size=o.intermediate_size or 768,
                        draft_vocab_size=o.draft_vocab_size, steps=o.steps or 1,
+                       draft_vocab_coverage=getattr(o, "draft_vocab_coverage", None),
                        batch_sequences=o.batch, micro_batch=getattr(o, "micro_batch", 0),
                        pack_tokens=getattr(o, "pack_tokens", 0), lr=o.lr,
                        eval_every=o.eval_every, save_every=o.eval_every, max_len=o.max_len,

@@ -75,7 +75,7 @@ def init_vocab(cfg: TrainConfig, counts: torch.Tensor) -> torch.Tensor:
         src = read_weights(cfg.init_from).get("draft_to_target")
         if src is not None:
             return src.to(torch.int64)
-    return build_draft_vocab(counts, cfg.draft_vocab_size)
+    return build_draft_vocab(counts, cfg.draft_vocab_size, cfg.draft_vocab_coverage)
 
 
 def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *, group=None,

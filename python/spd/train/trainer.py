@@ -39,6 +39,9 @@ class TrainConfig:
     pdm_layers: int = 2
     intermediate_size: int = 768
     draft_vocab_size: int = 8192
+    # the fewest frequent ids covering this share of the argmax counts, capped by
+    # draft_vocab_size when that is > 0 (None: draft_vocab_size ids)
+    draft_vocab_coverage: float | None = None
     steps: int = 1000
     batch_sequences: int = 2    # the global batch: sequences per step, every rank together
     micro_batch: int = 0         # sequences per forward on one rank (0: the whole rank's share)
@@ -87,8 +90,31 @@ def sample_fill(rng, n: int, cfg: TrainConfig) -> int:
     return rng.randint(1, n - 1)
 
 
-def build_draft_vocab(counts: torch.Tensor, size: int) -> torch.Tensor:
-    """The `size` most frequent target ids (ties broken by id), sorted by id."""
+def coverage_size(counts: torch.Tensor, coverage: float) -> int:
+    """The fewest most-frequent ids whose counts hold `coverage` (in (0, 1]) of all counts
+    (counts [V]: how often each target id is the target's argmax in the data)."""
+    if not 0.0 < coverage <= 1.0:
+        raise SPDError(f"draft vocabulary coverage must lie in (0, 1], got {coverage}")
+    total = int(counts.sum())
+    if total == 0:
+        return int(counts.numel())
+    cum = torch.sort(counts.to(torch.int64), descending=True).values.cumsum(0)
+    # integer comparison of cum / total >= coverage, so 1.0 means every counted id
+    need = coverage * total
+    return int(torch.searchsorted(cum.to(torch.float64), torch.tensor([need - 1e-9 * total],
+                                                                       dtype=torch.float64))) + 1
+
+
+def build_draft_vocab(counts: torch.Tensor, size: int | None,
+                      coverage: float | None = None) -> torch.Tensor:
+    """The `size` most frequent target ids (ties broken by id), sorted by id. With `coverage`:
+    the fewest that cover that fraction of the counts (coverage_size), at most `size` ids when
+    `size` is given (None or 0: no cap)."""
+    if coverage is not None:
+        need = coverage_size(counts, coverage)
+        size = min(need, size) if size else need
+    elif not size:
+        raise SPDError("a draft vocabulary needs a size or a coverage")
     size = min(size, counts.numel())
     order = sorted(range(counts.numel()), key=lambda i: (-int(counts[i]), i))[:size]
     return torch.tensor(sorted(order), dtype=torch.int64)
@@ -293,7 +319,9 @@ def train(target, features, cfg: TrainConfig, out_dir, progress: bool = True,
                        f"{cfg.eval_sequences} held out for evaluation")
     held_out = [crop(x, cfg.crop_len, None) for x in features.items[-cfg.eval_sequences:]]
     train_items = features.items[:-cfg.eval_sequences]
-    vocab = build_draft_vocab(features.argmax_counts(target.vocab_size), cfg.draft_vocab_size)
+    vocab = build_draft_vocab(features.argmax_counts(target.vocab_size), cfg.draft_vocab_size,
+                              cfg.draft_vocab_coverage)
+    cfg.draft_vocab_size = int(vocab.numel())  # the size coverage chose: record that one
 
     def batches(plan, rank, n):
         return CachedBatches(train_items, plan, rank, cfg.crop_len, cfg.seed,
