@@ -52,7 +52,8 @@ def test_each_method_sets_its_defaults():
 def test_only_eagle3_refuses_the_pdm_options():
     assert SPD.refused() == ppsd.TRAIN.refused() == set()
     assert eagle_train.TRAIN.refused() == {"fill_weights", "argmax_weight", "init_from",
-                                           "pdm_layers", "feature_timing"}
+                                           "pdm_layers", "feature_timing",
+                                           "draft_vocab_coverage"}
     pdm_only = _options("--fill-weights", "1,1", "--argmax-weight", "0.5", "--init-from", "c",
                         "--pdm-layers", "3", "--feature-timing", "post-step")
     SPD.check_options(pdm_only)
@@ -74,6 +75,7 @@ def test_only_eagle3_refuses_the_pdm_options():
     (("--init-from", "ckpt"), "--init-from, --pdm-layers and --feature-timing are PDM options"),
     (("--feature-timing", "pre-step"), "--init-from, --pdm-layers and --feature-timing are PDM"),
     (("--ttt-steps", "0"), "--ttt-steps must be >= 1, got 0"),
+    (("--draft-vocab-coverage", "0.99"), "--draft-vocab-coverage is a PDM option"),
     # refusals in their order: the fill levels first, then the loss, then the PDM's shape
     (("--pdm-layers", "2", "--argmax-weight", "1", "--fill-weights", "1"),
      "--fill-weights is a PDM option"),

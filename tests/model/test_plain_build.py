@@ -139,7 +139,7 @@ from spd.distributed.config import DistConfig
 from spd.distributed.rank import _load_own_part
 from spd.model.target import Stage
 rank, n = int(sys.argv[2]), int(sys.argv[3])
-target = _load_own_part(DistConfig(n_stages=n, model=sys.argv[1], device="cpu"), rank, "cpu")
+target = _load_own_part(DistConfig(n_stages=n, model=sys.argv[1], device="cpu"), [rank], "cpu")
 from spd.model.partition import DepthLayout
 layers = DepthLayout.build(target.num_layers, n, None, None).stages[rank - 1]
 stage = Stage(target, rank - 1, layers, 32, cuda_graphs=False)
