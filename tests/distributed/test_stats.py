@@ -36,3 +36,15 @@ def test_comm_control_is_never_negative():
     out = breakdown(rt, stats, [0.010], [0.001],
                     [_stage(1, [0.009])], verify_s=[0.005])
     assert out["comm_control_ms"]["median"] == 0.0
+
+
+def test_summary_names_processes_when_the_draft_shares_a_stage():
+    from spd.distributed.stats import DistributedDecodeStats
+    stats = DistributedDecodeStats(mode="spd", n=2)
+    stats.phase_s = {}
+    for on_stage, want in ((None, " ranks=3 "), (0, " ranks=2 (draft on stage 0) ")):
+        rt = SimpleNamespace(world=3, backend="gloo",
+                             config=DistConfig(n_stages=2, draft_on_stage=on_stage))
+        stats.distributed = breakdown(rt, stats, [0.01], [0.001], [_stage(1, [0.008])],
+                                      verify_s=[0.0])
+        assert want in stats.summary()

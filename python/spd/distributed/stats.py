@@ -17,7 +17,10 @@ class DistributedDecodeStats(DecodeStats):
         d = self.distributed
         extra = ""
         if d:
-            extra = (f" ranks={d['world_size']} cycle={d['cycle_ms']['median']:.2f} ms "
+            procs = d.get("processes", d["world_size"])
+            ranks = (f"ranks={procs}" if procs == d["world_size"] else
+                     f"ranks={procs} (draft on stage {d.get('draft_on_stage')})")
+            extra = (f" {ranks} cycle={d['cycle_ms']['median']:.2f} ms "
                      f"overhead={d['overhead_ms']['median']:.2f} ms")
         return super().summary() + extra
 
