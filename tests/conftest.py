@@ -144,6 +144,24 @@ class NoisyPDMDrafter(PDMDrafter):
         return self.ref.draft(anchors, types, start, position, sampling, uniform)
 
 
+class RecordingDrafter(PDMDrafter):
+    """Runs the real PDM step (graph or eager) and records its logits, but proposes the
+    reference token with probability `accuracy`, so two runs see the same accept/reject path."""
+
+    def __init__(self, pdm, reference, accuracy, cuda_graphs):
+        super().__init__(pdm, cuda_graphs=cuda_graphs)
+        self.ref = ReferenceDrafter(reference, accuracy, seed=1)
+        self.logits = []
+
+    def begin(self, capacity, vocab_size):
+        super().begin(capacity, vocab_size)
+        self.ref.begin(capacity, vocab_size)
+
+    def draft(self, anchors, types, start, position, sampling, uniform):
+        self.logits.append(self.draft_logits(anchors, types, start).clone())
+        return self.ref.draft(anchors, types, start, position, sampling, uniform)
+
+
 def check_stages_match_hf(t, stages, vocab: int = 40) -> None:
     """A 9-row prompt chunk, then 4 tokens one at a time (the decode pattern), through `stages`
     (fresh, covering every layer of `t`): each layer's output and the logits equal HF's."""

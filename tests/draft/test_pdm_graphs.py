@@ -1,31 +1,13 @@
 """The PDM draft step as CUDA-graph replays (spd.draft.graphs): same logits as the eager step."""
 import pytest
 import torch
-from conftest import make_tiny_target, needs_gpu
+from conftest import RecordingDrafter, make_tiny_target, needs_gpu
 
 from spd import SamplingParams, SPDEngine
-from spd.draft.drafters import PDMDrafter, ReferenceDrafter
+from spd.draft.drafters import PDMDrafter
 from spd.draft.graphs import graphs_enabled
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
-
-
-class RecordingDrafter(PDMDrafter):
-    """Runs the real PDM step (graph or eager) and records its logits, but proposes the
-    reference token with probability `accuracy`, so two runs see the same accept/reject path."""
-
-    def __init__(self, pdm, reference, accuracy, cuda_graphs):
-        super().__init__(pdm, cuda_graphs=cuda_graphs)
-        self.ref = ReferenceDrafter(reference, accuracy, seed=1)
-        self.logits = []
-
-    def begin(self, capacity, vocab_size):
-        super().begin(capacity, vocab_size)
-        self.ref.begin(capacity, vocab_size)
-
-    def draft(self, anchors, types, start, position, sampling, uniform):
-        self.logits.append(self.draft_logits(anchors, types, start).clone())
-        return self.ref.draft(anchors, types, start, position, sampling, uniform)
 
 
 def test_graphs_only_on_cuda(tiny_target, monkeypatch):

@@ -4,7 +4,7 @@ and sampled in law (chi-square); the quantised copies are cached, remade when a 
 changes (into the same buffers), and the step runs them as spd_kernels.pdm_step does."""
 import pytest
 import torch
-from conftest import make_tiny_target, needs_gpu, needs_triton_interpreter
+from conftest import RecordingDrafter, make_tiny_target, needs_gpu, needs_triton_interpreter
 from test_sampling_lossless import V, conditional_pvalue
 
 from spd import SamplingParams, SPDEngine
@@ -161,21 +161,7 @@ def test_gpu_graphed_quantised_draft_step_matches_eager_and_is_lossless(kind):
     """The CUDA-graph draft step captures the quantised copies (Triton kernels: the CUDA ones
     refuse them); replays give the eager step's logits; a weight written in place between
     generations reaches the replays (the copies are remade into the same buffers)."""
-    from spd.draft.drafters import PDMDrafter, ReferenceDrafter
     from spd.model.target import TargetModel
-
-    class RecordingDrafter(PDMDrafter):  # as tests/draft/test_pdm_graphs.py's
-        def __init__(self, pdm, reference, accuracy, cuda_graphs):
-            super().__init__(pdm, cuda_graphs=cuda_graphs)
-            self.ref, self.logits = ReferenceDrafter(reference, accuracy, seed=1), []
-
-        def begin(self, capacity, vocab_size):
-            super().begin(capacity, vocab_size)
-            self.ref.begin(capacity, vocab_size)
-
-        def draft(self, anchors, types, start, position, sampling, uniform):
-            self.logits.append(self.draft_logits(anchors, types, start).clone())
-            return self.ref.draft(anchors, types, start, position, sampling, uniform)
 
     cpu = make_tiny_target(seed=70, vocab=64, layers=4, model_type="qwen3")
     t = TargetModel(cpu.hf.to("cuda").bfloat16(), None, name=cpu.name)
