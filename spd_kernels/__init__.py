@@ -11,6 +11,7 @@ from importlib import metadata as _metadata
 
 from spd_kernels import on_request  # noqa: F401  (registers the on-request kernels)
 from spd_kernels.attention import cache_attention
+from spd_kernels.attention.tree import tree_attention
 from spd_kernels.checks import SPDInputError
 from spd_kernels.deltanet import conv_ring_step, gated_delta_step
 from spd_kernels.dispatch import SPDBackendError, use_backend
@@ -22,6 +23,7 @@ from spd_kernels.qkv_rope import qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.stage import stage_step
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
+from spd_kernels.verify.tree import tree_rejection_sample
 
 try:
     __version__ = _metadata.version("spd")
@@ -44,6 +46,8 @@ __all__ = [
     "rejection_sample_logits",
     "sample_from_probs",
     "stage_step",
+    "tree_attention",
+    "tree_rejection_sample",
     "truncate_kv_",
     "use_backend",
     "verify_greedy",

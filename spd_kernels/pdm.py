@@ -18,9 +18,9 @@ import torch
 from spd_kernels.linear import fused_linear
 from spd_kernels.qkv_rope import back_to_back
 from spd_kernels.quant import quantize_weight
-from spd_kernels.stage import LayerWeights, decoder_layer
+from spd_kernels.stage import LayerWeights, decoder_layer, tree_decoder_layer
 
-__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_step", "quantize_group",
+__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_step", "pdm_tree_step", "quantize_group",
            "quantize_pdm_weights"]
 
 # the dispatched ops the step runs (benchmarks time the step against them)
@@ -92,3 +92,22 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
                           weights.num_kv_heads, weights.eps, backend=backend)
     return fused_linear(x[-1:], weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
                         weight_scale=weights.lm_head_scale, backend=backend)[0].float()
+
+
+def pdm_tree_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, prefix_len, tree_mask: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, leaves: torch.Tensor, *,
+                  backend: str | None = None) -> torch.Tensor:
+    """`pdm_step` over the rows of a token tree: features [R, hidden], row r written to cache
+    slot slots[r] ([R] int64) with RoPE cos/sin[r] ([R, head_dim]); it attends to slots
+    [0, prefix_len) and to the rows r' of this step where tree_mask[r, r'] ([R, R] bool: its
+    ancestors and itself) -> draft logits [len(leaves), Vd] (fp32) of the rows `leaves` ([k]
+    int64)."""
+    x = features
+    for i, lw in enumerate(weights.layers):
+        x = tree_decoder_layer(x, lw, k_cache[i], v_cache[i], slots, prefix_len, slots,
+                               tree_mask, cos, sin, weights.num_heads, weights.num_kv_heads,
+                               weights.eps, backend=backend)
+    return fused_linear(x.index_select(0, leaves), weights.lm_head,
+                        norm_weight=weights.final_norm, eps=weights.eps,
+                        weight_scale=weights.lm_head_scale, backend=backend).float()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from spd_kernels.attention import cache_attention
+from spd_kernels.attention.tree import tree_attention
 from spd_kernels.linear import fused_linear, fused_swiglu
 from spd_kernels.qkv_rope import back_to_back, qkv_rope_append
 
@@ -90,6 +91,49 @@ def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
     mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
                        up_scale=lw.up_scale, backend=backend)
     return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+
+
+def tree_decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, slots: torch.Tensor, prefix_len, tree_slots,
+                       tree_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       num_heads: int, num_kv_heads: int, eps: float, *,
+                       backend: str | None = None) -> torch.Tensor:
+    """`decoder_layer` for the rows of a token tree: x [R, d], row r at the position whose RoPE
+    is cos/sin[r] ([R, head_dim] each), its key/value written to cache slot slots[r] ([R]
+    int64); it attends to slots [0, prefix_len) and to tree_slots[m] ([M] int64) where
+    tree_mask[r, m] ([R, M] bool): its ancestors on its own branch and itself
+    (spd_kernels.attention.tree). k_cache/v_cache [kv_heads, S, head_dim]."""
+    rows, hd = x.shape[0], k_cache.shape[-1]
+    # q/k/v, norms and RoPE as the chain computes them, into a scratch cache of R rows (row r
+    # at "position" r of the per-row tables), then scattered to the rows' slots
+    k_new = torch.empty(num_kv_heads, rows, hd, dtype=k_cache.dtype, device=k_cache.device)
+    v_new = torch.empty_like(k_new)
+    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
+                        sin, 0, k_new, v_new, num_heads, num_kv_heads, qkv_bias=lw.qkv_bias,
+                        wq_scale=lw.wq_scale, wk_scale=lw.wk_scale, wv_scale=lw.wv_scale,
+                        backend=backend)
+    k_cache.index_copy_(1, slots, k_new)
+    v_cache.index_copy_(1, slots, v_new)
+    att = tree_attention(q, k_cache, v_cache, prefix_len, tree_slots, tree_mask, backend=backend)
+    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
+    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
+                       up_scale=lw.up_scale, backend=backend)
+    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+
+
+def tree_stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slots: torch.Tensor, prefix_len, tree_slots,
+                    tree_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                    backend: str | None = None) -> list[torch.Tensor]:
+    """`stage_step` for the rows of a token tree (tree_decoder_layer's arguments; k_cache/v_cache
+    [layers, kv_heads, S, head_dim]) -> each layer's output [R, hidden]."""
+    outs = []
+    for i, lw in enumerate(weights.layers):
+        x = tree_decoder_layer(x, lw, k_cache[i], v_cache[i], slots, prefix_len, tree_slots,
+                               tree_mask, cos, sin, weights.num_heads, weights.num_kv_heads,
+                               weights.eps, backend=backend)
+        outs.append(x)
+    return outs
 
 
 def stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,

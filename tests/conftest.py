@@ -144,6 +144,41 @@ class NoisyPDMDrafter(PDMDrafter):
         return self.ref.draft(anchors, types, start, position, sampling, uniform)
 
 
+class NoisyTreeDrafter(PDMDrafter):
+    """Runs the real PDM over the tree, then reorders each leaf's logits so the reference token
+    (the target's own continuation at the drafted position) is the top child with probability
+    `accuracy`, else at a random lower rank (accepted through a non-top row) or absent."""
+
+    def __init__(self, pdm, reference, accuracy, seed, lookup=0):
+        super().__init__(pdm, lookup=lookup)
+        self.reference, self.accuracy = reference, accuracy
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def tree_logits(self, anchors, types, positions, slots, prefix_len, tree_mask, leaves):
+        logits = super().tree_logits(anchors, types, positions, slots, prefix_len, tree_mask,
+                                     leaves)
+        position = max(positions) + 1
+        token = self.reference[position] if position < len(self.reference) else 0
+        col = int((self.pdm.draft_to_target == token).nonzero()[0])
+        out = logits.clone()
+        for i in range(out.shape[0]):
+            r = float(torch.rand((), generator=self.gen))
+            ranked = out[i].sort(descending=True).values
+            if r < self.accuracy:
+                out[i, col] = ranked[0] + 1.0
+            elif r < (1 + self.accuracy) / 2:
+                rank = int(torch.randint(1, 4, (), generator=self.gen))
+                out[i, col] = ranked[min(rank, len(ranked) - 1)] - 1e-3
+            else:
+                out[i, col] = ranked[-1] - 10.0
+        return out
+
+
+def noisy_tree_drafter(reference, accuracy, seed, engine):
+    """A NoisyTreeDrafter over `engine`'s PDM (a picklable factory for distributed requests)."""
+    return NoisyTreeDrafter(engine.pdm, reference, accuracy, seed)
+
+
 class RecordingDrafter(PDMDrafter):
     """Runs the real PDM step (graph or eager) and records its logits, but proposes the
     reference token with probability `accuracy`, so two runs see the same accept/reject path."""

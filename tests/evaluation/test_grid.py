@@ -226,8 +226,27 @@ def test_cost_model_formulas():
                             draft_steps=5) == pytest.approx(3.0 * 0.040 / (5 * 0.002 + 0.040))
     assert adjusted_speedup("pp", c, n=4) == pytest.approx(0.040 / 0.042)
     assert adjusted_speedup("ar", c) == 1.0
-    assert [devices_used(m, 4) for m in ("ar", "eagle3", "pp", "ppsd", "spd", "spd-nd")] == \
-        [1, 1, 4, 4, 5, 4]
+    assert [devices_used(m, 4) for m in ("ar", "eagle3", "pp", "ppsd", "spd", "spd-nd",
+                                         "spd-tree")] == [1, 1, 4, 4, 5, 4, 5]
+
+
+def test_tree_row_charges_w_rows_per_stage_step():
+    """spd-tree: each stage's one-row time scaled by what a chunk of W = 4 rows costs over one
+    row on this device; the head judges one row; an untimed chunk is charged W times."""
+    c = Costs(device="cpu", context=8, reps=1, forward_s=0.040, head_s=0.004,
+              stage_s={"4": [0.010, 0.010, 0.009, 0.009]}, chunk_s={"4": 0.060})
+    assert methods.TREE_WIDTH == 4
+    # stages 1.5x: 15, 15, 13.5, 13.5 + 4 (the head) ms: the last stage is the cycle
+    assert adjusted_speedup("spd-tree", c, n=4, s_theory=2.4, draft_s=0.005) == \
+        pytest.approx(2.4 / 4 * 0.040 / 0.0175)
+    assert adjusted_speedup("spd-tree", c, n=4, s_theory=2.4, draft_s=0.02) == \
+        pytest.approx(2.4 / 4 * 0.040 / 0.02)
+    free = Costs(**dict(c.as_dict(), chunk_s={"4": 0.030}))  # a chunk no dearer than a row
+    assert adjusted_speedup("spd-tree", free, n=4, s_theory=2.4, draft_s=0.005) == \
+        adjusted_speedup("spd", free, n=4, s_theory=2.4, draft_s=0.005)
+    untimed = Costs(**dict(c.as_dict(), chunk_s={}))  # stages 40, 40, 36 + 4 ms
+    assert adjusted_speedup("spd-tree", untimed, n=4, s_theory=2.4, draft_s=0.005) == \
+        pytest.approx(2.4 / 4 * 0.040 / 0.040)
 
 
 def test_spd_on_n_devices_charges_the_draft_to_a_shorter_first_stage():
@@ -306,7 +325,7 @@ def test_cost_chunks_come_from_the_methods(trained, monkeypatch):
 
 def test_the_reference_method_is_ar():
     assert methods.reference() is methods.METHODS["ar"]
-    assert [m.name for m in methods.METHODS.values() if m.cost_chunks] == ["eagle3"]
+    assert [m.name for m in methods.METHODS.values() if m.cost_chunks] == ["eagle3", "spd-tree"]
 
 
 STORED_GRID = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" /

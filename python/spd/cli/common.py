@@ -111,6 +111,28 @@ def add_draft_weights_arg(p) -> None:
                         "may move")
 
 
+def tree_width_arg(text: str) -> int:
+    """argparse type of --tree-width: an integer in [1, 16]."""
+    try:
+        width = int(text)
+    except ValueError:
+        width = None
+    if width is None or not 1 <= width <= 16:
+        raise argparse.ArgumentTypeError(f"must be an integer in [1, 16] (1: a chain), got "
+                                         f"'{text}'")
+    return width
+
+
+def add_tree_width_arg(p) -> None:
+    p.add_argument("--tree-width", type=tree_width_arg, default=1, metavar="W",
+                   help="candidate tokens in flight per position (default 1: a chain of "
+                        "drafts). W > 1 drafts a token tree: up to W rows per stage per cycle, "
+                        "the W most probable branches by the PDM's cumulative probability; "
+                        "more drafts are accepted (a higher S_theory) at W times the rows per "
+                        "stage step, which a GPU reads with the same weights but a CPU computes "
+                        "W times over. One process only for now; not on hybrid targets")
+
+
 def dtype_arg(text: str) -> str:
     """argparse type of --dtype: a name of spd.model.loading.DTYPE_NAMES or a short form."""
     from spd.model.loading import DTYPE_ALIASES, DTYPE_NAMES

@@ -10,6 +10,7 @@ from spd.cli.common import (
     add_draft_weights_arg,
     add_dtype_arg,
     add_lookup_arg,
+    add_tree_width_arg,
     check_lookup,
     device_arg,
     int_in,
@@ -26,7 +27,8 @@ def add_eval(sub) -> None:
     p = sub.add_parser(
         "eval", help="decode prompt sets with SPD (or a grid of methods) and report speedups",
         description="Decode prompt sets and report N, K, alpha, theoretical speedup and "
-        "acceptance. With --methods, run the comparison grid (ar, pp, eagle3, ppsd, spd, spd-nd over "
+        "acceptance. With --methods, run the comparison grid (ar, pp, eagle3, ppsd, spd, spd-nd, "
+        "spd-tree over "
         "--stages, --pdm-layers, --datasets and --temperature lists), check every greedy output "
         "against autoregressive decoding, and write grid.json, report.md and plots to --out-dir "
         "(rerun the same command to resume).")
@@ -66,10 +68,12 @@ def add_eval(sub) -> None:
                         "budget (single run)")
     add_lookup_arg(p)
     add_draft_weights_arg(p)
+    add_tree_width_arg(p)
     g = p.add_argument_group("comparison grid")
     g.add_argument("--methods", default=None,
                    help="comma list of ar, pp, eagle3, ppsd, spd, spd-nd (SPD on n devices: "
-                        "the PDM on stage 0's): run the grid")
+                        "the PDM on stage 0's), spd-tree (SPD drafting a tree of width 4): "
+                        "run the grid")
     g.add_argument("--pdm-layers", default="2", help="SPD drafter depths L_s, e.g. 1,2,3")
     g.add_argument("--out-dir", default="spd-eval-grid",
                    help="where grid.json, report.md and the plots go (default: ./spd-eval-grid)")
@@ -99,6 +103,9 @@ def cmd_eval(args) -> int:
     if args.methods:
         if args.draft_weights != "model":
             raise SPDError("--draft-weights applies to a single run, not the --methods grid")
+        if args.tree_width != 1:
+            raise SPDError("--tree-width applies to a single run; the grid's tree row is the "
+                           "method spd-tree")
         return _eval_grid(args, sets, stages, temps)
     if args.json_out:
         check_output_file(args.json_out, "--json-out")  # before hours of decoding, not after
@@ -117,7 +124,7 @@ def cmd_eval(args) -> int:
     engine = SPDEngine(target, n_stages=stages[0], split=split,
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        warn_untrained=False, lookup=check_lookup(args.lookup),
-                       draft_weights=args.draft_weights)
+                       draft_weights=args.draft_weights, tree_width=args.tree_width)
     if engine.pdm_source == "untrained":
         warn_untrained_pdm(detail=False)
     references = None

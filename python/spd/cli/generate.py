@@ -15,6 +15,7 @@ from spd.cli.common import (
     add_draft_weights_arg,
     add_lookup_arg,
     add_model_layout_args,
+    add_tree_width_arg,
     check_lookup,
     check_prompt,
     int_in,
@@ -73,6 +74,7 @@ def add_engine_args(p) -> None:
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
     add_draft_weights_arg(p)
+    add_tree_width_arg(p)
 
 
 def build_engine(args):
@@ -91,7 +93,8 @@ def build_engine(args):
                        anchors=parse_ints(args.anchors, "--anchors"), pdm=args.pdm,
                        pdm_layers=args.pdm_layers, warn_untrained=False,
                        lookup=check_lookup(args.lookup),
-                       draft_weights=getattr(args, "draft_weights", "model"))
+                       draft_weights=getattr(args, "draft_weights", "model"),
+                       tree_width=getattr(args, "tree_width", 1))
     log.info("engine: n=%d, split %s, PDM %s", engine.n,
              ",".join(map(str, engine.layout.split)), engine.pdm_source)
     return target, engine
@@ -224,6 +227,7 @@ def config_from_args(args):
                       backend=getattr(args, "backend", None),
                       lookup=check_lookup(getattr(args, "lookup", None)),
                       draft_weights=getattr(args, "draft_weights", "model"),
+                      tree_width=getattr(args, "tree_width", 1),
                       draft_on_stage=getattr(args, "draft_on_stage", None),
                       fault=parse_fault(env.fault_injection()))
 

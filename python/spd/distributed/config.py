@@ -93,6 +93,8 @@ class DistConfig:
     lookup: int = DEFAULT_LOOKUP
     # What the draft step reads (spd.draft.pdm.DRAFT_WEIGHTS): "model", "int8" or "fp8".
     draft_weights: str = "model"
+    # Candidate rows per position (spd.runtime.tree; 1: a chain of drafts).
+    tree_width: int = 1
     # Test and benchmark hook (spd.distributed.emulate): every stage forward and draft step
     # becomes a fixed wait of this many seconds; emulate_wait "sleep" (host) or "spin" (CUDA).
     emulate_s: float | None = None
@@ -124,6 +126,8 @@ class DistConfig:
             raise SPDError(f"fault timeout must be > 0 seconds, got {self.fault_timeout}")
         if not self.op_timeout > 0:
             raise SPDError(f"communication timeout must be > 0 seconds, got {self.op_timeout}")
+        from spd.runtime.tree import check_tree_width
+        check_tree_width(self.tree_width)
         if self.speculative_control not in SPECULATION_MODES:
             raise SPDError(f"speculative control must be one of {', '.join(SPECULATION_MODES)}, "
                            f"got {self.speculative_control!r}")
@@ -184,3 +188,5 @@ class GenerateRequest:
     reference: list[int] | None = None
     reference_accuracy: float = 1.0
     reference_seed: int = 0
+    # a test's own drafter: drafter(engine: SPDEngine) -> drafter, made on rank 0 (picklable)
+    drafter: Callable | None = None

@@ -25,13 +25,16 @@ from spd.distributed.protocol import (
     VERDICT_SIZE,
     VERDICT_TAG,
     Ring,
+    TreeUnitFormat,
     UnitMessage,
     snap_format,
 )
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Endpoint
+from spd.errors import InternalError
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
 from spd.runtime.sequence import SequenceDecode, StageRunner
+from spd.runtime.tree import TreeDecode
 from spd.runtime.verdict import Verdict
 
 
@@ -131,6 +134,7 @@ class SnapRecv:
     work: object        # the posted receive
     due: int = 0        # the cycle in which the stage computes it (taken once that cycle is over)
     state: SnapState = SnapState.POSTED
+    idx: torch.Tensor | None = None  # a tree unit's: the buffer row of each of its rows [W]
 
 
 @dataclass
@@ -159,7 +163,11 @@ class UnitStream:
 
     def __init__(self, rt: Endpoint, dec: SequenceDecode, streams: DraftRankStreams):
         self.rt, self.dec, self.n = rt, dec, dec.n
-        self.greedy, self.streams = dec.sampling.greedy, streams
+        # a token tree's units (TreeUnitFormat): rank 0 judges them, greedy too (the last stage
+        # sends its output rows in its snaps, as under sampling)
+        width = getattr(dec, "width", 1)
+        self.tree = TreeUnitFormat.of(dec.n, width) if width > 1 else None
+        self.greedy, self.streams = dec.sampling.greedy and self.tree is None, streams
         self.device = dec.target.device
         n = self.n
         # Rows of stage s's snap per unit (protocol.snap_format)
@@ -171,11 +179,14 @@ class UnitStream:
         self.folded = self.rt.backend == "gloo"  # one message per unit (protocol)
         depth = ring_depth(n)  # rings (protocol.Ring), so no unit allocates
         dev, d, dtype = self.device, dec.target.hidden_size, dec.target.dtype
-        self.outbox = Ring(lambda: UnitMessage(UNIT_BYTES, dev, self.folded), depth,
+        unit_bytes = UNIT_BYTES if self.tree is None else self.tree.meta_bytes
+        self.unit_bytes = unit_bytes
+        per_unit = 1 if self.tree is None else width  # rows a unit's snap holds per anchor
+        self.outbox = Ring(lambda: UnitMessage(unit_bytes, dev, self.folded), depth,
                            "unit sends", lambda m, _: self.rt.sending(m.data)
                            or self.rt.sending(m.header))
         self.snap_rings = [
-            Ring(lambda rows=rows: torch.empty(rows, 1, d, dtype=dtype, device=dev), depth,
+            Ring(lambda rows=rows: torch.empty(rows, per_unit, d, dtype=dtype, device=dev), depth,
                  f"stage {s}'s snap receives",
                  lambda _, item: item is not None and item.state is not SnapState.RECEIVED)
             if rows else None for s, rows in enumerate(self.rows)]
@@ -204,14 +215,19 @@ class UnitStream:
                     item.work = self.rt.irecv(item.buf, item.stage + 1, SNAP_TAG)
             u.verdict[0] = self.rt.irecv(u.verdict[1], self.n, VERDICT_TAG)
 
-    def send(self, cycle: int, pos: int, token) -> None:
+    def send(self, cycle: int, pos: int, token, tree: tuple | None = None) -> None:
         """Unit: `token` (an int or a 0-d device tensor: no host read) at position `pos` enters
-        stage 0 in cycle `cycle`; post the receives for what every stage sends about it."""
+        stage 0 in cycle `cycle`; post the receives for what every stage sends about it. A tree
+        unit: `tree` = (its int64 fields [ints] (TreeUnitFormat.pack), its rows' buffer rows
+        [W] (padding: the trash row)), `token` unused."""
         rt, n = self.rt, self.n
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
         unit = self.outbox.take()
         unit.set_header(UNIT, self.sent)
-        unit.write_unit(pos, token)
+        if tree is None:
+            unit.write_unit(pos, token)
+        else:
+            unit.write_tree(tree[0])
         self._send_unit(unit, cycle)
         if self.sent and self.greedy:  # the draft the last stage judges after the unit before
             # waited for n cycles later: the last stage posts its receive two units ahead
@@ -224,7 +240,8 @@ class UnitStream:
             for s in range(n):
                 if self.rows[s]:
                     later = self.greedy and s == n - 1  # posted by _post_last
-                    item = SnapRecv(s, pos, None, None, due=cycle + s)
+                    item = SnapRecv(s, pos, None, None, due=cycle + s,
+                                    idx=None if tree is None else tree[1])
                     item.buf = self.snap_rings[s].take(item)
                     if not later:
                         item.work = rt.irecv(item.buf, s + 1, SNAP_TAG)
@@ -245,7 +262,9 @@ class UnitStream:
         self.rt.wait(item.work, item.stage + 1, "anchor states")
         keep = item.state is SnapState.POSTED
         item.state = SnapState.RECEIVED
-        if keep:
+        if keep and item.idx is not None:
+            self.dec.keep_rows(item.stage, item.idx, item.buf)
+        elif keep:
             self.dec.keep_anchors(item.stage, item.pos, item.buf)
 
     def take_due(self, cycle: int) -> None:
@@ -305,7 +324,7 @@ class UnitStream:
                 if u.verdict is not None:
                     rt.wait(u.verdict[0], n, "verdict")
             self.take_due(1 << 62)
-        stop = UnitMessage(UNIT_BYTES, self.device, self.folded)  # (not steady: no ring)
+        stop = UnitMessage(self.unit_bytes, self.device, self.folded)  # (not steady: no ring)
         stop.set_header(STOP, self.sent)
         self._send_unit(stop)
         self.units.clear()
@@ -388,6 +407,71 @@ class RemoteStages(StageRunner):
         self.verify_s.append(self._judging_s() - self._judged0)
 
 
+class RemoteTreeStages(RemoteStages):
+    """RemoteStages for a token tree (spd.runtime.tree.TreeDecode): a unit carries a
+    position's rows with their slots, keys and mask, and the commits decided since the unit
+    before (protocol.TreeUnitFormat); rank 0 judges every position (the last stage's snap
+    holds its output rows). A draft sent ahead of its verdict stays in the pipeline when the
+    rows that enter are among its own (a dropped row is only unreachable)."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.commits: list[tuple[int, int]] = []  # (position, slot) not sent yet
+        self._ahead_lanes: set[int] = set()
+        self._announce = None
+
+    def _send(self, position: int, rows=None, token=None) -> None:
+        dec, fmt = self.dec, self.stream.tree
+        idx, prefix, keys, mask, tokens = dec.unit_input(position, rows, token)
+        meta = fmt.pack(position, prefix, tokens, idx, keys, mask, self.commits, dec.trash)
+        self.commits = []
+        dev = dec.target.device
+        pad = idx + [dec.trash] * (fmt.width - len(idx))
+        with dec.timer("send"):
+            self.stream.send(self.cycle + 1, position, None,
+                             (torch.tensor(meta, dtype=torch.int64, device=dev),
+                              torch.tensor(pad, dtype=torch.int64, device=dev)))
+
+    def announce(self, cycle: int, position: int, draft) -> None:
+        dec = self.dec
+        if self.policy.speculate() and len(dec.out) + 1 < dec.max_new:
+            self.cycle = cycle
+            self._send(position, dict(enumerate(draft)))
+            self.spec["announced"] += 1
+            self._ahead, self._ahead_lanes = position, set(range(len(draft)))
+
+    def verdict(self, dec) -> Verdict:
+        with dec.timer("wait_stage"):
+            unit, got = self.stream.oldest()
+        if unit.pos != dec.sched.start:
+            raise InternalError("the last stage's unit is not the oldest position",
+                                unit=unit.pos, oldest=dec.sched.start)
+        row = dec.judging_row[unit.pos]
+        verdict = dec.judge(got.buf[-1][row:row + 1])
+        self.policy.record(verdict.accepted)
+        return verdict
+
+    def enter(self, position: int, token) -> None:
+        dec = self.dec
+        if self._ahead is not None:
+            ahead, self._ahead = self._ahead, None
+            rows = dec.rows.get(position) if token is None else None
+            if position == ahead and rows is not None and set(rows) <= self._ahead_lanes:
+                return  # its rows went ahead (the dropped ones are only unreachable)
+            self.spec["redone"] += 1
+            self.stream.drop_from(ahead)
+        if token is None:
+            self._send(position)
+        else:
+            self._send(position, token=token)
+
+    def commit_row(self, position: int, slot: int) -> None:
+        if len(self.commits) >= self.stream.tree.commits:
+            raise InternalError("more commits between two tree units than the format holds",
+                                commits=len(self.commits) + 1)
+        self.commits.append((position, slot))
+
+
 class DistributedSPDEngine:
     """Rank 0's side of the distributed engine: `generate` has `SPDEngine.generate`'s contract."""
 
@@ -432,17 +516,21 @@ class DistributedSPDEngine:
                                                          stop_token_ids)
         rule.cancel = cancel
         drafter = wrap_drafter(drafter or self.engine.drafter, rt.config)
-        dec = SequenceDecode(t, self.layout, drafter, ids, max_new, sampling,
-                             DistributedDecodeStats(mode="spd", n=n), on_token, rule)
-        greedy = sampling.greedy
+        args = (t, self.layout, drafter, ids, max_new, sampling,
+                DistributedDecodeStats(mode="spd", n=n), on_token, rule)
+        width = self.engine.tree_width
+        dec = TreeDecode(*args, width=width) if width > 1 else SequenceDecode(*args)
+        # the protocol's greedy: the last stage judges (a tree's positions rank 0 judges)
+        greedy = sampling.greedy and width == 1
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
-                                "prompt_len": dec.prompt_len, "capacity": dec.capacity,
-                                "greedy": greedy})
+                                "prompt_len": dec.prompt_len, "capacity": dec.buffer_rows,
+                                "greedy": greedy, "tree_width": width})
         streams = DraftRankStreams(torch.device(t.device))
         staged_before = rt.host_staged
         stream = UnitStream(rt, dec, streams)
         policy = SpeculationPolicy(rt.config.speculative_control)
-        stages = RemoteStages(rt, dec, stream, streams, policy)
+        stages = (RemoteTreeStages if width > 1 else RemoteStages)(rt, dec, stream, streams,
+                                                                   policy)
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
         t0 = time.perf_counter()

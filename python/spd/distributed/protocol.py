@@ -98,6 +98,71 @@ def snap_format(layout: DepthLayout, stage: int, *, greedy: bool,
                       last and (prefill or not greedy))
 
 
+@dataclass(frozen=True)
+class TreeUnitFormat:
+    """A token tree's unit (spd.runtime.tree: up to W rows at one position) on the wire. Every
+    unit has the same size, so a stage reads nothing of it on the host: int64 fields
+
+      position [1], prefix_len [1], tokens [W], slots [W], keys [M], mask [W, M] (0 / 1),
+      commit positions [C], commit slots [C]
+
+    then, between stages, the rows [W, hidden]. Rows, keys and commits past the unit's own are
+    padding: a padding row writes to the trash slot and a padding key or commit names it (a
+    commit of the trash slot to itself). A stage first applies the commits (an accepted row's
+    K/V copied from its slot to its position: they were decided after its unit was sent, and
+    every stage has run that unit before this one), then runs the rows (Stage.tree_run)."""
+    width: int    # W
+    keys: int     # M: the uncommitted ancestors' slots and the rows' own, n * W at most
+    commits: int  # C: positions committed since the unit before
+
+    @classmethod
+    def of(cls, n: int, width: int) -> "TreeUnitFormat":
+        return cls(width, n * width, n + 2)
+
+    @property
+    def ints(self) -> int:
+        w, m, c = self.width, self.keys, self.commits
+        return 2 + 2 * w + m + w * m + 2 * c
+
+    @property
+    def meta_bytes(self) -> int:
+        return 8 * self.ints
+
+    def row_bytes(self, hidden: int, dtype: torch.dtype) -> int:
+        return self.meta_bytes + self.width * hidden * torch.empty((), dtype=dtype).element_size()
+
+    def pack(self, position: int, prefix_len: int, tokens: list[int], slots: list[int],
+             keys: list[int], mask: list[list[bool]], commits: list[tuple[int, int]],
+             trash: int) -> list[int]:
+        """The int64 fields of a unit (rank 0, on the host), padded."""
+        w, m, c = self.width, self.keys, self.commits
+        rows = len(slots)
+        if not 1 <= rows <= w or len(keys) > m or len(commits) > c:
+            raise InternalError("a tree unit over its format", rows=rows, keys=len(keys),
+                                commits=len(commits), format=str(self))
+        tokens = list(tokens) + [0] * (w - rows)
+        slots = list(slots) + [trash] * (w - rows)
+        flat = []
+        for r in range(w):
+            got = mask[r] if r < rows else []
+            flat += [int(b) for b in got] + [0] * (m - len(got))
+        keys = list(keys) + [trash] * (m - len(keys))
+        cpos = [p for p, _ in commits] + [trash] * (c - len(commits))
+        cslot = [q for _, q in commits] + [trash] * (c - len(commits))
+        return [position, prefix_len] + tokens + slots + keys + flat + cpos + cslot
+
+    def fields(self, meta: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of a unit's int64 fields meta [ints] (on the device: nothing read on the host);
+        the mask is made bool."""
+        w, m, c = self.width, self.keys, self.commits
+        parts = meta.split([1, 1, w, w, m, w * m, c, c])
+        names = ("position", "prefix_len", "tokens", "slots", "keys", "mask", "commit_pos",
+                 "commit_slot")
+        out = dict(zip(names, parts))
+        out["mask"] = out["mask"].view(w, m) != 0
+        return out
+
+
 def _mark(buf: torch.Tensor) -> torch.Tensor:
     buf._spd_header = True  # marks this tensor object (not its views): see is_header
     return buf
@@ -164,6 +229,23 @@ class UnitMessage:
         out = self._out()
         out[:POS_BYTES].view(torch.int64).copy_(position.reshape(1))
         out[POS_BYTES:].view(row.dtype).copy_(row.reshape(-1))
+
+    def write_tree(self, meta: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """A tree unit (TreeUnitFormat): its int64 fields meta [ints], then (between stages)
+        its rows [W, d]."""
+        out = self._out()
+        size = meta.numel() * 8
+        out[:size].view(torch.int64).copy_(meta)
+        if rows is not None:
+            out[size:].view(rows.dtype).copy_(rows.reshape(-1))
+
+    def tree(self, fmt: TreeUnitFormat, hidden: int = 0, dtype: torch.dtype | None = None):
+        """A tree unit's (int64 fields [ints], rows [W, hidden] or None), views of the
+        payload."""
+        meta = self.payload[:fmt.meta_bytes].view(torch.int64)
+        if not hidden:
+            return meta, None
+        return meta, self.payload[fmt.meta_bytes:].view(dtype).view(fmt.width, hidden)
 
     def landed(self) -> None:
         """The message has been received: the payload where the stage computes (a GPU's copy of

@@ -34,6 +34,8 @@ def run_requests(requests: list[GenerateRequest], engine: DistributedSPDEngine,
         drafter = None
         if req.reference is not None:
             drafter = ReferenceDrafter(req.reference, req.reference_accuracy, req.reference_seed)
+        if req.drafter is not None:
+            drafter = req.drafter(engine.engine)
         results.append(engine.generate(req.prompt_ids, req.max_new_tokens, req.sampling,
                                        drafter=drafter, on_token=tick))
     return results
@@ -173,7 +175,8 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
             engine = SPDEngine(target, n_stages=config.n_stages, split=config.split,
                                anchors=config.anchors, pdm=config.pdm,
                                pdm_layers=config.pdm_layers, warn_untrained=False,
-                               lookup=config.lookup, draft_weights=config.draft_weights)
+                               lookup=config.lookup, draft_weights=config.draft_weights,
+                               tree_width=config.tree_width)
         check_handshake(exchange_info(rt, rank_info(rank, world, config, target, layout)))
         stage_roles = [r for r in roles if r != DRAFT_RANK]
         _drop_unused_layers(target, layout.stages[stage_roles[0] - 1] if stage_roles else range(0))

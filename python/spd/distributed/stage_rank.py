@@ -22,6 +22,7 @@ from spd.distributed.protocol import (
     VERDICT_TAG,
     Ring,
     SnapFormat,
+    TreeUnitFormat,
     UnitMessage,
     row_bytes,
     snap_format,
@@ -70,6 +71,14 @@ class StageWorker:
         -> (every layer's output [1, d], verdict (token [1], ok [1]) or None)."""
         return self.stage.run(h, pos, draft)
 
+    def _forward_tree_unit(self, fmt: TreeUnitFormat, h: torch.Tensor, meta: torch.Tensor):
+        """A tree unit: its commits into this stage's cache, then its rows h [W, d] (all on the
+        device) -> every layer's output [W, d]."""
+        f = fmt.fields(meta)
+        self.stage.commit_rows(f["commit_pos"], f["commit_slot"])
+        return self.stage.tree_run(h, f["position"], f["slots"], f["prefix_len"], f["keys"],
+                                   f["mask"])
+
     @torch.no_grad()
     def run(self, gen: int, req: dict) -> None:
         rt, t = self.rt, self.target
@@ -77,6 +86,9 @@ class StageWorker:
         timer = PhaseTimer(phases)
         cap = int(req["capacity"])
         greedy = bool(req.get("greedy", False))
+        width = int(req.get("tree_width", 1))
+        # a token tree's units (protocol.TreeUnitFormat): W rows each, rank 0 judges
+        tree = TreeUnitFormat.of(self.n, width) if width > 1 else None
         if self.stage is None or self.stage.cache.capacity < cap:
             self.stage = make_stage(t, self.s, self.layout.stages[self.s], cap, rt.config)
         self.stage.cache.truncate(0)
@@ -107,6 +119,10 @@ class StageWorker:
         src = self.source
         in_bytes = UNIT_BYTES if self.first else row_bytes(d, t.dtype)
         out_bytes = row_bytes(d, t.dtype)
+        if tree is not None:
+            in_bytes = tree.meta_bytes if self.first else tree.row_bytes(d, t.dtype)
+            out_bytes = tree.row_bytes(d, t.dtype)
+        per_unit = 1 if tree is None else width
 
         # Rings (protocol.Ring), so no unit allocates. Receives: the unit in hand and the next
         # one posted (ahead, or once its header is in): 2 (the judge draft's likewise). Sends:
@@ -117,7 +133,7 @@ class StageWorker:
                      lambda m, _: m.busy)
         outbox = Ring(lambda: UnitMessage(out_bytes, dev, folded), 2, "unit sends", sent)
         fmt = snap_format(self.layout, self.s, greedy=greedy)
-        snap_ring = Ring(lambda: torch.empty(fmt.rows, 1, d, dtype=t.dtype, device=dev), 2,
+        snap_ring = Ring(lambda: torch.empty(fmt.rows, per_unit, d, dtype=t.dtype, device=dev), 2,
                          "snap sends", lambda b, _: rt.sending(b))
         verdict_ring = Ring(lambda: torch.empty(VERDICT_SIZE, dtype=torch.int64, device=dev), 2,
                             "verdict sends", lambda b, _: rt.sending(b))
@@ -134,7 +150,9 @@ class StageWorker:
         def send_unit(op: int, seq: int, position=None, row=None, epoch: int = 0):
             out = outbox.take()
             out.set_header(op, seq)
-            if row is not None:
+            if row is not None and tree is not None:
+                out.write_tree(position, row)  # a tree unit: its fields, then its rows
+            elif row is not None:
                 out.write_row(position, row)
             rt.isend(out.data, self.next, UNIT_TAG, epoch)
             if not folded:
@@ -168,7 +186,11 @@ class StageWorker:
             msg, hwork = post()  # the next unit's, posted before this one runs
             if fault and unit + 1 == fault["cycle"]:
                 inject_fault(fault)
-            if self.first:
+            if tree is not None:
+                pos, h = cur.tree(tree, 0 if self.first else d, t.dtype)  # pos: the fields
+                if self.first:
+                    h = t.embed_tokens(tree.fields(pos)["tokens"])
+            elif self.first:
                 pos, token = cur.unit()
                 h = t.embed_tokens(token)
             else:
@@ -183,7 +205,10 @@ class StageWorker:
                 judge_msg = next_judge()
                 judge = post_judge() if folded else None
             tf = time.perf_counter()
-            outs, verdict = self._forward_unit(h, pos, draft)
+            if tree is not None:
+                outs, verdict = self._forward_tree_unit(tree, h, pos), None
+            else:
+                outs, verdict = self._forward_unit(h, pos, draft)
             fwd.append(time.perf_counter() - tf)
             with timer("send"):
                 snap = self._snap(fmt, outs, snap_ring)

@@ -92,6 +92,15 @@ class PDMDrafter:
             return self.graphs.run(anchors, types, start)
         return self.pdm.step(self.pdm.features(anchors, types), start, self.cache)
 
+    def tree_logits(self, anchors, types, positions: list[int], slots, prefix_len: int,
+                    tree_mask, leaves) -> torch.Tensor:
+        """Draft logits [len(leaves), Vd] of a token tree's rows (spd.runtime.tree): anchors
+        [m, R, d] and types [R] of the rows at `positions`, written to this drafter's cache
+        slots `slots` [R]; each row attends to the cache's rows [0, prefix_len) and to its
+        ancestors and itself among the rows (tree_mask [R, R] bool). Eager (no graphs yet)."""
+        return self.pdm.tree_step(self.pdm.features(anchors, types), positions, slots,
+                                  prefix_len, tree_mask, leaves, self.cache)
+
     def draft(self, anchors, types, start: int, position: int, sampling, uniform) -> Draft:
         logits = self.draft_logits(anchors, types, start)
         d2t = self.pdm.draft_to_target

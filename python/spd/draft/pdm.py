@@ -32,7 +32,7 @@ from spd.errors import SPDError
 from spd.model.layers import RMSNorm, decoder_layer_step, pack_layer_, rope_table
 from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
-from spd_kernels.pdm import PDMWeights, quantize_group
+from spd_kernels.pdm import PDMWeights, pdm_tree_step, quantize_group
 from spd_kernels.qkv_rope import back_to_back
 from spd_kernels.quant import KINDS as QUANT_KINDS
 
@@ -279,6 +279,19 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         cos, sin = self._rope_for(start + rows, features)
         cache.reserve(start, rows)
         return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin)
+
+    @torch.no_grad()
+    def tree_step(self, features: torch.Tensor, positions: list[int], slots: torch.Tensor,
+                  prefix_len: int, tree_mask: torch.Tensor, leaves: torch.Tensor,
+                  cache) -> torch.Tensor:
+        """`step` over the rows of a token tree (spd.runtime.tree): features [R, hidden] at
+        positions [R] (int64), row r into cache slot slots[r]; each row attends to the cache's
+        rows [0, prefix_len) and to its ancestors and itself among the rows (tree_mask [R, R])
+        -> draft logits [len(leaves), Vd] of the rows `leaves` ([k] int64)."""
+        cos, sin = self._rope_for(max(positions) + 1, features)
+        at = torch.tensor(positions, device=features.device)
+        return pdm_tree_step(features, self.kernel_weights(), cache.k, cache.v, slots,
+                             prefix_len, tree_mask, cos[at], sin[at], leaves)
 
     @torch.no_grad()
     def pack_qkv_(self) -> "PipelineDraftModule":

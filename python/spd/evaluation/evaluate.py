@@ -123,6 +123,7 @@ def run_eval(engine, sets: dict[str, list[dict]], max_new_tokens: int, sampling:
                          "pdm": getattr(engine, "pdm_source", "untrained"),
                          "pdm_layers": engine.pdm.config.num_layers if engine.pdm else 0,
                          "draft_weights": getattr(engine.pdm, "draft_weights", None),
+                         "tree_width": getattr(engine, "tree_width", 1),
                          "max_new_tokens": max_new_tokens, "temperature": sampling.temperature,
                          "top_k": sampling.top_k, "top_p": sampling.top_p, "seed": sampling.seed,
                          "checked_against_ar": check,

@@ -19,6 +19,10 @@ Each cost is charged where it runs (docs/definitions.md):
           (Costs.balanced_cycle), stage 0 paying t_draft (+ t_head under sampling, it judges
           there) and the last stage t_head when greedy. Its counts are SPD's (the same
           drafters); the split is charged in the cost, as the n-device mode would run it
+  spd-tree  SPD drafting a token tree of width W = TREE_WIDTH (spd.runtime.tree): as spd, every
+          stage's time scaled by t_chunk(W) / t_fwd (a stage computes up to W rows a cycle:
+          charged as W rows through the weights cost on this device, measured), t_draft its
+          tree step as it ran
   ppsd    S / n * t_fwd / cycle, cycle = max_i(t_i, the last with t_head) + t_draft (it drafts
           after each step: on the critical path; the last stage verifies)
   eagle3  S * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))   k serial drafts, then one
@@ -86,9 +90,12 @@ def _build_eagle(target, n, pdm_layers, search, lookup):
     return EagleDecoder(target, head=head), str(head)
 
 
-def _pdm_builder(method: str, layout_of: Callable):
-    """SPD and PPSD both decode with a PDM (PPSD is a PDM configuration: spd.baselines.ppsd)."""
+def _pdm_builder(method: str, layout_of: Callable, **engine_options):
+    """SPD and PPSD both decode with a PDM (PPSD is a PDM configuration: spd.baselines.ppsd);
+    `engine_options` go to SPDEngine (a tree's width)."""
     def build(target, n, pdm_layers, search, lookup):
+        if engine_options.get("tree_width", 1) > 1 and target.hybrid:
+            return None, "tree drafting is not supported on hybrid targets"
         layout = layout_of(target.num_layers, n)
         path = find_shipped_pdm(target, layout, num_layers=pdm_layers, method=method,
                                 search=search)
@@ -99,7 +106,7 @@ def _pdm_builder(method: str, layout_of: Callable):
                           f"with `python -m spd train --stages {n} {what} --out DIR` and "
                           "pass --checkpoint-dir")
         return SPDEngine(target, n_stages=n, split=layout.split, anchors=list(layout.anchors),
-                         pdm=path, lookup=lookup), str(path)
+                         pdm=path, lookup=lookup, **engine_options), str(path)
     return build
 
 
@@ -120,6 +127,22 @@ def _adjusted_spd_nd(c: Costs, n, s, draft_s, steps, greedy):
     rank0 = draft_s + (0.0 if greedy else c.head_s)
     cycle = c.balanced_cycle(n, c.head_s if greedy else 0.0, {0: rank0})
     return s / n * c.forward_s / c.cycle(n, cycle)
+
+
+TREE_WIDTH = 4  # the grid's tree row: the width the tree goal is set at (docs/tree.md)
+
+
+def _adjusted_spd_tree(c: Costs, n, s, draft_s, steps, greedy):
+    # W rows per stage step: each stage's one-row time scaled by what W rows cost here (a GPU
+    # reads the same weights for them; a CPU computes W times over); the head judges one row
+    # (a grid that did not time the chunk: charged W times one row, the CPU's worst case)
+    chunk = c.chunk_s.get(str(TREE_WIDTH))
+    rows = TREE_WIDTH if chunk is None else max(1.0, chunk / c.forward_s)
+    per = [t * rows for t in c.stage_s[str(n)]]
+    if greedy:
+        per[-1] += c.head_s
+    rank0 = draft_s + (0.0 if greedy else c.head_s)
+    return s / n * c.forward_s / c.cycle(n, max(per), rank0)
 
 
 def _adjusted_ppsd(c: Costs, n, s, draft_s, steps, greedy):
@@ -148,6 +171,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("spd-nd", staged=True, per_depth=True, measured_for_real=False,
            devices=lambda n: n, adjusted=_adjusted_spd_nd,
            build=_pdm_builder("spd", DepthLayout.build)),
+    Method("spd-tree", staged=True, per_depth=True, measured_for_real=False,
+           devices=lambda n: n + 1, adjusted=_adjusted_spd_tree,
+           build=_pdm_builder("spd", DepthLayout.build, tree_width=TREE_WIDTH),
+           cost_chunks=lambda decoder: [TREE_WIDTH]),
 )}
 NAMES = tuple(METHODS)
 

@@ -122,7 +122,7 @@ def markdown(state: dict) -> str:
         lines.append(f"- n={n}: stage forwards " + ", ".join(f"{x * 1e3:.2f}" for x in per)
                      + " ms")
     for rows_, s in costs["chunk_s"].items():
-        lines.append(f"- forward of a {rows_}-token chunk (EAGLE-3 verification): "
+        lines.append(f"- forward of a {rows_}-token chunk (EAGLE-3 verification, tree rows): "
                      f"{s * 1e3:.2f} ms")
     lines += ["", "Draft steps are timed inside each method's own decoding (draft ms/call "
               "above). Each cost is charged where it runs (t_fwd full forward, t_i stage i, "
@@ -135,6 +135,8 @@ def markdown(state: dict) -> str:
               "- spd-nd (n devices, the PDM on stage 0's): S_theory/n * t_fwd / cycle, cycle = "
               "the slowest stage of the balanced split of the measured layer costs, stage 0 "
               "also running t_draft (+ t_head under sampling), the last t_head when greedy",
+              "- spd-tree (a token tree of width W): as spd with every t_i scaled by "
+              "t_chunk(W) / t_fwd (W rows a stage step, as this device computes them)",
               "- ppsd: S_theory/n * t_fwd / cycle, cycle = (slowest t_i, the last with t_head) "
               "+ t_draft (drafting waits for each step)",
               "- eagle3: S_theory * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))"]

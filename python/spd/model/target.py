@@ -25,7 +25,7 @@ from spd.model.hybrid_layout import arrange_layer_, attention_dims, hf_rows, sam
 from spd.model.layers import pack_layer_
 from spd_kernels import verify_greedy
 from spd_kernels.hybrid_stage import hybrid_stage_step
-from spd_kernels.stage import LayerWeights, StageWeights, stage_step
+from spd_kernels.stage import LayerWeights, StageWeights, stage_step, tree_stage_step
 
 # Steps of at most this many rows are graphed (decoding: 1 row; EAGLE-3 verifies k + 1); longer
 # chunks (prefill) run eagerly, where launch gaps are small beside the work.
@@ -246,6 +246,32 @@ class Stage:
                                      self.cos, self.sin)
         return stage_step(hidden, self.weights, self.cache.k, self.cache.v, start, self.cos,
                           self.sin)
+
+    @torch.no_grad()
+    def tree_run(self, hidden: torch.Tensor, position, slots: torch.Tensor, prefix_len,
+                 tree_slots: torch.Tensor, tree_mask: torch.Tensor) -> list[torch.Tensor]:
+        """The rows of a token tree at `position` (spd.runtime.tree): hidden [R, d], row r's
+        K/V into cache slot slots[r] ([R] int64); each row attends to the cache's rows
+        [0, prefix_len) and to tree_slots[m] ([M] int64) where tree_mask[r, m] ([R, M] bool)
+        -> every layer's output [R, d]. position and prefix_len: ints, or int64 tensors [1] on
+        the device (a stage rank's unit: never read on the host). Eager (no graphs yet)."""
+        if self.target.hybrid:
+            raise InternalError("a hybrid target's stage has no tree step", stage=self.index)
+        rows = hidden.shape[0]
+        if isinstance(position, torch.Tensor):
+            at = position.reshape(1).expand(rows)
+        else:
+            at = torch.full((rows,), position, dtype=torch.int64, device=hidden.device)
+        return tree_stage_step(hidden, self.weights, self.cache.k, self.cache.v, slots,
+                               prefix_len, tree_slots, tree_mask, self.cos.index_select(0, at),
+                               self.sin.index_select(0, at))
+
+    @torch.no_grad()
+    def commit_rows(self, positions: torch.Tensor, slots: torch.Tensor) -> None:
+        """Accepted tree rows: every layer's K/V copied from slots [C] to positions [C] (int64,
+        on the device)."""
+        for buf in (self.cache.k, self.cache.v):
+            buf.index_copy_(2, positions, buf.index_select(2, slots))
 
     def _device_step(self, hidden: torch.Tensor, position: torch.Tensor) -> list[torch.Tensor]:
         # Everything on the device, so a graph of it replays at any position, and its warm-up

@@ -31,6 +31,7 @@ from spd.runtime.request import check_prompt
 from spd.runtime.sequence import PhaseTimer, SequenceDecode, StageRunner
 from spd.runtime.stopping import StopRule
 from spd.runtime.streaming import TextStream
+from spd.runtime.tree import TreeDecode, check_tree_width
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 from spd.runtime.verdict import Verdict, pick, read_verdict
 
@@ -51,9 +52,14 @@ class SPDEngine:
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,
                  pdm=None, pdm_layers: int | None = None, debug_poison: bool = False,
                  warn_untrained: bool = True, lookup: int = DEFAULT_LOOKUP,
-                 draft_weights: str | None = None):
+                 draft_weights: str | None = None, tree_width: int = 1):
         if draft_weights is not None:  # a bad value fails before anything loads
             check_draft_weights(draft_weights)
+        self.tree_width = check_tree_width(tree_width)
+        if tree_width > 1 and target.hybrid:
+            raise SPDError("tree drafting (tree width > 1) is not supported on hybrid targets: "
+                           "their linear-attention layers keep one recurrent state per stage, "
+                           "not one per branch; use tree width 1")
         self.target = target
         if isinstance(pdm, (str, Path)) and str(pdm) != "untrained" and anchors is None:
             # A checkpoint fixes its own anchors (a PPSD drafter's differ from the default)
@@ -196,12 +202,15 @@ class SPDEngine:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
                                     stop_token_ids=stop_token_ids)
         ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
-        dec = SequenceDecode(self.target, self.layout, drafter or self.drafter, ids, max_new,
-                             sampling, DecodeStats(mode="spd", n=self.n), on_token, rule)
-        stages = self._prepare_stages(dec.capacity, self.n)
+        args = (self.target, self.layout, drafter or self.drafter, ids, max_new, sampling,
+                DecodeStats(mode="spd", n=self.n), on_token, rule)
+        tree = self.tree_width > 1
+        dec = TreeDecode(*args, width=self.tree_width) if tree else SequenceDecode(*args)
+        stages = self._prepare_stages(dec.buffer_rows, self.n)
         t0 = time.perf_counter()
         # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
-        dec.start(self._prefill(stages, ids, dec)[-1:], t0, LocalStages(self, stages, dec))
+        runner = (TreeLocalStages if tree else LocalStages)(self, stages, dec)
+        dec.start(self._prefill(stages, ids, dec)[-1:], t0, runner)
         dec.run()
         dec.finish()
         return self.build_result(dec.out, dec.stats, rule)
@@ -216,7 +225,7 @@ class LocalStages(StageRunner):
         t = engine.target
         self.engine, self.stages, self.dec = engine, stages, dec
         # the hidden state each in-flight token carries from one stage to the next [C, d]
-        self.carry = torch.zeros(dec.capacity, t.hidden_size, device=t.device, dtype=t.dtype)
+        self.carry = torch.zeros(dec.buffer_rows, t.hidden_size, device=t.device, dtype=t.dtype)
         self.fused = None  # this cycle's verdict from the last stage (token [1], accepted [1])
         # per stage, which of its layers' outputs are its anchors (in slot order)
         self.anchor_layers = [self.anchor_layers_of(st, dec, s) for s, st in enumerate(stages)]
@@ -252,3 +261,52 @@ class LocalStages(StageRunner):
             st.cache.truncate(length)
         for hook in self.engine.rollback_hooks:
             hook(self.stages, self.dec.drafter, self.dec.tokens, length)
+
+
+class TreeLocalStages(LocalStages):
+    """LocalStages for a token tree (spd.runtime.tree.TreeDecode): each stage runs all of its
+    position's live rows at once under the tree mask (a committed position's one row runs as in
+    the chain), and an accepted row's state moves from its slot to its position."""
+
+    def advance(self, cycle: int, work: list[tuple[int, int]], judge: bool) -> None:
+        dec, dev = self.dec, self.engine.target.device
+        for s, p in work:
+            with dec.timer(f"stage_{s}"):
+                idx, prefix, keys, mask = dec.stage_input(p)
+                at = torch.tensor(idx, device=dev)
+                x = dec.anchors[0, at] if s == 0 else self.carry[at]
+                if p < dec.committed:
+                    outs, _ = self.stages[s].run(x, p)
+                else:
+                    outs = self.stages[s].tree_run(
+                        x, p, at, prefix, torch.tensor(keys, dtype=torch.int64, device=dev),
+                        torch.tensor(mask, dtype=torch.bool, device=dev))
+                for i, j in enumerate(dec.stage_slots[s]):
+                    dec.anchors[j, at] = outs[self.anchor_layers[s][i]]
+                self.carry[at] = outs[-1]
+
+    def verdict(self, dec) -> Verdict:
+        oldest = dec.sched.start
+        return dec.judge(self.carry[oldest:oldest + 1])
+
+    def rollback(self, length: int) -> None:
+        pass  # the caches keep their committed rows; dropped rows are only unreachable now
+
+    def commit_row(self, position: int, slot: int) -> None:
+        self.carry[position] = self.carry[slot]
+        dev = self.carry.device
+        at, frm = torch.tensor([position], device=dev), torch.tensor([slot], device=dev)
+        for st in self.stages:
+            st.commit_rows(at, frm)
+
+    def drop_rows(self, slots: list[int]) -> None:
+        if not (self.engine.debug_poison and slots):
+            return
+        # a debug run: NaN in every dropped row's state, so a read through a wrong tree mask
+        # (or a missed commit copy) spoils the output instead of passing unseen
+        at = torch.tensor(slots, device=self.carry.device)
+        self.carry[at] = float("nan")
+        self.dec.anchors[:, at] = float("nan")
+        for st in self.stages:
+            st.cache.k[:, :, at] = float("nan")
+            st.cache.v[:, :, at] = float("nan")

@@ -73,6 +73,10 @@ class StageRunner:
       verdict(dec) -> Verdict the judgement of the token after the one that left the last stage
       enter(position, token)  a token entered stage 0 (after `dec.tokens` got it)
       rollback(length)        every target cache drops the positions >= length
+      commit_row(position, slot)   a token tree's accepted row moves from its slot to its
+                              position (spd.runtime.tree)
+      drop_rows(slots)        a token tree's rows in these slots were dropped (no row reads
+                              them again: a debug run poisons them)
       end(cycle)              the cycle is over
     """
 
@@ -101,6 +105,12 @@ class StageRunner:
         pass
 
     def rollback(self, length: int) -> None:
+        pass
+
+    def commit_row(self, position: int, slot: int) -> None:
+        pass
+
+    def drop_rows(self, slots: list[int]) -> None:
         pass
 
     def end(self, cycle: int) -> None:
@@ -133,12 +143,15 @@ class SequenceDecode:
         self.stop = stop if stop is not None else StopRule(t.eos_token_ids)
         self.prompt_len = ids.numel()
         self.capacity = self.prompt_len + max_new + n + 2
-        drafter.begin(self.capacity, t.vocab_size)
+        # rows of the per-position buffers (and of every cache): the positions, then a tree's
+        # slots (spd.runtime.tree; none for the chain)
+        self.buffer_rows = self.capacity + self.tree_slots()
+        drafter.begin(self.buffer_rows, t.vocab_size)
         # Per position: the token and its anchor hidden states (slot 0: the embedding).
-        self.tokens = torch.zeros(self.capacity, dtype=torch.int64, device=t.device)
+        self.tokens = torch.zeros(self.buffer_rows, dtype=torch.int64, device=t.device)
         self.tokens[:self.prompt_len] = ids
         self.host_tokens = HostMirror(self.tokens)  # the context lookup reads drafts from here
-        self.anchors = torch.zeros(len(layout.anchors), self.capacity, t.hidden_size,
+        self.anchors = torch.zeros(len(layout.anchors), self.buffer_rows, t.hidden_size,
                                    device=t.device, dtype=t.dtype)
         # The anchor slots each stage produces (layout.anchors_of_stage), in slot order.
         self.stage_slots = [[j for j, _ in layout.anchors_of_stage(s)] for s in range(n)]
@@ -168,6 +181,14 @@ class SequenceDecode:
         self.done = False
         self.stages = StageRunner()      # where the stages run (given to `start`)
         self._decode_t0 = 0.0
+
+    def tree_slots(self) -> int:
+        """Rows past the positions that a token tree keeps its uncommitted rows in (0: a chain)."""
+        return 0
+
+    def work_rows(self, work: list[tuple[int, int]]) -> int:
+        """Rows the stages compute for `work` (a chain: one per in-flight position)."""
+        return len(work)
 
     # --- set-up ---------------------------------------------------------------------------------
     def keep_anchors(self, stage: int, position: int, rows) -> None:
@@ -210,7 +231,9 @@ class SequenceDecode:
             #    Post-step drafting (an ablation) waits for this cycle's steps.
             if not self.post_step:
                 draft = self.draft(0)
-            stages.advance(cycle, sched.stage_work(), self.sampling.greedy and sched.full)
+            work = sched.stage_work()
+            self.stats.stage_rows += self.work_rows(work)
+            stages.advance(cycle, work, self.sampling.greedy and sched.full)
             if self.post_step:
                 draft = self.draft(1)
             if not sched.full:  # filling: nothing leaves the pipeline this cycle

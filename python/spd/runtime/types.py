@@ -40,6 +40,9 @@ class DecodeStats:
     lookup_judged: int = 0     # of those, drafts the context lookup proposed (spd.draft.lookup)
     lookup_accepted: int = 0
     draft_calls: int = 0       # drafter invocations (their time is phase_s["draft"])
+    stage_rows: int = 0        # rows the stages computed in decode cycles (a chain: one per
+    #                            in-flight token; a tree: up to its width per stage)
+    tree_width: int = 1        # candidates per position (spd.runtime.tree; 1: the chain)
     new_tokens: int = 0        # all new tokens returned, the prefill's first token included
     prefill_s: float = 0.0
     decode_s: float = 0.0
