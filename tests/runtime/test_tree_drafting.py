@@ -8,7 +8,7 @@ exactly (tokens, N, K, judged drafts); under sampling the tokens follow the targ
 """
 import pytest
 import torch
-from conftest import NoisyTreeDrafter, make_tiny_hybrid, make_tiny_target
+from conftest import NoisyTreeDrafter, make_tiny_hybrid, make_tiny_target, needs_gpu
 from test_sampling_lossless import V, conditional_pvalue, exact_first_tokens
 
 from spd import SamplingParams, SPDEngine
@@ -210,3 +210,25 @@ def test_tree_schedule_gaps():
     assert s.stage_work() == [(3, 12), (0, 13)]
     s.reject()
     assert (s.start, s.depths) == (13, [0]) and not s.full
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_gpu_tree_equals_ar(backend):
+    """On a GPU, the tree's ops on `backend` (tree_attention, tree_rejection_sample; Triton is
+    on request for both): greedy equals AR with gaps; sampled decodes run and stay in the
+    vocabulary."""
+    from spd.model.target import TargetModel
+    from spd_kernels import dispatch
+    t = make_tiny_target(seed=9, vocab=32, layers=4)
+    t = TargetModel(t.hf.to("cuda"), None, name=t.name)
+    with dispatch.use_backend(tree_attention=backend, tree_rejection_sample=backend):
+        eng = SPDEngine(t, n_stages=3, anchors=[0, 2, 3], tree_width=4)
+        ar = eng.generate_ar(PROMPT, 32).token_ids
+        res = eng.generate(PROMPT, 32, drafter=NoisyTreeDrafter(eng.pdm, PROMPT + ar, 0.5, 2))
+        assert res.token_ids == ar
+        assert 0 < res.stats.drafts_accepted < res.stats.drafts_judged
+        sp = SamplingParams(temperature=1.0, top_k=8, seed=4)
+        out = eng.generate(PROMPT, 24, sp).token_ids
+        assert len(out) == 24 and all(0 <= x < 32 for x in out)

@@ -219,37 +219,22 @@ class TreeDecode(SequenceDecode):
     def stage_input(self, position: int):
         """What a stage needs to run a position's rows: (buffer rows [R], prefix_len,
         tree_slots [M], tree_mask [R, M] bool) (spd_kernels.tree_stage_step)."""
-        lanes = self.lanes(position)
-        idx = [b for _, b in lanes]
-        if position < self.committed:
-            return idx, position + 1, [], [[]]
-        keys: list[int] = []
-        branches = [self.branch(position, lane) for lane, _ in lanes]
-        for br in branches:
-            keys.extend(b for b in br if b not in keys)
-        mask = [[k in br for k in keys] for br in branches]
-        return idx, self.committed, keys, mask
+        return self.unit_input(position)[:4]
 
     def unit_input(self, position: int, rows: dict[int, Row] | None = None, token=None):
         """stage_input's tuple and the rows' tokens, for the rows that entered at `position`
         (a committed one: its `token`), or for `rows` (by lane) about to enter there (a draft
         a runner sends ahead of its verdict): what a distributed unit carries."""
-        if rows is None:
-            idx, prefix, keys, mask = self.stage_input(position)
-            if position < self.committed:
-                return idx, prefix, keys, mask, [int(token)]
-            rows = self.rows[position]
-            return idx, prefix, keys, mask, [rows[lane].token for lane in sorted(rows)]
-        idx, branches = [], []
-        for lane in sorted(rows):
-            own = self.slot(position, lane)
-            idx.append(own)
-            branches.append([own] + self.branch(position - 1, rows[lane].parent))
-        keys: list[int] = []
-        for br in branches:
-            keys.extend(b for b in br if b not in keys)
+        if rows is None and position < self.committed:  # one row, read through the prefix
+            return [position], position + 1, [], [[]], [token]
+        rows = self.rows[position] if rows is None else rows
+        lanes = sorted(rows)
+        idx = [self.slot(position, lane) for lane in lanes]
+        branches = [[own] + self.branch(position - 1, rows[lane].parent)
+                    for own, lane in zip(idx, lanes)]
+        keys = list(dict.fromkeys(b for br in branches for b in br))
         mask = [[k in br for k in keys] for br in branches]
-        return idx, self.committed, keys, mask, [rows[lane].token for lane in sorted(rows)]
+        return idx, self.committed, keys, mask, [rows[lane].token for lane in lanes]
 
     def keep_rows(self, stage: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
         """Stage `stage`'s anchor rows of a unit (rows [anchors, R, d], in slot order) into the
