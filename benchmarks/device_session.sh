@@ -28,6 +28,11 @@
 #      stage 0's process, --draft-on-stage), compute emulated by a fixed wait of
 #      F = 300, 600 us (ranks share the one GPU over gloo, so the wait is a host sleep:
 #      spin kernels of different processes would be time-sliced) -> $OUT/<date>-protocol-<dev>.json
+#   8c. token trees (tree drafting, W = 1, 2, 4, 8): the W-row tree step of the largest stage
+#      against the one-row chain step (eager and graphed) at 512 cached positions, then the
+#      acceptance of width-W trees on 12 held-out prompts (the default model, n = 4, 8, the
+#      engine's drafter, greedy, every output checked against AR; stage rows first, so a run
+#      cut by its cap keeps them)                              -> $OUT/<date>-tree-<dev>.json
 #   9. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
 #  10. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
 # A kernel never run on a GPU may fault, and a fault takes the process's CUDA context with it: so
@@ -67,6 +72,8 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
     PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --draft-on-stage none,0
                    --max-new-tokens 8)
+    TREE_ARGS=(--device cpu --quick --limit 1 --max-new-tokens 8 --context 32 --iters 1
+               --warmup 0 --rounds 1)
 else
     DEV=$("$PY" - <<'EOF'
 import torch
@@ -89,6 +96,8 @@ EOF
                   --compile on --iters 20)
     PROTOCOL_ARGS=(--device cuda --backend gloo --stages 2,4,8 --emulate-ms 0.3,0.6
                    --draft-on-stage none,0 --max-new-tokens 48)
+    TREE_ARGS=(--device cuda --stages 4,8 --widths 1,2,4,8 --limit 12 --max-new-tokens 64
+               --lookup default --context 512 --iters 30)
 fi
 
 { nvidia-smi 2>&1 || echo "no nvidia-smi"; nproc; "$PY" -c "
@@ -124,7 +133,7 @@ step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:c
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/kernels/test_*.py \
     tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py \
     tests/model/test_stage_step.py tests/model/test_default_model.py tests/runtime/test_engine_tiny.py \
-    tests/distributed/test_draft_on_stage.py
+    tests/distributed/test_draft_on_stage.py tests/runtime/test_tree_drafting.py
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
 BENCH_JSONS=("$LOGS"/bench-*.json)
@@ -149,6 +158,8 @@ step draft 150 "$LOGS/draft.log" "$PY" benchmarks/bench_draft.py "${DRAFT_ARGS[@
     --json-out "$OUT/$DATE-draft-$DEV.json"
 step protocol 150 "$LOGS/protocol.log" "$PY" benchmarks/bench_protocol.py "${PROTOCOL_ARGS[@]}" \
     --json-out "$OUT/$DATE-protocol-$DEV.json"
+step tree 150 "$LOGS/tree.log" "$PY" benchmarks/bench_tree.py "${TREE_ARGS[@]}" \
+    --json-out "$OUT/$DATE-tree-$DEV.json"
 step kernel-tests 150 "$LOGS/kernel-tests.log" "$PY" -m pytest -q -m "not gpu" -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" "${KERNEL_TESTS[@]}"
 
@@ -172,6 +183,7 @@ echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- draft vs stage"; show draft.log | grep -E "measured|^model|^---" | head -n 30
 echo "---- protocol";     show protocol.log | tail -n 22
+echo "---- tree";           show tree.log | grep -vE "^wrote" | tail -n 26
 echo "---- stage";          show stage.log | tail -n 16
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"
