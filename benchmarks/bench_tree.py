@@ -406,7 +406,6 @@ ACC_COLUMNS = [("n", ">3"), ("drafter", ">13"), ("width", ">3", "W"), ("prompts"
 STEP_COLUMNS = [("n", ">3"), ("stage_layers", ">7", "layers"), ("context", ">8"),
                 ("width", ">3", "W"), ("kind", ">23"), ("chain_us", ">11.1f", "chain1 us"),
                 ("chain_graph_us", ">15.1f", "chain graph us"), ("tree_us", ">10.1f", "tree us"),
-                ("tree_graph_us", ">14.1f", "tree graph us"),
                 ("tree_graph_us", ">14.1f", "tree graph us"), ("ratio", ">8.2f"),
                 ("over_tree1", ">8.2f", "x tree1"), ("graph_ratio", ">8.2f", "x graph")]
 
