@@ -26,7 +26,9 @@ from spd_kernels.checks import SPDInputError, check_kernel_float, check_tensor, 
 from spd_kernels.opdef import Position, op
 
 
-def _check_attention(q, k_cache, v_cache, start, scale):
+def check_q_and_caches(q, k_cache, v_cache, scale) -> tuple[int, int, int, int, int]:
+    """The checks every attention op makes of its queries q [H, R, hd], caches [KVH, S, hd]
+    (one shape and dtype, GQA) and softmax scale -> (H, R, hd, KVH, S)."""
     check_tensor("q", q, dim=3, floating=True)
     dev = q.device
     check_tensor("k_cache", k_cache, dim=3, floating=True, device=dev)
@@ -46,7 +48,12 @@ def _check_attention(q, k_cache, v_cache, start, scale):
     if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
                                   and 0 < float(scale) < float("inf")):
         raise SPDInputError(f"scale must be a positive finite float or None, got {scale!r}")
-    check_start(start, R, S, dev)
+    return H, R, hd, kvh, S
+
+
+def _check_attention(q, k_cache, v_cache, start, scale):
+    _, R, _, _, S = check_q_and_caches(q, k_cache, v_cache, scale)
+    check_start(start, R, S, q.device)
 
 
 @op("cache_attention")

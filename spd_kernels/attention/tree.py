@@ -31,6 +31,7 @@ import operator
 import torch
 
 from spd_kernels import dispatch
+from spd_kernels.attention import check_q_and_caches
 from spd_kernels.checks import SPDInputError, check_tensor, check_values_enabled
 from spd_kernels.opdef import Position, op
 
@@ -56,31 +57,14 @@ def _check_prefix_len(prefix_len, capacity: int, device) -> int | None:
 
 
 def _check_tree(q, k_cache, v_cache, prefix_len, tree_slots, tree_mask, scale):
-    check_tensor("q", q, dim=3, floating=True)
+    _, R, _, _, S = check_q_and_caches(q, k_cache, v_cache, scale)
     dev = q.device
-    check_tensor("k_cache", k_cache, dim=3, floating=True, device=dev)
-    check_tensor("v_cache", v_cache, dim=3, floating=True, device=dev)
-    H, R, hd = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise SPDInputError(f"k_cache and v_cache must have one shape and dtype, got "
-                            f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
-                            f"{v_cache.dtype}")
-    kvh, S, chd = k_cache.shape
-    if chd != hd:
-        raise SPDInputError(f"q has head_dim {hd} but the caches [num_kv_heads, S, head_dim] "
-                            f"have head_dim {chd}")
-    if kvh <= 0 or H <= 0 or H % kvh:
-        raise SPDInputError(f"q's heads ({H}) must be a positive multiple of the caches' kv "
-                            f"heads ({kvh}) (grouped-query attention)")
     check_tensor("tree_slots", tree_slots, dim=1, dtype=torch.int64, device=dev)
     check_tensor("tree_mask", tree_mask, dim=2, dtype=torch.bool, device=dev)
     M = tree_slots.shape[0]
     if tuple(tree_mask.shape) != (R, M):
         raise SPDInputError(f"tree_mask must be [R, M] = [{R}, {M}] (q's rows, tree_slots' "
                             f"length), got {tuple(tree_mask.shape)}")
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                  and 0 < float(scale) < float("inf")):
-        raise SPDInputError(f"scale must be a positive finite float or None, got {scale!r}")
     prefix = _check_prefix_len(prefix_len, S, dev)
     if prefix == 0 and M == 0:
         raise SPDInputError("prefix_len is 0 and tree_slots is empty: the rows have no key")

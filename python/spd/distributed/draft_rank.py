@@ -435,7 +435,6 @@ class RemoteTreeStages(RemoteStages):
     def announce(self, cycle: int, position: int, draft) -> None:
         dec = self.dec
         if self.policy.speculate() and len(dec.out) + 1 < dec.max_new:
-            self.cycle = cycle
             self._send(position, dict(enumerate(draft)))
             self.spec["announced"] += 1
             self._ahead, self._ahead_lanes = position, set(range(len(draft)))
