@@ -22,6 +22,7 @@ def tiny_factory(seed: int, rank: int):
     return make_tiny_target(seed=seed, vocab=48, layers=4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n,width,on_stage", [(2, 2, None), (3, 4, None), (4, 4, 1)])
 def test_tree_same_as_one_process(n, width, on_stage):
     seed = 40 + n
