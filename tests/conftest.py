@@ -174,6 +174,60 @@ class NoisyTreeDrafter(PDMDrafter):
         return out
 
 
+class FeatureTreeDrafter(PDMDrafter):
+    """The real PDM over the tree, its logits sharpened, and at each leaf the reference token
+    (the target's own continuation at the drafted position) raised by a random amount with
+    probability `accuracy`. Unlike NoisyTreeDrafter, every other child and the order of the
+    rows follow the PDM's logits, so they depend on every anchor row the drafter reads (a
+    missing or misplaced feature changes the tree, and so N, K or the judged drafts), and the
+    children of one position come from several leaves (an accepted row keeps some of them, not
+    all: the surviving lanes are not a prefix of the draft's)."""
+
+    def __init__(self, pdm, reference, accuracy, seed, sharpen=6.0):
+        super().__init__(pdm)
+        self.reference, self.accuracy, self.sharpen = reference, accuracy, sharpen
+        self.gen = torch.Generator().manual_seed(seed)
+        self.trace: list[tuple[tuple[int, ...], list[float]]] = []  # per call: rows, features
+
+    def tree_logits(self, anchors, types, positions, slots, prefix_len, tree_mask, leaves):
+        logits = super().tree_logits(anchors, types, positions, slots, prefix_len, tree_mask,
+                                     leaves)
+        # every row's features (the anchors its depth reads) reach every leaf's logits: the
+        # untrained PDM's attention alone mixes them too weakly to change the tree
+        feats = self.pdm.features(anchors, types).float()
+        self.trace.append((tuple(positions), feats.sum(-1).tolist()))
+        mix = torch.Generator().manual_seed(7)
+        proj = torch.randn(feats.shape[-1], logits.shape[-1], generator=mix)
+        shared = feats.mean(0) @ proj
+        out = logits.float() * self.sharpen + shared / shared.std()
+        out = out - out.mean(-1, keepdim=True)
+        position = max(positions) + 1
+        token = self.reference[position] if position < len(self.reference) else 0
+        hit = (self.pdm.draft_to_target == token).nonzero()
+        for i in range(out.shape[0]):  # per leaf: the target's token raised, or not
+            boost = float(torch.rand((), generator=self.gen)) * 2 * out[i].std()
+            if len(hit) and float(torch.rand((), generator=self.gen)) < self.accuracy:
+                out[i, int(hit[0])] += boost
+        return out
+
+
+def feature_tree_drafter(reference, accuracy, seed, engine):
+    """A FeatureTreeDrafter over `engine`'s PDM (a picklable factory for distributed requests)."""
+    return FeatureTreeDrafter(engine.pdm, reference, accuracy, seed)
+
+
+def run_traced(requests, engine):
+    """A rank-0 job (spd.distributed.rank.run_requests) that also returns each request's
+    drafter trace: [(result, trace)]."""
+    out = []
+    for req in requests:
+        drafter = req.drafter(engine.engine)
+        result = engine.generate(req.prompt_ids, req.max_new_tokens, req.sampling,
+                                 drafter=drafter)
+        out.append((result, drafter.trace))
+    return out
+
+
 def noisy_tree_drafter(reference, accuracy, seed, engine):
     """A NoisyTreeDrafter over `engine`'s PDM (a picklable factory for distributed requests)."""
     return NoisyTreeDrafter(engine.pdm, reference, accuracy, seed)

@@ -54,6 +54,32 @@ def test_tree_same_as_one_process(n, width, on_stage):
         assert 0 < g.stats.drafts_accepted < g.stats.drafts_judged
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("n,width,on_stage", [(2, 4, None), (4, 3, 0), (8, 2, None)])
+def test_default_model_tree_equals_one_process_and_ar(default_target, n, width, on_stage):
+    """The default model and its shipped drafters, distributed against one process and AR
+    (benchmarks/tree_grid.py's cell; the grid over n in {2, 3, 4, 8} and W in {2, 3, 4, 8} is
+    that script's). Its PDM's trees keep lanes in any subset and read every stage's anchors, as
+    the tiny drafters' did not: distributed trees once lost the target's tokens here."""
+    from conftest import bench_module
+
+    from spd.model.prompt import encode_prompt
+    grid = bench_module("tree_grid")
+    tok = default_target.tokenizer
+    prompts = [encode_prompt(tok, "Write a Python function that checks whether a number is "
+                             "prime.", True),
+               encode_prompt(tok, "List three uses of a hash map.", True)]
+    ar_engine = SPDEngine(default_target, n_stages=1)
+    ar = [ar_engine.generate_ar(p, 40).token_ids for p in prompts]
+    cell = grid.run_cell(default_target, n, width, prompts, ar, 40, on_stage)
+    for row in cell["rows"]:
+        assert row["dist_vs_one_first_difference"] is None, row
+        assert row["stats_equal"], row
+        assert row["dist_vs_ar_first_difference"] is None, row
+        assert row["one_vs_ar_first_difference"] is None, row
+    assert cell["ok"]
+
+
 def test_tree_unit_format_packs_and_pads():
     import torch
     fmt = TreeUnitFormat.of(3, 2)

@@ -263,7 +263,7 @@ class UnitStream:
         keep = item.state is SnapState.POSTED
         item.state = SnapState.RECEIVED
         if keep and item.idx is not None:
-            self.dec.keep_rows(item.stage, item.idx, item.buf)
+            self.dec.keep_rows(item.stage, item.pos, item.idx, item.buf)
         elif keep:
             self.dec.keep_anchors(item.stage, item.pos, item.buf)
 
@@ -456,7 +456,11 @@ class RemoteTreeStages(RemoteStages):
             ahead, self._ahead = self._ahead, None
             rows = dec.rows.get(position) if token is None else None
             if position == ahead and rows is not None and set(rows) <= self._ahead_lanes:
-                return  # its rows went ahead (the dropped ones are only unreachable)
+                # its rows went ahead (the dropped ones are only unreachable): the unit in the
+                # pipeline holds every lane of the draft, so the last stage's rows are in
+                # that order, not in the order of the rows left
+                dec.unit_lanes[position] = sorted(self._ahead_lanes)
+                return
             self.spec["redone"] += 1
             self.stream.drop_from(ahead)
         if token is None:

@@ -236,11 +236,19 @@ class TreeDecode(SequenceDecode):
         mask = [[k in br for k in keys] for br in branches]
         return idx, self.committed, keys, mask, [rows[lane].token for lane in lanes]
 
-    def keep_rows(self, stage: int, idx: torch.Tensor, rows: torch.Tensor) -> None:
-        """Stage `stage`'s anchor rows of a unit (rows [anchors, R, d], in slot order) into the
-        buffer rows idx [R] (a distributed snap)."""
+    def keep_rows(self, stage: int, position: int, idx: torch.Tensor,
+                  rows: torch.Tensor) -> None:
+        """Stage `stage`'s anchor rows of the unit at `position` (rows [anchors, R, d], in the
+        unit's row order) into the buffer rows idx [R] (a distributed snap). A snap can arrive
+        after its position was committed (the judged position is still two stages from the
+        end when its verdict comes): the committed row's anchors then go to the position too,
+        where the drafter reads them (commit copied only what had arrived)."""
+        row = self.judging_row.get(position)
+        late = row is not None and self.unit_lanes[position] != [None]
         for i, j in enumerate(self.stage_slots[stage]):
             self.anchors[j, idx] = rows[i]
+            if late:
+                self.anchors[j, position] = rows[i, row]
 
     # --- the cycle ----------------------------------------------------------------------------
     def draft(self, extra_depth: int) -> list[Row]:
