@@ -177,6 +177,32 @@ def test_corpus_refuses_what_it_cannot_use(tmp_path):
         Corpus(CorpusConfig([str(tmp_path / "missing.jsonl")]), _encode, set())
 
 
+def test_a_small_set_holds_one_conversation_out_or_none(tmp_path):
+    """The hash share of a small set may hold no conversation: from MIN_FOR_PINNED usable ones
+    on, the one the share would take next is held out (never trained on, the same on every
+    rank); below that, none is, and the run trains on them all."""
+    from spd.data.conversations import conversation_key, in_holdout
+    from spd.train.corpus import MIN_FOR_PINNED
+    convs = [c for c in _conversations(80, words=12) if not in_holdout(c, 0.02)][:30]
+    src = _write_jsonl(tmp_path / "small.jsonl", convs)
+    cfg = CorpusConfig([src], max_len=200, min_len=4, holdout=0.02)
+    corpus = Corpus(cfg, _encode, set())
+    stats = corpus.count()
+    assert stats.sequences == 30 and corpus.held_out(4) == []
+    assert corpus.pin_holdout(stats)
+    lowest = min(convs, key=conversation_key)
+    assert corpus.held_out(4) == [_encode(lowest)]
+    assert _encode(lowest) not in list(corpus.epoch(0)) and corpus.count().sequences == 29
+    again = Corpus(cfg, _encode, set())  # another rank: the same choice
+    assert again.pin_holdout(again.count()) and again.pinned == corpus.pinned
+    assert not corpus.pin_holdout(corpus.count())  # one is held out now: nothing more
+    few = Corpus(CorpusConfig([_write_jsonl(tmp_path / "few.jsonl", convs[:MIN_FOR_PINNED - 1])],
+                              max_len=200, min_len=4, holdout=0.02), _encode, set())
+    assert not few.pin_holdout(few.count()) and few.held_out(1) == []
+    off = Corpus(CorpusConfig([src], max_len=200, min_len=4, holdout=0.0), _encode, set())
+    assert not off.pin_holdout(off.count())  # --holdout 0: none wanted
+
+
 # --- whole runs through the command line ----------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
@@ -263,6 +289,42 @@ def test_two_gloo_ranks_equal_one_process(tiny_model, chat_data, tmp_path):
     wb = load_file(str(tmp_path / "two" / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-6)
+
+
+def _write_sharegpt(path, convs):
+    with open(path, "w") as f:
+        for c in convs:
+            turns = [{"from": "human" if t["role"] == "user" else "gpt", "value": t["content"]}
+                     for t in c]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_small_set_trains_on_two_ranks(tiny_model, tmp_path):
+    """48 conversations (OpenAI messages and ShareGPT files) at the default held-out share:
+    one is held out and evaluated on; 5 conversations train with a warning and no held-out
+    figures."""
+    from spd.data.conversations import in_holdout
+    convs = [c for c in _conversations(120, words=12) if not in_holdout(c, 0.02)][:48]
+    chats = _write_jsonl(tmp_path / "chats.jsonl", convs[:24])
+    share = _write_sharegpt(tmp_path / "sharegpt.jsonl", convs[24:])
+    args = _train_args(tiny_model, [chats, share], tmp_path / "small", "--steps", "4",
+                       "--batch", "2", "--eval-every", "2")
+    args[args.index("--holdout") + 1] = "0.02"
+    run = _run(args, nproc=2)
+    assert run.returncode == 0, run.stderr[-3000:]
+    summary = json.loads(run.stdout.strip().splitlines()[-1])
+    assert summary["data"]["sequences"] == 47 and "no held-out" not in run.stderr
+    assert "accept" in _history(tmp_path / "small")[-1]
+    few = _write_jsonl(tmp_path / "few.jsonl", convs[:5])
+    args = _train_args(tiny_model, [few], tmp_path / "few", "--steps", "2", "--batch", "2")
+    args[args.index("--holdout") + 1] = "0.02"
+    run = _run(args)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "no held-out conversation" in run.stderr and "no held-out acceptance" in run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1])["data"]["sequences"] == 5
+    assert all("accept" not in h for h in _history(tmp_path / "few"))
 
 
 @pytest.mark.slow

@@ -36,7 +36,9 @@ def add_train(sub) -> None:
     p.add_argument("--holdout", type=float, default=0.02,
                    help="share of conversations held out by a hash of their first user turn: "
                         "never trained on; the run evaluates on the first --eval-sequences of "
-                        "them (online)")
+                        "them (online). A set with none in that share holds out one "
+                        "conversation (from 8 usable ones on), else trains on all with a "
+                        "warning")
     p.add_argument("--too-long", choices=("drop", "cut"), default="drop",
                    help="conversations over --max-len tokens are dropped (the paper's filter) "
                         "or cut to --max-len (online)")

@@ -4,7 +4,10 @@ A `Corpus` turns the conversations of `--data` sources (spd.data.conversations) 
 sequences with the target's chat template, and decides which of them a run may train on:
 
 - **held out**: a fixed share of conversations, chosen by a hash of the first user turn
-  (`in_holdout`), never trained on; the run's held-out evaluation reads its first ones;
+  (`in_holdout`), never trained on; the run's held-out evaluation reads its first ones. A small
+  set may have none in that share: then, given at least `MIN_FOR_PINNED` usable conversations,
+  the one whose hash is lowest (the next the share would take) is held out instead
+  (`pin_holdout`); with fewer, the run trains on all of them and reports no held-out figures;
 - **evaluation prompts**: conversations holding an MT-Bench, HumanEval or project held-out
   prompt are dropped (`spd.data.datasets.eval_prompt_keys`);
 - **length**: sequences longer than `max_len` tokens are dropped (`too_long="drop"`, the
@@ -25,6 +28,8 @@ from typing import Callable, Iterator
 from spd.errors import SPDError
 
 TOO_LONG = ("drop", "cut")
+# usable conversations a set needs before one is held out when the hash share holds none
+MIN_FOR_PINNED = 8
 
 
 def encode_conversation(tokenizer, conversation: list[dict]) -> list[int]:
@@ -109,6 +114,7 @@ class CorpusStats:
     dropped: Counter = field(default_factory=Counter)  # held out, evaluation prompt, too long...
     sequences: int = 0
     tokens: int = 0
+    lowest_key: str | None = None  # the training conversation the hash share would take next
 
     def as_dict(self) -> dict:
         return {"sequences": self.sequences, "tokens": self.tokens,
@@ -135,6 +141,13 @@ class Corpus:
             from spd.data.datasets import eval_prompt_keys
             exclude_keys = eval_prompt_keys()
         self.exclude_keys = exclude_keys or set()
+        self.pinned: set[str] = set()  # conversations held out besides the hash share
+
+    def _held_out(self, conversation) -> bool:
+        from spd.data.conversations import conversation_key, in_holdout
+        if in_holdout(conversation, self.cfg.holdout):
+            return True
+        return bool(self.pinned) and conversation_key(conversation) in self.pinned
 
     # --- one pass ---------------------------------------------------------------------------
     def _conversations(self, stats: CorpusStats | None):
@@ -147,7 +160,6 @@ class Corpus:
     def _usable(self, conversation, held_out: bool, stats: CorpusStats | None
                 ) -> list[int] | None:
         """The sequence of `conversation` if it belongs to the requested split, else None."""
-        from spd.data.conversations import in_holdout
         from spd.data.datasets import contains_eval_prompt
         cfg = self.cfg
 
@@ -155,7 +167,7 @@ class Corpus:
             if stats is not None:
                 stats.dropped[reason] += 1
             return None
-        if in_holdout(conversation, cfg.holdout) != held_out:
+        if self._held_out(conversation) != held_out:
             return drop("other split" if held_out else "held out")
         if self.exclude_keys and contains_eval_prompt(conversation, self.exclude_keys):
             return drop("evaluation prompt")
@@ -166,7 +178,22 @@ class Corpus:
             ids = ids[:cfg.max_len]
         if len(ids) < cfg.min_len:
             return drop("too short")
+        if stats is not None and not held_out:
+            from spd.data.conversations import conversation_key
+            key = conversation_key(conversation)
+            if stats.lowest_key is None or key < stats.lowest_key:
+                stats.lowest_key = key
         return ids
+
+    def pin_holdout(self, stats: CorpusStats) -> bool:
+        """After a pass (`stats`) that found no usable held-out conversation: hold out the
+        training conversation the hash share would take next, when the set has at least
+        MIN_FOR_PINNED usable ones. True if one was pinned (the training split changed: count
+        it again). Every rank decides alike (the same data, the same keys)."""
+        if self.cfg.holdout <= 0 or stats.sequences < MIN_FOR_PINNED or self.held_out(1):
+            return False
+        self.pinned.add(stats.lowest_key)
+        return True
 
     def epoch(self, epoch: int, stats: CorpusStats | None = None) -> Iterator[list[int]]:
         """Every training sequence of one pass, shuffled in windows (the same order every time

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,7 +22,14 @@ import torch
 
 from spd.errors import SPDError
 from spd.train.batches import OnlineBatches
-from spd.train.corpus import AnswerMask, Corpus, CorpusConfig, CorpusStats, encode_conversation
+from spd.train.corpus import (
+    MIN_FOR_PINNED,
+    AnswerMask,
+    Corpus,
+    CorpusConfig,
+    CorpusStats,
+    encode_conversation,
+)
 from spd.train.teacher import Teacher
 from spd.train.trainer import TrainConfig, build_draft_vocab, fill_sampler, fit
 
@@ -98,6 +106,8 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
     corpus = Corpus(corpus_cfg, lambda conv: encode_conversation(tok, conv), exclude_keys)
     mask_of = AnswerMask(tok, target.eos_token_ids) if cfg.loss_on == "answers" else None
     stats, counts, data_id = survey(corpus, target.vocab_size)
+    if corpus.pin_holdout(stats):  # a small set: one conversation held out, count again
+        stats, counts, data_id = survey(corpus, target.vocab_size)
     if epochs is not None:
         if not epochs > 0:
             raise SPDError(f"--epochs must be > 0, got {epochs}")
@@ -113,8 +123,11 @@ def train_online(target, corpus_cfg: CorpusConfig, cfg: TrainConfig, out_dir, *,
     teacher = Teacher(target, list(layout.anchors), mask_of)
     held_seqs = corpus.held_out(cfg.eval_sequences) if group.main else []
     if group.main and not held_seqs:
-        raise SPDError(f"no held-out sequence to evaluate on in {', '.join(corpus_cfg.sources)}"
-                       f" (held-out share {corpus_cfg.holdout}): raise --holdout or add data")
+        warnings.warn(
+            f"no held-out conversation in {', '.join(corpus_cfg.sources)} (held-out share "
+            f"{corpus_cfg.holdout}, {stats.sequences} usable; one is held out from "
+            f"{MIN_FOR_PINNED} on): training on all of them, and no held-out acceptance will "
+            "be reported", stacklevel=2)
     held_out = []
     for ids in held_seqs:  # the first crop_len tokens of each, as the cached path does
         held_out += teacher([ids[:cfg.crop_len] if cfg.crop_len > 0 else ids])

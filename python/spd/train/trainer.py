@@ -292,6 +292,8 @@ def evaluate(distiller: Distiller, items) -> dict:
     spd.train.estimate)."""
     n = distiller.layout.n
     out, top1 = {}, []
+    if not items:  # a set too small to hold one out (spd.train.corpus): nothing to report
+        return out
     for fill in range(1, n + 1):
         losses, agrees = [], []
         for it in items:
