@@ -34,10 +34,14 @@ def verify_greedy_cuda(hidden, norm_weight, eps, lm_head_weight, draft_tokens,
     nb = ext.verify_greedy_num_blocks(V)
     pval = _alloc.empty(R, nb, dtype=torch.float32, device=hidden.device)
     pidx = _alloc.empty(R, nb, dtype=torch.int32, device=hidden.device)
+    # The caller's tensors go to the binding as tensors (dtype, device and bytes checked there);
+    # the four buffers made just above, by this launcher at the binding's own block count, go
+    # as addresses (null and alignment still checked): checking them again would re-read eight
+    # Python attributes apiece on every call for nothing (host time, spd_kernels/README.md).
     ext.verify_greedy(hidden, hidden.stride(0), norm_weight,
                       lm_head_weight, lm_head_weight.stride(0),
                       draft_tokens, draft_tokens.dtype == torch.int64,
-                      pval, pidx, target, accepted,
+                      pval.data_ptr(), pidx.data_ptr(), target.data_ptr(), accepted.data_ptr(),
                       R, D, V, float(eps), float(norm_offset), dtype_code(hidden.dtype),
                       _cuda.stream_of(hidden))
     return target, accepted

@@ -248,6 +248,30 @@ def test_cuda_kernel_in_host_emulation_strides_ties_and_empty():
 
 
 @needs_simt
+def test_cuda_launcher_hands_the_callers_tensors_and_its_own_buffers_as_addresses(monkeypatch):
+    """The binding checks dtype, device and bytes of every tensor handed to it, which costs host
+    time on each call: the caller's inputs go as tensors (checked), the four buffers the launcher
+    sizes itself as addresses (null and alignment still checked), and the result is unchanged."""
+    hidden, norm, head, drafts = make_inputs(2, 32, 70, torch.bfloat16, "cpu", seed=11)
+    with _cuda.simulated() as sim:
+        seen = {}
+
+        class Recorder:
+            def __getattr__(self, name):
+                return getattr(sim, name)
+
+            def verify_greedy(self, *args):
+                seen["args"] = args
+                return sim.verify_greedy(*args)
+
+        monkeypatch.setattr(_cuda, "ext", lambda: Recorder())
+        check_against_reference(hidden, norm, head, drafts, backend="cuda", exact=False)
+    args = seen["args"]
+    assert [type(args[i]) for i in (0, 2, 3, 5)] == [torch.Tensor] * 4  # hidden, norm, head, draft
+    assert all(isinstance(args[i], int) and args[i] != 0 for i in (7, 8, 9, 10))  # pval..accepted
+
+
+@needs_simt
 @pytest.mark.parametrize("variant", ["1", "2"])
 def test_cuda_kernel_load_shapes_in_host_emulation(variant):
     """SPD_VERIFY_VARIANT is read once per process: the other two load shapes in a subprocess."""
