@@ -123,3 +123,16 @@ def test_the_cli_refuses_a_damaged_pdm_before_loading_the_model(pdm_dir, monkeyp
     prompts.write_text('{"turns": ["hi"]}\n')
     assert main(["eval", "--prompts", str(prompts), "--pdm", str(pdm_dir)]) == 2
     assert "config.json holds a JSON list, not an object" in capsys.readouterr().err
+
+
+def test_an_untrained_pdm_does_not_depend_on_the_global_generator(target):
+    """Every process builds the same untrained PDM (a distributed rank 0 and the one-process
+    engine draft alike under seeded sampling), whatever torch's global generator holds."""
+    from spd.model.partition import DepthLayout
+    layout = DepthLayout.build(target.num_layers, 2)
+    torch.manual_seed(1)
+    a = PipelineDraftModule.untrained(target, layout)
+    torch.manual_seed(2)
+    b = PipelineDraftModule.untrained(target, layout)
+    for (name, x), (_, y) in zip(a.state_dict().items(), b.state_dict().items()):
+        assert torch.equal(x, y), name

@@ -199,6 +199,10 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
             for name, p in pdm.named_parameters():
                 if p.dim() == 2:
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+                elif name.endswith(".bias"):
+                    # zero, not nn.Linear's draw from the global generator: every process
+                    # (a distributed rank 0 too) must build the same PDM for the same seed
+                    p.zero_()
             ids = (draft_vocab if draft_vocab is not None
                    else torch.arange(cfg.draft_vocab_size)).to(torch.int64)
             pdm.draft_to_target.copy_(ids)
