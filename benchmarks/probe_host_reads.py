@@ -4,7 +4,9 @@ A read is anything that brings a tensor's value into Python (item, int / bool / 
 tensor, tolist, numpy) or makes the host wait on the data to size a result (nonzero and the
 like): on a GPU each one stalls the host until the device has caught up. `ReadLog` logs them
 with a TorchFunctionMode (methods) and a TorchDispatchMode (ops); tests/distributed/
-test_host_reads.py uses it too.
+test_host_reads.py uses it too. With copies=True it also logs the other direction: a tensor made
+from, or written with, Python values (torch.tensor of a list, x[i] = 5: on a GPU a copy from
+pageable host memory, which holds the host); tests/runtime/test_host_copies.py counts them.
 
 Reads per steady cycle are taken as a difference of two decodes of different lengths in one
 process (m and 2m new tokens: (reads(2m) - reads(m)) / (K(2m) - K(m))), so the prefill and the
@@ -19,6 +21,9 @@ end cancel out and the probe needs no hook inside the code it measures: it runs 
     would pay);
   * both again under seeded sampling (temperature 1): drafts are then judged by rejection
     sampling on rank 0, and rejections roll every cache back.
+
+Each row also gives rank 0's copies of Python values to the device per cycle, outside
+spd_kernels (ReadLog(copies=True)).
 
     python benchmarks/probe_host_reads.py                      # this checkout
     python benchmarks/probe_host_reads.py --before /path/old   # and another checkout, same table
@@ -45,6 +50,14 @@ DEFAULT_PROMPT = "Explain in three sentences why the sky is blue."
 READ_METHODS = {"item", "tolist", "numpy", "__bool__", "__int__", "__float__", "__index__"}
 READ_OPS = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select", "unique",
             "_unique2", "repeat_interleave"}
+# Tensors made from a Python value (torch.tensor / as_tensor of a number, list or array: on a
+# GPU built in pageable host memory and copied over, a copy that holds the host; full /
+# full_like of a Python fill value: a new tensor each call from a value the host holds) or
+# written with one (x[i] = 5, x[:2] = [1, 2]: torch makes a host tensor of the value and copies
+# it in; a slice written with one number is a fill, counted too: fill_ says so). An in-place
+# fill_ of a buffer made once (a cache's length, a graph's position) is not one: the value rides
+# in the fill kernel's arguments, and no tensor is made.
+COPY_FUNCS = {"tensor": 0, "as_tensor": 0, "full": 1, "full_like": 1, "__setitem__": 2}
 
 
 # --- the read log ------------------------------------------------------------------------------
@@ -72,16 +85,29 @@ def _caller() -> str:
     return f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" if f is not None else "?"
 
 
-class _Methods(TorchFunctionMode):
-    def __init__(self, log: list, where: bool):
-        super().__init__()
-        self.log, self.where, self.depth = log, where, 0
+def _python_value(func: str, args: tuple, kwargs: dict) -> bool:
+    """Whether a call of COPY_FUNCS' `func` takes its data from Python rather than a tensor (and,
+    for __setitem__, writes it into a tensor that is not host memory by design: _host_kind)."""
+    at = COPY_FUNCS[func]
+    value = args[at] if len(args) > at else kwargs.get("data" if at == 0 else "fill_value")
+    if isinstance(value, torch.Tensor):
+        return False
+    return not (func == "__setitem__" and _host_kind(args[0]) is not None)
 
-    def record(self, name: str) -> None:
-        self.log.append(("read", name, _caller()) if self.where else ("read", name))
+
+class _Methods(TorchFunctionMode):
+    def __init__(self, log: list, where: bool, copies: bool = False):
+        super().__init__()
+        self.log, self.where, self.copies, self.depth = log, where, copies, 0
+
+    def record(self, name: str, kind: str = "read") -> None:
+        self.log.append((kind, name, _caller()) if self.where else (kind, name))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
+        if (self.copies and name in COPY_FUNCS
+                and _python_value(name, args, kwargs or {})):
+            self.record(name, "copy")
         if name not in READ_METHODS:
             return func(*args, **(kwargs or {}))
         kind = _host_kind(args[0]) if args else None
@@ -111,10 +137,12 @@ class _Ops(TorchDispatchMode):
 class ReadLog:
     """Appends ("read", what) to `log` for every tensor-to-host read in this thread (("header",)
     for a unit's host header, ("host",) for a host mirror's copy); `where`: ("read", what,
-    "file:line function" of the code that read)."""
+    "file:line function" of the code that read). `copies`: also ("copy", what[, where]) for every
+    tensor made from or written with Python values (COPY_FUNCS; on a CPU every tensor counts,
+    as each one would be on the device but a unit's header and a host mirror's copy)."""
 
-    def __init__(self, log: list, where: bool = False):
-        self.methods = _Methods(log, where)
+    def __init__(self, log: list, where: bool = False, copies: bool = False):
+        self.methods = _Methods(log, where, copies)
         self.ops = _Ops(self.methods)
 
     def __enter__(self):
@@ -158,10 +186,11 @@ class CallLog:
         self.saved.clear()
 
 
-def reads(log: list, outside_kernels: bool = False) -> int:
-    """The reads in `log`; `outside_kernels`: only those not made inside spd_kernels (its CPU
-    value checks and reference paths, which a GPU run does not take). Needs ReadLog(where=True)."""
-    return sum(1 for e in log if e[0] == "read"
+def reads(log: list, outside_kernels: bool = False, kind: str = "read") -> int:
+    """The reads in `log` (kind="copy": the copies of Python values); `outside_kernels`: only
+    those not made inside spd_kernels (its CPU value checks and reference paths, which a GPU run
+    does not take). Needs ReadLog(where=True)."""
+    return sum(1 for e in log if e[0] == kind
                and not (outside_kernels and f"{os.sep}spd_kernels{os.sep}" in e[2]))
 
 
@@ -188,12 +217,13 @@ def _distributed_job(engine, lengths, refs, sampling):
     out = []
     for gen, m in enumerate(lengths, start=1):
         log: list = []
-        with ReadLog(log, where=True):
+        with ReadLog(log, where=True, copies=True):
             res = run_requests([GenerateRequest(PROMPT, m, sampling, reference=refs)],
                                engine)[0]
         stages = [int(engine.rt.store.get(f"probe/reads/{gen}/{r}")) for r in range(1, engine.n + 1)]
         out.append({"m": m, "K": res.stats.K, "rank0": reads(log),
-                    "outside": reads(log, outside_kernels=True), "stages": stages})
+                    "outside": reads(log, outside_kernels=True),
+                    "copies": reads(log, outside_kernels=True, kind="copy"), "stages": stages})
     return out
 
 
@@ -217,6 +247,7 @@ def distributed_row(n: int, m: int, sampled: bool = False) -> dict:
     return {"what": f"distributed, n = {n}{', sampled' if sampled else ''}", "cycles": dk,
             "rank 0": (b["rank0"] - a["rank0"]) / dk,
             "outside spd_kernels": (b["outside"] - a["outside"]) / dk,
+            "copies": (b["copies"] - a["copies"]) / dk,
             "stage ranks": [(y - x) / dk for x, y in zip(a["stages"], b["stages"])]}
 
 
@@ -233,14 +264,16 @@ def single_row(n: int, m: int, sampled: bool = False) -> dict:
     runs = []
     for length in (m, 2 * m):
         log: list = []
-        with ReadLog(log, where=True):
+        with ReadLog(log, where=True, copies=True):
             res = engine.generate(ids, length, sampling)
-        runs.append((reads(log), reads(log, outside_kernels=True), res.stats.K))
+        runs.append((reads(log), reads(log, outside_kernels=True), res.stats.K,
+                     reads(log, outside_kernels=True, kind="copy")))
     dk = runs[1][2] - runs[0][2]
     return {"what": f"one process, default model, n = {n}{', sampled' if sampled else ''}",
             "cycles": dk,
             "rank 0": (runs[1][0] - runs[0][0]) / dk,
-            "outside spd_kernels": (runs[1][1] - runs[0][1]) / dk, "stage ranks": []}
+            "outside spd_kernels": (runs[1][1] - runs[0][1]) / dk,
+            "copies": (runs[1][3] - runs[0][3]) / dk, "stage ranks": []}
 
 
 def measure(m: int) -> list[dict]:
@@ -279,6 +312,7 @@ def main() -> None:
         results["before"] = run_checkout(args.before.resolve(), args.tokens)
     table = Table([("what", "<47", "decode"), ("checkout", "<9"), ("cycles", ">7"),
                    ("rank0", ">10.2f", "rank 0"), ("outside", ">22.2f", "outside spd_kernels"),
+                   ("copies", ">8.2f"),
                    ("stages", ">24", "each stage rank")])
     table.print_header()
     for i, row in enumerate(results["after"]):
@@ -287,6 +321,7 @@ def main() -> None:
                 r = results[label][i]
                 table.print({"what": r["what"], "checkout": label, "cycles": r["cycles"],
                              "rank0": r["rank 0"], "outside": r.get("outside spd_kernels"),
+                             "copies": r.get("copies"),
                              "stages": " ".join(f"{x:.2f}" for x in r["stage ranks"]) or None})
     if args.json_out:
         write_json(args.json_out, run_meta(), tokens=args.tokens,

@@ -5,7 +5,11 @@ untrained PDM (so rejections roll every cache back), `SequenceDecode.run` runs u
 debug mode set to raise: no stream or device synchronisation, no blocking copy. Each judged
 cycle reads its verdict by waiting on an event after the verdict's own copy to pinned memory
 (spd.device.to_host), which that mode does not flag. A first decode of the same request
-captures every CUDA graph the checked one replays (a capture itself synchronises).
+captures every CUDA graph the checked one replays (a capture itself synchronises). What a decode
+copies to the device once (the prompt, its table of the drafter's row types) is copied before
+`run`, outside the checked loop: the first cycle of each staircase is checked like any other.
+The CPU counterpart, which counts copies of Python values per cycle without a GPU, is
+tests/runtime/test_host_copies.py.
 
 Needs one GPU and the Triton or CUDA kernels (the reference ops read values on the host): run
 by benchmarks/device_session.sh on a lent machine. The three-GPU NCCL counterpart is

@@ -206,6 +206,40 @@ def test_bad_chat_requests_get_openai_errors(served, body, status, param):
         assert info.value.status_code == status
 
 
+@pytest.mark.parametrize("role", ["wizard", "User", "", "tool", "function"])
+def test_a_message_role_not_served_gets_400_naming_it(served, role):
+    """As OpenAI's API: a role outside its set (case counts) is a 400 that names it, and so are
+    its tool roles here (no tools are served); before any decode, streamed or not."""
+    server, _, client = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": role, "content": "Hi"}]
+    before = wait_idle(server)
+    for stream in (False, True):
+        r = _post(server, "/v1/chat/completions",
+                  {"model": MODEL, "messages": messages, "stream": stream})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == "messages" and err["type"] == "invalid_request_error"
+        assert err["message"].startswith("messages.1.role: ") and f"'{role}'" in err["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    assert f"'{role}'" in str(info.value)
+    after = health(server)
+    assert [after[k] for k in ("served", "cancelled", "failed")] == \
+        [before[k] for k in ("served", "cancelled", "failed")]  # none reached the engine
+
+
+def test_every_served_role_is_accepted(served):
+    """system, developer, user and assistant messages reach the chat template."""
+    server, engine, client = served
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "system", "content": "Answer in English."},
+                {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "Name a colour."}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4,
+                                          temperature=0)
+    assert resp.choices[0].message.content == engine.generate(messages, 4).text
+
+
 def test_malformed_json_and_bad_completion_prompts(served):
     server, _, _ = served
     for raw in ("{not json", "[1, 2]", ""):

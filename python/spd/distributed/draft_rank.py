@@ -223,9 +223,13 @@ class UnitStream:
         rt, n = self.rt, self.n
         rt.flush_sends(before=cycle - 1)  # the stages posted those receives long ago
         unit = self.outbox.take()
-        unit.set_header(UNIT, self.sent)
+        unit.set_header(UNIT, self.sent)  # host memory on every device (protocol)
         if tree is None:
-            unit.write_unit(pos, token)
+            # the payload is device memory under NCCL: the position and an int token go in as
+            # views of the decode's device table, not as Python values (a copy each)
+            dec = self.dec
+            unit.write_unit(dec.on_device(pos), token if isinstance(token, torch.Tensor)
+                            else dec.on_device(token))
         else:
             unit.write_tree(tree[0])
         self._send_unit(unit, cycle)

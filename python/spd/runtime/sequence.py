@@ -16,6 +16,11 @@ runtime sends units to stage ranks (`spd.distributed.draft_rank.RemoteStages`). 
 
 The generator's draws happen in this order (prefill pick, then per cycle the draft's uniform and,
 when full, the verifier's), so seeded sampling gives the same tokens whichever runner runs.
+
+No cycle reads a device value on the host but the verdict, and none makes a tensor from a Python
+value (on a GPU a copy from pageable memory that holds the host): an int the cycle puts on the
+device (a token id, a position) is a view of the table `ints`, and the drafter's row types are
+tables made before the first cycle (tests/runtime/test_host_copies.py counts both directions).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch
 
 from spd.draft.drafters import Draft
 from spd.draft.lookup import NgramLookup
+from spd.errors import InternalError
 from spd.runtime.host_mirror import HostMirror
 from spd.runtime.schedule import PipelineSchedule
 from spd.runtime.stopping import StopRule
@@ -166,11 +172,14 @@ class SequenceDecode:
             # per drafted position: whether the gate used the lookup's token (on the device)
             self.lookup_used = HostMirror(torch.zeros(self.capacity, dtype=torch.bool,
                                                       device=t.device))
+        # Every int the cycle puts on the device (a token id, a position) is a view of this
+        # table [max(vocab, rows)] int64 (`on_device`): no tensor is made from a Python value.
+        self.ints = torch.arange(max(t.vocab_size, self.buffer_rows), device=t.device)
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=t.device)
-        # Aggregation types of the draft rows, per staircase of depths: a few shapes recur, so
-        # each is copied to the device once, not every cycle.
-        self._row_types: dict[tuple[int, ...], torch.Tensor] = {}
+        # Aggregation types of the draft rows [R], per staircase (rows below the window, tokens
+        # in flight, extra depth): every shape the schedule drafts, made here in one copy.
+        self._row_types = self._staircase_types()
         self.sched = PipelineSchedule(n)
         # Post-step drafting (an ablation) waits for the stages: features one stage deeper.
         self.post_step = getattr(drafter, "post_step", False)
@@ -189,6 +198,29 @@ class SequenceDecode:
     def work_rows(self, work: list[tuple[int, int]]) -> int:
         """Rows the stages compute for `work` (a chain: one per in-flight position)."""
         return len(work)
+
+    def on_device(self, value: int) -> torch.Tensor:
+        """`value` (a token id or a position) as a 0-d int64 tensor on the device: a view of
+        `ints`, so nothing is copied there."""
+        if not 0 <= value < self.ints.shape[0]:  # a negative index would wrap silently
+            raise InternalError("an int outside the device table", value=value,
+                                table=self.ints.shape[0])
+        return self.ints[value]
+
+    def _staircase_types(self) -> dict[tuple[int, int, int], torch.Tensor]:
+        """{(below, count, extra): the aggregation types [below + count] of draft rows}: `below`
+        rows under the window (depth n), then `count` in flight (depths count-1 .. 0, `extra`
+        deeper, at most n). The schedule drafts from at most one row under the window (it keeps
+        the rows before the oldest in-flight token), for pre- and post-step features: 4n
+        shapes, views of one tensor made with one copy, before any cycle."""
+        n, keys, flat = self.n, [], []
+        for extra in (0, 1):
+            for below in (0, 1):
+                for count in range(1, n + 1):
+                    keys.append(((below, count, extra), len(flat), below + count))
+                    flat += [n] * below + [min(n, d + extra) for d in range(count - 1, -1, -1)]
+        types = self.type_of_depth[torch.tensor(flat, device=self.target.device)]
+        return {key: types[at:at + size] for key, at, size in keys}
 
     # --- set-up ---------------------------------------------------------------------------------
     def keep_anchors(self, stage: int, position: int, rows) -> None:
@@ -247,7 +279,10 @@ class SequenceDecode:
 
     def enter(self, position: int, token) -> None:
         """`token` (an int, or a 0-d device tensor: no host sync) enters stage 0 at depth 0: only
-        its embedding (anchor 0) exists."""
+        its embedding (anchor 0) exists. An int (the first token, a correction) enters as a view
+        of `ints`, on every runner: no Python value is copied to the device."""
+        if not isinstance(token, torch.Tensor):
+            token = self.on_device(token)
         self.tokens[position] = token
         self.host_tokens.wrote(position, position + 1)
         self.anchors[0, position] = self.target.embed_tokens(
@@ -257,17 +292,16 @@ class SequenceDecode:
     def draft(self, extra_depth: int) -> Draft:
         """The drafter's guess for the successor of the newest in-flight token, from features
         `extra_depth` stages deeper than the schedule's depths (0: pre-step, 1: post-step)."""
-        n, sched = self.n, self.sched
+        sched = self.sched
         # the anchor rows of this cycle's stage steps (post-step) or up to the last one's
         self.stages.features(self.stats.K - 1 + extra_depth)
         t0 = time.perf_counter()
         with self.stages.drafting(), self.timer("draft"):
             rows = sched.draft_rows()
-            depths = tuple(min(n, sched.depth(p) + extra_depth) for p in rows)
-            types = self._row_types.get(depths)
-            if types is None:
-                types = self._row_types[depths] = self.type_of_depth[
-                    torch.tensor(depths, device=self.target.device)]
+            key = (sched.start - rows.start, sched.count, extra_depth)
+            types = self._row_types.get(key)
+            if types is None:  # more rows under the window than the schedule keeps
+                types = self._row_types[key] = self._deeper_types(*key)
             u = torch.rand((), generator=self.gen)
             draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop], types, rows.start,
                                        sched.newest + 1, self.sampling, u)
@@ -281,6 +315,15 @@ class SequenceDecode:
         self.draft_s.append(time.perf_counter() - t0)
         self.stages.drafted(draft)
         return draft
+
+    def _deeper_types(self, below: int, count: int, extra: int) -> torch.Tensor:
+        """The row types of a staircase `_staircase_types` has no table for: `below` rows of
+        depth n before the in-flight ones, from device tensors alone (no copy)."""
+        if below < 0 or count < 1 or (0, count, extra) not in self._row_types:
+            raise InternalError("a staircase the schedule cannot draft", below=below,
+                                count=count, extra=extra)
+        return torch.cat([self.type_of_depth[self.n:].expand(below),
+                          self._row_types[0, count, extra]])
 
     def _lookup(self, position: int, draft: Draft) -> tuple[Draft, bool | torch.Tensor]:
         """The context lookup's token for `position` in place of the drafter's, when the text
@@ -300,15 +343,15 @@ class SequenceDecode:
         trust = self.lookup.trust(match_len)
         used = self.lookup_used.buf[position:position + 1]
         if draft.p is None or trust >= 1.0:  # a drafter without a confidence: the match wins
-            used.fill_(True)
+            used.fill_(True)  # in place: the value rides in the fill's arguments, no copy
             self.lookup_used.wrote(position, position + 1)
-            return Draft(token, q, q_ids=q_ids), True
+            return Draft(self.on_device(token), q, q_ids=q_ids), True
         # Gate on the device (the PDM's token and confidence stay there: no host sync); the
         # choice reaches the host through a mirror by the time the draft is judged (stats).
         use = draft.p < trust
         used.copy_(use.view(1))
         self.lookup_used.wrote(position, position + 1)
-        return Draft(torch.where(use, torch.full_like(draft.token, token), draft.token),
+        return Draft(torch.where(use, self.on_device(token), draft.token),
                      None if q is None else torch.where(use, q, draft.q), q_ids=q_ids), True
 
     def _one_hot(self, token: int, draft: Draft):
@@ -319,15 +362,17 @@ class SequenceDecode:
         column_of = getattr(self.drafter, "draft_column", None)
         column = column_of(token) if column_of is not None and draft.q_ids is not None else None
         if column is not None:
-            q = torch.zeros_like(draft.q)
-            q[column] = 1.0
-            return q, draft.q_ids, draft
-        q = torch.zeros(self.target.vocab_size, device=self.target.device)
-        q[token] = 1.0
+            return self._one_hot_at(column, draft.q.shape[0]), draft.q_ids, draft
+        q = self._one_hot_at(token, self.target.vocab_size)
         if draft.q is not None and draft.q_ids is not None:
             full = torch.zeros_like(q).index_copy_(0, draft.q_ids, draft.q)
             draft = Draft(draft.token, full, draft.p)
         return q, None, draft
+
+    def _one_hot_at(self, index: int, size: int) -> torch.Tensor:
+        """float32 [size], 1 at `index` and 0 elsewhere, compared on the device (`q[index] = 1`
+        would copy a Python value there)."""
+        return (self.ints[:size] == self.on_device(index)).to(torch.float32)
 
     def fill(self, draft: Draft) -> None:
         """Filling cycle: nothing left the pipeline, the draft enters at depth 0."""

@@ -33,7 +33,11 @@ One cycle (SequenceDecode.run, the chain's loop; W = 1 runs the chain itself):
      the chain.
 
 The host keeps the tree's shape (tokens, parents, scores: a few ints a cycle, read once after
-the draft); every row's tensors stay on the device.
+the draft); every row's tensors stay on the device. So, unlike the chain (W = 1), whose cycle
+makes no tensor from a Python value, a tree's cycle builds its small index tensors (slots,
+keys, masks, the rows' tokens) from those Python lists, a host-to-device copy each (on a GPU,
+from pageable memory: the host waits for it). That makes the tree the slower path per cycle;
+tests/runtime/test_host_copies.py checks the chain only.
 """
 from __future__ import annotations
 

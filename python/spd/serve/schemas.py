@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from spd.runtime.types import MAX_SEED
 
+# The message roles served, as OpenAI spells them (case included); each goes to the chat template
+# as it is. OpenAI's tool roles need tool calls, which this server does not make.
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+TOOL_ROLES = ("tool", "function")
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
@@ -65,6 +70,17 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
     role: str
     content: Union[str, list[TextPart], None] = None
+
+    @field_validator("role")
+    @classmethod
+    def _served_role(cls, role: str) -> str:
+        served = ", ".join(f"'{r}'" for r in CHAT_ROLES)
+        if role in TOOL_ROLES:
+            raise ValueError(f"the role '{role}' is not supported: this server has no tools "
+                             f"(roles served: {served})")
+        if role not in CHAT_ROLES:  # the template would take it as a turn of its own
+            raise ValueError(f"unknown role '{role}': a message's role is one of {served}")
+        return role
 
     def as_turn(self) -> dict:
         """{"role", "content"} with the content as one string, for the chat template."""
