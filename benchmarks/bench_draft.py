@@ -19,8 +19,12 @@ Each figure is labelled: "projection (bytes)" is bytes / a stated bandwidth (--b
 default the H200's 4800 GB/s HBM3e nominal; the ratios do not depend on it), "measured" is the
 median of CUDA-event-timed replays with L2 flushed (spd.draft.drafters.PDMDrafter with
 cuda_graphs=True; spd.model.target.Stage's captured one-row graph, as in bench_stage.py), beside
-its floor: bytes / the measured copy bandwidth. int8 drafts are projected only (bf16 drafters
-are what the runtime graphs today).
+its floor: bytes / the measured copy bandwidth. The measured draft rows are per weight format
+(--draft-weights, default bf16,int8,fp8): the same random PDM, its draft step reading bf16
+weights or weight-only int8 / fp8 copies (PipelineDraftModule.quantize_, spd_kernels.quant), each
+against its own bytes. `--measure` measures on a CPU too (eager stage and draft, the reference
+ops or, with TRITON_INTERPRET=1 and SPD_BACKEND=triton, the kernels in the interpreter): a smoke
+check of these rows, not a timing.
 
 "Draft on stage S" rows (n-device mode, no draft rank): the balanced split
 (spd.model.partition.balanced_split) with the draft step charged to stage S and the head to the
@@ -144,31 +148,37 @@ def on_stage_rows(shape, n: int, pdm_layers: list[int], vocabs: list[int], conte
 
 
 def measured_rows(shape, n: int, pdm_layers: list[int], vocabs: list[int], context: int,
-                  device, timer: Timer, bandwidth: float) -> list[dict]:
-    """On a GPU: the graphed stage step of the largest stage and the graphed bf16 draft step."""
+                  device, timer: Timer, bandwidth: float,
+                  kinds: tuple[str, ...] = ("bf16", "int8", "fp8")) -> list[dict]:
+    """The graphed stage step of the largest stage and the graphed draft step per weight format
+    in `kinds` (bf16, int8, fp8). On a CPU (a smoke check) both run eagerly."""
     from bench_draft_hiding import random_pdm, stage_target
 
     from spd.draft.drafters import PDMDrafter
     from spd.model.target import Stage
     from spd.runtime.types import SamplingParams
 
+    gpu = device.type == "cuda"
     dtype = torch.bfloat16
     layout = DepthLayout.build(shape.layers, n)
     stage_layers = max(layout.split)
     target = stage_target(shape, stage_layers, device, dtype)
     room = context + timer.iters + timer.warmup + 8
     h = torch.randn(1, shape.hidden, device=device, dtype=dtype)
-    stage = Stage(target, 0, range(stage_layers), room, cuda_graphs=True)
+    stage = Stage(target, 0, range(stage_layers), room, cuda_graphs=gpu)
     stage.cache.reserve(0, context)
     stage.forward(h, context)  # captures; later replays advance the device length
     floor = lambda b: b / (bandwidth * 1e3)  # noqa: E731
     stage_b = stage_layers * (layer_bytes(shape) + kv_bytes(shape, 1, context))
     rows = []
-    if stage.graphs.failed is not None:
+    if gpu and stage.graphs.failed is not None:
         return [dict(what="stage", kind=MEASURED, model=shape.name, n=n,
                      error=str(stage.graphs.failed))]
-    stage_us, _ = timer(stage.graphs.graphs[1].graph.replay)
-    del stage
+    if gpu:
+        stage_us, _ = timer(stage.graphs.graphs[1].graph.replay)
+    else:  # eager, at a fixed position: the cache length is reset each call
+        stage_us, _ = timer(lambda: stage.run(h, context))
+    stage = None  # free the graph and caches before the drafts
     greedy = SamplingParams()
     types_of_depth = [layout.agg_type(k) for k in range(n + 1)]
     # steady state at fill n: rows [C - n, C] hold depths n, n-1, ..., 0
@@ -178,24 +188,30 @@ def measured_rows(shape, n: int, pdm_layers: list[int], vocabs: list[int], conte
     for ls in pdm_layers:
         for vd in vocabs:
             pdm = random_pdm(shape, layout, ls, vd, None, device, dtype)
-            drafter = PDMDrafter(pdm, cuda_graphs=True)
-            drafter.begin(cap, shape.vocab)
-            drafter.cache.reserve(0, context - n)
-            draft_us, _ = timer(lambda: drafter.draft(anchors, types, context - n, context + 1,
-                                                      greedy, None))
-            mode = "graph"
-            if drafter.graphs is None or drafter.graphs.failed:
-                mode = "eager (graph capture failed)"
-            d = draft_bytes(shape, layout, ls, vd, context, "bf16")["total"]
-            rows.append(dict(
-                what="draft vs stage", kind=MEASURED, draft_mode=mode, model=shape.name, n=n,
-                pdm_layers=ls, draft_vocab=vd, draft_weights="bf16", context=context,
-                split=layout.split, stage_layers=stage_layers, draft_bytes=d,
-                stage_bytes=stage_b, draft_us=draft_us, stage_us=stage_us,
-                draft_floor_us=floor(d), stage_floor_us=floor(stage_b),
-                draft_x_floor=draft_us / floor(d), stage_x_floor=stage_us / floor(stage_b),
-                bandwidth_gb_s=bandwidth, ratio=draft_us / stage_us))
-            drafter = pdm = None  # free the graphs and weights before the next config
+            for kind in kinds:
+                # one PDM, its step reading bf16 weights or quantised copies of them
+                pdm.quantize_("model" if kind == "bf16" else kind)
+                drafter = PDMDrafter(pdm, cuda_graphs=gpu)
+                drafter.begin(cap, shape.vocab)
+                drafter.cache.reserve(0, context - n)
+                draft_us, _ = timer(lambda: drafter.draft(anchors, types, context - n,
+                                                          context + 1, greedy, None))
+                mode = "graph" if gpu else "eager (CPU smoke)"
+                if gpu and (drafter.graphs is None or drafter.graphs.failed):
+                    mode = "eager (graph capture failed)"
+                # fp8 reads as many bytes as int8 (one byte a weight, an fp32 scale a row)
+                d = draft_bytes(shape, layout, ls, vd, context,
+                                "bf16" if kind == "bf16" else "int8")["total"]
+                rows.append(dict(
+                    what="draft vs stage", kind=MEASURED, draft_mode=mode, model=shape.name,
+                    n=n, pdm_layers=ls, draft_vocab=vd, draft_weights=kind, context=context,
+                    split=layout.split, stage_layers=stage_layers, draft_bytes=d,
+                    stage_bytes=stage_b, draft_us=draft_us, stage_us=stage_us,
+                    draft_floor_us=floor(d), stage_floor_us=floor(stage_b),
+                    draft_x_floor=draft_us / floor(d), stage_x_floor=stage_us / floor(stage_b),
+                    bandwidth_gb_s=bandwidth, ratio=draft_us / stage_us))
+                drafter = None  # free the graphs before the next config
+            pdm = None
     del target
     torch.cuda.empty_cache()
     return rows
@@ -231,6 +247,11 @@ def main() -> int:
                     help="bandwidth of the projection, GB/s (default the H200's 4800 nominal; "
                          "e.g. 4230 for its measured copy)")
     ap.add_argument("--projection-only", action="store_true", help="no measurement on a GPU")
+    ap.add_argument("--draft-weights", default="bf16,int8,fp8",
+                    help="weight formats of the measured draft rows (bf16, int8, fp8)")
+    ap.add_argument("--measure", action="store_true",
+                    help="measure on a CPU too (eager, tiny shapes: a smoke check of the "
+                         "measured rows, not a timing)")
     ap.add_argument("--argmax-counts", default=None,
                     help="a torch-saved tensor [V] of the target's argmax counts: report the "
                          "share the top-Vd ids cover")
@@ -238,6 +259,10 @@ def main() -> int:
     args = ap.parse_args()
     device, _, timer = device_setup(args, flush=True)
     gpu = device.type == "cuda" and not args.projection_only
+    measure = gpu or (args.measure and not args.projection_only)
+    kinds = tuple(k for k in args.draft_weights.split(",") if k)
+    if not kinds or any(k not in ("bf16", "int8", "fp8") for k in kinds):
+        sys.exit(f"--draft-weights takes bf16, int8 and fp8, got {args.draft_weights!r}")
     models = [m for m in args.models.split(",") if m]
     stages = _ints(args.stages, "--stages")
     pdm_layers = _ints(args.pdm_layers, "--pdm-layers")
@@ -251,6 +276,8 @@ def main() -> int:
     if bad or args.bandwidth_gbs <= 0:
         sys.exit(f"--stages must lie in 1..L (got {bad}); --bandwidth-gbs > 0")
     measured_bw = copy_bandwidth(device, Timer(device, 10, 2)) if gpu else None
+    if measure and not gpu:  # CPU smoke: floors against the projection bandwidth
+        measured_bw = args.bandwidth_gbs
     print(f"{describe_device(device)}; context {args.context}; projection at "
           f"{args.bandwidth_gbs:.0f} GB/s"
           + (f"; measured copy bandwidth {measured_bw:.0f} GB/s" if gpu else
@@ -282,10 +309,10 @@ def main() -> int:
         for n in stages:
             found = projection_rows(shape, n, pdm_layers, vocabs, args.context,
                                     args.bandwidth_gbs)
-            if gpu:
+            if measure:
                 with torch.no_grad():
                     found += measured_rows(shape, n, pdm_layers, vocabs, args.context, device,
-                                           timer, measured_bw)
+                                           timer, measured_bw, kinds)
             for r in found:
                 if "error" in r:
                     print(f"{m:<10}{n:>3} stage graph failed: {r['error']}")

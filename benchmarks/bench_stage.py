@@ -40,7 +40,7 @@ from spd.model.loading import describe_device  # noqa: E402
 from spd.model.target import Stage  # noqa: E402
 from spd.runtime.ar_decode import ARDecoder  # noqa: E402
 from spd.runtime.types import SamplingParams  # noqa: E402
-from spd_kernels import cache_attention  # noqa: E402
+from spd_kernels import _cuda, cache_attention  # noqa: E402
 
 # The H200 targets of the stage-graphs issue (microseconds), checked where the device is one.
 H200_TARGETS = {("qwen3-4b", "stage"): 63.0, ("qwen3-8b", "stage"): 120.0,
@@ -137,8 +137,16 @@ def main() -> int:
     ap.add_argument("--layers", default="3,5,9", help="stage sizes, comma-separated")
     ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
     ap.add_argument("--no-ar", action="store_true", help="skip the whole-model AR step")
+    ap.add_argument("--rows", default="stage,attention,ar",
+                    help="which rows, comma-separated: stage, attention, ar (e.g. the AR step "
+                         "alone once the CUDA extension is built, its verify being CUDA)")
     add_device_args(ap)
     args = ap.parse_args()
+    kinds = {r for r in args.rows.split(",") if r}
+    if not kinds or kinds - {"stage", "attention", "ar"}:
+        sys.exit(f"--rows takes stage, attention and ar, got {args.rows!r}")
+    if args.no_ar:
+        kinds.discard("ar")
     # on a GPU, L2 flushed between calls: weights come from HBM as in a real decode step
     device, dtype, timer = device_setup(args, flush=True)
     gpu = device.type == "cuda"
@@ -163,16 +171,21 @@ def main() -> int:
     out = args.json_out or RESULTS / f"{args.date}-stage-{tag}.json"
     meta = run_meta(device, date=args.date, dtype=str(dtype), context=args.context,
                     copy_bandwidth_gb_s=bandwidth, iters=timer.iters,
+                    programmatic_launch=_cuda.programmatic_launch_enabled(),
                     shapes={m: vars(MODELS[m]) for m in models})
     with torch.no_grad():
         for m in models:
             shape = MODELS[m]
-            built = max(layer_counts) if args.no_ar else max(shape.layers, max(layer_counts))
+            built = max(layer_counts) if "ar" not in kinds else max(shape.layers,
+                                                                     max(layer_counts))
             target = stage_target(shape, built, device, dtype)
-            found = [r for L in layer_counts for r in stage_rows(target, L, args.context, timer,
-                                                                 gpu)]
-            found.append(attention_row(target, args.context, timer, gpu))
-            if not args.no_ar:
+            found = []
+            if "stage" in kinds:
+                found += [r for L in layer_counts
+                          for r in stage_rows(target, L, args.context, timer, gpu)]
+            if "attention" in kinds:
+                found.append(attention_row(target, args.context, timer, gpu))
+            if "ar" in kinds:
                 found.append(ar_row(target, args.context, timer, gpu))
             for r in found:
                 r.update(model=m, context=args.context, dtype=str(dtype))

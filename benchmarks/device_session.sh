@@ -1,40 +1,37 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should run, in one call, inside a short device budget:
-#   1. the environment (nvidia-smi, torch, triton)            -> env.txt
-#   2. build the CUDA extension in place (nvcc, sm_90 + PTX)   -> build.log
-#   2b. the single-process engine's decode under CUDA's sync debug mode set to raise, greedy
-#      and sampled, rollbacks included (tests/runtime/test_gpu_no_sync.py; one GPU) -> no-sync.log
-#   3. the stage step and the AR step against their floors (graphed one-row stage of 3, 5, 9
-#      layers, attention at 1k context, the whole-model AR step; Qwen3-4B and Qwen3-8B shapes)
-#                                                               -> $OUT/<date>-stage-<dev>.json
-#   3b. kernel microbenchmarks at Qwen3-4B shapes, the kernels the automatic choice runs (the two
-#      open targets, PDM step and anchor projection, first)  -> bench-automatic.{log,json}
-#   4. the same for the on-request kernels of those two ops (the whole step on the CUDA kernels,
-#      the tensor-core anchor variant, programmatic dependent launch), one process per op
-#                                                               -> bench-on-request-<op>.{log,json}
-#   5. the gpu-marked tests with compiled Triton kernels        -> gpu-tests.{log,xml}
+# Everything a lent GPU should run, in one call, inside a short device budget. In order of need
+# (a step cut by the budget is skipped, the ones before it keep their results):
+#   0. the environment (nvidia-smi, torch, triton)            -> env.txt
+#   1. build the CUDA extension IN THE BACKGROUND (nvcc, sm_90 + PTX; ~64 s on an H200), into a
+#      staging folder, moved into spd_kernels/ in one rename when done: a benchmark starting
+#      meanwhile sees the extension whole or not at all    -> build.log
+#   2. while it builds, what runs on Triton alone:
+#      2a. the graphed one-row stage step against its floor (3 and 9 layers, attention at 1k
+#          context; Qwen3-4B and Qwen3-8B shapes)          -> $OUT/<date>-stage-<dev>.json
+#      2b. the same stage rows with programmatic dependent launch (SPD_PDL=1)
+#                                                          -> $OUT/<date>-stage-pdl-<dev>.json
+#      2c. kernel microbenchmarks of the Triton ops the automatic choice runs (PDM step, dense
+#          linear / SwiGLU, attention, QKV + RoPE)        -> bench-automatic-triton.{log,json}
+#   3. wait for the build (the rest may pick CUDA kernels)
+#   4. the gpu-marked tests with compiled Triton kernels and the built extension
+#                                                          -> gpu-tests.{log,xml}
 #      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is; a test
 #       that faults a kernel fails alone, tests/cuda_guard.py)
-#   6. the on-request rows of the step's other ops, one process per op
-#   7. 3, 4 and 6 merged, targets and challengers over all rows -> $OUT/<date>-kernels-<dev>.json
+#   5. the draft step against the stage step, both graphed, bf16, int8 and fp8 draft weights
+#      (Qwen3-4B and Qwen3-8B shapes, n = 4, 8, L_s = 1, 3, Vd = 32k)
+#                                                          -> $OUT/<date>-draft-<dev>.json
+#   6. the whole-model AR step (its verify is a CUDA kernel) -> $OUT/<date>-stage-ar-<dev>.json
+#   7. kernel microbenchmarks of the ops whose automatic choice is a CUDA kernel (anchor
+#      projection, greedy verify, KV truncation)          -> bench-automatic-cuda.{log,json}
+#   8. the on-request rows of the PDM step and the anchor projection, one process per op
+#                                                          -> bench-on-request-<op>.{log,json}
+#   9. the engine's decode under CUDA's sync debug mode set to raise (one GPU) -> no-sync.log
+#  10. the on-request rows of the step's other ops, one process per op
+#  11. 2c, 7, 8 and 10 merged, targets and challengers over all rows
+#                                                          -> $OUT/<date>-kernels-<dev>.json
 #      (and where a kernel lost the CUDA context: its op once more under compute-sanitizer)
-#   8. is drafting hidden? (PDM draft + verify vs one stage,
-#      Qwen3-4B shapes, n = 4, 8, L_s = 2, 3, eager and graph) -> $OUT/<date>-draft-hiding-<dev>.json
-#   8a. the draft step against the stage step like for like: both graphed, each against its
-#      bytes / the measured copy bandwidth, beside the bytes-only projection (Qwen3-4B and
-#      Qwen3-8B shapes, n = 4, 8, L_s = 1, 2, 3, Vd = 16k, 32k; bf16 and int8 drafts; the
-#      draft-on-stage-0 split)                                  -> $OUT/<date>-draft-<dev>.json
-#   8b. the distributed protocol's own cost per cycle, n + 1 processes and n (the draft rank in
-#      stage 0's process, --draft-on-stage), compute emulated by a fixed wait of
-#      F = 300, 600 us (ranks share the one GPU over gloo, so the wait is a host sleep:
-#      spin kernels of different processes would be time-sliced) -> $OUT/<date>-protocol-<dev>.json
-#   8c. token trees (tree drafting, W = 1, 2, 4, 8): the W-row tree step of the largest stage
-#      against the one-row chain step (eager and graphed) at 512 cached positions, then the
-#      acceptance of width-W trees on 12 held-out prompts (the default model, n = 4, 8, the
-#      engine's drafter, greedy, every output checked against AR; stage rows first, so a run
-#      cut by its cap keeps them)                              -> $OUT/<date>-tree-<dev>.json
-#   9. the rest of the kernel tests compiled, if time is left   -> kernel-tests.log
-#  10. torch.compile of four references, if time is left         -> <date>-kernels-compile-<dev>.json
+#  12. if time is left: draft hiding, the distributed protocol's cost, token trees, the rest of
+#      the kernel tests compiled, torch.compile of four references (as before)
 # A kernel never run on a GPU may fault, and a fault takes the process's CUDA context with it: so
 # the on-request rows run apart from the automatic ones and one op per process, and a
 # benchmark stops at a lost context (saying which row lost it) instead of filling its table with
@@ -61,13 +58,19 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     export TRITON_INTERPRET=1 SPD_SKIP_CUDA_BUILD=1
     DEV=cpu
     KERNEL_ARGS=(--models smollm2-135m --iters 1 --warmup 0 --compile off)
-    AUTO_OPS=verify_greedy,truncate_kv,fused_linear
+    TRITON_AUTO_OPS=fused_linear
+    CUDA_AUTO_OPS=verify_greedy,truncate_kv
     FIRST_TRIALS=(truncate_kv)
     MORE_TRIALS=(fused_linear)
     HIDING_ARGS=(--model smollm2-135m --stages 2 --pdm-layers 1 --iters 1 --context 64)
-    DRAFT_ARGS=(--models qwen3-4b --stages 4 --pdm-layers 1 --draft-vocab 16384 --iters 1
-                --warmup 0 --context 64)
-    STAGE_ARGS=(--models smollm2-135m --layers 2 --context 64 --iters 1 --warmup 0)
+    # --measure: the measured rows (bf16, int8 and fp8 drafts) run eagerly on the CPU too
+    DRAFT_ARGS=(--models smollm2-135m --stages 2 --pdm-layers 1 --draft-vocab 8192 --iters 1
+                --warmup 0 --context 64 --measure --draft-weights bf16,int8,fp8)
+    STAGE_ARGS=(--models smollm2-135m --layers 2 --context 64 --iters 1 --warmup 0
+                --rows stage,attention)
+    STAGE_PDL_ARGS=(--models smollm2-135m --layers 1 --context 64 --iters 1 --warmup 0
+                    --rows stage)
+    AR_ARGS=(--models smollm2-135m --layers 1 --context 64 --iters 1 --warmup 0 --rows ar)
     KERNEL_TESTS=(tests/kernels/test_kv_truncate.py)
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
     PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --draft-on-stage none,0
@@ -83,14 +86,21 @@ EOF
 )
     KERNEL_ARGS=(--models qwen3-4b --compile off --iters 20)
     # the two open targets first: a step cut off by its time cap keeps the rows it saved
-    AUTO_OPS=pdm_step,anchor_projection,fused_linear,fused_swiglu,cache_attention,qkv_rope_append,truncate_kv,rejection_sample_logits,verify_greedy
+    # the automatic choice's Triton ops (timed while the extension builds), then its CUDA ones
+    TRITON_AUTO_OPS=pdm_step,fused_linear,fused_swiglu,cache_attention,qkv_rope_append,rejection_sample_logits
+    CUDA_AUTO_OPS=anchor_projection,verify_greedy,truncate_kv
     FIRST_TRIALS=(pdm_step anchor_projection)
     MORE_TRIALS=(fused_linear fused_swiglu cache_attention qkv_rope_append rejection_sample_logits)
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
-    STAGE_ARGS=(--models qwen3-4b,qwen3-8b --layers 3,5,9 --context 1024 --iters 50)
-    DRAFT_ARGS=(--models qwen3-4b,qwen3-8b --stages 4,8 --pdm-layers 1,2,3
-                --draft-vocab 16384,32768 --context 1024 --iters 30)
+    STAGE_ARGS=(--models qwen3-4b,qwen3-8b --layers 3,9 --context 1024 --iters 50
+                --rows stage,attention)
+    STAGE_PDL_ARGS=(--models qwen3-4b,qwen3-8b --layers 9 --context 1024 --iters 50
+                    --rows stage,attention)
+    AR_ARGS=(--models qwen3-4b,qwen3-8b --layers 1 --context 1024 --iters 30 --rows ar)
+    # bf16, int8 and fp8 drafts of one random PDM per config, each graphed
+    DRAFT_ARGS=(--models qwen3-4b,qwen3-8b --stages 4,8 --pdm-layers 1,3
+                --draft-vocab 32768 --context 1024 --iters 30 --draft-weights bf16,int8,fp8)
     KERNEL_TESTS=(tests/kernels/test_*.py)
     COMPILE_ARGS=(--models qwen3-4b --ops verify_greedy,anchor_projection,truncate_kv,fused_swiglu
                   --compile on --iters 20)
@@ -117,23 +127,53 @@ bench_on_request() {  # bench_on_request CAP OP: one op's on-request rows in a p
         "${KERNEL_ARGS[@]}" --rows on-request --ops "$2" --json-out "$LOGS/bench-on-request-$2.json"
 }
 
-# the host emulation of the CUDA kernels (spd_kernels._spd_simt) is for machines without a GPU
-SPD_SKIP_SIMT_BUILD=1 step build 150 "$LOGS/build.log" "$PY" setup.py build_ext --inplace
-# a decode loop that never synchronises: short, and first, so a tight budget still checks it
-step no-sync 120 "$LOGS/no-sync.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-    tests/runtime/test_gpu_no_sync.py
-# the stage and AR steps first: the figures the stage-graphs issue is judged by
-step stage 120 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
+# 1. The CUDA extension, built in the background while the Triton rows run (no host emulation:
+# spd_kernels._spd_simt is for machines without a GPU). Built into a staging folder, then each
+# library copied beside its final name and renamed over it: a process importing spd_kernels
+# meanwhile finds the extension whole or not at all (it then falls back to Triton, and says so).
+BUILD_STAGE="build/device-ext"
+rm -rf "$BUILD_STAGE"
+BUILD_CMD='SPD_SKIP_SIMT_BUILD=1 "$0" setup.py build_ext --build-lib "$1/lib" --build-temp "$1/tmp" || exit $?
+for f in "$1"/lib/spd_kernels/_spd_cuda*.so; do
+    [[ -e $f ]] || continue
+    n=$(basename "$f"); cp "$f" "spd_kernels/.$n.part" && mv -f "spd_kernels/.$n.part" "spd_kernels/$n" || exit 1
+done'
+( step build 240 "$LOGS/build.log" bash -c "$BUILD_CMD" "$PY" "$BUILD_STAGE" ) &
+BUILD_PID=$!
+
+# 2. Triton alone (the stage's ops, the attention, the PDM step): the figures the stage-graphs
+# issue is judged by, first
+step stage 110 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
     --json-out "$OUT/$DATE-stage-$DEV.json"
-step bench-automatic 150 "$LOGS/bench-automatic.log" "$PY" benchmarks/bench_kernels.py \
-    "${KERNEL_ARGS[@]}" --rows automatic --ops "$AUTO_OPS" --json-out "$LOGS/bench-automatic.json"
-bench_on_request 90 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
-for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 45 "$op"; done
-step gpu-tests 200 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
+SPD_PDL=1 step stage-pdl 60 "$LOGS/stage-pdl.log" "$PY" benchmarks/bench_stage.py \
+    "${STAGE_PDL_ARGS[@]}" --json-out "$OUT/$DATE-stage-pdl-$DEV.json"
+step bench-automatic-triton 100 "$LOGS/bench-automatic-triton.log" "$PY" \
+    benchmarks/bench_kernels.py "${KERNEL_ARGS[@]}" --rows automatic --ops "$TRITON_AUTO_OPS" \
+    --json-out "$LOGS/bench-automatic-triton.json"
+
+# 3. the rest may run CUDA kernels: wait for the extension
+wait "$BUILD_PID"
+ls spd_kernels/_spd_cuda*.so >> "$LOGS/build.log" 2>&1 || echo "no extension built" >> "$LOGS/build.log"
+
+# 4.-9.
+step gpu-tests 150 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/kernels/test_*.py \
     tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py \
     tests/model/test_stage_step.py tests/model/test_default_model.py tests/runtime/test_engine_tiny.py \
-    tests/distributed/test_draft_on_stage.py tests/runtime/test_tree_drafting.py
+    tests/distributed/test_draft_on_stage.py tests/runtime/test_tree_drafting.py \
+    tests/runtime/test_quantized_drafter.py
+step draft 110 "$LOGS/draft.log" "$PY" benchmarks/bench_draft.py "${DRAFT_ARGS[@]}" \
+    --json-out "$OUT/$DATE-draft-$DEV.json"
+step stage-ar 50 "$LOGS/stage-ar.log" "$PY" benchmarks/bench_stage.py "${AR_ARGS[@]}" \
+    --json-out "$OUT/$DATE-stage-ar-$DEV.json"
+step bench-automatic-cuda 40 "$LOGS/bench-automatic-cuda.log" "$PY" benchmarks/bench_kernels.py \
+    "${KERNEL_ARGS[@]}" --rows automatic --ops "$CUDA_AUTO_OPS" \
+    --json-out "$LOGS/bench-automatic-cuda.json"
+bench_on_request 60 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
+for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 40 "$op"; done
+step no-sync 60 "$LOGS/no-sync.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
+    tests/runtime/test_gpu_no_sync.py
+# 10.-12. if time is left
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
 BENCH_JSONS=("$LOGS"/bench-*.json)
@@ -154,8 +194,6 @@ if [[ -n "$LOST_OPS" && -n "$SANITIZER" ]]; then
 fi
 step draft-hiding 100 "$LOGS/draft-hiding.log" "$PY" benchmarks/bench_draft_hiding.py \
     "${HIDING_ARGS[@]}" --json-out "$OUT/$DATE-draft-hiding-$DEV.json"
-step draft 150 "$LOGS/draft.log" "$PY" benchmarks/bench_draft.py "${DRAFT_ARGS[@]}" \
-    --json-out "$OUT/$DATE-draft-$DEV.json"
 step protocol 150 "$LOGS/protocol.log" "$PY" benchmarks/bench_protocol.py "${PROTOCOL_ARGS[@]}" \
     --json-out "$OUT/$DATE-protocol-$DEV.json"
 step tree 150 "$LOGS/tree.log" "$PY" benchmarks/bench_tree.py "${TREE_ARGS[@]}" \
@@ -181,9 +219,12 @@ benches | grep -E "ERROR|^CUDA context lost" | cut -c1-240 | head -n 20
 echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut -c1-150 | head -n 45
 echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
-echo "---- draft vs stage"; show draft.log | grep -E "measured|^model|^---" | head -n 30
+echo "---- draft vs stage"; show draft.log | grep -E "measured|^model|^---" | head -n 40
 echo "---- protocol";     show protocol.log | tail -n 22
 echo "---- tree";           show tree.log | grep -vE "^wrote" | tail -n 26
-echo "---- stage";          show stage.log | tail -n 16
+echo "---- stage";          show stage.log | tail -n 12
+echo "---- stage, PDL";     show stage-pdl.log | tail -n 6
+echo "---- AR step";        show stage-ar.log | tail -n 4
+echo "---- build";          show build.log | tail -n 3
 echo "---- kernel tests";   show kernel-tests.log | tail -n 2
 echo "---- steps";          cat "$SUMMARY"

@@ -24,7 +24,11 @@ Triton take them; the CUDA kernel does not (its `supports` says so, the dispatch
              several (a narrow output, e.g. o_proj or down at 2560 columns, would leave most SMs
              idle) partial sums go to an fp32 workspace and a second launch reduces them in a
              fixed order (deterministic) and applies the epilogue. Intermediates are rounded to
-             the model dtype where the reference rounds.
+             the model dtype where the reference rounds. A consumer that can add the splits up
+             itself takes them without the reduce launch (triton_kernel.partial_sums: the
+             QKV product, summed in qkv_rope_append's RoPE kernel). Quantised (1-byte) weights
+             have their own GPU tiles, twice as deep in K, so a pipeline stage moves as many
+             bytes as a bf16 tile.
   cuda       csrc/kernels/linear.cu, bf16 / fp16 and at most 16 rows: tensor-core mma with the rows of x
              as the MMA's 16 rows, each weight byte loaded once straight into the fragments
              (16-byte loads, a whole batch in flight per lane); the norm is a first launch, K

@@ -23,6 +23,11 @@ if HAS_TRITON:
 # GPU tiles are autotuned on the first call per shape (no GPU has tuned them by hand yet); K per
 # split is a multiple of the largest BLOCK_K so every config covers a split exactly.
 GPU_CONFIGS = ((64, 64, 8), (32, 128, 4), (64, 128, 8), (128, 64, 8), (32, 64, 4))  # BN, BK, warps
+# Quantised (1-byte) weights: the same tiles would put half the bytes in flight per program (the
+# int8 PDM step ran at 0.88x bf16's time for half the bytes on an H200), so their tiles are
+# twice as deep in K: 256 bytes of a weight row per tile row, 16-byte loads per thread, and as
+# many bytes a tile as the bf16 configs (or twice). Dequantised in registers (exact) before the dot.
+GPU_QUANT_CONFIGS = ((64, 256, 8), (32, 256, 4), (128, 256, 8), (64, 128, 4), (16, 256, 4))
 K_GRAIN = 256
 GPU_BLOCK_N = 64       # for the split decision and the reduce launch
 
@@ -171,10 +176,22 @@ if HAS_TRITON:
         import triton.testing
         return triton.testing.do_bench(fn, warmup=5, rep=20, quantiles=quantiles)
 
+    def _configs(table):
+        return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in table]
+
+    _FLOAT_CONFIGS = _configs(GPU_CONFIGS)
+    _QUANT_CONFIGS = _configs(GPU_QUANT_CONFIGS)
+
+    def tuning_configs(configs, nargs, **kwargs):
+        """The autotuner's candidates for a launch: the quantised-weight tiles when QUANT."""
+        quant = {id(c) for c in _QUANT_CONFIGS}
+        return [c for c in configs if (id(c) in quant) == bool(kwargs.get("QUANT"))]
+
     # the outputs are pure functions of the inputs, so the autotuner may rerun the kernel freely
     _linear_tuned = triton.autotune(
-        [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w) for bn, bk, w in GPU_CONFIGS],
-        key=["N", "K", "R_PAD", "NORM", "SWIGLU", "PARTIAL", "QUANT"], do_bench=_quick_bench)(_linear_kernel)
+        _FLOAT_CONFIGS + _QUANT_CONFIGS,
+        key=["N", "K", "R_PAD", "NORM", "SWIGLU", "PARTIAL", "QUANT"], do_bench=_quick_bench,
+        prune_configs_by={"early_config_prune": tuning_configs})(_linear_kernel)
 
 
 def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
@@ -182,11 +199,35 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
            scale_up: torch.Tensor | None = None) -> torch.Tensor:
     """Launcher shared by both ops (w_up given: SwiGLU). split_k None: chosen by `plan`.
     scale / scale_up [N] fp32: weight / w_up are quantised (spd_kernels.quant)."""
+    return _launch(x, weight, w_up, norm_weight, eps, residual, split_k=split_k, scale=scale,
+                   scale_up=scale_up)[0]
+
+
+def partial_sums(x, weight, norm_weight=None, eps=1e-6, *, scale: torch.Tensor | None = None,
+                 split_k: int | None = None) -> tuple[torch.Tensor, int]:
+    """rms_norm(x) @ weight.T (x [R, K], weight [N, K]) without its reduce launch, for a kernel
+    that consumes the product and can sum the splits itself (qkv_rope_append's RoPE kernel):
+    (y, 1) with y [R, N] the product in x's dtype when one split covers K (scale applied, as
+    `launch`); else (ws, splits) with ws [splits, R, N] the splits' fp32 partial sums. Summed in
+    split order from 0, times scale, rounded to x's dtype, they give `launch`'s product bit for
+    bit (its reduce kernel does exactly that)."""
+    out, ws, splits = _launch(x, weight, None, norm_weight, eps, None, split_k=split_k,
+                              scale=scale, reduce=False)
+    if splits == 1:
+        return out, 1
+    return ws.view(splits, x.shape[0], weight.shape[0]), splits
+
+
+def _launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
+            split_k: int | None = None, scale: torch.Tensor | None = None,
+            scale_up: torch.Tensor | None = None, reduce: bool = True):
+    """-> (out [R, N], workspace, splits); reduce False: with several splits the reduce launch is
+    left to the caller (out is then not written)."""
     R, K = x.shape
     N = weight.shape[0]
     out = _alloc.empty(R, N, dtype=x.dtype, device=x.device)
     if R == 0 or N == 0:
-        return out
+        return out, out, 1
     r_pad, block_n, block_k, splits, k_per = plan(R, N, K, x.device, split_k)
     swiglu = w_up is not None
     set_stride = (2 if swiglu else 1) * R * N
@@ -213,14 +254,14 @@ def launch(x, weight, w_up=None, norm_weight=None, eps=1e-6, residual=None, *,
     else:
         _linear_kernel[(triton.cdiv(N, block_n), splits)](*args, BLOCK_N=block_n,
                                                           BLOCK_K=block_k, num_warps=1, **kw)
-    if partial:
+    if partial and reduce:
         _reduce_kernel[(triton.cdiv(N, block_n),)](ws, set_stride, res, res.stride(0), out,
                                                    out.stride(0), sc, sc2, R, N, splits,
                                                    BLOCK_N=block_n,
                                                    num_warps=1 if INTERPRET else 4,
                                                    PDL=programmatic, launch_pdl=programmatic,
                                                    **flags)
-    return out
+    return out, ws, splits
 
 
 @dispatch.register("fused_linear", "triton", supports=linear_supports, programmatic=True)

@@ -7,6 +7,9 @@ RoPE + cache append.
              in the interpreter its Triton kernel), then one launch, program (row, head), applies
              the per-head RMSNorm and RoPE in registers and writes q out or k/v straight into the
              cache at position start + row (read on the device; rows past the capacity dropped).
+             Packed weights on fused_linear's Triton kernel split over K: the product launch
+             leaves its fp32 split sums and the RoPE launch adds them up (in the reduce launch's
+             order, so bit for bit the same), scales and rounds them: two launches, not three.
   cuda       on request (spd_kernels.on_request.qkv_rope_cuda): the products on fused_linear's
              tensor-core CUDA kernel, then csrc/kernels/rope_append.cu, a block per (row, head).
 Quantised q/k/v weights (spd_kernels.quant; reference and Triton): wq/wk/wv int8 or

@@ -6,7 +6,8 @@ from spd_kernels._triton import HAS_TRITON, INTERPRET, dtype_code, pdl, tl, trit
 from spd_kernels.cache_positions import start_tensor
 from spd_kernels.linear import fused_linear
 from spd_kernels.linear.triton_kernel import launch as linear_launch
-from spd_kernels.qkv_rope import qkv_products, qkv_supports
+from spd_kernels.linear.triton_kernel import partial_sums
+from spd_kernels.qkv_rope import back_to_back, packed_qkv, qkv_products, qkv_supports
 
 if HAS_TRITON:
     from spd_kernels._triton import pdl_enter, round_to
@@ -17,29 +18,46 @@ if HAS_TRITON:
     @triton.jit
     def _qk_rope_append_kernel(qp_ptr, stride_qp, kp_ptr, stride_kp, vp_ptr, stride_vp, qn_ptr,
                                kn_ptr, bias_ptr, cos_ptr, sin_ptr, stride_cs, start_ptr, q_ptr,
-                               kc_ptr, vc_ptr, T, H, KVH, S, eps,
+                               kc_ptr, vc_ptr, sc_ptr, SPLITS, SPLIT_STRIDE, T, H, KVH, S, eps,
                                HD: tl.constexpr, QK_NORM: tl.constexpr, BIAS: tl.constexpr,
+                               SUMS: tl.constexpr, QUANT: tl.constexpr,
                                R: tl.constexpr, PDL: tl.constexpr):
         """Program (t, j) on the projections q [T, H*HD], k, v [T, KVH*HD] (row strides given;
         already rounded to the model dtype, code R): j < H: query head j; then H..H+KVH-1 key
-        heads; then value heads. BIAS: the packed q/k/v bias (head j's at j * HD) is added first.
-        Per-head RMSNorm and RoPE in registers, rounded op by op where the reference rounds; q
-        goes out, k and v straight into the caches at position start + t (read on the device;
-        rows past the cache capacity are dropped)."""
+        heads; then value heads. SUMS: instead, qp holds the packed product's K-split fp32
+        partial sums [SPLITS, T, (H + 2 KVH) * HD] (SPLIT_STRIDE apart; head j's columns at
+        j * HD): summed in split order, times the row scales sc (QUANT) and rounded, exactly as
+        fused_linear's reduce launch would (this kernel is that launch). BIAS: the packed q/k/v
+        bias (head j's at j * HD) is added first. Per-head RMSNorm and RoPE in registers, rounded
+        op by op where the reference rounds; q goes out, k and v straight into the caches at
+        position start + t (read on the device; rows past the cache capacity are dropped)."""
         pdl_enter(PDL)
         HALF: tl.constexpr = HD // 2
         t = tl.program_id(0)
         j = tl.program_id(1)
         pos = tl.load(start_ptr).to(tl.int64) + t
         half = tl.arange(0, HALF)
-        if j < H:
+        if SUMS:
             src = qp_ptr + t.to(tl.int64) * stride_qp + j * HD
-        elif j < H + KVH:
-            src = kp_ptr + t.to(tl.int64) * stride_kp + (j - H) * HD
+            lo = tl.zeros([HALF], dtype=tl.float32)
+            hi = tl.zeros([HALF], dtype=tl.float32)
+            for s in range(0, SPLITS):  # the reduce kernel's order: split 0 first
+                lo += tl.load(src + s * SPLIT_STRIDE + half)
+                hi += tl.load(src + s * SPLIT_STRIDE + HALF + half)
+            if QUANT:
+                lo = lo * tl.load(sc_ptr + j * HD + half)
+                hi = hi * tl.load(sc_ptr + j * HD + HALF + half)
+            lo = round_to(lo, R)
+            hi = round_to(hi, R)
         else:
-            src = vp_ptr + t.to(tl.int64) * stride_vp + (j - H - KVH) * HD
-        lo = tl.load(src + half).to(tl.float32)
-        hi = tl.load(src + HALF + half).to(tl.float32)
+            if j < H:
+                src = qp_ptr + t.to(tl.int64) * stride_qp + j * HD
+            elif j < H + KVH:
+                src = kp_ptr + t.to(tl.int64) * stride_kp + (j - H) * HD
+            else:
+                src = vp_ptr + t.to(tl.int64) * stride_vp + (j - H - KVH) * HD
+            lo = tl.load(src + half).to(tl.float32)
+            hi = tl.load(src + HALF + half).to(tl.float32)
         if BIAS:
             lo = round_to(lo + tl.load(bias_ptr + j * HD + half).to(tl.float32), R)
             hi = round_to(hi + tl.load(bias_ptr + j * HD + HALF + half).to(tl.float32), R)
@@ -101,16 +119,53 @@ def qkv_rope_append_triton(x, norm_weight, eps, wq, wk, wv, q_norm, k_norm, cos,
     if T == 0:
         return q
     start = start_tensor(start, x.device)
-    qp, kp, vp = qkv_products(x, norm_weight, eps, wq, wk, wv, _project,
-                              (wq_scale, wk_scale, wv_scale))
+    scales = (wq_scale, wk_scale, wv_scale)
+    packed = _packed_product(x, norm_weight, eps, wq, wk, wv, scales)
+    splits, split_stride, scale = 1, 0, None
+    if packed is None:
+        qp, kp, vp = qkv_products(x, norm_weight, eps, wq, wk, wv, _project, scales)
+    elif packed[1] == 1:  # one split: the product itself, rounded; its columns are q, k, v
+        y = packed[0]
+        nq, nk = wq.shape[0], wk.shape[0]
+        qp, kp, vp = y[:, :nq], y[:, nq:nq + nk], y[:, nq + nk:]
+    else:  # the split sums, added up by the RoPE kernel below
+        ws, splits, scale = packed
+        split_stride = ws.stride(0)
+        qp = kp = vp = ws[0]
     programmatic = pdl(x.device)
     _qk_rope_append_kernel[(T, num_heads + 2 * num_kv_heads)](
         qp, qp.stride(0), kp, kp.stride(0), vp, vp.stride(0),
         q_norm if q_norm is not None else norm_weight,
         k_norm if k_norm is not None else norm_weight,
         qkv_bias if qkv_bias is not None else norm_weight, cos, sin, cos.stride(0), start, q,
-        k_cache, v_cache, T, num_heads, num_kv_heads, S, eps, HD=hd,
-        QK_NORM=q_norm is not None, BIAS=qkv_bias is not None, R=dtype_code(x.dtype),
+        k_cache, v_cache, scale if scale is not None else norm_weight, splits, split_stride, T,
+        num_heads, num_kv_heads, S, eps, HD=hd,
+        QK_NORM=q_norm is not None, BIAS=qkv_bias is not None, SUMS=splits > 1,
+        QUANT=scale is not None, R=dtype_code(x.dtype),
         num_warps=1 if INTERPRET else 2,
         PDL=programmatic, launch_pdl=programmatic)
     return q
+
+
+def _packed_product(x, norm_weight, eps, wq, wk, wv, scales):
+    """The packed q/k/v product on the Triton linear kernel without its reduce launch:
+    (y [T, N] rounded, 1, None) when one split covers K, else (ws [splits, T, N] fp32 split sums,
+    splits, packed scale [N] or None), which the RoPE kernel adds up in its registers (one
+    launch fewer). None when the weights (or their scales) are not packed, or on a GPU when
+    fused_linear dispatches elsewhere (e.g. use_backend(fused_linear="cuda")): three products
+    or the other backend's, as before."""
+    qkv = packed_qkv(wq, wk, wv)
+    if qkv is None:
+        return None
+    scale = None
+    if scales[0] is not None:
+        scale = back_to_back(*scales)
+        if scale is None:
+            return None
+    if x.device.type == "cuda":
+        chosen, _ = dispatch.select("fused_linear", x.device,
+                                    (x, qkv, norm_weight, float(eps), None, scale))
+        if chosen != "triton":
+            return None
+    y, splits = partial_sums(x, qkv, norm_weight, eps, scale=scale)
+    return (y, 1, None) if splits == 1 else (y, splits, scale)

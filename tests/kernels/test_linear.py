@@ -81,6 +81,32 @@ def test_half_precision_rounds_like_the_reference(dtype, split_k):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_partial_sums_add_up_to_the_product(dtype, split_k):
+    """partial_sums (the product without its reduce launch, for a consumer that sums the splits
+    itself): summed in split order and rounded, bit for bit the one-launch product; with one
+    split, that product itself."""
+    from spd_kernels.linear.triton_kernel import partial_sums
+    t = make(5, 384, 70, dtype, TRITON_DEVICE, seed=21)
+    with poisoned_outputs("a"):
+        want = launch(t["x"], t["w"], None, t["g"], 1e-6, split_k=split_k)
+    with poisoned_outputs("b"):
+        ws, splits = partial_sums(t["x"], t["w"], t["g"], 1e-6, split_k=split_k)
+    assert splits == plan(5, 70, 384, t["x"].device, split_k)[3] and (splits > 1) == (split_k > 1)
+    if splits == 1:
+        assert torch.equal(ws, want)
+    else:
+        assert ws.shape == (splits, 5, 70) and ws.dtype == torch.float32
+        acc = torch.zeros(5, 70, dtype=torch.float32, device=ws.device)
+        for s in range(splits):  # the reduce kernel's order
+            acc += ws[s]
+        assert torch.equal(acc.to(dtype), want)
+    torch.testing.assert_close(want, fused_linear_reference(t["x"], t["w"], t["g"], 1e-6, None),
+                               **tol(dtype))
+
+
+@needs_triton
 def test_split_plan_covers_k_exactly():
     """Every K column is summed by exactly one split, whatever split count is asked for."""
     for K in (16, 100, 256, 1000):

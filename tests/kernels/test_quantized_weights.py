@@ -418,3 +418,22 @@ def test_quantised_ops_trace_under_torch_compile():
     want = fused_linear(mid, q2.t().contiguous(), weight_scale=torch.ones(32)) + \
         fused_linear(x, q, weight_scale=s, residual=res).sum()
     torch.testing.assert_close(got, want)
+
+
+@needs_triton
+def test_gpu_tiles_of_quantised_weights_move_as_many_bytes():
+    """The autotuner's candidates on a GPU: 1-byte weights get their own tiles, as deep in bytes
+    as the bf16 tiles at least (the int8 step was 0.88x bf16's time for half the bytes with the
+    bf16 tiles), each dividing the K grain so every split is whole tiles; float weights keep
+    theirs."""
+    from spd_kernels.linear import triton_kernel as lin
+    quant = lin.tuning_configs(lin._linear_tuned.configs, {}, QUANT=True)
+    plain = lin.tuning_configs(lin._linear_tuned.configs, {}, QUANT=False)
+    assert quant and plain and not {id(c) for c in quant} & {id(c) for c in plain}
+    shape = lambda c: (c.kwargs["BLOCK_N"], c.kwargs["BLOCK_K"])  # noqa: E731
+    assert sorted(map(shape, plain)) == sorted((bn, bk) for bn, bk, _ in lin.GPU_CONFIGS)
+    bf16_bytes = min(bn * bk * 2 for bn, bk, _ in lin.GPU_CONFIGS)
+    for c in quant:
+        bn, bk = shape(c)
+        assert bn * bk >= bf16_bytes and lin.K_GRAIN % bk == 0
+    assert max(bk for _, bk in map(shape, quant)) > max(bk for _, bk, _ in lin.GPU_CONFIGS)
