@@ -101,14 +101,14 @@ def main() -> None:
                 f"{r['one_process']['K']}->{r['distributed']['N']}/{r['distributed']['K']}"
                 for r in cell["rows"])
             print(f"{n:>2} {w:>2}  {str(cell['ok']):<5} {desc}", flush=True)
-    out = {"what": "distributed tree decoding vs one process vs AR, default model",
-           "device": "CPU", "max_new_tokens": args.max_new_tokens, "prompts": "heldout[:"
-           f"{args.prompts}]", "sampled": {"temperature": SAMPLED.temperature,
-                                             "seed": SAMPLED.seed}, "cells": cells,
-           "all_ok": all(c["ok"] for c in cells)}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            out = {"what": "distributed tree decoding vs one process vs AR, default model",
+                   "device": "CPU", "max_new_tokens": args.max_new_tokens,
+                   "prompts": f"heldout[:{args.prompts}]", "draft_on_stage": args.draft_on_stage,
+                   "sampled": {"temperature": SAMPLED.temperature, "seed": SAMPLED.seed},
+                   "cells": cells, "all_ok": all(c["ok"] for c in cells)}
+            if args.out:  # after every cell: a long grid's finished cells are kept
+                with open(args.out, "w") as f:
+                    json.dump(out, f, indent=1)
     print("all cells ok" if out["all_ok"] else "SOME CELLS DIFFER")
 
 
