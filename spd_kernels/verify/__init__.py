@@ -17,10 +17,11 @@ Backends (see spd_kernels.dispatch):
                            cuda (csrc/kernels/sampling.cu: one launch, one block per row for every pass;
                            the same Philox stream as the Triton kernels)
 
-Two Triton plans for the rejection samplers: one program per row (thresholds by bisection over
-the row), and on a GPU from 16k entries a row a split-row plan: chunks of the row in parallel
-programs (stats; top-k / top-p thresholds by radix select; residual masses), then one program per
-row for the accept test and the draw inside the chunk that holds it.
+Two Triton plans for the rejection samplers: one program per row (thresholds by a pivot search
+over the row, 16 pivots a pass, no sort: docs/kernels.md), and on a GPU from 16k entries a row
+a split-row plan: chunks of the row in parallel programs (stats; top-k / top-p thresholds by
+radix select; residual masses), then one program per row for the accept test and the draw
+inside the chunk that holds it.
 
 The kernels reproduce the reference's roundings (normed hidden state and logits rounded to the
 model dtype, argmax ties to the lowest id), so greedy verification agrees with the reference

@@ -1,6 +1,7 @@
 """tree_rejection_sample on Triton: one program for the row (the semantics and terms are in
 spd_kernels.verify.tree). p's statistics and the top-k / top-p kept set come from
-rejection_sample_logits' one-program helpers (`_logits_stats`: thresholds by bisection); then
+rejection_sample_logits' one-program helpers (`_logits_stats`: thresholds by a pivot search, no
+sort; see triton_rejection); then
 the candidates' masses, N (p's mass off the candidates, also the residual's total), the accept
 tests u_i * R_i < p(c_i) in the reference's order, and on rejection of all an inverse-CDF walk
 over p with the candidates' entries set to 0."""

@@ -149,7 +149,7 @@ def check_philox_distribution(case, backend, device, n, temperature, top_k, top_
 @needs_triton
 @pytest.mark.parametrize("case", ["random", "disjoint_support"])
 def test_philox_kernel_follows_target_distribution(case):
-    # Top-k / top-p thresholds cost ~70 interpreted passes per row: the bit-exact tests cover
+    # Top-k / top-p thresholds cost several interpreted passes per row: the bit-exact tests cover
     # them; here only the temperature path, whose randomness is the point.
     if TRITON_DEVICE == "cpu":
         check_philox_distribution(case, "triton", "cpu", 800, 0.8, 0, 1.0)
