@@ -195,6 +195,29 @@ def reads(log: list, outside_kernels: bool = False, kind: str = "read") -> int:
 
 
 # --- distributed, emulated compute ---------------------------------------------------------------
+def log_stage_runs(tag: str, **log_options) -> None:
+    """On a stage rank: log each generation's loop (ReadLog(**log_options), plus a ("unit",)
+    entry per unit forwarded) and put the log into the store as JSON under
+    test/<tag>/<generation>/<rank>, for rank 0's job to collect (the tests' counting
+    factories)."""
+    import json
+
+    from spd.distributed import stage_rank
+    worker = stage_rank.StageWorker
+    run, forward_unit = worker.run, worker._forward_unit
+
+    def counted_forward_unit(self, *args):
+        self._test_log.append(("unit",))
+        return forward_unit(self, *args)
+
+    def counted_run(self, gen, req):
+        self._test_log = log = []
+        with ReadLog(log, **log_options):
+            run(self, gen, req)
+        self.rt.store.set(f"test/{tag}/{gen}/{self.rt.rank}", json.dumps(log))
+    worker.run, worker._forward_unit = counted_run, counted_forward_unit
+
+
 def _counting_factory(rank: int):
     """Every rank's tiny target; a stage rank logs the reads of each generation into the store."""
     from spd.distributed.emulate import tiny_target

@@ -39,20 +39,7 @@ def counting_factory(rank: int):
     """Every rank's target; on a stage rank, each generation's loop also logs its reads (between
     the first unit and the stop) into the store, for rank 0's job to collect."""
     if rank != 0:
-        from spd.distributed import stage_rank
-        worker = stage_rank.StageWorker
-        run, forward_unit = worker.run, worker._forward_unit
-
-        def counted_forward_unit(self, *args):
-            self._test_log.append(("unit",))
-            return forward_unit(self, *args)
-
-        def counted_run(self, gen, req):
-            self._test_log = log = []
-            with ReadLog(log):
-                run(self, gen, req)
-            self.rt.store.set(f"test/reads/{gen}/{self.rt.rank}", json.dumps(log))
-        worker.run, worker._forward_unit = counted_run, counted_forward_unit
+        probe.log_stage_runs("reads")
     return tiny_target(SEED, LAYERS)
 
 

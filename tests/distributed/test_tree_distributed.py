@@ -70,8 +70,8 @@ def test_default_model_tree_equals_one_process_and_ar(default_target, n, width, 
                              "prime.", True),
                encode_prompt(tok, "List three uses of a hash map.", True)]
     ar_engine = SPDEngine(default_target, n_stages=1)
-    ar = [ar_engine.generate_ar(p, 40).token_ids for p in prompts]
-    cell = grid.run_cell(default_target, n, width, prompts, ar, 40, on_stage)
+    ar = [ar_engine.generate_ar(p, 32).token_ids for p in prompts]
+    cell = grid.run_cell(default_target, n, width, prompts, ar, 32, on_stage)
     for row in cell["rows"]:
         assert row["dist_vs_one_first_difference"] is None, row
         assert row["stats_equal"], row

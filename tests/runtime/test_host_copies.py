@@ -77,7 +77,8 @@ def test_single_process_cycles_copy_no_python_value(sampling):
     correction enters alone) and the context lookup on (its token enters; sampled, its one-hot
     q is made)."""
     t = make_tiny_target(seed=6, vocab=64, layers=4)
-    eng = SPDEngine(t, n_stages=3, lookup=2, warn_untrained=False)
+    # lookup 1 (the shortest match): the lookup proposes often, sampled too
+    eng = SPDEngine(t, n_stages=3, lookup=1, warn_untrained=False)
     res, cycles = logged_generate(eng.generate, [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9], 48,
                                   sampling)
     st = res.stats
@@ -93,20 +94,7 @@ PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
 def counting_factory(rank: int):
     """Every rank's target; a stage rank logs each generation's copies into the store."""
     if rank != 0:
-        from spd.distributed import stage_rank
-        worker = stage_rank.StageWorker
-        run, forward_unit = worker.run, worker._forward_unit
-
-        def counted_forward_unit(self, *args):
-            self._test_log.append(("unit",))
-            return forward_unit(self, *args)
-
-        def counted_run(self, gen, req):
-            self._test_log = log = []
-            with ReadLog(log, where=True, copies=True):
-                run(self, gen, req)
-            self.rt.store.set(f"test/copies/{gen}/{self.rt.rank}", json.dumps(log))
-        worker.run, worker._forward_unit = counted_run, counted_forward_unit
+        probe.log_stage_runs("copies", where=True, copies=True)
     return tiny_target(4, 6)
 
 
