@@ -25,7 +25,10 @@
 #      projection, greedy verify, KV truncation)          -> bench-automatic-cuda.{log,json}
 #   8. the on-request rows of the PDM step and the anchor projection, one process per op
 #                                                          -> bench-on-request-<op>.{log,json}
-#   9. the engine's decode under CUDA's sync debug mode set to raise (one GPU) -> no-sync.log
+#   9. the engine's decode under CUDA's sync debug mode set to raise (one GPU), the host loop
+#      and the device loop                                  -> no-sync.log
+#  9b. the device loop's cost per cycle (spin kernels of F = 200, 600 us; n = 2, 4, 8; ahead
+#      1, 2, 8)                                             -> $OUT/<date>-device-loop-<dev>.json
 #  10. the on-request rows of the step's other ops, one process per op
 #  11. 2c, 7, 8 and 10 merged, targets and challengers over all rows
 #                                                          -> $OUT/<date>-kernels-<dev>.json
@@ -75,6 +78,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
     PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --draft-on-stage none,0
                    --max-new-tokens 8)
+    LOOP_ARGS=(--device cpu --n 2 --ahead 2 --tokens 8)
     TREE_ARGS=(--device cpu --quick --limit 1 --max-new-tokens 8 --context 32 --iters 1
                --warmup 0 --rounds 1)
 else
@@ -106,6 +110,7 @@ EOF
                   --compile on --iters 20)
     PROTOCOL_ARGS=(--device cuda --backend gloo --stages 2,4,8 --emulate-ms 0.3,0.6
                    --draft-on-stage none,0 --max-new-tokens 48)
+    LOOP_ARGS=(--device cuda --n 2,4,8 --spin-us 200,600 --ahead 1,2,8 --tokens 64)
     TREE_ARGS=(--device cuda --stages 4,8 --widths 1,2,4,8 --limit 12 --max-new-tokens 64
                --lookup default --context 512 --iters 30)
 fi
@@ -173,6 +178,9 @@ bench_on_request 60 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL varia
 for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 40 "$op"; done
 step no-sync 60 "$LOGS/no-sync.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
     tests/runtime/test_gpu_no_sync.py
+# 9b. the device loop's own cost per cycle: roles on streams, one graph a cycle, spin kernels
+step device-loop 90 "$LOGS/device-loop.log" "$PY" benchmarks/bench_device_loop.py \
+    "${LOOP_ARGS[@]}" --json-out "$OUT/$DATE-device-loop-$DEV.json"
 # 10.-12. if time is left
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
@@ -220,6 +228,7 @@ echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut 
 echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- draft vs stage"; show draft.log | grep -E "measured|^model|^---" | head -n 40
+echo "---- device loop";    show device-loop.log | tail -n 40
 echo "---- protocol";     show protocol.log | tail -n 22
 echo "---- tree";           show tree.log | grep -vE "^wrote" | tail -n 26
 echo "---- stage";          show stage.log | tail -n 12

@@ -139,6 +139,10 @@ class NoisyPDMDrafter(PDMDrafter):
         super().begin(capacity, vocab_size)
         self.ref.begin(capacity, vocab_size)
 
+    def prefill(self, anchors, types):
+        super().prefill(anchors, types)
+        self.ref.prefill(anchors, types)
+
     def draft(self, anchors, types, start, position, sampling, uniform):
         super().draft(anchors, types, start, position, sampling, uniform)
         return self.ref.draft(anchors, types, start, position, sampling, uniform)

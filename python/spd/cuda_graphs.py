@@ -66,6 +66,10 @@ class GraphSet:
         the next replay of this key), or None: run the step eagerly."""
         if self.failed is not None:
             return None
+        if torch.cuda.is_current_stream_capturing():
+            # inside a graph of a whole cycle (spd.runtime.device_loop): the eager step is
+            # what that graph records (a graph cannot be captured inside another's capture)
+            return None
         entry = self.graphs.get(key)
         if entry is None:
             static = tuple(x.clone() for x in inputs)

@@ -28,34 +28,45 @@ PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 3, 1, 4, 1, 5, 9]
 HOT_OPS = ("anchor_projection", "qkv_rope_append", "cache_attention", "fused_linear",
            "fused_swiglu", "verify_greedy", "rejection_sample_logits", "truncate_kv")
 
+greedy_and_sampled = pytest.mark.parametrize(
+    "sampling", [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, seed=11)],
+    ids=["greedy", "sampled"])
 
-@pytest.mark.gpu
-@needs_gpu
-@pytest.mark.parametrize("sampling", [SamplingParams(),
-                                      SamplingParams(temperature=1.0, top_k=20, seed=11)],
-                         ids=["greedy", "sampled"])
-def test_gpu_single_process_decode_never_synchronises(sampling):
+
+def in_sync_mode(fn, mode: str, after: str):
+    """`fn` run with CUDA's sync debug mode set to `mode`, then to `after`."""
+    def wrapped(*args):
+        torch.cuda.set_sync_debug_mode(mode)
+        try:
+            return fn(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(after)
+    return wrapped
+
+
+def cuda_target():
+    """The tiny target on the GPU, or a skip where a hot op would run its reference (the
+    reference ops read values on the host)."""
     from spd.model.target import TargetModel
-    from spd.runtime.sequence import SequenceDecode
     on_reference = [op for op in HOT_OPS if dispatch.select(op, torch.device("cuda"))[0]
                     == "reference"]
     if on_reference:
         pytest.skip(f"no Triton or CUDA kernel for {on_reference} here: the reference ops "
                     "read values on the host")
     cpu = make_tiny_target(seed=6, vocab=64, layers=4)
-    t = TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+    return TargetModel(cpu.hf.to("cuda"), None, name=cpu.name)
+
+
+@pytest.mark.gpu
+@needs_gpu
+@greedy_and_sampled
+def test_gpu_single_process_decode_never_synchronises(sampling):
+    from spd.runtime.sequence import SequenceDecode
+    t = cuda_target()
     eng = SPDEngine(t, n_stages=3, lookup=2, warn_untrained=False)
     warm = eng.generate(PROMPT, 48, sampling)  # captures the graphs the checked run replays
-    run = SequenceDecode.run
-
-    def strict_run(self):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            run(self)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(SequenceDecode, "run", strict_run)
+        mp.setattr(SequenceDecode, "run", in_sync_mode(SequenceDecode.run, "error", "default"))
         res = eng.generate(PROMPT, 48, sampling)
     st = res.stats
     assert res.token_ids == warm.token_ids and len(res.token_ids) == 48
@@ -65,3 +76,30 @@ def test_gpu_single_process_decode_never_synchronises(sampling):
         assert res.token_ids == eng.generate_ar(PROMPT, 48).token_ids
         assert eng._stages[-1].verify_graphs.replays > 0
     assert eng.drafter.graphs is not None and eng.drafter.graphs.failed is None
+
+
+@pytest.mark.gpu
+@needs_gpu
+@greedy_and_sampled
+def test_gpu_device_loop_replays_one_graph_a_cycle_and_never_synchronises(sampling):
+    """The device loop (spd.runtime.device_loop): after its first, eager cycle and the capture
+    of the second (a capture synchronises: left out of the check), every cycle is one replay
+    and nothing synchronises; greedy, the tokens are the host loop's and AR's."""
+    from spd.runtime.device_loop import DeviceLoop
+    t = cuda_target()
+    host = SPDEngine(t, n_stages=3, lookup=0, warn_untrained=False)
+    eng = SPDEngine(t, n_stages=3, lookup=0, pdm=host.pdm, device_loop=True)
+    warm = eng.generate(PROMPT, 48, sampling)
+    loops, run = [], DeviceLoop.run
+    recorded = lambda loop: (loops.append(loop), run(loop))  # noqa: E731
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(DeviceLoop, "run", in_sync_mode(recorded, "error", "default"))
+        mp.setattr(DeviceLoop, "_capture", in_sync_mode(DeviceLoop._capture, "default", "error"))
+        res = eng.generate(PROMPT, 48, sampling)
+    (loop,) = loops
+    assert loop.graph_failed is None and loop.replays >= res.stats.K - 1 > 0
+    assert res.stats.loop == "device" and res.token_ids == warm.token_ids
+    assert res.stats.drafts_accepted < res.stats.drafts_judged  # rejections were replayed
+    if sampling.greedy:
+        assert res.token_ids == host.generate(PROMPT, 48).token_ids
+        assert res.token_ids == eng.generate_ar(PROMPT, 48).token_ids

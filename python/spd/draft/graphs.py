@@ -61,11 +61,17 @@ class PDMStepGraphs:
         return pdm_step(feats, self.pdm.kernel_weights(), self.cache.k, self.cache.v, start,
                         self.cos, self.sin)
 
-    def run(self, anchors: torch.Tensor, types: torch.Tensor, start: int) -> torch.Tensor:
+    def run(self, anchors: torch.Tensor, types: torch.Tensor, start) -> torch.Tensor:
         """Draft logits of the last row [Vd] for rows anchors [m, R, d] with types [R] at
-        positions start..start+R-1 (rows from `start` on are rewritten)."""
+        positions start..start+R-1 (rows from `start` on are rewritten). `start`: an int, or
+        an int64 tensor [1] on the device (the device loop: copied, never read)."""
         rows = anchors.shape[1]
-        self.cache.reserve(start, rows)  # raises an overflow clearly
-        self.start.fill_(start)
+        if isinstance(start, torch.Tensor):
+            self.start.copy_(start.reshape(1))
+            self.cache.set_length(self.start)
+            self.cache.advance(rows)
+        else:
+            self.cache.reserve(start, rows)  # raises an overflow clearly
+            self.start.fill_(start)
         logits = self.set.run(rows, anchors, types)
         return self._eager(anchors, types, start) if logits is None else logits

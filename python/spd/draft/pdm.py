@@ -274,14 +274,21 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         return self.lm_head(self.norm(x)).float() if head else self.norm(x)
 
     @torch.no_grad()
-    def step(self, features: torch.Tensor, start: int, cache) -> torch.Tensor:
+    def step(self, features: torch.Tensor, start, cache) -> torch.Tensor:
         """Run rows at positions start.. through the layers; return draft logits of the last row.
+        `start`: an int, or an int64 tensor [1] on the device (never read on the host: the
+        device loop keeps its rows inside the cache by construction).
 
         Runs spd_kernels.pdm_step (backends per spd_kernels.dispatch): the layers of
         `forward_train`, cached (tests/kernels/test_pdm_step.py holds them equal)."""
         rows = features.shape[0]
-        cos, sin = self._rope_for(start + rows, features)
-        cache.reserve(start, rows)
+        if isinstance(start, torch.Tensor):
+            cos, sin = self._rope_for(cache.capacity, features)
+            cache.set_length(start)
+            cache.advance(rows)
+        else:
+            cos, sin = self._rope_for(start + rows, features)
+            cache.reserve(start, rows)
         return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin)
 
     @torch.no_grad()

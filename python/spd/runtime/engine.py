@@ -27,6 +27,7 @@ from spd.model.partition import DepthLayout
 from spd.model.prompt import encode_request_prompt
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
+from spd.runtime.device_loop import DEFAULT_AHEAD, DeviceLoop, unsupported
 from spd.runtime.request import check_prompt
 from spd.runtime.sequence import PhaseTimer, SequenceDecode, StageRunner
 from spd.runtime.stopping import StopRule
@@ -47,15 +48,22 @@ class SPDEngine:
     (weight-only quantised copies, spd_kernels.quant: half the weight bytes of bf16; the output
     is unchanged, only the acceptance may move); None leaves a given PDM as it is ("model" for
     one the engine loads).
+    device_loop: run the chain's cycles with their control on the device, `ahead` cycles
+    launched past the one the host has read (spd.runtime.device_loop; what it does not run
+    yet runs on the host loop, with a warning naming it).
     """
 
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,
                  pdm=None, pdm_layers: int | None = None, debug_poison: bool = False,
                  warn_untrained: bool = True, lookup: int = DEFAULT_LOOKUP,
-                 draft_weights: str | None = None, tree_width: int = 1):
+                 draft_weights: str | None = None, tree_width: int = 1,
+                 device_loop: bool = False, ahead: int = DEFAULT_AHEAD):
         if draft_weights is not None:  # a bad value fails before anything loads
             check_draft_weights(draft_weights)
         self.tree_width = check_tree_width(tree_width)
+        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
+            raise SPDError(f"ahead is a number of cycles >= 0, got {ahead!r}")
+        self.device_loop, self.ahead = bool(device_loop), ahead
         if tree_width > 1 and target.hybrid:
             raise SPDError("tree drafting (tree width > 1) is not supported on hybrid targets: "
                            "their linear-attention layers keep one recurrent state per stage, "
@@ -211,7 +219,15 @@ class SPDEngine:
         # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
         runner = (TreeLocalStages if tree else LocalStages)(self, stages, dec)
         dec.start(self._prefill(stages, ids, dec)[-1:], t0, runner)
-        dec.run()
+        why = unsupported(dec) if self.device_loop else "off"
+        if why is None:
+            dec.stats.loop = "device"
+            DeviceLoop(dec, runner, self.ahead).run()
+        else:
+            if self.device_loop:
+                warnings.warn(f"the device loop does not run {why} yet: this decode runs on "
+                              "the host loop", stacklevel=2)
+            dec.run()
         dec.finish()
         return self.build_result(dec.out, dec.stats, rule)
 

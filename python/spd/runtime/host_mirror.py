@@ -38,9 +38,14 @@ class HostMirror:
             event = self._events.pop(p, None)
             if event is not None:
                 event.synchronize()  # not a stream or device sync: nothing after the copy
-        view = self.host[start:stop]
-        view._spd_host_copy = True  # marks this tensor object: see is_host_copy
-        return view.tolist()
+        return mark_host_copy(self.host[start:stop]).tolist()
+
+
+def mark_host_copy(view: torch.Tensor) -> torch.Tensor:
+    """Marks `view` (this tensor object, not its base) as host memory copied from a device
+    behind an event: reading it waits on no device (is_host_copy)."""
+    view._spd_host_copy = True
+    return view
 
 
 def is_host_copy(x) -> bool:

@@ -14,8 +14,9 @@ runtime sends units to stage ranks (`spd.distributed.draft_rank.RemoteStages`). 
     else:         self.commit(stages.verdict(self), draft)   # accept: it enters; reject: roll
                                              # back, the correction enters alone
 
-The generator's draws happen in this order (prefill pick, then per cycle the draft's uniform and,
-when full, the verifier's), so seeded sampling gives the same tokens whichever runner runs.
+The generator's draws happen in this order (prefill pick, then per cycle three uniforms: the
+draft's and the verifier's two, drawn whether or not the cycle judges), so seeded sampling gives
+the same tokens whichever runner runs, the device loop (spd.runtime.device_loop) included.
 
 No cycle reads a device value on the host but the verdict, and none makes a tensor from a Python
 value (on a GPU a copy from pageable memory that holds the host): an int the cycle puts on the
@@ -185,6 +186,7 @@ class SequenceDecode:
         self.post_step = getattr(drafter, "post_step", False)
         self.timer = PhaseTimer(stats.phase_s)
         self.gen = torch.Generator().manual_seed(sampling.seed)
+        self.uniforms = torch.zeros(3)  # this cycle's draws (draft): the draft's, the verifier's
         self.draft_s: list[float] = []   # wall time of each draft call (per-cycle breakdowns)
         self.out: list[int] = []
         self.done = False
@@ -302,9 +304,11 @@ class SequenceDecode:
             types = self._row_types.get(key)
             if types is None:  # more rows under the window than the schedule keeps
                 types = self._row_types[key] = self._deeper_types(*key)
-            u = torch.rand((), generator=self.gen)
+            # a cycle's uniforms, drawn every cycle whether or not it judges (so the device
+            # loop, which cannot skip a draw, draws the same): the draft's, the verifier's two
+            u = self.uniforms = torch.rand(3, generator=self.gen)
             draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop], types, rows.start,
-                                       sched.newest + 1, self.sampling, u)
+                                       sched.newest + 1, self.sampling, u[0])
             from_lookup = False
             if self.lookup is not None:
                 draft, from_lookup = self._lookup(sched.newest + 1, draft)
@@ -386,7 +390,7 @@ class SequenceDecode:
             judged = self.sched.judged
             pending = self.pending[judged]
             return verify(self.target, hidden, self.tokens[judged:judged + 1], pending.q,
-                          self.sampling, self.gen, pending.q_ids)
+                          self.sampling, self.uniforms[1:], pending.q_ids)
 
     def commit(self, verdict: Verdict, draft: Draft) -> None:
         """Commit the judged token. Accept: this cycle's draft enters stage 0 next. Reject: the

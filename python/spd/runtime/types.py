@@ -43,6 +43,8 @@ class DecodeStats:
     stage_rows: int = 0        # rows the stages computed in decode cycles (a chain: one per
     #                            in-flight token; a tree: up to its width per stage)
     tree_width: int = 1        # candidates per position (spd.runtime.tree; 1: the chain)
+    loop: str = "host"         # where the cycle's control ran: "host", or "device"
+    #                            (spd.runtime.device_loop)
     new_tokens: int = 0        # all new tokens returned, the prefill's first token included
     prefill_s: float = 0.0
     decode_s: float = 0.0

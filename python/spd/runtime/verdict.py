@@ -44,26 +44,32 @@ def read_verdict(token: torch.Tensor, accepted: torch.Tensor) -> Verdict:
 
 
 def verify(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
-           q: torch.Tensor | None, sampling: SamplingParams, gen: torch.Generator,
+           q: torch.Tensor | None, sampling: SamplingParams, u: torch.Tensor | None,
            q_ids: torch.Tensor | None = None) -> Verdict:
     """The Verdict on the draft judged by `hidden` [1, d] (the predecessor's final state);
     draft_token [1] int64. Greedy: accept iff the draft is the argmax. Sampling:
     rejection sampling against the draft distribution q [Vq] over the target ids q_ids [Vq]
-    (None: q is over every target id)."""
+    (None: q is over every target id), with the cycle's uniforms u [1, 2]."""
+    return read_verdict(*judge_on_device(target, hidden, draft_token, q, sampling, u, q_ids))
+
+
+def judge_on_device(target: TargetModel, hidden: torch.Tensor, draft_token: torch.Tensor,
+                    q: torch.Tensor | None, sampling: SamplingParams, u: torch.Tensor | None,
+                    q_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`verify` without the host read: (the committed token [1] int64, accepted [1] bool), on
+    the device. q [Vq] (sampling): the draft distribution, or q [1, Vq]."""
     t = target
     if sampling.greedy:
-        best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token,
-                                 t.norm_offset)
-        return read_verdict(best, ok)
+        return verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, draft_token,
+                             t.norm_offset)
     logits = t.logits(hidden)
-    u = to_device(torch.rand(1, 2, generator=gen), logits.device)
     # Straight from the logits: on a GPU one fused kernel applies temperature / top-k / top-p
     # (no sort, p never stored), maps q's columns to target ids and samples.
     ids = q_ids if q_ids is not None else _vocab_ids(logits.shape[-1], logits.device)
-    token, ok = rejection_sample_logits(logits, q[None], ids, draft_token, u,
-                                        temperature=sampling.temperature,
-                                        top_k=sampling.top_k, top_p=sampling.top_p)
-    return read_verdict(token, ok)
+    return rejection_sample_logits(logits, q.view(1, -1), ids, draft_token,
+                                   to_device(u, logits.device).view(1, 2),
+                                   temperature=sampling.temperature, top_k=sampling.top_k,
+                                   top_p=sampling.top_p)
 
 
 _VOCAB_IDS: dict = {}

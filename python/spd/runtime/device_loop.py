@@ -1,0 +1,308 @@
+"""The chain's decode cycle with its control on the device: no host read in a steady cycle.
+
+`SequenceDecode.run` decides every cycle on the host: it reads the verdict, then branches. Here
+the same cycle (README, "How a cycle works") is fixed-shape device work whose outcome is data:
+
+  state   int64 [FIELDS + 2 (n + 1)] on the device: the schedule (start, count), done, the
+          counts K, N and stage rows, this cycle's committed token, the judged and accepted
+          drafts by draft position. The buffers are the decode's own (SequenceDecode).
+  cycle   1. the drafter reads the n + 1 rows that end at the newest token: a fixed window (the
+             rows under the in-flight ones are committed, with depth-n features, and recompute
+             to what the cache holds), so its shape never changes;
+          2. every stage runs one row: its in-flight token, or a *bubble* at the position past
+             the newest (filling, or after a rejection). A bubble's rows are never read: every
+             row it writes is rewritten by the token that enters there before anything reads it;
+          3. the last stage judges the token after the one that left it (used when full);
+          4. accept, reject or fill: the entering token, its position and the new schedule are
+             selections by the verdict. A rollback is only the lower position: each cache takes
+             its length from the position of the row it writes.
+          Steps 1 and 2 touch disjoint buffers (the drafter reads a copy of its window), so on
+          a GPU each role runs on its own stream (`Roles`): the in-process transport of one
+          GPU, the cycle as long as its slowest role plus the commit.
+  graph   on a GPU (spd.cuda_graphs), the first cycle runs eagerly (it warms every kernel up),
+          the second is captured as one CUDA graph, and every cycle from then on is one replay:
+          the steps' own graphs step aside during that capture, which records their eager
+          steps. A capture that fails warns once and the cycles run eagerly: slower, never wrong.
+  host    launches cycles up to `ahead` ahead of the last one it has read, and reads each
+          cycle's state from pinned memory behind an event (on a CPU, a plain copy): the
+          committed token for streaming and stop strings, and whether the decode ended. Cycles
+          launched past the end change nothing (`done` gates every update); tokens past a stop
+          string are never emitted.
+
+Greedy and seeded sampling give the tokens, N, K and judged/accepted drafts of `SequenceDecode.run`
+with drafters that read no features (ReferenceDrafter), and the target's tokens with the PDM
+(whose window recomputes committed rows, equal up to the kernels' rounding). What runs on the
+host loop instead (`unsupported`): the context lookup, token trees, post-step features, hybrid
+targets (their recurrent states roll back explicitly), prompts shorter than n.
+"""
+from __future__ import annotations
+
+import warnings
+from contextlib import nullcontext
+from typing import TYPE_CHECKING
+
+import torch
+
+from spd.cuda_graphs import graphs_enabled
+from spd.errors import InternalError
+from spd.runtime.host_mirror import mark_host_copy
+from spd.runtime.verdict import judge_on_device
+
+if TYPE_CHECKING:
+    from spd.runtime.engine import LocalStages
+    from spd.runtime.sequence import SequenceDecode
+
+# the fields of the state vector, in order (then by_position [n + 1, 2]: judged, accepted)
+FIELDS = ("start", "count", "done", "K", "N", "stage_rows", "emitted", "token")
+START, COUNT, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN = range(len(FIELDS))
+DEFAULT_AHEAD = 2
+
+
+def unsupported(dec: SequenceDecode) -> str | None:
+    """Why `dec` cannot run on the device loop (it runs on the host loop), or None."""
+    if getattr(dec, "width", 1) > 1:
+        return "token trees"
+    if dec.lookup is not None:
+        return "the context lookup (--lookup 0 turns it off)"
+    if dec.post_step:
+        return "post-step drafting"
+    if dec.target.hybrid:
+        return "hybrid targets"
+    if dec.prompt_len < dec.n:
+        return f"prompts shorter than n = {dec.n} tokens"
+    if not getattr(dec.drafter, "device_loop", False):
+        return f"the drafter {type(dec.drafter).__name__}"
+    return None
+
+
+class Roles:
+    """The cycle's roles (0: the drafter, s + 1: stage s), each on its own CUDA stream of this
+    process, forked from the current stream at a cycle's start and joined before its verdict:
+    hand-offs by events (wait_stream), so a captured cycle is one graph with n + 1 branches.
+    On a CPU every method does nothing."""
+
+    def __init__(self, device: torch.device, count: int):
+        self.cuda = device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device) for _ in range(count)] if self.cuda else []
+
+    def fork(self) -> None:
+        if self.cuda:
+            main = torch.cuda.current_stream()
+            for stream in self.streams:
+                stream.wait_stream(main)
+
+    def on(self, role: int):
+        return torch.cuda.stream(self.streams[role]) if self.cuda else nullcontext()
+
+    def join(self, *made) -> None:
+        """The current stream waits for every role; `made`: tensors a role made that it reads
+        (so the allocator keeps them until it has)."""
+        if self.cuda:
+            main = torch.cuda.current_stream()
+            for stream in self.streams:
+                main.wait_stream(stream)
+            for x in made:
+                if isinstance(x, torch.Tensor):
+                    x.record_stream(main)
+
+
+class DeviceLoop:
+    """Runs `dec`'s decode cycles on the device with the stages of `runner` (LocalStages, whose
+    stages and carry buffer it uses), launching up to `ahead` cycles past the one the host reads
+    (0: it reads each cycle before the next one starts)."""
+
+    def __init__(self, dec: SequenceDecode, runner: LocalStages, ahead: int = DEFAULT_AHEAD):
+        why = unsupported(dec)
+        if why is not None:
+            raise InternalError("the device loop was given a decode it cannot run", why=why)
+        if ahead < 0:
+            raise InternalError("a negative number of cycles ahead", ahead=ahead)
+        n, dev = dec.n, dec.target.device
+        self.dec, self.runner, self.n, self.ahead = dec, runner, n, ahead
+        self.state = torch.zeros(len(FIELDS) + 2 * (n + 1), dtype=torch.int64, device=dev)
+        self.by_position = self.state[len(FIELDS):].view(n + 1, 2)
+        self.offsets = torch.arange(-n, 1, device=dev)  # the drafter's window, newest last
+        self.stage_ids = torch.arange(n, device=dev)
+        # per position: the tokens in flight when it was drafted (its draft position)
+        self.fill_at = torch.zeros(dec.buffer_rows, dtype=torch.int64, device=dev)
+        # the draft distributions awaiting judgement, by position mod n + 1 (sampling)
+        self.q_ring: torch.Tensor | None = None
+        self.q_ids: torch.Tensor | None = None
+        self.stop_ids = torch.tensor(sorted(dec.stop.stop_ids) or [-1], dtype=torch.int64,
+                                     device=dev)
+        # the device's uniforms: on a CPU the decode's own generator (the host loop's draws)
+        self.gen = dec.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(
+            dec.sampling.seed)
+        cuda = dev.type == "cuda"
+        self.host = torch.zeros(ahead + 1, self.state.numel(), dtype=torch.int64,
+                                pin_memory=cuda)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(ahead + 1)]
+        self.roles = Roles(dev, n + 1)
+        self.graph: torch.cuda.CUDAGraph | None = None  # the captured cycle (a GPU)
+        self.graph_failed: str | None = None if graphs_enabled(dev) else "off"
+        self.replays = 0
+
+    # --- the cycle -----------------------------------------------------------------------------
+    def cycle(self) -> None:
+        """One decode cycle, every branch a selection on the device (module docstring)."""
+        dec, n, st = self.dec, self.n, self.state
+        t = dec.target
+        start, count = st[START].clone(), st[COUNT].clone()
+        live = st[DONE] == 0
+        newest = start + count - 1
+        u = torch.rand(3, generator=self.gen, device=st.device)
+        # 1. Draft the successor of the newest token from the window's pre-step features (a
+        #    copy, taken before this cycle's stage steps write there), beside 2. every stage
+        #    running its in-flight token, or a bubble past the newest: each role on its own
+        #    stream on a GPU, joined before the verdict.
+        rows = newest + self.offsets
+        depth = torch.where(rows < start, n, newest - rows)
+        window, types = dec.anchors.index_select(1, rows), dec.type_of_depth[depth]
+        real = (self.stage_ids < count) & live
+        at = torch.where(real, newest - self.stage_ids, newest + 1)
+        self.roles.fork()
+        with self.roles.on(0):
+            draft = dec.drafter.draft(window, types, rows[:1], newest + 1, dec.sampling, u[0])
+        verdict = self._stages(at)
+        self.roles.join(draft.token, draft.q, *(verdict or ()))
+        self.fill_at.index_copy_(0, (newest + 1).view(1), count.view(1))
+        if draft.q is not None:
+            self._keep_q(newest + 1, draft)
+        # 3. Judge the token after the one that left the last stage (used when full).
+        full = (count == n) & live
+        judged = start + 1
+        if verdict is None:  # sampling: rejection sampling here
+            q = self.q_ring.index_select(0, judged.view(1) % (n + 1))
+            verdict = judge_on_device(t, self.runner.carry.index_select(0, start.view(1)),
+                                      dec.tokens.index_select(0, judged.view(1)), q,
+                                      dec.sampling, u[1:], self.q_ids)
+        token, ok = verdict[0].view(()), verdict[1].view(()) & full
+        # 4. Commit; accept: the draft enters; reject: the correction enters alone, at the
+        #    judged position (the caches' lengths follow); filling: the draft enters.
+        committed = torch.where(ok, dec.tokens.index_select(0, judged.view(1)).view(()), token)
+        rejected = full & ~ok
+        enter_at = torch.where(rejected, judged, newest + 1)
+        enters = torch.where(rejected, committed, draft.token)
+        dec.tokens.index_copy_(0, enter_at.view(1), enters.view(1))
+        dec.anchors[0].index_copy_(0, enter_at.view(1), t.embed_tokens(enters.view(1)))
+        self.by_position.index_add_(0, self.fill_at.index_select(0, judged.view(1)),
+                                    torch.stack([full, ok]).view(1, 2).to(torch.int64))
+        made = st[N] + full
+        ended = full & ((committed == self.stop_ids).any() | (made + 1 >= dec.max_new))
+        st[START] = start + full
+        st[COUNT] = torch.where(rejected, 1, torch.where(full | ~live, count, count + 1))
+        st[DONE] = (~live | ended).to(torch.int64)
+        st[K] += live
+        st[N] = made
+        st[STAGE_ROWS] += torch.where(live, count, 0)
+        st[EMITTED] = full.to(torch.int64)
+        st[TOKEN] = committed
+
+    def _stages(self, at: torch.Tensor):
+        """Stage s runs its row at position at[s] ([n] int64), on role s + 1's stream; -> the
+        greedy verdict (the last stage judges the token after its row), or None (sampling)."""
+        verdict = None
+        for s in range(self.n):
+            with self.roles.on(s + 1):
+                got = self._stage(s, at[s:s + 1])
+            verdict = got if got is not None else verdict
+        return verdict
+
+    def _stage(self, s: int, p: torch.Tensor):
+        """Stage s's step of the row at position p [1]: its anchors and output kept."""
+        dec, runner = self.dec, self.runner
+        last_greedy = dec.sampling.greedy and s == self.n - 1
+        x = (dec.anchors[0] if s == 0 else runner.carry).index_select(0, p)
+        judge = dec.tokens.index_select(0, p + 1) if last_greedy else None
+        outs, verdict = runner.stages[s].run(x, p, judge)
+        for i, j in enumerate(dec.stage_slots[s]):
+            dec.anchors[j].index_copy_(0, p, outs[runner.anchor_layers[s][i]])
+        runner.carry.index_copy_(0, p, outs[-1])
+        return verdict
+
+    def _keep_q(self, position: torch.Tensor, draft) -> None:
+        if self.q_ring is None:  # the first draft fixes q's size (one allocation)
+            self.q_ring = torch.zeros(self.n + 1, draft.q.numel(), dtype=torch.float32,
+                                      device=draft.q.device)
+            self.q_ids = draft.q_ids
+        self.q_ring.index_copy_(0, position.view(1) % (self.n + 1), draft.q.view(1, -1))
+
+    def launch(self, cycle: int) -> None:
+        """Cycle number `cycle` (from 0): a replay of the captured cycle where there is one."""
+        if cycle >= 1 and self.graph_failed is None:
+            if self.graph is None:
+                self._capture()
+            if self.graph is not None:
+                self.graph.replay()
+                self.replays += 1
+                return
+        self.cycle()
+
+    def _capture(self) -> None:
+        """Records `cycle` as one CUDA graph (after an eager cycle warmed every kernel up). The
+        capture runs nothing: the cycle it records runs at the first replay."""
+        graph = torch.cuda.CUDAGraph()
+        try:
+            graph.register_generator_state(self.gen)  # the uniforms advance at every replay
+            with torch.cuda.graph(graph):
+                self.cycle()
+        except Exception as exc:  # noqa: BLE001 - any capture failure: eager cycles
+            self.graph_failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"CUDA-graph capture of the decode cycle failed ({self.graph_failed});"
+                          " it runs eagerly", RuntimeWarning, stacklevel=3)
+            torch.cuda.synchronize(self.state.device)
+            return
+        self.graph = graph
+
+    # --- the host's side -----------------------------------------------------------------------
+    def _publish(self, cycle: int) -> None:
+        """Cycle `cycle`'s state into its pinned slot, behind the cycle's work."""
+        slot = cycle % (self.ahead + 1)
+        self.host[slot].copy_(self.state, non_blocking=self.events[slot] is not None)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+
+    def _read(self, cycle: int) -> list[int]:
+        """Cycle `cycle`'s published state, waiting for its copy alone (not a stream sync)."""
+        slot = cycle % (self.ahead + 1)
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+        return mark_host_copy(self.host[slot]).tolist()
+
+    def start(self) -> None:
+        """After `SequenceDecode.start`: the schedule's first state."""
+        self.state[START] = self.dec.sched.start  # (set-up: not a steady cycle)
+        self.state[COUNT] = self.dec.sched.count
+
+    def run(self) -> None:
+        """Cycles until the device or the host (a stop string, a cancel) ends the decode."""
+        dec = self.dec
+        self.start()
+        launched = read = 0
+        got = self.state.tolist()  # set-up
+        while not dec.done:
+            while launched <= read + self.ahead:
+                self.launch(launched)
+                self._publish(launched)
+                launched += 1
+            got = self._read(read)
+            read += 1
+            if got[EMITTED]:
+                dec._emit(got[TOKEN])
+            if got[DONE] and not dec.done:
+                raise InternalError("the device loop ended where the host's stop rule did "
+                                    "not", token=got[TOKEN], emitted=len(dec.out))
+        self._count(got)
+
+    def _count(self, got: list[int]) -> None:
+        """The last read cycle's counts into the decode's stats."""
+        stats = self.dec.stats
+        stats.K, stats.N, stats.stage_rows = got[K], got[N], got[STAGE_ROWS]
+        stats.draft_calls = got[K]
+        by = got[len(FIELDS):]
+        for fill in range(self.n + 1):
+            judged, accepted = by[2 * fill], by[2 * fill + 1]
+            if judged:
+                stats.by_position[fill] = [judged, accepted]
+            stats.drafts_judged += judged
+            stats.drafts_accepted += accepted
