@@ -62,7 +62,7 @@ def test_distributed_tree_equals_one_process_over_many_seeds(n, width, layers, o
     seed = 100 * n + width
     rng = random.Random(seed)
     eng = SPDEngine(tiny_factory(seed, layers, 0), n_stages=n, tree_width=width)
-    todo = cases(eng, rng, 9)
+    todo = cases(eng, rng, 6)
     expected = []
     for r, _ in todo:
         drafter = r.drafter(eng)

@@ -1,6 +1,6 @@
 """Greedy losslessness on the real default model (SmolLM2-135M-Instruct), against HF generate.
 
-Slow: the model is fetched and converted once into $SPD_CACHE, then each case decodes 64 tokens.
+Slow: the model is fetched and converted once into $SPD_CACHE, then each case decodes 48 tokens.
 """
 import json
 
@@ -21,7 +21,7 @@ PROMPTS = [
     ("Write a short story about a robot who learns to paint.", True),
     ("def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n", False),
 ]
-NEW = 64
+NEW = 48
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +45,14 @@ def engines(default_target):
             for n in (2, 3, 4, 6)}
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6])
+@pytest.mark.parametrize("n", [3])  # n with a shipped PDM: test_shipped_pdm_is_picked_...
 def test_untrained_pdm_matches_hf_generate(engines, references, n):
     for ids, ref in references:
         res = engines[n].generate(ids, NEW)
         assert res.token_ids == ref
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 6])
+@pytest.mark.parametrize("n", [2, 6])
 def test_oracle_drafter_fill_limited_alpha(engines, references, n):
     for ids, ref in references:
         res = engines[n].generate(ids, NEW, drafter=ReferenceDrafter(ids + ref))
@@ -63,7 +63,7 @@ def test_oracle_drafter_fill_limited_alpha(engines, references, n):
         assert st.alpha == pytest.approx(st.N / (st.N + n - 1))
 
 
-@pytest.mark.parametrize("n", [2, 4, 6])
+@pytest.mark.parametrize("n", [2, 4])
 def test_mixed_drafter_matches_hf_generate(engines, references, n):
     for i, (ids, ref) in enumerate(references):
         res = engines[n].generate(ids, NEW, drafter=ReferenceDrafter(ids + ref, 0.6, seed=i))
@@ -164,7 +164,8 @@ def _shipped(method: str) -> list:
 @pytest.mark.parametrize("name,cfg", _shipped("spd"))
 def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cfg):
     """Each PDM shipped in python/spd/checkpoints loads by default for its n and drafts better
-    than an untrained one, with the output still exactly Hugging Face's."""
+    than an untrained one (whose drafts are all but all rejected: every cache rolls back), with
+    the output of both still exactly Hugging Face's."""
     n = cfg["n_stages"]
     eng = SPDEngine(default_target, n_stages=n, lookup=0)  # the PDMs alone, no context lookup
     assert eng.pdm_source.endswith(name)
@@ -175,7 +176,9 @@ def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cf
         res = eng.generate(ids, NEW)
         assert res.token_ids == ref
         accepted["shipped"] += res.stats.drafts_accepted
-        accepted["untrained"] += untrained.generate(ids, NEW).stats.drafts_accepted
+        res = untrained.generate(ids, NEW)
+        assert res.token_ids == ref
+        accepted["untrained"] += res.stats.drafts_accepted
     assert accepted["shipped"] > accepted["untrained"] + 5
 
 
