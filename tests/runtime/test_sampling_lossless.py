@@ -71,8 +71,8 @@ def conditional_pvalue(target, sp: SamplingParams, prompt, runs: list[list[int]]
     (3, SamplingParams(temperature=0.8, top_k=8, top_p=0.9), 0, False),
     # The context lookup's drafts (one-hot q) on a prompt that repeats, mixed with the PDM's
     (3, SamplingParams(temperature=1.0), 1, False),
-    # Post-step drafting (an ablation): features one stage deeper, drafted after the stages
-    (3, SamplingParams(temperature=1.0, top_k=10), 0, True),
+    # Post-step drafting (an ablation: features one stage deeper, drafted after the stages)
+    # judges through the same verifier; its greedy losslessness is test_engine_tiny's
 ])
 def test_sampled_tokens_follow_target(n, sp, lookup, post_step):
     prompt = PROMPT + PROMPT[:3] if lookup else PROMPT
