@@ -271,15 +271,16 @@ class DeviceLoop:
 
     def start(self) -> None:
         """After `SequenceDecode.start`: the schedule's first state."""
-        self.state[START] = self.dec.sched.start  # (set-up: not a steady cycle)
-        self.state[COUNT] = self.dec.sched.count
+        # fills: the values ride in the kernels' arguments (no copy, no sync)
+        self.state[START].fill_(self.dec.sched.start)
+        self.state[COUNT].fill_(self.dec.sched.count)
 
     def run(self) -> None:
         """Cycles until the device or the host (a stop string, a cancel) ends the decode."""
         dec = self.dec
         self.start()
         launched = read = 0
-        got = self.state.tolist()  # set-up
+        got: list[int] | None = None  # the last cycle read (none: the first token ended it)
         while not dec.done:
             while launched <= read + self.ahead:
                 self.launch(launched)
@@ -292,7 +293,8 @@ class DeviceLoop:
             if got[DONE] and not dec.done:
                 raise InternalError("the device loop ended where the host's stop rule did "
                                     "not", token=got[TOKEN], emitted=len(dec.out))
-        self._count(got)
+        if got is not None:
+            self._count(got)
 
     def _count(self, got: list[int]) -> None:
         """The last read cycle's counts into the decode's stats."""
