@@ -49,8 +49,7 @@ from spd.runtime.host_mirror import mark_host_copy
 from spd.runtime.verdict import judge_on_device
 
 if TYPE_CHECKING:
-    from spd.runtime.engine import LocalStages
-    from spd.runtime.sequence import SequenceDecode
+    from spd.runtime.sequence import SequenceDecode, StageRunner
 
 # the fields of the state vector, in order (then by_position [n + 1, 2]: judged, accepted)
 FIELDS = ("start", "count", "done", "K", "N", "stage_rows", "emitted", "token")
@@ -107,11 +106,11 @@ class Roles:
 
 
 class DeviceLoop:
-    """Runs `dec`'s decode cycles on the device with the stages of `runner` (LocalStages, whose
-    stages and carry buffer it uses), launching up to `ahead` cycles past the one the host reads
-    (0: it reads each cycle before the next one starts)."""
+    """Runs `dec`'s decode cycles on the device with the stages of `runner` (the engine's
+    LocalStages: its `stages`, `carry` and `anchor_layers`), launching up to `ahead` cycles
+    past the one the host reads (0: it reads each cycle before the next one starts)."""
 
-    def __init__(self, dec: SequenceDecode, runner: LocalStages, ahead: int = DEFAULT_AHEAD):
+    def __init__(self, dec: SequenceDecode, runner: StageRunner, ahead: int = DEFAULT_AHEAD):
         why = unsupported(dec)
         if why is not None:
             raise InternalError("the device loop was given a decode it cannot run", why=why)
