@@ -169,22 +169,22 @@ class DeviceLoop:
             self._keep_q(newest + 1, draft)
         # 3. Judge the token after the one that left the last stage (used when full).
         full = (count == n) & live
-        judged = start + 1
+        judged = (start + 1).view(1)
+        drafted = dec.tokens.index_select(0, judged)  # the judged position's draft [1]
         if verdict is None:  # sampling: rejection sampling here
-            q = self.q_ring.index_select(0, judged.view(1) % (n + 1))
+            q = self.q_ring.index_select(0, judged % (n + 1))
             verdict = judge_on_device(t, self.runner.carry.index_select(0, start.view(1)),
-                                      dec.tokens.index_select(0, judged.view(1)), q,
-                                      dec.sampling, u[1:], self.q_ids)
+                                      drafted, q, dec.sampling, u[1:], self.q_ids)
         token, ok = verdict[0].view(()), verdict[1].view(()) & full
         # 4. Commit; accept: the draft enters; reject: the correction enters alone, at the
         #    judged position (the caches' lengths follow); filling: the draft enters.
-        committed = torch.where(ok, dec.tokens.index_select(0, judged.view(1)).view(()), token)
+        committed = torch.where(ok, drafted.view(()), token)
         rejected = full & ~ok
-        enter_at = torch.where(rejected, judged, newest + 1)
+        enter_at = torch.where(rejected, judged.view(()), newest + 1)
         enters = torch.where(rejected, committed, draft.token)
         dec.tokens.index_copy_(0, enter_at.view(1), enters.view(1))
         dec.anchors[0].index_copy_(0, enter_at.view(1), t.embed_tokens(enters.view(1)))
-        self.by_position.index_add_(0, self.fill_at.index_select(0, judged.view(1)),
+        self.by_position.index_add_(0, self.fill_at.index_select(0, judged),
                                     torch.stack([full, ok]).view(1, 2).to(torch.int64))
         made = st[N] + full
         ended = full & ((committed == self.stop_ids).any() | (made + 1 >= dec.max_new))
