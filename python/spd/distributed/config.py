@@ -6,6 +6,7 @@ from typing import Callable
 
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.errors import SPDError
+from spd.runtime.device_loop import DEFAULT_AHEAD
 from spd.runtime.engine import SamplingParams
 
 DRAFT_RANK = 0  # the draft rank's role, and the process that hosts it
@@ -25,6 +26,10 @@ class Placement:
     other stages in order: n processes, n devices."""
     n: int
     draft_on_stage: int | None = None
+    # Decide each cycle on the device, every rank in lock-step, the host `ahead` cycles behind
+    # (spd.distributed.device_cycle); what it does not run falls back to the unit protocol.
+    device_loop: bool = False
+    ahead: int = DEFAULT_AHEAD
 
     @property
     def roles(self) -> int:
@@ -102,6 +107,10 @@ class DistConfig:
     # n-device mode: the PDM runs in stage S's process, on that device (Placement); None: the
     # draft rank is a process and a device of its own (n + 1).
     draft_on_stage: int | None = None
+    # Decide each cycle on the device, every rank in lock-step, the host `ahead` cycles behind
+    # (spd.distributed.device_cycle); what it does not run falls back to the unit protocol.
+    device_loop: bool = False
+    ahead: int = DEFAULT_AHEAD
 
     @property
     def placement(self) -> Placement:
@@ -137,6 +146,8 @@ class DistConfig:
         if S is not None and (isinstance(S, bool) or int(S) != S or not 0 <= S < self.n_stages):
             raise SPDError(f"--draft-on-stage takes a stage index in 0..{self.n_stages - 1} "
                            f"(there are {self.n_stages} stages), got {S!r}")
+        if isinstance(self.ahead, bool) or int(self.ahead) != self.ahead or self.ahead < 0:
+            raise SPDError(f"--ahead takes a number of cycles >= 0, got {self.ahead!r}")
         if self.emulate_wait not in ("sleep", "spin"):
             raise SPDError(f"emulated wait must be sleep or spin, got {self.emulate_wait!r}")
 

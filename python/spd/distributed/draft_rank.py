@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from spd.distributed.config import SpeculationPolicy
+from spd.distributed.device_cycle import RemoteCycleStages, per_cycle_messages
 from spd.distributed.emulate import wrap_drafter
 from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import (
@@ -32,6 +34,7 @@ from spd.distributed.protocol import (
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Endpoint
 from spd.errors import InternalError
+from spd.runtime.device_loop import DeviceLoop, unsupported
 from spd.runtime.engine import GenerationResult, SamplingParams, SPDEngine
 from spd.runtime.sequence import SequenceDecode, StageRunner
 from spd.runtime.tree import TreeDecode
@@ -511,6 +514,59 @@ class DistributedSPDEngine:
                 out.append(SnapRecv(s, 0, buf, self.rt.irecv(buf, s + 1, SNAP_TAG)))
         return out
 
+    def _device_loop(self, dec: SequenceDecode) -> bool:
+        """Whether `dec` runs on the device loop (DistConfig.device_loop); a decode it does not
+        run yet warns and runs on the unit protocol."""
+        config = self.rt.config
+        if not config.device_loop:
+            return False
+        why = unsupported(dec)
+        if why is None and config.placement.draft_on_stage is not None:
+            why = "--draft-on-stage"
+        if why is not None:
+            warnings.warn(f"the distributed device loop does not run {why} yet: this decode "
+                          "runs on the unit protocol", stacklevel=3)
+        return why is None
+
+    def _prefill(self, dec: SequenceDecode) -> torch.Tensor:
+        """The prompt through every stage; rank 0 keeps every anchor -> the last row [1, d]."""
+        snaps = self._post_prefill_snaps(dec)
+        dec.anchors[0, :dec.prompt_len] = self.target.embed_tokens(dec.tokens[:dec.prompt_len])
+        for item in snaps:
+            self.rt.wait(item.work, item.stage + 1, "anchor states")
+            dec.keep_anchors(item.stage, 0, item.buf)
+        return snaps[-1].buf[-1][-1:]
+
+    def _generate_on_device(self, dec: SequenceDecode, gen_id: int, rule) -> GenerationResult:
+        """The decode as DeviceLoop cycles with the stage ranks in lock-step
+        (spd.distributed.device_cycle); cycle times are the host's intervals between reads of
+        the published state (on a GPU the device's pace once the host runs ahead)."""
+        rt = self.rt
+        t0 = time.perf_counter()
+        dec.start(self._prefill(dec), t0, StageRunner())  # the first token goes in cycle 0
+        loop = DeviceLoop(dec, RemoteCycleStages(rt, dec), rt.config.ahead)
+        counted = dict(rt.messages)
+        loop.run()
+        rt.flush_sends()
+        dec.finish()
+        stats = dec.stats
+        stats.loop = "device"
+        stage_stats = self._stage_stats(gen_id)
+        cycle_s = [b - a for a, b in zip(loop.read_at, loop.read_at[1:])]
+        zeros = [0.0] * len(cycle_s)
+        stats.distributed = breakdown(rt, stats, cycle_s, zeros, stage_stats, zeros)
+        stats.distributed.update(loop="device", ahead=loop.ahead, cycles_run=loop.cycles,
+                                 verify_on="rank 0", messages_per_cycle=per_cycle_messages(
+                                     rt, counted, loop.cycles, stage_stats))
+        return self.engine.build_result(dec.out, stats, rule)
+
+    def _stage_stats(self, gen_id: int) -> list[dict]:
+        rt = self.rt
+        out = [json.loads(rt.store.get(f"stats/{gen_id}/{r}")) for r in range(1, rt.world)]
+        for r in range(1, rt.world):
+            rt.store.delete_key(f"stats/{gen_id}/{r}")
+        return out
+
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(), drafter=None,
@@ -529,9 +585,13 @@ class DistributedSPDEngine:
         dec = TreeDecode(*args, width=width) if width > 1 else SequenceDecode(*args)
         # the protocol's greedy: the last stage judges (a tree's positions rank 0 judges)
         greedy = sampling.greedy and width == 1
+        device_loop = self._device_loop(dec)
         gen_id = self._request({"op": "generate", "prompt_ids": ids.tolist(),
                                 "prompt_len": dec.prompt_len, "capacity": dec.buffer_rows,
-                                "greedy": greedy, "tree_width": width})
+                                "greedy": greedy, "tree_width": width,
+                                "device_loop": device_loop, "ahead": rt.config.ahead})
+        if device_loop:
+            return self._generate_on_device(dec, gen_id, rule)
         streams = DraftRankStreams(torch.device(t.device))
         staged_before = rt.host_staged
         stream = UnitStream(rt, dec, streams)
@@ -541,19 +601,12 @@ class DistributedSPDEngine:
 
         # Prefill: every stage runs the prompt; rank 0 gets every anchor and the last row.
         t0 = time.perf_counter()
-        snaps = self._post_prefill_snaps(dec)
-        dec.anchors[0, :dec.prompt_len] = t.embed_tokens(ids)
-        for item in snaps:
-            stream.take(item)
-        dec.start(snaps[-1].buf[-1][-1:], t0, stages)  # the first token enters: a unit
+        dec.start(self._prefill(dec), t0, stages)  # the first token enters: a unit
         dec.run()
         dec.finish()
         stream.finish()
         stats = dec.stats
-        stage_stats = [json.loads(rt.store.get(f"stats/{gen_id}/{r}"))
-                       for r in range(1, rt.world)]
-        for r in range(1, rt.world):
-            rt.store.delete_key(f"stats/{gen_id}/{r}")
+        stage_stats = self._stage_stats(gen_id)
         stats.distributed = breakdown(rt, stats, stages.cycle_s, dec.draft_s, stage_stats,
                                       stages.verify_s)
         stats.distributed["speculative_control"] = dict(mode=policy.mode, **stages.spec)

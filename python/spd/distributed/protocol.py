@@ -62,6 +62,8 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 PREFILL_TAG, UNIT_TAG, JUDGE_TAG, SNAP_TAG, VERDICT_TAG, HEADER_TAG = 20, 40, 50, 30, 60, 70
+# the device loop's messages (spd.distributed.device_cycle): a cycle's unit, a cycle's snap
+CYCLE_UNIT_TAG, CYCLE_SNAP_TAG = 80, 90
 GLOO_TAGS = (HEADER_TAG,)  # host headers: the gloo control group even under NCCL
 UNIT, STOP = 1, 0          # a header's op
 

@@ -7,6 +7,7 @@ import time
 import torch
 
 from spd.distributed.config import DRAFT_RANK, role_name
+from spd.distributed.device_cycle import StageCycles, messages_since
 from spd.distributed.emulate import make_stage
 from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import (
@@ -108,6 +109,14 @@ class StageWorker:
             rt.isend(outs[-1].contiguous(), self.next, PREFILL_TAG)
         rt.flush_sends()
         prefill_s = time.perf_counter() - t0
+        if req.get("device_loop"):  # every cycle the same fixed work (spd.distributed.device_cycle)
+            cycles = StageCycles(self, req)
+            counted = dict(rt.messages)
+            t_dec = time.perf_counter()
+            ran = cycles.run()
+            self._report(gen, prefill_s, time.perf_counter() - t_dec, phases, cycles.forward_s,
+                         cycles=ran, messages=messages_since(rt, counted))
+            return
         # Decode: one unit message (protocol) per unit from its source (stage 0: rank 0).
         # gloo: one message per unit (header and payload folded), its receive posted a unit
         # ahead (gloo matches per tag). NCCL: the header on gloo, the payload on NCCL, which
@@ -233,11 +242,18 @@ class StageWorker:
             rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
                     "draft to judge")
         rt.flush_sends()
+        self._report(gen, prefill_s, decode_s, phases, fwd)
+
+    def _report(self, gen: int, prefill_s: float, decode_s: float, phases: dict,
+                fwd: list[float], **extra) -> None:
+        """This rank's stats of generation `gen`, for rank 0 (the store)."""
+        rt = self.rt
         phases["forward"] = sum(fwd)
         rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
             {"rank": rt.rank, "role": role_name(rt.rank),
              "layers": [self.stage.layer_ids.start, self.stage.layer_ids.stop],
-             "prefill_s": prefill_s, "decode_s": decode_s, "phase_s": phases, "forward_s": fwd}))
+             "prefill_s": prefill_s, "decode_s": decode_s, "phase_s": phases, "forward_s": fwd,
+             **extra}))
 
 
 def wait_request(rt: Endpoint, gen: int) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -138,6 +139,8 @@ class Endpoint:
         self.config, self.signer, self.backend = rt.config, rt.signer, rt.backend  # (groups made)
         self.mailbox = mailbox
         self._outgoing: list[_PendingSend] = []
+        # messages posted, by (direction, group): "send" / "recv", "data" / "control"
+        self.messages: Counter[tuple[str, str]] = Counter()
 
     @property
     def host_staged(self) -> int:
@@ -194,12 +197,26 @@ class Endpoint:
         except Exception as exc:
             raise CommError(self.rt.placement.process_of(peer), what, exc) from exc
 
+    def order(self, work, peer: int, what: str) -> None:
+        """What follows on the current stream comes after a posted message. Under NCCL that is
+        `work.wait()` with no timeout: the stream waits, the host does not (torch's Work.wait
+        blocks the host until the message is in when given a timeout, as `wait` gives one). On
+        gloo and the mailbox the message is host memory: the host waits, as in `wait`."""
+        if self.rt.backend == "nccl" and not isinstance(work, (_LocalRecv, _StagedRecv)):
+            try:
+                work.wait()
+            except Exception as exc:
+                raise CommError(self.rt.placement.process_of(peer), what, exc) from exc
+            return
+        self.wait(work, peer, what)
+
     def irecv(self, tensor, src: int, tag: int):
         """A posted receive from role `src` (every receive names its sender)."""
         process = self._process(src)
         if process is None:
             return self.mailbox.post_recv((src, self.rank, tag), tensor)
         group, gloo = self._group(tag, src)
+        self.messages["recv", "control" if tag in GLOO_TAGS else "data"] += 1
         if self._through_host(tensor, gloo):
             self.rt.host_staged += 1
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -213,6 +230,7 @@ class Endpoint:
             self.mailbox.send((self.rank, dst, tag), tensor)
             return
         group, gloo = self._group(tag, dst)
+        self.messages["send", "control" if tag in GLOO_TAGS else "data"] += 1
         if self._through_host(tensor, gloo):
             tensor = tensor.to("cpu", copy=True)
         work = self._post(dist.isend, tensor, process, group, tag, "posting a send")
@@ -226,15 +244,17 @@ class Endpoint:
         ptr = tensor.data_ptr()
         return any(item.tensor.data_ptr() == ptr for item in self._outgoing)
 
-    def flush_sends(self, before: int | None = None) -> None:
+    def flush_sends(self, before: int | None = None, host: bool = True) -> None:
         """Wait for the sends of epochs (cycles or units) < before (all when None). Waiting an
         epoch late keeps these waits off the critical path; a buffer is not reused while its
-        send is pending (protocol.Ring asks `sending`)."""
+        send is pending (protocol.Ring asks `sending`). host=False under NCCL: the current
+        stream waits, not the host (the buffers are rewritten on that stream)."""
         keep = []
+        nccl_stream = not host and self.rt.backend == "nccl"
         for item in self._outgoing:
             if before is None or item.epoch < before:
                 try:
-                    item.work.wait(self.rt.op_timeout)
+                    item.work.wait() if nccl_stream else item.work.wait(self.rt.op_timeout)
                 except Exception as exc:
                     raise CommError(item.peer, "completion of a send", exc) from exc
             else:

@@ -37,6 +37,7 @@ targets (their recurrent states roll back explicitly), prompts shorter than n.
 """
 from __future__ import annotations
 
+import time
 import warnings
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
@@ -52,8 +53,8 @@ if TYPE_CHECKING:
     from spd.runtime.sequence import SequenceDecode, StageRunner
 
 # the fields of the state vector, in order (then by_position [n + 1, 2]: judged, accepted)
-FIELDS = ("start", "count", "done", "K", "N", "stage_rows", "emitted", "token")
-START, COUNT, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN = range(len(FIELDS))
+FIELDS = ("start", "count", "done", "K", "N", "stage_rows", "emitted", "token", "cycle", "end")
+START, COUNT, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN, CYCLE, END = range(len(FIELDS))
 DEFAULT_AHEAD = 2
 
 
@@ -105,19 +106,61 @@ class Roles:
                     x.record_stream(main)
 
 
-class DeviceLoop:
-    """Runs `dec`'s decode cycles on the device with the stages of `runner` (the engine's
-    LocalStages: its `stages`, `carry` and `anchor_layers`), launching up to `ahead` cycles
-    past the one the host reads (0: it reads each cycle before the next one starts)."""
+class LocalCycleStages:
+    """The stages of this process (the engine's LocalStages: its `stages`, `carry` and
+    `anchor_layers`), each run on role s + 1's stream: DeviceLoop's in-process transport."""
 
-    def __init__(self, dec: SequenceDecode, runner: StageRunner, ahead: int = DEFAULT_AHEAD):
+    lockstep = False  # the host stops launching when it reads the end (no peers to keep in step)
+    capturable = True  # the whole cycle is one CUDA graph on a GPU
+
+    def __init__(self, runner: StageRunner):
+        self.runner, self.carry = runner, runner.carry
+
+    def run(self, loop: DeviceLoop, at: torch.Tensor):
+        """Stage s runs its row at position at[s] ([n] int64) -> the greedy verdict (the last
+        stage judges the token after its row: token [1], accepted [1]), or None (sampling)."""
+        verdict = None
+        for s in range(loop.n):
+            with loop.roles.on(s + 1):
+                got = self._stage(loop.dec, s, at[s:s + 1])
+            verdict = got if got is not None else verdict
+        return verdict
+
+    def _stage(self, dec: SequenceDecode, s: int, p: torch.Tensor):
+        """Stage s's step of the row at position p [1]: its anchors and output kept."""
+        runner = self.runner
+        last_greedy = dec.sampling.greedy and s == dec.n - 1
+        x = (dec.anchors[0] if s == 0 else runner.carry).index_select(0, p)
+        judge = dec.tokens.index_select(0, p + 1) if last_greedy else None
+        outs, verdict = runner.stages[s].run(x, p, judge)
+        for i, j in enumerate(dec.stage_slots[s]):
+            dec.anchors[j].index_copy_(0, p, outs[runner.anchor_layers[s][i]])
+        runner.carry.index_copy_(0, p, outs[-1])
+        return verdict
+
+
+class DeviceLoop:
+    """Runs `dec`'s decode cycles on the device with `stages` (LocalCycleStages, or the stage
+    ranks: spd.distributed.device_cycle), launching up to `ahead` cycles past the one the host
+    reads (0: it reads each cycle before the next one starts).
+
+    With peers in lock-step (`stages.lockstep`: every rank runs the same cycles, as point-to-
+    point messages must pair), the end is a cycle number, END: set on the device in the cycle
+    that ends the decode (or by the host at a stop string or cancel, `_stop_at`) to a cycle
+    `margin` past it, it travels with the units, and every rank launches exactly the cycles
+    before it. `margin` = n + ahead + 1 covers the latest rank: stage s learns END s cycles
+    after stage 0, and reads it `ahead` cycles after that."""
+
+    def __init__(self, dec: SequenceDecode, stages, ahead: int = DEFAULT_AHEAD):
         why = unsupported(dec)
         if why is not None:
             raise InternalError("the device loop was given a decode it cannot run", why=why)
         if ahead < 0:
             raise InternalError("a negative number of cycles ahead", ahead=ahead)
         n, dev = dec.n, dec.target.device
-        self.dec, self.runner, self.n, self.ahead = dec, runner, n, ahead
+        self.dec, self.stages, self.n, self.ahead = dec, stages, n, ahead
+        self.margin = n + ahead + 1
+        self.launching = 0  # the number of the cycle being launched (the units' epochs)
         self.state = torch.zeros(len(FIELDS) + 2 * (n + 1), dtype=torch.int64, device=dev)
         self.by_position = self.state[len(FIELDS):].view(n + 1, 2)
         self.offsets = torch.arange(-n, 1, device=dev)  # the drafter's window, newest last
@@ -140,6 +183,8 @@ class DeviceLoop:
         self.graph: torch.cuda.CUDAGraph | None = None  # the captured cycle (a GPU)
         self.graph_failed: str | None = None if graphs_enabled(dev) else "off"
         self.replays = 0
+        self.cycles = 0  # launched, when `run` returns
+        self.read_at: list[float] = []  # when the host read each cycle's state
 
     # --- the cycle -----------------------------------------------------------------------------
     def cycle(self) -> None:
@@ -162,7 +207,7 @@ class DeviceLoop:
         self.roles.fork()
         with self.roles.on(0):
             draft = dec.drafter.draft(window, types, rows[:1], newest + 1, dec.sampling, u[0])
-        verdict = self._stages(at)
+        verdict = self.stages.run(self, at)
         self.roles.join(draft.token, draft.q, *(verdict or ()))
         self.fill_at.index_copy_(0, (newest + 1).view(1), count.view(1))
         if draft.q is not None:
@@ -173,7 +218,7 @@ class DeviceLoop:
         drafted = dec.tokens.index_select(0, judged)  # the judged position's draft [1]
         if verdict is None:  # sampling: rejection sampling here
             q = self.q_ring.index_select(0, judged % (n + 1))
-            verdict = judge_on_device(t, self.runner.carry.index_select(0, start.view(1)),
+            verdict = judge_on_device(t, self.stages.carry.index_select(0, start.view(1)),
                                       drafted, q, dec.sampling, u[1:], self.q_ids)
         token, ok = verdict[0].view(()), verdict[1].view(()) & full
         # 4. Commit; accept: the draft enters; reject: the correction enters alone, at the
@@ -196,28 +241,8 @@ class DeviceLoop:
         st[STAGE_ROWS] += torch.where(live, count, 0)
         st[EMITTED] = full.to(torch.int64)
         st[TOKEN] = committed
-
-    def _stages(self, at: torch.Tensor):
-        """Stage s runs its row at position at[s] ([n] int64), on role s + 1's stream; -> the
-        greedy verdict (the last stage judges the token after its row), or None (sampling)."""
-        verdict = None
-        for s in range(self.n):
-            with self.roles.on(s + 1):
-                got = self._stage(s, at[s:s + 1])
-            verdict = got if got is not None else verdict
-        return verdict
-
-    def _stage(self, s: int, p: torch.Tensor):
-        """Stage s's step of the row at position p [1]: its anchors and output kept."""
-        dec, runner = self.dec, self.runner
-        last_greedy = dec.sampling.greedy and s == self.n - 1
-        x = (dec.anchors[0] if s == 0 else runner.carry).index_select(0, p)
-        judge = dec.tokens.index_select(0, p + 1) if last_greedy else None
-        outs, verdict = runner.stages[s].run(x, p, judge)
-        for i, j in enumerate(dec.stage_slots[s]):
-            dec.anchors[j].index_copy_(0, p, outs[runner.anchor_layers[s][i]])
-        runner.carry.index_copy_(0, p, outs[-1])
-        return verdict
+        st[CYCLE] += 1
+        st[END] = torch.where((st[END] == 0) & ended, st[CYCLE] + self.margin, st[END])
 
     def _keep_q(self, position: torch.Tensor, draft) -> None:
         if self.q_ring is None:  # the first draft fixes q's size (one allocation)
@@ -228,7 +253,8 @@ class DeviceLoop:
 
     def launch(self, cycle: int) -> None:
         """Cycle number `cycle` (from 0): a replay of the captured cycle where there is one."""
-        if cycle >= 1 and self.graph_failed is None:
+        self.launching = cycle
+        if cycle >= 1 and self.graph_failed is None and self.stages.capturable:
             if self.graph is None:
                 self._capture()
             if self.graph is not None:
@@ -274,26 +300,47 @@ class DeviceLoop:
         self.state[START].fill_(self.dec.sched.start)
         self.state[COUNT].fill_(self.dec.sched.count)
 
+    def _stop_at(self, cycle: int) -> None:
+        """The host ends the decode (the first token ended it, a stop string, a cancel) before
+        launching `cycle`: the cycles from there change nothing, and unless the device has
+        set the end already, it is `margin` cycles after this one (class docstring)."""
+        st = self.state
+        st[DONE].fill_(1)
+        st[END] = torch.where(st[END] == 0, cycle + self.margin, st[END])
+
     def run(self) -> None:
-        """Cycles until the device or the host (a stop string, a cancel) ends the decode."""
-        dec = self.dec
+        """Cycles until the device or the host (a stop string, a cancel) ends the decode; with
+        peers in lock-step, then on to the end cycle without reading for the decode."""
+        dec, lockstep = self.dec, self.stages.lockstep
         self.start()
+        if dec.done and lockstep:  # the first token ended it: the peers still run to the end
+            self._stop_at(0)
         launched = read = 0
-        got: list[int] | None = None  # the last cycle read (none: the first token ended it)
-        while not dec.done:
-            while launched <= read + self.ahead:
+        end: int | None = None
+        counted: list[int] | None = None  # the last cycle read for the decode
+        while (end is None or launched < end) and (lockstep or not dec.done):
+            while launched <= read + self.ahead and (end is None or launched < end):
                 self.launch(launched)
                 self._publish(launched)
                 launched += 1
             got = self._read(read)
+            self.read_at.append(time.perf_counter())
             read += 1
+            if lockstep and got[END]:
+                end = got[END]
+            if dec.done:
+                continue
+            counted = got
             if got[EMITTED]:
                 dec._emit(got[TOKEN])
             if got[DONE] and not dec.done:
                 raise InternalError("the device loop ended where the host's stop rule did "
                                     "not", token=got[TOKEN], emitted=len(dec.out))
-        if got is not None:
-            self._count(got)
+            if dec.done and lockstep and not got[DONE]:
+                self._stop_at(launched)
+        self.cycles = launched
+        if counted is not None:
+            self._count(counted)
 
     def _count(self, got: list[int]) -> None:
         """The last read cycle's counts into the decode's stats."""

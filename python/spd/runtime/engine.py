@@ -27,7 +27,7 @@ from spd.model.partition import DepthLayout
 from spd.model.prompt import encode_request_prompt
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
-from spd.runtime.device_loop import DEFAULT_AHEAD, DeviceLoop, unsupported
+from spd.runtime.device_loop import DEFAULT_AHEAD, DeviceLoop, LocalCycleStages, unsupported
 from spd.runtime.request import check_prompt
 from spd.runtime.sequence import PhaseTimer, SequenceDecode, StageRunner
 from spd.runtime.stopping import StopRule
@@ -222,7 +222,7 @@ class SPDEngine:
         why = unsupported(dec) if self.device_loop else "off"
         if why is None:
             dec.stats.loop = "device"
-            DeviceLoop(dec, runner, self.ahead).run()
+            DeviceLoop(dec, LocalCycleStages(runner), self.ahead).run()
         else:
             if self.device_loop:
                 warnings.warn(f"the device loop does not run {why} yet: this decode runs on "

@@ -1,0 +1,156 @@
+"""The device loop across ranks (spd.distributed.device_cycle), on the CPU over gloo: the single-
+process engine's tokens, N, K and judged/accepted drafts, every rank in lock-step, and per steady
+cycle the messages and host reads of each rank."""
+from __future__ import annotations
+
+import json
+from functools import partial
+
+import pytest
+from conftest import bench_module, make_tiny_target
+
+from spd import SamplingParams, SPDEngine
+from spd.distributed.config import DistConfig, GenerateRequest
+from spd.distributed.launch import launch_local
+from spd.distributed.rank import run_requests
+from spd.draft.drafters import ReferenceDrafter
+
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
+probe = bench_module("probe_host_reads")
+
+
+def tiny_factory(seed: int, rank: int, layers: int = 4):
+    return make_tiny_target(seed=seed, vocab=48, layers=layers)
+
+
+def _expect(eng, req: GenerateRequest, kw: dict):
+    return eng.generate(req.prompt_ids, req.max_new_tokens, req.sampling, **kw)
+
+
+def _same(g, e) -> None:
+    assert g.token_ids == e.token_ids
+    assert (g.stats.N, g.stats.K, g.stats.drafts_judged, g.stats.drafts_accepted) == \
+        (e.stats.N, e.stats.K, e.stats.drafts_judged, e.stats.drafts_accepted)
+    assert g.stats.by_position == e.stats.by_position
+
+
+@pytest.mark.parametrize("n,ahead", [(2, 2), (3, 0), (4, 1), (8, 2)])
+def test_device_loop_ranks_equal_the_single_process_engine(n, ahead):
+    """Greedy with rejections, seeded sampling, the untrained PDM, budgets of 1 and 2 tokens
+    and a stop id: the one-process engine's tokens and counts, and every rank ran the same
+    cycles (rank 0's stats and each stage rank's)."""
+    t = make_tiny_target(seed=20 + n, vocab=48, layers=max(4, n))
+    eng = SPDEngine(t, n_stages=n, lookup=0)
+    ar = eng.generate_ar(PROMPT, 40).token_ids
+    ref = PROMPT + ar
+    sp = SamplingParams(temperature=1.0, top_k=10, seed=7)
+    cases = [
+        (GenerateRequest(PROMPT, 24, reference=ref, reference_accuracy=0.6, reference_seed=n),
+         {"drafter": ReferenceDrafter(ref, 0.6, n)}),                  # accept and reject
+        (GenerateRequest(PROMPT, 20), {}),                              # untrained PDM
+        (GenerateRequest(PROMPT, 20, sp, reference=ref, reference_accuracy=0.6,
+                         reference_seed=1), {"drafter": ReferenceDrafter(ref, 0.6, 1)}),
+        (GenerateRequest(PROMPT, 1), {}),                               # the first token ends it
+        (GenerateRequest(PROMPT, 2, reference=ref), {"drafter": ReferenceDrafter(ref)}),
+    ]
+    expected = [_expect(eng, r, kw) for r, kw in cases]
+    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 20 + n, layers=max(4, n)),
+                        lookup=0,
+                        fault_timeout=5.0, op_timeout=60.0, device_loop=True, ahead=ahead)
+    got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=200)
+    for g, e in zip(got, expected):
+        _same(g, e)
+        d = g.stats.distributed
+        assert g.stats.loop == "device" and d["loop"] == "device" and d["ahead"] == ahead
+        # every stage rank ran rank 0's cycles, a forward each
+        assert all(r["units_worked"] == d["cycles_run"] for r in d["ranks"][1:])
+        json.dumps(g.stats.as_dict())
+    assert 0 < got[0].stats.drafts_accepted < got[0].stats.drafts_judged
+    assert got[2].token_ids != got[0].token_ids
+
+
+def test_device_loop_stop_id_and_unsupported_fallback():
+    """A stop id ends the decode on the device; the ranks run on to the end cycle. A decode the
+    device loop does not run (a prompt shorter than n) warns and runs on the unit protocol."""
+    n = 3
+    t = make_tiny_target(seed=31, vocab=48, layers=4)
+    eng = SPDEngine(t, n_stages=n, lookup=0)
+    ar = eng.generate_ar(PROMPT, 30).token_ids
+    stop_at = ar[6]
+
+    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 31), lookup=0,
+                        fault_timeout=5.0, op_timeout=60.0, device_loop=True)
+    short, stopped = launch_local(config, partial(_short_and_stopped, stop_at=stop_at),
+                                  timeout=150)
+    assert short.stats.loop == "host"
+    assert short.token_ids == eng.generate(PROMPT[:2], 12).token_ids
+    _same(stopped, eng.generate(PROMPT, 30, stop_token_ids=[stop_at]))
+    assert stopped.token_ids[-1] == stop_at and stopped.stats.loop == "device"
+
+
+def _short_and_stopped(engine, stop_at: int):
+    with pytest.warns(UserWarning, match="shorter than n"):
+        short = engine.generate(PROMPT[:2], 12)
+    return short, engine.generate(PROMPT, 30, stop_token_ids=[stop_at])
+
+
+def _counting_factory(rank: int):
+    if rank != 0:
+        probe.log_stage_runs("reads", where=True)
+    return make_tiny_target(seed=41, vocab=48, layers=4)
+
+
+def _counted_job(engine, request):
+    from spd.runtime.device_loop import DeviceLoop
+    log: list = []
+    with probe.CallLog(log, (DeviceLoop, "cycle")):
+        with probe.ReadLog(log, where=True):
+            result = run_requests([request], engine)[0]
+    stages = [json.loads(engine.rt.store.get(f"test/reads/1/{r}")) for r in range(1, engine.n + 1)]
+    return result, log, stages
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_device_loop_messages_and_host_reads_per_cycle(greedy):
+    """Per cycle: rank 0 sends stage 0 one unit and receives a snap from every stage with
+    anchors (the last always); stage s receives one unit (none in cycle 0 past stage 0), sends
+    one on (none in the last cycle, none from the last stage) and one snap; nothing on a
+    control group. No stage reads a tensor but its `end` (published, `ahead` cycles late); rank
+    0 reads only each cycle's published state."""
+    n = 3
+    t = make_tiny_target(seed=41, vocab=48, layers=4)
+    eng = SPDEngine(t, n_stages=n, lookup=0)
+    ref = PROMPT + eng.generate_ar(PROMPT, 30).token_ids
+    sp = SamplingParams() if greedy else SamplingParams(temperature=1.0, seed=3)
+    request = GenerateRequest(PROMPT, 24, sp, reference=ref, reference_accuracy=0.7,
+                              reference_seed=2)
+    config = DistConfig(n_stages=n, target_factory=_counting_factory, lookup=0,
+                        fault_timeout=5.0, op_timeout=60.0, device_loop=True)
+    result, log, stages = launch_local(config, partial(_counted_job, request=request),
+                                       timeout=150)
+    d = result.stats.distributed
+    C = d["cycles_run"]
+    msgs = d["messages_per_cycle"]
+    snapping = [s for s in range(n) if eng.layout.anchors_of_stage(s)] + [n - 1]
+    assert msgs["0"] == pytest.approx({"send/data": 1.0, "recv/data": len(set(snapping))})
+    for s in range(n):
+        got = msgs[str(s + 1)]
+        recv = C if s == 0 else C - 1
+        send = (C - 1 if s < n - 1 else 0) + (C if s in snapping else 0)
+        assert got == pytest.approx({"send/data": send / C, "recv/data": recv / C}), s
+    # rank 0: no read of a device value; between two cycles' launches at most one read of
+    # the published state (host memory: ReadLog logs it as "host"), made outside spd_kernels
+    cycles = []
+    for event in log:
+        if event[0] == "cycle":
+            cycles.append([])
+        elif cycles and event[0] in ("read", "host") and "spd_kernels" not in str(event):
+            cycles[-1].append(event[0])
+    assert len(cycles) == C
+    assert all(c in ([], ["host"]) for c in cycles), [c for c in cycles if len(c) > 1][:2]
+    assert sum(map(len, cycles)) >= C - (n + 3)  # read until the end cycle is known
+    # stage ranks: no read of a device value; the host copy of `end`, read for every cycle
+    # until the end cycle is known
+    for slog in stages:
+        assert [e for e in slog if e[0] == "read" and "spd_kernels" not in e[2]] == []
+        assert C - 2 * (n + 3) <= sum(e[0] == "host" for e in slog) <= C
