@@ -1,11 +1,16 @@
 """`--device-loop` end to end: `spd generate` on the default model decides each cycle on the
-device and prints the tokens of the host loop (and AR); with --distributed it is refused, and
-a bad --ahead names itself."""
+device and prints the tokens of the host loop (and AR); with --distributed every rank runs the
+cycles in lock-step and prints the one-process engine's tokens; a bad --ahead names itself."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from spd.cli import main
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -23,8 +28,29 @@ def test_generate_device_loop_matches_the_host_loop(capsys):
         assert dev["stats"][key] == host["stats"][key]
 
 
-def test_device_loop_refusals(capsys):
-    assert main(["generate", "--prompt", "hi", "--device-loop", "--distributed"]) == 2
-    assert "--device-loop" in capsys.readouterr().err
+def test_generate_distributed_device_loop(tmp_path):
+    """`spd generate --distributed --device-loop` on a tiny model folder: n + 1 ranks on the
+    CPU, the one-process engine's tokens and counts."""
+    from spd.model.loading import load_target, save_tiny_random_llama
+    from spd.model.prompt import encode_prompt
+    from spd.runtime.engine import SPDEngine
+    folder = str(save_tiny_random_llama(tmp_path / "tiny"))
+    prompt = "Tell me about caches."
+    cmd = [sys.executable, "-m", "spd", "generate", "--model", folder, "--distributed",
+           "--stages", "2", "--device-loop", "--ahead", "1", "--lookup", "0", "--prompt",
+           prompt, "--max-new-tokens", "12", "--json", "--quiet"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    t = load_target(folder)
+    expected = SPDEngine(t, n_stages=2, lookup=0).generate(
+        encode_prompt(t.tokenizer, prompt, True), 12)
+    assert got["token_ids"] == expected.token_ids
+    st = got["stats"]
+    assert st["loop"] == "device" and st["distributed"]["loop"] == "device"
+    assert (st["N"], st["K"]) == (expected.stats.N, expected.stats.K)
+
+
+def test_device_loop_bad_ahead(capsys):
     assert main(["generate", "--prompt", "hi", "--device-loop", "--ahead", "-1"]) == 2
     assert "--ahead" in capsys.readouterr().err

@@ -4,6 +4,7 @@ cycle the messages and host reads of each rank."""
 from __future__ import annotations
 
 import json
+import time
 from functools import partial
 
 import pytest
@@ -154,3 +155,20 @@ def test_device_loop_messages_and_host_reads_per_cycle(greedy):
     for slog in stages:
         assert [e for e in slog if e[0] == "read" and "spd_kernels" not in e[2]] == []
         assert C - 2 * (n + 3) <= sum(e[0] == "host" for e in slog) <= C
+
+
+@pytest.mark.parametrize("rank,action", [(2, "kill"), (0, "raise")])
+def test_a_failing_rank_in_the_device_loop_stops_every_rank(rank, action):
+    """A stage rank killed, or rank 0 raising, in the middle of the lock-step cycles: the run
+    ends within the fault timeout naming that rank (its peers are blocked in a receive)."""
+    from spd.distributed.faults import RankFailedError
+    config = DistConfig(n_stages=3, target_factory=partial(tiny_factory, 5), fault_timeout=3.0,
+                        op_timeout=60.0, lookup=0, device_loop=True,
+                        fault={"rank": rank, "cycle": 6, "action": action})
+    t0 = time.monotonic()
+    with pytest.raises(RankFailedError) as info:
+        launch_local(config, partial(run_requests, [GenerateRequest(PROMPT, 40)]), timeout=120)
+    err = info.value
+    assert err.rank == rank and ("stage 1" if rank == 2 else "draft rank") in str(err)
+    assert err.stopped_s < config.fault_timeout + 2.5
+    assert time.monotonic() - t0 < 60

@@ -75,20 +75,15 @@ def add_engine_args(p) -> None:
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
     p.add_argument("--device-loop", action="store_true",
-                   help="one process: each cycle decided on the device, the host running "
-                        "--ahead cycles ahead (one CUDA graph a cycle on a GPU); the chain "
-                        "without the context lookup (pass --lookup 0), else the host loop runs")
+                   help="each cycle decided on the device, the host running --ahead cycles "
+                        "ahead (one process: one CUDA graph a cycle on a GPU; --distributed: "
+                        "every rank in lock-step); the chain without the context lookup (pass "
+                        "--lookup 0), else the host loop runs")
     p.add_argument("--ahead", type=int_in(0), default=DEFAULT_AHEAD, metavar="K",
                    help=f"--device-loop: cycles launched past the one the host has read "
                         f"(default {DEFAULT_AHEAD})")
     add_draft_weights_arg(p)
     add_tree_width_arg(p)
-
-
-def refuse_device_loop_distributed(args) -> None:
-    if getattr(args, "device_loop", False):
-        raise SPDError("--device-loop runs in one process for now: drop --distributed (the "
-                       "distributed runtime keeps its host loop)")
 
 
 def build_engine(args):
@@ -149,7 +144,6 @@ def cmd_generate(args) -> int:
         raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     precheck_pdm(args.pdm)
     if wants_distributed(args):
-        refuse_device_loop_distributed(args)
         return cmd_generate_distributed(args)
     require_distributed_for_draft_on_stage(args)
     import torch
@@ -246,6 +240,8 @@ def config_from_args(args):
                       draft_weights=getattr(args, "draft_weights", "model"),
                       tree_width=getattr(args, "tree_width", 1),
                       draft_on_stage=getattr(args, "draft_on_stage", None),
+                      device_loop=getattr(args, "device_loop", False),
+                      ahead=getattr(args, "ahead", DEFAULT_AHEAD),
                       fault=parse_fault(env.fault_injection()))
 
 

@@ -18,7 +18,6 @@ from spd.cli.generate import (
     add_distributed_args,
     add_engine_args,
     build_engine,
-    refuse_device_loop_distributed,
     require_distributed_for_draft_on_stage,
     wants_distributed,
 )
@@ -89,7 +88,6 @@ def cmd_serve(args) -> int:
         bind_socket(args.host, args.port).close()  # a busy port: refused before loading
     precheck_pdm(args.pdm)
     if wants_distributed(args):
-        refuse_device_loop_distributed(args)
         return cmd_serve_distributed(args)
     require_distributed_for_draft_on_stage(args)
     import torch

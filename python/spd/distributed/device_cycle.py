@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from spd.distributed.config import DRAFT_RANK
+from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import CYCLE_SNAP_TAG, CYCLE_UNIT_TAG, Ring, snap_format
 from spd.errors import InternalError
 from spd.runtime.device_loop import END
@@ -83,6 +84,7 @@ class RemoteCycleStages:
                                                    dtype=torch.uint8, device=dev), 2,
                            f"stage {s}'s cycle snaps")
                       if f.rows or s == n - 1 else None for s, f in enumerate(self.formats)]
+        self.fault = rt.fault_here()  # the test hook (DistConfig.fault)
         # the final states by position: the last stage's output rows (sampling: rank 0 judges)
         self.carry = torch.zeros(dec.buffer_rows, d, dtype=dtype, device=dev)
 
@@ -91,6 +93,8 @@ class RemoteCycleStages:
         positions; the other stages run what the stage before ran last cycle) -> the greedy
         verdict (token [1], accepted [1]) or None (sampling: `carry` has the row)."""
         rt, dec, c = self.rt, self.dec, loop.launching
+        if self.fault and c == self.fault["cycle"]:
+            inject_fault(self.fault)
         rt.flush_sends(before=c - 1, host=False)
         unit = self.units.take()
         unit[:1].copy_(at[:1])
@@ -152,10 +156,13 @@ class StageCycles:
         self.ends = torch.zeros(self.ahead + 1, dtype=torch.int64, pin_memory=cuda)
         self.events = [torch.cuda.Event() if cuda else None for _ in range(self.ahead + 1)]
         self.forward_s: list[float] = []
+        self.fault = rt.fault_here()
 
     def cycle(self, c: int, last: bool) -> torch.Tensor:
         """Cycle c (`last`: the final one, which sends no unit on) -> the `end` it received [1]."""
         w, rt = self.w, self.rt
+        if self.fault and c == self.fault["cycle"]:
+            inject_fault(self.fault)
         if w.first:
             buf = self.inbox.take()
             rt.order(rt.irecv(buf, DRAFT_RANK, CYCLE_UNIT_TAG), DRAFT_RANK, "cycle unit")
