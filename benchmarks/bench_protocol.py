@@ -12,6 +12,8 @@ target's own continuation.
     python benchmarks/bench_protocol.py --stages 2,4,8 --emulate-ms 2,5,10 --json-out out.json
     # n devices against n + 1: the draft rank in stage 0's process as well (--draft-on-stage)
     python benchmarks/bench_protocol.py --stages 2,4 --draft-on-stage none,0
+    # the unit protocol against the device loop (every rank in lock-step, no host read)
+    python benchmarks/bench_protocol.py --stages 2,4,8 --loop host,device
     # GPU (ranks sharing one GPU over gloo; see --wait)
     python benchmarks/bench_protocol.py --device cuda --backend gloo --emulate-ms 0.2,0.3,0.6
 
@@ -25,22 +27,27 @@ import os
 import sys
 import time
 from functools import partial
+from pathlib import Path
 
 import torch
-from harness import Table, run_meta, write_json
 
-from spd.distributed.config import SPECULATION_MODES, DistConfig, GenerateRequest
-from spd.distributed.emulate import reference_tokens, tiny_target
-from spd.distributed.launch import launch_local
-from spd.distributed.rank import run_requests
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Table, run_meta, write_json  # noqa: E402
+
+from spd.distributed.config import SPECULATION_MODES, DistConfig, GenerateRequest  # noqa: E402
+from spd.distributed.emulate import reference_tokens, tiny_target  # noqa: E402
+from spd.distributed.launch import launch_local  # noqa: E402
+from spd.distributed.rank import run_requests  # noqa: E402
 
 PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
 SEED = 3
 
 
-def run_one(n: int, f_s: float, args, on_stage: int | None = None) -> list[dict]:
-    """One launch of n + 1 ranks (n with the draft on stage `on_stage`) with F = f_s: a warm-up,
-    then each drafter's generation."""
+def run_one(n: int, f_s: float, args, on_stage: int | None = None,
+            loop: str = "host") -> list[dict]:
+    """One launch of n + 1 ranks (n with the draft on stage `on_stage`) with F = f_s on the
+    `loop` ("host": the unit protocol, "device": spd.distributed.device_cycle): a warm-up, then
+    each drafter's generation."""
     layers = max(8, n)
     target = tiny_target(SEED, layers, device=args.device)
     m = args.max_new_tokens
@@ -54,7 +61,8 @@ def run_one(n: int, f_s: float, args, on_stage: int | None = None) -> list[dict]
                         device=args.device, backend=args.backend, threads=1,
                         fault_timeout=30.0, op_timeout=120.0, lookup=0,
                         speculative_control=args.control, emulate_s=f_s, emulate_wait=args.wait,
-                        draft_on_stage=on_stage)
+                        draft_on_stage=on_stage, device_loop=loop == "device",
+                        ahead=args.ahead)
     t0 = time.perf_counter()
     res = launch_local(config, partial(run_requests, reqs), timeout=900)[1:]
     wall = time.perf_counter() - t0
@@ -65,17 +73,18 @@ def run_one(n: int, f_s: float, args, on_stage: int | None = None) -> list[dict]
         d = r.stats.distributed
         cycle = d["cycle_ms"]["mean"]
         f_ms = f_s * 1e3
-        rows.append(dict(n=n, processes=d["processes"],
+        rows.append(dict(n=n, processes=d["processes"], loop=d.get("loop", "host"),
                          draft_on_stage=on_stage,
                          F_ms=f_ms, drafter=name, control=args.control, N=r.stats.N,
                          K=r.stats.K, cycle_ms=cycle, cycle_ms_median=d["cycle_ms"]["median"],
                          overhead=(cycle - f_ms) / f_ms,
                          overhead_median=(d["cycle_ms"]["median"] - f_ms) / f_ms,
                          tokens_per_F=r.stats.N * f_ms / (r.stats.decode_s * 1e3),
-                         speculative=d["speculative_control"],
+                         speculative=d.get("speculative_control"),
+                         messages_per_cycle=d.get("messages_per_cycle"),
                          rank_phase_ms_per_cycle={x["rank"]: x["phase_ms_per_cycle"]
                                                   for x in d["ranks"]}))
-    print(f"n={n} draft on stage {on_stage} F={f_s * 1e3:g} ms: launch + {len(reqs)} "
+    print(f"n={n} draft on stage {on_stage} F={f_s * 1e3:g} ms {loop} loop: launch + {len(reqs)} "
           f"generations took {wall:.1f} s", file=sys.stderr)
     return rows
 
@@ -95,6 +104,11 @@ def main() -> int:
     ap.add_argument("--draft-on-stage", default="none",
                     help="comma-separated: none (a draft rank of its own: n + 1 processes) or a "
                          "stage S whose process also runs the draft rank (n processes)")
+    ap.add_argument("--loop", default="host",
+                    help="comma-separated: host (the unit protocol, rank 0 deciding on the host) "
+                         "or device (the device loop: every rank in lock-step)")
+    ap.add_argument("--ahead", type=int, default=2,
+                    help="device loop: cycles the host launches past the one it has read")
     ap.add_argument("--label", default=None, help="a name for this run (e.g. before, after)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -104,7 +118,12 @@ def main() -> int:
                       for x in args.draft_on_stage.split(",")]
     except ValueError:
         sys.exit(f"--draft-on-stage takes none or stage indices, got {args.draft_on_stage!r}")
-    table = Table([("n", ">3"), ("processes", ">7", "procs"), ("draft_on_stage", ">8", "draft@"),
+    loops = [x.strip() for x in args.loop.split(",")]
+    if not set(loops) <= {"host", "device"} or args.ahead < 0:
+        sys.exit(f"--loop takes host and/or device, --ahead a count >= 0: got {args.loop!r}, "
+                 f"{args.ahead}")
+    table = Table([("n", ">3"), ("loop", ">6"), ("processes", ">7", "procs"),
+                   ("draft_on_stage", ">8", "draft@"),
                    ("F_ms", ">7.2f", "F ms"), ("drafter", ">14"), ("N", ">5"),
                    ("K", ">5"), ("cycle_ms", ">10.3f", "cycle ms"),
                    ("overhead", ">12.3f", "(cycle-F)/F"), ("overhead_median", ">10.3f", "(median)"),
@@ -112,7 +131,10 @@ def main() -> int:
     for n in [int(x) for x in args.stages.split(",")]:
         for f_ms in [float(x) for x in args.emulate_ms.split(",")]:
             for on_stage in placements:
-                rows += run_one(n, f_ms * 1e-3, args, on_stage)
+                for loop in loops:
+                    if loop == "device" and on_stage is not None:
+                        continue  # the device loop does not run the draft on a stage yet
+                    rows += run_one(n, f_ms * 1e-3, args, on_stage, loop)
     device = "CPU" if args.device == "cpu" else args.device
     print(f"\nProtocol overhead with emulated compute ({device}, {args.backend or 'default'} "
           f"backend, {os.cpu_count()} cores, {args.wait} wait, {args.control} control, "
@@ -120,11 +142,13 @@ def main() -> int:
     table.print_header()
     for r in rows:
         table.print(r)
-    print("(cycle: rank 0's mean cycle wall time; ideal = F, tokens / F = 1 for an always-right "
-          "drafter)")
+    print("(cycle: rank 0's mean cycle wall time, the host loop's; the device loop's is the "
+          "interval between the host's reads of the published state; ideal = F, tokens / F = 1 "
+          "for an always-right drafter)")
     if args.json_out:
         write_json(args.json_out, run_meta(args.device, label=args.label, wait=args.wait,
                                            backend=args.backend, rank_threads=1,
+                                           ahead=args.ahead,
                                            max_new_tokens=args.max_new_tokens,
                                            torch_threads=torch.get_num_threads()), rows=rows)
     return 0
