@@ -122,7 +122,7 @@ def main() -> int:
     if not set(loops) <= {"host", "device"} or args.ahead < 0:
         sys.exit(f"--loop takes host and/or device, --ahead a count >= 0: got {args.loop!r}, "
                  f"{args.ahead}")
-    table = Table([("n", ">3"), ("loop", ">6"), ("processes", ">7", "procs"),
+    table = Table([("n", ">3"), ("loop", ">7"), ("processes", ">7", "procs"),
                    ("draft_on_stage", ">8", "draft@"),
                    ("F_ms", ">7.2f", "F ms"), ("drafter", ">14"), ("N", ">5"),
                    ("K", ">5"), ("cycle_ms", ">10.3f", "cycle ms"),

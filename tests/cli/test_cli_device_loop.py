@@ -54,3 +54,21 @@ def test_generate_distributed_device_loop(tmp_path):
 def test_device_loop_bad_ahead(capsys):
     assert main(["generate", "--prompt", "hi", "--device-loop", "--ahead", "-1"]) == 2
     assert "--ahead" in capsys.readouterr().err
+
+
+def test_distributed_summary_reads_the_cycle_against_plain_decoding(monkeypatch, tmp_path):
+    """The line under a distributed summary: the measured cycle and tok/s, beside the last
+    `--mode ar` speed of this model and device (with the ratio), or that there is none yet."""
+    from types import SimpleNamespace
+
+    from spd.cli import plain_speed
+    monkeypatch.setattr(plain_speed, "cache_dir", lambda: tmp_path)
+    target = SimpleNamespace(name="tiny", dtype="torch.float32")
+    stats = SimpleNamespace(decode_tok_s=30.0, distributed={
+        "loop": "device", "cycles": 40, "cycle_ms": {"median": 12.5}})
+    line = plain_speed.explain_distributed(target, "cpu", stats)
+    assert "device loop" in line and "12.50 ms (median of 40)" in line
+    assert "30.0 tok/s" in line and "not measured here yet" in line
+    plain_speed.record(target, "cpu", 20.0)
+    line = plain_speed.explain_distributed(target, "cpu", stats)
+    assert "30.0 tok/s (1.50x)" in line and "ran at 20.0 tok/s" in line

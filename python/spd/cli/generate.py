@@ -259,6 +259,8 @@ def cli_job(opts: dict, engine):
     streamer = None if opts["json"] else Streamer(target.tokenizer)
     result = engine.generate(prompt_ids, opts["max_new_tokens"], sampling, on_token=streamer)
     print_generation(target.tokenizer, result, opts["json"], opts["quiet"])
+    if not (opts["json"] or opts["quiet"]) and result.stats.distributed.get("cycles"):
+        print(plain_speed.explain_distributed(target, opts["device"], result.stats))
     return {"token_ids": result.token_ids}
 
 
@@ -272,7 +274,7 @@ def cmd_generate_distributed(args) -> int:
     config = config_from_args(args)
     opts = {k: getattr(args, k) for k in ("prompt", "chat", "system", "temperature", "top_k",
                                           "top_p", "seed", "max_new_tokens", "json", "pdm",
-                                          "quiet", "log_level")}
+                                          "quiet", "log_level", "device")}
     job = partial(cli_job, opts)
     if under_torchrun():
         return run_torchrun(config, job)

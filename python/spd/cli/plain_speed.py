@@ -39,12 +39,29 @@ def record(target, device: str, tok_s: float) -> None:
         pass
 
 
+def _plain(target, device: str) -> tuple[str, float | None]:
+    """(what the last `--mode ar` run here measured, in words; its tok/s or None)."""
+    last = _read().get(_key(target, device))
+    if isinstance(last, dict) and "tok_s" in last and "date" in last:
+        return (f"plain decoding (--mode ar) ran at {last['tok_s']:.1f} tok/s here on "
+                f"{last['date']}", float(last["tok_s"]))
+    return "plain decoding was not measured here yet (run with --mode ar)", None
+
+
 def explain(target, device: str, n: int) -> str:
     """The line printed under a one-process SPD summary."""
-    last = _read().get(_key(target, device))
-    plain = (f"plain decoding (--mode ar) ran at {last['tok_s']:.1f} tok/s here on {last['date']}"
-             if isinstance(last, dict) and "tok_s" in last and "date" in last
-             else "plain decoding was not measured here yet (run with --mode ar)")
+    plain, _ = _plain(target, device)
     return (f"[spd] one process: the {n} stages ran one after another, so decode tok/s is not "
             f"what pipelining gives; {plain}; S_theory is the speedup {n + 1} devices ({n} stages "
             f"+ 1 draft) would give")
+
+
+def explain_distributed(target, device: str, stats) -> str:
+    """The line printed under a distributed SPD summary: the measured cycle and tok/s beside
+    the last plain decoding measured on this device (one process, the whole model)."""
+    d = stats.distributed
+    plain, ar = _plain(target, device)
+    ratio = f" ({stats.decode_tok_s / ar:.2f}x)" if ar else ""
+    return (f"[spd] distributed, {d.get('loop', 'host')} loop: measured cycle "
+            f"{d['cycle_ms']['median']:.2f} ms (median of {d['cycles']}), "
+            f"{stats.decode_tok_s:.1f} tok/s{ratio}; {plain}")

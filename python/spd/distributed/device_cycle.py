@@ -85,13 +85,14 @@ class RemoteCycleStages:
                            f"stage {s}'s cycle snaps")
                       if f.rows or s == n - 1 else None for s, f in enumerate(self.formats)]
         self.fault = rt.fault_here()  # the test hook (DistConfig.fault)
+        self.posted: list = []  # this cycle's snap receives: (stage, buffer, work)
         # the final states by position: the last stage's output rows (sampling: rank 0 judges)
         self.carry = torch.zeros(dec.buffer_rows, d, dtype=dtype, device=dev)
 
-    def run(self, loop: DeviceLoop, at: torch.Tensor):
-        """Cycle `loop.launching`: stage 0 gets the row at at[0] ([n] int64: the loop's own
-        positions; the other stages run what the stage before ran last cycle) -> the greedy
-        verdict (token [1], accepted [1]) or None (sampling: `carry` has the row)."""
+    def begin(self, loop: DeviceLoop, at: torch.Tensor) -> None:
+        """Before the draft step of cycle `loop.launching`: stage 0's unit, the row at at[0]
+        ([n] int64: the loop's own positions; the other stages run what the stage before ran
+        last cycle), goes out, and the snaps' receives are posted."""
         rt, dec, c = self.rt, self.dec, loop.launching
         if self.fault and c == self.fault["cycle"]:
             inject_fault(self.fault)
@@ -101,12 +102,17 @@ class RemoteCycleStages:
         unit[1:2].copy_(dec.tokens.index_select(0, at[:1]))
         unit[2:].copy_(loop.state[END:END + 1])
         rt.isend(unit, 1, CYCLE_UNIT_TAG, c)
-        posted = [(s, buf, rt.irecv(buf, s + 1, CYCLE_SNAP_TAG))
-                  for s, ring in enumerate(self.snaps) if ring is not None
-                  for buf in (ring.take(),)]
+        self.posted = [(s, buf, rt.irecv(buf, s + 1, CYCLE_SNAP_TAG))
+                       for s, ring in enumerate(self.snaps) if ring is not None
+                       for buf in (ring.take(),)]
+
+    def run(self, loop: DeviceLoop, at: torch.Tensor):
+        """After the draft step: every stage's snap in -> the greedy verdict (token [1],
+        accepted [1]) or None (sampling: `carry` has the last stage's row)."""
+        rt, dec = self.rt, self.dec
         verdict = None
         t = dec.target
-        for s, buf, work in posted:
+        for s, buf, work in self.posted:
             rt.order(work, s + 1, "cycle snap")
             head, rows = _head(buf), _rows(buf, t.hidden_size, t.dtype)
             pos = head[:1]

@@ -116,6 +116,9 @@ class LocalCycleStages:
     def __init__(self, runner: StageRunner):
         self.runner, self.carry = runner, runner.carry
 
+    def begin(self, loop: DeviceLoop, at: torch.Tensor) -> None:
+        """Before the draft step: nothing to start (`run` runs the stages)."""
+
     def run(self, loop: DeviceLoop, at: torch.Tensor):
         """Stage s runs its row at position at[s] ([n] int64) -> the greedy verdict (the last
         stage judges the token after its row: token [1], accepted [1]), or None (sampling)."""
@@ -204,6 +207,7 @@ class DeviceLoop:
         window, types = dec.anchors.index_select(1, rows), dec.type_of_depth[depth]
         real = (self.stage_ids < count) & live
         at = torch.where(real, newest - self.stage_ids, newest + 1)
+        self.stages.begin(self, at)  # (the stage ranks': their units out first)
         self.roles.fork()
         with self.roles.on(0):
             draft = dec.drafter.draft(window, types, rows[:1], newest + 1, dec.sampling, u[0])
