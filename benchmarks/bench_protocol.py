@@ -132,8 +132,6 @@ def main() -> int:
         for f_ms in [float(x) for x in args.emulate_ms.split(",")]:
             for on_stage in placements:
                 for loop in loops:
-                    if loop == "device" and on_stage is not None:
-                        continue  # the device loop does not run the draft on a stage yet
                     rows += run_one(n, f_ms * 1e-3, args, on_stage, loop)
     device = "CPU" if args.device == "cpu" else args.device
     print(f"\nProtocol overhead with emulated compute ({device}, {args.backend or 'default'} "

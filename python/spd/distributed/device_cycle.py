@@ -141,8 +141,9 @@ class StageCycles:
         self.hidden = [b - first - 1 for b in self.fmt.hidden]  # layer outputs sent as anchors
         self.snapping = bool(self.fmt.rows) or worker.last
         rt, row = self.rt, _row_bytes(self.d, self.dtype)
-        in_bytes = 3 * 8 if worker.first else HEAD + row
-        self.inbox = Ring(lambda: torch.zeros(in_bytes, dtype=torch.uint8, device=dev), 2,
+        # rank 0's units are int64 [3] (the in-process mailbox matches shapes, not bytes)
+        self.inbox = Ring(lambda: torch.zeros(3, dtype=torch.int64, device=dev) if worker.first
+                          else torch.zeros(HEAD + row, dtype=torch.uint8, device=dev), 2,
                           "cycle unit receives")
         sent = lambda b, _: rt.sending(b)  # noqa: E731
         self.outbox = Ring(lambda: torch.zeros(HEAD + row, dtype=torch.uint8, device=dev),
@@ -172,9 +173,8 @@ class StageCycles:
         if w.first:
             buf = self.inbox.take()
             rt.order(rt.irecv(buf, DRAFT_RANK, CYCLE_UNIT_TAG), DRAFT_RANK, "cycle unit")
-            both = buf.view(torch.int64)
-            pos, end = both[:1], both[2:3]
-            x = w.target.embed_tokens(both[1:2])
+            pos, end = buf[:1], buf[2:3]
+            x = w.target.embed_tokens(buf[1:2])
         elif c == 0:
             pos, end, x = self.bubble[:1], self.bubble[1:], self.bubble_row
         else:

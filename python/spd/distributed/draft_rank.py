@@ -521,8 +521,6 @@ class DistributedSPDEngine:
         if not config.device_loop:
             return False
         why = unsupported(dec)
-        if why is None and config.placement.draft_on_stage is not None:
-            why = "--draft-on-stage"
         if why is not None:
             warnings.warn(f"the distributed device loop does not run {why} yet: this decode "
                           "runs on the unit protocol", stacklevel=3)
@@ -548,7 +546,10 @@ class DistributedSPDEngine:
         counted = dict(rt.messages)
         loop.run()
         rt.flush_sends()
-        dec.finish()
+        # the decode ends where the host read its end; the ranks' cycles to the end cycle after
+        # it (DeviceLoop: n + ahead + 1) are the drain, before the next request can start
+        dec.finish(loop.done_at)
+        drain_ms = (time.perf_counter() - (loop.done_at or t0)) * 1e3
         stats = dec.stats
         stats.loop = "device"
         stage_stats = self._stage_stats(gen_id)
@@ -556,6 +557,7 @@ class DistributedSPDEngine:
         zeros = [0.0] * len(cycle_s)
         stats.distributed = breakdown(rt, stats, cycle_s, zeros, stage_stats, zeros)
         stats.distributed.update(loop="device", ahead=loop.ahead, cycles_run=loop.cycles,
+                                 drain_ms=drain_ms,
                                  verify_on="rank 0", messages_per_cycle=per_cycle_messages(
                                      rt, counted, loop.cycles, stage_stats))
         return self.engine.build_result(dec.out, stats, rule)

@@ -188,6 +188,7 @@ class DeviceLoop:
         self.replays = 0
         self.cycles = 0  # launched, when `run` returns
         self.read_at: list[float] = []  # when the host read each cycle's state
+        self.done_at: float | None = None  # when the host read the cycle that ended the decode
 
     # --- the cycle -----------------------------------------------------------------------------
     def cycle(self) -> None:
@@ -317,6 +318,8 @@ class DeviceLoop:
         peers in lock-step, then on to the end cycle without reading for the decode."""
         dec, lockstep = self.dec, self.stages.lockstep
         self.start()
+        if dec.done:
+            self.done_at = time.perf_counter()
         if dec.done and lockstep:  # the first token ended it: the peers still run to the end
             self._stop_at(0)
         launched = read = 0
@@ -335,6 +338,7 @@ class DeviceLoop:
             if dec.done:
                 continue
             counted = got
+            self.done_at = time.perf_counter()  # (until a read ends the decode)
             if got[EMITTED]:
                 dec._emit(got[TOKEN])
             if got[DONE] and not dec.done:

@@ -246,9 +246,9 @@ class SequenceDecode:
         self.enter(P, first)
         self._decode_t0 = time.perf_counter()
 
-    def finish(self) -> None:
-        """Stop the decode clock."""
-        self.stats.decode_s = time.perf_counter() - self._decode_t0
+    def finish(self, at: float | None = None) -> None:
+        """Stop the decode clock (now, or at the perf_counter time `at`)."""
+        self.stats.decode_s = (time.perf_counter() if at is None else at) - self._decode_t0
         self.stats.new_tokens = len(self.out)
 
     # --- the cycle ------------------------------------------------------------------------------
