@@ -143,6 +143,21 @@ def main() -> int:
     print("(cycle: rank 0's mean cycle wall time, the host loop's; the device loop's is the "
           "interval between the host's reads of the published state; ideal = F, tokens / F = 1 "
           "for an always-right drafter)")
+    device_rows = [r for r in rows if r["loop"] == "device"]
+    if device_rows:
+        print("\nDevice loop: messages per cycle and role on the process groups (a role of "
+              "the draft's own process goes through its mailbox), the first drafter's run")
+        per_rank = Table([("n", ">3"), ("draft_on_stage", ">8", "draft@"),
+                          ("F_ms", ">7.2f", "F ms"), ("rank", ">5", "role"),
+                          ("send", ">8.3f"), ("recv", ">8.3f"), ("control", ">8.3f")])
+        per_rank.print_header()
+        for r in device_rows[::2]:
+            for rank, m in r["messages_per_cycle"].items():
+                per_rank.print(dict(n=r["n"], draft_on_stage=r["draft_on_stage"],
+                                    F_ms=r["F_ms"], rank=rank,
+                                    send=m.get("send/data", 0.0), recv=m.get("recv/data", 0.0),
+                                    control=m.get("send/control", 0.0)
+                                    + m.get("recv/control", 0.0)))
     if args.json_out:
         write_json(args.json_out, run_meta(args.device, label=args.label, wait=args.wait,
                                            backend=args.backend, rank_threads=1,

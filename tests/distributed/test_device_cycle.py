@@ -123,7 +123,7 @@ def _short_and_stopped(engine, stop_at: int):
 
 def _counting_factory(rank: int):
     if rank != 0:
-        probe.log_stage_runs("reads", where=True)
+        probe.log_stage_runs("reads", where=True, copies=True)
     return make_tiny_target(seed=41, vocab=48, layers=4)
 
 
@@ -131,7 +131,7 @@ def _counted_job(engine, request):
     from spd.runtime.device_loop import DeviceLoop
     log: list = []
     with probe.CallLog(log, (DeviceLoop, "cycle")):
-        with probe.ReadLog(log, where=True):
+        with probe.ReadLog(log, where=True, copies=True):
             result = run_requests([request], engine)[0]
     stages = [json.loads(engine.rt.store.get(f"test/reads/1/{r}")) for r in range(1, engine.n + 1)]
     return result, log, stages
@@ -143,7 +143,8 @@ def test_device_loop_messages_and_host_reads_per_cycle(greedy):
     anchors (the last always); stage s receives one unit (none in cycle 0 past stage 0), sends
     one on (none in the last cycle, none from the last stage) and one snap; nothing on a
     control group. No stage reads a tensor but its `end` (published, `ahead` cycles late); rank
-    0 reads only each cycle's published state."""
+    0 reads only each cycle's published state. No rank makes a tensor of a Python value in a
+    cycle."""
     n = 3
     t = make_tiny_target(seed=41, vocab=48, layers=4)
     eng = SPDEngine(t, n_stages=n, lookup=0)
@@ -171,7 +172,7 @@ def test_device_loop_messages_and_host_reads_per_cycle(greedy):
     for event in log:
         if event[0] == "cycle":
             cycles.append([])
-        elif cycles and event[0] in ("read", "host") and "spd_kernels" not in str(event):
+        elif cycles and event[0] in ("read", "host", "copy") and "spd_kernels" not in str(event):
             cycles[-1].append(event[0])
     assert len(cycles) == C
     assert all(c in ([], ["host"]) for c in cycles), [c for c in cycles if len(c) > 1][:2]
@@ -180,6 +181,9 @@ def test_device_loop_messages_and_host_reads_per_cycle(greedy):
     # until the end cycle is known
     for slog in stages:
         assert [e for e in slog if e[0] == "read" and "spd_kernels" not in e[2]] == []
+        # tensors made from Python values: the set-up's (the prompt, the bubble) only
+        copies = [e for e in slog if e[0] == "copy" and "spd_kernels" not in e[2]]
+        assert len(copies) <= 4 < C, copies
         assert C - 2 * (n + 3) <= sum(e[0] == "host" for e in slog) <= C
 
 
