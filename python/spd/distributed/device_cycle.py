@@ -41,10 +41,9 @@ from spd.distributed.faults import inject_fault
 from spd.distributed.protocol import CYCLE_SNAP_TAG, CYCLE_UNIT_TAG, Ring, snap_format
 from spd.errors import InternalError
 from spd.runtime.device_loop import END
-from spd.runtime.host_mirror import mark_host_copy
+from spd.runtime.host_mirror import Published
 
 if TYPE_CHECKING:
-    from spd.distributed.stage_rank import StageWorker
     from spd.distributed.transport import Endpoint
     from spd.runtime.device_loop import DeviceLoop
     from spd.runtime.sequence import SequenceDecode
@@ -128,9 +127,10 @@ class RemoteCycleStages:
 
 
 class StageCycles:
-    """A stage rank's side of the cycle, for one generation after its prefill."""
+    """A stage rank's side of the cycle, for one generation after its prefill. `worker`: the
+    rank's spd.distributed.stage_rank.StageWorker (its stage, target, layout and endpoint)."""
 
-    def __init__(self, worker: StageWorker, req: dict):
+    def __init__(self, worker, req: dict):
         self.w, self.rt = worker, worker.rt
         t, s = worker.target, worker.s
         self.d, self.dtype, dev = t.hidden_size, t.dtype, t.device
@@ -159,9 +159,7 @@ class StageCycles:
         self.bubble = torch.tensor([int(req["prompt_len"]) + s, 0], dtype=torch.int64,
                                    device=dev)
         self.bubble_row = torch.zeros(1, self.d, dtype=self.dtype, device=dev)
-        cuda = dev.type == "cuda"
-        self.ends = torch.zeros(self.ahead + 1, dtype=torch.int64, pin_memory=cuda)
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(self.ahead + 1)]
+        self.ends = Published(self.ahead + 1, 1, dev)  # each cycle's `end`, for the host
         self.forward_s: list[float] = []
         self.fault = rt.fault_here()
 
@@ -207,18 +205,6 @@ class StageCycles:
             rt.isend(out, w.next, CYCLE_UNIT_TAG, c)
         return end
 
-    def _publish(self, c: int, end: torch.Tensor) -> None:
-        slot = c % (self.ahead + 1)
-        self.ends[slot:slot + 1].copy_(end, non_blocking=self.events[slot] is not None)
-        if self.events[slot] is not None:
-            self.events[slot].record()
-
-    def _read(self, c: int) -> int:
-        slot = c % (self.ahead + 1)
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()  # this copy alone, not a stream
-        return int(mark_host_copy(self.ends[slot:slot + 1]).tolist()[0])
-
     def run(self) -> int:
         """Cycles up to the end cycle, reading each one's `end` `ahead` cycles late -> cycles."""
         launched = read = 0
@@ -226,11 +212,11 @@ class StageCycles:
         while end is None or launched < end:
             while (end is not None or launched <= read + self.ahead) and \
                     (end is None or launched < end):
-                self._publish(launched, self.cycle(launched, end is not None
-                                                   and launched == end - 1))
+                self.ends.publish(launched, self.cycle(launched, end is not None
+                                                       and launched == end - 1))
                 launched += 1
             if end is None:
-                got = self._read(read)
+                got = self.ends.read(read)[0]
                 read += 1
                 if got and launched >= got:  # a cycle past the end is posted: peers desync
                     raise InternalError("a stage learnt the end cycle too late", stage=self.w.s,

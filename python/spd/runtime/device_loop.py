@@ -46,7 +46,7 @@ import torch
 
 from spd.cuda_graphs import graphs_enabled
 from spd.errors import InternalError
-from spd.runtime.host_mirror import mark_host_copy
+from spd.runtime.host_mirror import Published
 from spd.runtime.verdict import judge_on_device
 
 if TYPE_CHECKING:
@@ -178,10 +178,7 @@ class DeviceLoop:
         # the device's uniforms: on a CPU the decode's own generator (the host loop's draws)
         self.gen = dec.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(
             dec.sampling.seed)
-        cuda = dev.type == "cuda"
-        self.host = torch.zeros(ahead + 1, self.state.numel(), dtype=torch.int64,
-                                pin_memory=cuda)
-        self.events = [torch.cuda.Event() if cuda else None for _ in range(ahead + 1)]
+        self.published = Published(ahead + 1, self.state.numel(), dev)  # what the host reads
         self.roles = Roles(dev, n + 1)
         self.graph: torch.cuda.CUDAGraph | None = None  # the captured cycle (a GPU)
         self.graph_failed: str | None = None if graphs_enabled(dev) else "off"
@@ -287,17 +284,11 @@ class DeviceLoop:
     # --- the host's side -----------------------------------------------------------------------
     def _publish(self, cycle: int) -> None:
         """Cycle `cycle`'s state into its pinned slot, behind the cycle's work."""
-        slot = cycle % (self.ahead + 1)
-        self.host[slot].copy_(self.state, non_blocking=self.events[slot] is not None)
-        if self.events[slot] is not None:
-            self.events[slot].record()
+        self.published.publish(cycle, self.state)
 
     def _read(self, cycle: int) -> list[int]:
         """Cycle `cycle`'s published state, waiting for its copy alone (not a stream sync)."""
-        slot = cycle % (self.ahead + 1)
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()
-        return mark_host_copy(self.host[slot]).tolist()
+        return self.published.read(cycle)
 
     def start(self) -> None:
         """After `SequenceDecode.start`: the schedule's first state."""

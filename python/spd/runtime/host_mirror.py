@@ -41,6 +41,33 @@ class HostMirror:
         return mark_host_copy(self.host[start:stop]).tolist()
 
 
+class Published:
+    """A small int64 device vector's value after each of the last `depth` steps, in pinned host
+    memory: `publish(step, x)` copies x behind the work queued so far, with an event after it;
+    `read(step)` waits for that copy alone. The device loops' way to tell the host their state
+    up to `depth - 1` steps late (spd.runtime.device_loop, spd.distributed.device_cycle)."""
+
+    def __init__(self, depth: int, size: int, device: torch.device):
+        cuda = torch.device(device).type == "cuda"
+        self.depth = depth
+        self.host = torch.zeros(depth, size, dtype=torch.int64, pin_memory=cuda)
+        self.events = [torch.cuda.Event() if cuda else None for _ in range(depth)]
+
+    def publish(self, step: int, x: torch.Tensor) -> None:
+        """x [size] int64 on the device, after step `step`'s work (its slot is step % depth)."""
+        slot = step % self.depth
+        self.host[slot].copy_(x, non_blocking=self.events[slot] is not None)
+        if self.events[slot] is not None:
+            self.events[slot].record()
+
+    def read(self, step: int) -> list[int]:
+        """What step `step` published (its slot not published again since)."""
+        slot = step % self.depth
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()  # this copy alone: not a stream or device sync
+        return mark_host_copy(self.host[slot]).tolist()
+
+
 def mark_host_copy(view: torch.Tensor) -> torch.Tensor:
     """Marks `view` (this tensor object, not its base) as host memory copied from a device
     behind an event: reading it waits on no device (is_host_copy)."""
