@@ -96,29 +96,39 @@ def test_device_loop_with_the_draft_on_a_stage(n, on_stage):
         assert g.stats.loop == "device" and g.stats.distributed["processes"] == n
 
 
-def test_device_loop_stop_id_and_unsupported_fallback():
-    """A stop id ends the decode on the device; the ranks run on to the end cycle. A decode the
-    device loop does not run (a prompt shorter than n) warns and runs on the unit protocol."""
+def test_device_loop_lookup_stop_id_and_fallback():
+    """The context lookup (on) on a prompt that repeats, greedy and sampled; a stop id ends the
+    decode on the device (the ranks run on to the end cycle); a decode the device loop does not
+    run (a prompt shorter than n) warns and runs on the unit protocol."""
     n = 3
     t = make_tiny_target(seed=31, vocab=48, layers=4)
-    eng = SPDEngine(t, n_stages=n, lookup=0)
+    eng = SPDEngine(t, n_stages=n)
     ar = eng.generate_ar(PROMPT, 30).token_ids
     stop_at = ar[6]
-
-    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 31), lookup=0,
+    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 31),
                         fault_timeout=5.0, op_timeout=60.0, device_loop=True)
-    short, stopped = launch_local(config, partial(_short_and_stopped, stop_at=stop_at),
-                                  timeout=150)
+    short, stopped, *looked = launch_local(
+        config, partial(_short_stopped_and_looked_up, stop_at=stop_at), timeout=150)
     assert short.stats.loop == "host"
     assert short.token_ids == eng.generate(PROMPT[:2], 12).token_ids
     _same(stopped, eng.generate(PROMPT, 30, stop_token_ids=[stop_at]))
     assert stopped.token_ids[-1] == stop_at and stopped.stats.loop == "device"
+    for got, sampling in zip(looked, LOOKUP_SAMPLINGS):
+        e = eng.generate(PROMPT * 3, 24, sampling)
+        _same(got, e)
+        assert (got.stats.lookup_judged, got.stats.lookup_accepted) == \
+            (e.stats.lookup_judged, e.stats.lookup_accepted)
+    assert looked[0].stats.lookup_judged > 0
 
 
-def _short_and_stopped(engine, stop_at: int):
+LOOKUP_SAMPLINGS = (SamplingParams(), SamplingParams(temperature=0.9, seed=2))
+
+
+def _short_stopped_and_looked_up(engine, stop_at: int):
     with pytest.warns(UserWarning, match="shorter than n"):
         short = engine.generate(PROMPT[:2], 12)
-    return short, engine.generate(PROMPT, 30, stop_token_ids=[stop_at])
+    return [short, engine.generate(PROMPT, 30, stop_token_ids=[stop_at])] + \
+        [engine.generate(PROMPT * 3, 24, sampling) for sampling in LOOKUP_SAMPLINGS]
 
 
 def _counting_factory(rank: int):

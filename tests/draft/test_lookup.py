@@ -8,7 +8,7 @@ from conftest import make_tiny_target
 
 from spd import SPDEngine
 from spd.draft.drafters import PDMDrafter
-from spd.draft.lookup import DEFAULT_MIN_LEN, TRUST, NgramLookup
+from spd.draft.lookup import DEFAULT_MIN_LEN, TRUST, NgramLookup, propose_on_device
 
 
 def brute_force(committed, context, min_len, max_len):
@@ -36,6 +36,25 @@ def test_index_matches_brute_force(min_len, max_len):
             context = (committed + tail)[-max_len:]
             assert idx.propose(context) == brute_force(committed, context, min_len, max_len), \
                 (committed, tail)
+
+
+@pytest.mark.parametrize("min_len,max_len", [(1, 4), (2, 6), (3, 6)])
+def test_device_proposal_matches_the_index(min_len, max_len):
+    """propose_on_device (the device loop's lookup) on a buffer of committed tokens, then those
+    in flight, then stale ones past the newest: the index's proposal, or none."""
+    rng = random.Random(7 * min_len + max_len)
+    for trial in range(300):
+        vocab = rng.choice([2, 3, 5])
+        tokens = [rng.randrange(vocab) for _ in range(40)]
+        committed = rng.randrange(1, 32)
+        newest = rng.randrange(committed - 1, committed + 8)  # none to 8 in flight
+        idx = NgramLookup(min_len, max_len)
+        idx.extend(tokens[:committed])
+        want = idx.propose(idx.context(tokens[committed:newest + 1]))
+        token, length = propose_on_device(torch.tensor(tokens), torch.tensor(committed),
+                                          torch.tensor(newest), min_len, max_len)
+        assert (None if int(length) == 0 else (int(token), int(length))) == want, \
+            (tokens, committed, newest)
 
 
 def test_index_examples_and_bad_lengths():

@@ -13,10 +13,12 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 from conftest import NoisyPDMDrafter, bench_module, make_tiny_target
 
 from spd import SamplingParams, SPDEngine
 from spd.draft.drafters import ReferenceDrafter
+from spd.draft.pdm import PipelineDraftModule
 from spd.runtime.device_loop import DeviceLoop
 from spd.runtime.sequence import SequenceDecode
 from spd.runtime.stopping import StopRule
@@ -113,14 +115,50 @@ def test_a_stop_only_the_host_sees_emits_nothing_past_it(monkeypatch):
     assert counts(b) == counts(a)
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_context_lookup_on_the_device(n):
+    """The context lookup (on by default) runs on the device: the host loop's tokens, counts
+    and lookup counts, greedy and sampled, with the PDM (its gate) and with a drafter that has
+    no confidence (the lookup's token always wins), on a prompt that repeats itself."""
+    t = make_tiny_target(seed=3 + n, vocab=48, layers=4)
+    host = SPDEngine(t, n_stages=n)
+    dev = SPDEngine(t, n_stages=n, pdm=host.pdm, device_loop=True)
+    prompt = PROMPT * 3
+    ar = host.generate_ar(prompt, 30).token_ids
+    used = []
+    for sampling in SAMPLINGS:
+        for make in (lambda: None, lambda: looked_up(ReferenceDrafter(prompt + ar, 0.5, 2))):
+            a = host.generate(prompt, 30, sampling, drafter=make())
+            b = dev.generate(prompt, 30, sampling, drafter=make())
+            assert b.stats.loop == "device"
+            assert counts(b) == counts(a)
+            assert (b.stats.lookup_judged, b.stats.lookup_accepted) == \
+                (a.stats.lookup_judged, a.stats.lookup_accepted)
+            used.append(a.stats.lookup_judged)
+    assert used[1] and any(used[::2])  # the lookup proposed drafts that were judged
+    # a PDM with a draft vocabulary of its own: the lookup's token may be outside it (the
+    # host loop's q is then over every target id; the device loop's always is)
+    pdm = PipelineDraftModule.untrained(t, host.layout, seed=4,
+                                        draft_vocab=torch.arange(0, 48, 3))
+    host, dev = (SPDEngine(t, n_stages=n, pdm=pdm, device_loop=d) for d in (False, True))
+    a, b = (e.generate(prompt, 30, SAMPLINGS[1]) for e in (host, dev))
+    assert b.stats.loop == "device" and counts(b) == counts(a)
+    assert (b.stats.lookup_judged, b.stats.lookup_accepted) == \
+        (a.stats.lookup_judged, a.stats.lookup_accepted)
+    assert a.stats.lookup_judged > 0
+
+
+def looked_up(drafter):
+    drafter.lookup = 2  # a drafter asks for the lookup with its shortest match
+    return drafter
+
+
 def test_what_it_does_not_run_falls_back_with_a_warning():
     t = make_tiny_target(seed=3, vocab=48, layers=4)
-    host = SPDEngine(t, n_stages=2)  # the context lookup on (the default)
-    dev = SPDEngine(t, n_stages=2, pdm=host.pdm, device_loop=True)
-    with pytest.warns(UserWarning, match="context lookup"):
-        b = dev.generate(PROMPT, 20)
-    assert b.stats.loop == "host" and counts(b) == counts(host.generate(PROMPT, 20))
-    dev.drafter.lookup = 0
+    dev = SPDEngine(t, n_stages=2, device_loop=True, tree_width=2)
+    with pytest.warns(UserWarning, match="token trees"):
+        assert dev.generate(PROMPT, 8).stats.loop == "host"
+    dev = SPDEngine(t, n_stages=2, device_loop=True)
     with pytest.warns(UserWarning, match="shorter than n"):
         dev.generate(PROMPT[:1], 5)
 
@@ -148,6 +186,16 @@ def test_steady_cycles_read_nothing_and_copy_no_python_value(sampling):
         with probe.ReadLog(log, where=True, copies=True):
             res = dev.generate(PROMPT, 40, sampling,
                                drafter=NoisyPDMDrafter(host.pdm, PROMPT + ar, 0.6, seed=4))
+    cycles, host_reads = cycle_events(log)
+    # the host read every cycle up to the last, and launched `ahead` more (no-ops)
+    assert host_reads == res.stats.K > 10 and len(cycles) == res.stats.K + dev.ahead
+    assert 0 < res.stats.drafts_accepted < res.stats.drafts_judged
+    assert [c for c in cycles if c] == []
+
+
+def cycle_events(log: list) -> tuple[list[list], int]:
+    """(per cycle launched, the reads of device values and tensors made of Python values made
+    outside spd_kernels; the host's reads of the published state) of a ReadLog + CallLog."""
     cycles, host_reads = [], 0
     for event in log:
         if event[0] == "finish":
@@ -158,7 +206,18 @@ def test_steady_cycles_read_nothing_and_copy_no_python_value(sampling):
             host_reads += 1
         elif cycles and event[0] in ("read", "copy") and KERNELS not in event[2]:
             cycles[-1].append(event)
-    # the host read every cycle up to the last, and launched `ahead` more (no-ops)
-    assert host_reads == res.stats.K > 10 and len(cycles) == res.stats.K + dev.ahead
-    assert 0 < res.stats.drafts_accepted < res.stats.drafts_judged
-    assert [c for c in cycles if c] == []
+    return cycles, host_reads
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=["greedy", "sampled"])
+def test_lookup_cycles_read_nothing_and_copy_no_python_value(sampling):
+    """The same with the context lookup proposing drafts (a prompt that repeats)."""
+    t = make_tiny_target(seed=5, vocab=48, layers=4)
+    dev = SPDEngine(t, n_stages=3, device_loop=True)
+    log: list = []
+    with probe.CallLog(log, (DeviceLoop, "cycle"), (SequenceDecode, "finish")):
+        with probe.ReadLog(log, where=True, copies=True):
+            res = dev.generate(PROMPT * 3, 30, sampling)
+    cycles, host_reads = cycle_events(log)
+    assert host_reads == res.stats.K and [c for c in cycles if c] == []
+    assert res.stats.loop == "device"

@@ -77,8 +77,8 @@ def add_engine_args(p) -> None:
     p.add_argument("--device-loop", action="store_true",
                    help="each cycle decided on the device, the host running --ahead cycles "
                         "ahead (one process: one CUDA graph a cycle on a GPU; --distributed: "
-                        "every rank in lock-step); the chain without the context lookup (pass "
-                        "--lookup 0), else the host loop runs")
+                        "every rank in lock-step); the chain with the context lookup, else the "
+                        "host loop runs")
     p.add_argument("--ahead", type=int_in(0), default=DEFAULT_AHEAD, metavar="K",
                    help=f"--device-loop: cycles launched past the one the host has read "
                         f"(default {DEFAULT_AHEAD})")

@@ -32,7 +32,7 @@ the same cycle (README, "How a cycle works") is fixed-shape device work whose ou
 Greedy and seeded sampling give the tokens, N, K and judged/accepted drafts of `SequenceDecode.run`
 with drafters that read no features (ReferenceDrafter), and the target's tokens with the PDM
 (whose window recomputes committed rows, equal up to the kernels' rounding). What runs on the
-host loop instead (`unsupported`): the context lookup, token trees, post-step features, hybrid
+host loop instead (`unsupported`): token trees, post-step features, hybrid
 targets (their recurrent states roll back explicitly), prompts shorter than n.
 """
 from __future__ import annotations
@@ -45,6 +45,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from spd.cuda_graphs import graphs_enabled
+from spd.draft.drafters import Draft
+from spd.draft.lookup import TRUST, propose_on_device
 from spd.errors import InternalError
 from spd.runtime.host_mirror import Published
 from spd.runtime.verdict import judge_on_device
@@ -53,8 +55,10 @@ if TYPE_CHECKING:
     from spd.runtime.sequence import SequenceDecode, StageRunner
 
 # the fields of the state vector, in order (then by_position [n + 1, 2]: judged, accepted)
-FIELDS = ("start", "count", "done", "K", "N", "stage_rows", "emitted", "token", "cycle", "end")
-START, COUNT, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN, CYCLE, END = range(len(FIELDS))
+FIELDS = ("start", "count", "done", "K", "N", "stage_rows", "emitted", "token", "cycle", "end",
+          "lookup_judged", "lookup_accepted")
+(START, COUNT, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN, CYCLE, END, LOOKUP_JUDGED,
+ LOOKUP_ACCEPTED) = range(len(FIELDS))
 DEFAULT_AHEAD = 2
 
 
@@ -62,8 +66,6 @@ def unsupported(dec: SequenceDecode) -> str | None:
     """Why `dec` cannot run on the device loop (it runs on the host loop), or None."""
     if getattr(dec, "width", 1) > 1:
         return "token trees"
-    if dec.lookup is not None:
-        return "the context lookup (--lookup 0 turns it off)"
     if dec.post_step:
         return "post-step drafting"
     if dec.target.hybrid:
@@ -173,6 +175,12 @@ class DeviceLoop:
         # the draft distributions awaiting judgement, by position mod n + 1 (sampling)
         self.q_ring: torch.Tensor | None = None
         self.q_ids: torch.Tensor | None = None
+        # the context lookup (spd.draft.lookup), on the device: its gate's trust by match
+        # length, and per position whether the draft used its token
+        self.lookup_min = dec.lookup.min_len if dec.lookup is not None else 0
+        if self.lookup_min:
+            self.trust = torch.tensor(TRUST, device=dev)
+            self.used_at = torch.zeros(dec.buffer_rows, dtype=torch.bool, device=dev)
         self.stop_ids = torch.tensor(sorted(dec.stop.stop_ids) or [-1], dtype=torch.int64,
                                      device=dev)
         # the device's uniforms: on a CPU the decode's own generator (the host loop's draws)
@@ -210,7 +218,9 @@ class DeviceLoop:
         with self.roles.on(0):
             draft = dec.drafter.draft(window, types, rows[:1], newest + 1, dec.sampling, u[0])
         verdict = self.stages.run(self, at)
-        self.roles.join(draft.token, draft.q, *(verdict or ()))
+        self.roles.join(draft.token, draft.q, draft.p, *(verdict or ()))
+        if self.lookup_min:
+            draft = self._lookup(newest, draft)
         self.fill_at.index_copy_(0, (newest + 1).view(1), count.view(1))
         if draft.q is not None:
             self._keep_q(newest + 1, draft)
@@ -233,6 +243,10 @@ class DeviceLoop:
         dec.anchors[0].index_copy_(0, enter_at.view(1), t.embed_tokens(enters.view(1)))
         self.by_position.index_add_(0, self.fill_at.index_select(0, judged),
                                     torch.stack([full, ok]).view(1, 2).to(torch.int64))
+        if self.lookup_min:  # the judged draft came from the lookup
+            used = self.used_at.index_select(0, judged).view(()) & full
+            st[LOOKUP_JUDGED] += used
+            st[LOOKUP_ACCEPTED] += used & ok
         made = st[N] + full
         ended = full & ((committed == self.stop_ids).any() | (made + 1 >= dec.max_new))
         st[START] = start + full
@@ -245,6 +259,27 @@ class DeviceLoop:
         st[TOKEN] = committed
         st[CYCLE] += 1
         st[END] = torch.where((st[END] == 0) & ended, st[CYCLE] + self.margin, st[END])
+
+    def _lookup(self, newest: torch.Tensor, draft: Draft) -> Draft:
+        """The draft for newest + 1 with the context lookup's token in place of the drafter's
+        where the gate trusts it more (SequenceDecode._lookup, as selections); under sampling
+        q is one-hot on it."""
+        dec = self.dec
+        committed = self.state[N] + dec.prompt_len + 1  # the first token, then N committed
+        token, length = propose_on_device(dec.tokens, committed, newest, self.lookup_min)
+        use = length > 0
+        if draft.p is not None:
+            use = use & (draft.p < self.trust.index_select(0, length.view(1)).view(()))
+        q = draft.q
+        if q is not None:  # over the target's vocabulary, one shape every cycle (the token may
+            # be outside the drafter's columns); the verifier scatters columns there anyway
+            vocab = dec.target.vocab_size
+            if draft.q_ids is not None:
+                q = torch.zeros(vocab, dtype=q.dtype, device=q.device).index_copy_(
+                    0, draft.q_ids, q)
+            q = torch.where(use, (dec.ints[:vocab] == token).to(q.dtype), q)
+        self.used_at.index_copy_(0, (newest + 1).view(1), use.view(1))
+        return Draft(torch.where(use, token, draft.token), q)
 
     def _keep_q(self, position: torch.Tensor, draft) -> None:
         if self.q_ring is None:  # the first draft fixes q's size (one allocation)
@@ -346,6 +381,7 @@ class DeviceLoop:
         stats = self.dec.stats
         stats.K, stats.N, stats.stage_rows = got[K], got[N], got[STAGE_ROWS]
         stats.draft_calls = got[K]
+        stats.lookup_judged, stats.lookup_accepted = got[LOOKUP_JUDGED], got[LOOKUP_ACCEPTED]
         by = got[len(FIELDS):]
         for fill in range(self.n + 1):
             judged, accepted = by[2 * fill], by[2 * fill + 1]
