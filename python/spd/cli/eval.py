@@ -82,6 +82,11 @@ def add_eval(sub) -> None:
                         "search besides the shipped ones; repeatable")
     g.add_argument("--cost-reps", type=int, default=10,
                    help="timing repetitions per piece of the cost model")
+    g.add_argument("--runtime-from", default=None, metavar="JSON",
+                   help="a benchmarks/bench_protocol.py JSON of this device type: its measured "
+                        "cost per cycle of the distributed runtime (cycle - F, always-right, "
+                        "the device loop where measured) is added to every pipelined cycle "
+                        "(default: none charged)")
     g.add_argument("--recost", action="store_true",
                    help="measure the cost model again when resuming (every speedup in the "
                         "report is recomputed from it)")
@@ -149,6 +154,9 @@ def _eval_grid(args, sets, stages, temps) -> int:
         raise SPDError("--pdm, --split, --anchors and --json-out belong to a single run; the "
                        "grid finds its drafters itself (add folders with --checkpoint-dir) and "
                        "writes to --out-dir")
+    if args.runtime_from:  # a bad file is refused before any decoding
+        from spd.evaluation.cost_model import runtime_overhead
+        runtime_overhead(args.runtime_from, "cuda" if args.device.startswith("cuda") else "cpu")
     if args.top_k or args.top_p != 1.0:
         raise SPDError("the grid samples with plain temperature; drop --top-k/--top-p")
     if args.check is False:
@@ -168,7 +176,8 @@ def _eval_grid(args, sets, stages, temps) -> int:
     # The command that reproduces the grid (resume-only flags left out)
     command = ("python -m spd " + " ".join(a for a in sys.argv[1:] if a != "--recost")
                if sys.argv[1:2] == ["eval"] else "")
-    state = run_grid(target, spec, args.out_dir, command=command, recost=args.recost)
+    state = run_grid(target, spec, args.out_dir, command=command, recost=args.recost,
+                     runtime_from=args.runtime_from)
     written = write_report(state, args.out_dir)
     print(markdown(state))
     print("wrote " + ", ".join(str(x) for x in [Path(args.out_dir) / "grid.json", *written]))

@@ -36,6 +36,9 @@ class Costs:
     stage_s: dict = field(default_factory=dict)  # str(n) -> [seconds per stage], one token
     chunk_s: dict = field(default_factory=dict)  # str(rows) -> full forward of `rows` tokens
     num_layers: int = 0                          # the target's L (0: not recorded, older grids)
+    # str(n) -> the distributed runtime's own seconds per cycle beyond its compute, measured
+    # (`runtime_overhead`); empty: none charged
+    runtime_s: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -83,8 +86,38 @@ class Costs:
         device), and never less than the balanced cycle S_theory assumes. So the adjusted
         speedup charges what a method pays beyond S_theory's premise (a stage slower than its
         share, the head where it runs, drafting that is not hidden) and never credits more than
-        the premise (measurement noise, or work moved to an extra device)."""
-        return max(self.balanced(n), *work)
+        the premise (measurement noise, or work moved to an extra device). Where the
+        runtime's own cost per cycle was measured (`runtime_s`), it is added."""
+        return max(self.balanced(n), *work) + self.runtime_s.get(str(n), 0.0)
+
+
+def runtime_overhead(path, device_type: str) -> dict[str, float]:
+    """{str(n): seconds} from a `benchmarks/bench_protocol.py` JSON: per n, the median over its
+    F of (cycle - F) with the always-right drafter (what the runtime costs a steady cycle beyond
+    its compute), on the device loop where the file has it, else the unit protocol; n + 1
+    processes. The file must have been measured on `device_type` ("cpu" or "cuda")."""
+    import json
+    import statistics
+
+    from spd.errors import SPDError
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+        meta, rows = data["meta"], data["rows"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise SPDError(f"--runtime-from {path}: not a bench_protocol.py JSON ({exc})") from None
+    if meta.get("device_type") != device_type:
+        raise SPDError(f"--runtime-from {path}: measured on {meta.get('device_type')!r}, the "
+                       f"grid runs on {device_type!r}")
+    steady = [r for r in rows if r.get("drafter") == "always-right"
+              and r.get("draft_on_stage") is None]
+    loop = "device" if any(r.get("loop") == "device" for r in steady) else "host"
+    out: dict[str, list[float]] = {}
+    for r in steady:
+        if r.get("loop", "host") == loop:
+            out.setdefault(str(r["n"]), []).append(max(0.0, r["cycle_ms"] - r["F_ms"]) * 1e-3)
+    if not out:
+        raise SPDError(f"--runtime-from {path}: no always-right rows with n + 1 processes")
+    return {n: statistics.median(v) for n, v in out.items()}
 
 
 def _interleaved_medians(pieces: dict, reps: int) -> dict:

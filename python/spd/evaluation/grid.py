@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from spd.errors import InternalError, SPDError
 from spd.evaluation import methods
-from spd.evaluation.cost_model import Costs, measure_costs
+from spd.evaluation.cost_model import Costs, measure_costs, runtime_overhead
 from spd.evaluation.evaluate import add_totals, encode_question, first_difference, result_row
 from spd.evaluation.methods import NAMES as METHODS
 from spd.runtime import metrics
@@ -180,9 +180,11 @@ def _save(out_dir: Path, state: dict) -> None:
 
 
 def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: str = "",
-             recost: bool = False) -> dict:
+             recost: bool = False, runtime_from: str | None = None) -> dict:
     """Run every unfinished cell; recost=True measures the cost model again (the report
-    recomputes every speedup from it)."""
+    recomputes every speedup from it); runtime_from: a bench_protocol.py JSON whose measured
+    cost per cycle of the distributed runtime the pipelined methods are charged
+    (cost_model.runtime_overhead; kept in the grid until another is given)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     state = load_state(out_dir)
@@ -202,6 +204,10 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     if recost or "costs" not in state:
         state["costs"] = measure_costs(target, spec.stages, _cost_chunks(cells, decoders),
                                        spec.cost_context, spec.cost_reps).as_dict()
+        _save(out_dir, state)
+    if runtime_from is not None:
+        state["costs"]["runtime_s"] = runtime_overhead(runtime_from, target.device.type)
+        state["runtime_from"] = str(runtime_from)
         _save(out_dir, state)
     costs = Costs.from_dict(state["costs"])
     # Finished cells are kept; skipped ones (no drafter then) are tried again.

@@ -124,6 +124,15 @@ def markdown(state: dict) -> str:
     for rows_, s in costs["chunk_s"].items():
         lines.append(f"- forward of a {rows_}-token chunk (EAGLE-3 verification, tree rows): "
                      f"{s * 1e3:.2f} ms")
+    runtime = costs.get("runtime_s") or {}
+    if runtime:  # measured by bench_protocol.py, added to every pipelined cycle
+        lines.append("- the distributed runtime's own cost per cycle, measured ("
+                     f"{state.get('runtime_from', 'bench_protocol.py')}): "
+                     + ", ".join(f"n={n} {x * 1e3:.2f} ms" for n, x in sorted(
+                         runtime.items(), key=lambda kv: int(kv[0]))))
+    else:
+        lines.append("- the distributed runtime's own cost per cycle: not charged (none "
+                     "measured: `--runtime-from` a bench_protocol.py JSON)")
     lines += ["", "Draft steps are timed inside each method's own decoding (draft ms/call "
               "above). Each cost is charged where it runs (t_fwd full forward, t_i stage i, "
               "t_head final norm + LM head; a cycle is the slowest device's work in it, and at "
