@@ -131,6 +131,37 @@ def _short_stopped_and_looked_up(engine, stop_at: int):
         [engine.generate(PROMPT * 3, 24, sampling) for sampling in LOOKUP_SAMPLINGS]
 
 
+def _cancelled_then_whole(engine, after: int):
+    """A decode cancelled from the host once `after` tokens are out (the server's disconnect:
+    the host ends it, the ranks run on to the end cycle), then a whole one: still in step."""
+    import threading
+    cancel = threading.Event()
+
+    def seen(_tok, count=[0]):  # noqa: B006 - a counter across calls
+        count[0] += 1
+        if count[0] == after:
+            cancel.set()
+    first = engine.generate(PROMPT, 30, on_token=seen, cancel=cancel)
+    return first, engine.generate(PROMPT, 30)
+
+
+@pytest.mark.parametrize("ahead", [3])
+def test_device_loop_cancelled_by_the_host_keeps_the_ranks_in_step(ahead):
+    """The host ends the decode (a cancel, as a stop string would): it emits nothing past the
+    token after the cancel, and the next request on the same ranks gives the one-process
+    engine's tokens and counts."""
+    t = make_tiny_target(seed=33, vocab=48, layers=4)
+    eng = SPDEngine(t, n_stages=3, lookup=0)
+    config = DistConfig(n_stages=3, target_factory=partial(tiny_factory, 33), lookup=0,
+                        fault_timeout=5.0, op_timeout=60.0, device_loop=True, ahead=ahead)
+    cancelled, whole = launch_local(config, partial(_cancelled_then_whole, after=5),
+                                    timeout=150)
+    e = eng.generate(PROMPT, 30)
+    assert cancelled.token_ids == e.token_ids[:6] and cancelled.stats.loop == "device"
+    assert cancelled.stats.distributed["cycles_run"] < e.stats.K
+    _same(whole, e)
+
+
 def _counting_factory(rank: int):
     if rank != 0:
         probe.log_stage_runs("reads", where=True, copies=True)
