@@ -37,7 +37,8 @@ def _same(g, e) -> None:
     assert g.stats.by_position == e.stats.by_position
 
 
-@pytest.mark.parametrize("n,ahead", [(2, 2), (3, 0), (4, 1), (8, 2)])
+@pytest.mark.parametrize("n,ahead", [(2, 2), (3, 0), (4, 1),
+                                     pytest.param(8, 2, marks=pytest.mark.slow)])  # nine ranks
 def test_device_loop_ranks_equal_the_single_process_engine(n, ahead):
     """Greedy with rejections, seeded sampling, the untrained PDM, budgets of 1 and 2 tokens
     and a stop id: the one-process engine's tokens and counts, and every rank ran the same

@@ -70,6 +70,7 @@ class RemoteCycleStages:
 
     lockstep = True     # the stage ranks run exactly rank 0's cycles (DeviceLoop.run)
     capturable = False  # the NCCL calls are enqueued eagerly each cycle (no host wait in them)
+    in_process = False  # the stages are other ranks: rank 0 needs the drafter's stream alone
 
     def __init__(self, rt: Endpoint, dec: SequenceDecode):
         t, n = dec.target, dec.n
@@ -108,9 +109,8 @@ class RemoteCycleStages:
     def run(self, loop: DeviceLoop, at: torch.Tensor):
         """After the draft step: every stage's snap in -> the greedy verdict (token [1],
         accepted [1]) or None (sampling: `carry` has the last stage's row)."""
-        rt, dec = self.rt, self.dec
+        rt, dec, t = self.rt, self.dec, self.dec.target
         verdict = None
-        t = dec.target
         for s, buf, work in self.posted:
             rt.order(work, s + 1, "cycle snap")
             head, rows = _head(buf), _rows(buf, t.hidden_size, t.dtype)

@@ -98,10 +98,11 @@ def runtime_overhead(path, device_type: str) -> dict[str, float]:
     processes. The file must have been measured on `device_type` ("cpu" or "cuda")."""
     import json
     import statistics
+    from pathlib import Path
 
     from spd.errors import SPDError
     try:
-        data = json.loads(open(path, encoding="utf-8").read())
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
         meta, rows = data["meta"], data["rows"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise SPDError(f"--runtime-from {path}: not a bench_protocol.py JSON ({exc})") from None

@@ -114,6 +114,7 @@ class LocalCycleStages:
 
     lockstep = False  # the host stops launching when it reads the end (no peers to keep in step)
     capturable = True  # the whole cycle is one CUDA graph on a GPU
+    in_process = True  # each stage runs on a stream of its own (DeviceLoop.roles)
 
     def __init__(self, runner: StageRunner):
         self.runner, self.carry = runner, runner.carry
@@ -187,7 +188,8 @@ class DeviceLoop:
         self.gen = dec.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(
             dec.sampling.seed)
         self.published = Published(ahead + 1, self.state.numel(), dev)  # what the host reads
-        self.roles = Roles(dev, n + 1)
+        # the drafter's stream, and each stage's when the stages run in this process
+        self.roles = Roles(dev, 1 + (n if stages.in_process else 0))
         self.graph: torch.cuda.CUDAGraph | None = None  # the captured cycle (a GPU)
         self.graph_failed: str | None = None if graphs_enabled(dev) else "off"
         self.replays = 0
@@ -364,14 +366,15 @@ class DeviceLoop:
             if dec.done:
                 continue
             counted = got
-            self.done_at = time.perf_counter()  # (until a read ends the decode)
             if got[EMITTED]:
                 dec._emit(got[TOKEN])
             if got[DONE] and not dec.done:
                 raise InternalError("the device loop ended where the host's stop rule did "
                                     "not", token=got[TOKEN], emitted=len(dec.out))
-            if dec.done and lockstep and not got[DONE]:
-                self._stop_at(launched)
+            if dec.done:
+                self.done_at = time.perf_counter()
+                if lockstep and not got[DONE]:
+                    self._stop_at(launched)
         self.cycles = launched
         if counted is not None:
             self._count(counted)
