@@ -4,9 +4,11 @@ Requests (prefill header, shutdown) and statistics go through the rendezvous sto
 wait there without a communication timeout. Failures: every rank heartbeats into the store; a rank
 that raises writes a failure record first; a watchdog thread in every rank exits the process
 (naming the failed rank) when a record appears or a heartbeat stops for `fault_timeout` seconds;
-a dead peer also breaks gloo's connection, which surfaces at once. A rank stopped from outside
-(SIGTERM: torchrun stops a node's other ranks when one of them fails) leaves a mark and exits with
-status 143; the others then blame the rank that failed, not the ones its launcher stopped.
+a dead peer also breaks gloo's connection, which surfaces at once. Under NCCL a leaving rank
+aborts its communicators first (bounded), which ends a kernel waiting on a dead peer. A rank
+stopped from outside (SIGTERM: torchrun stops a node's other ranks when one of them fails)
+leaves a mark and exits with status 143; the others then blame the rank that failed, not the
+ones its launcher stopped.
 
 A rank also watches its launcher (the process that hosts the store: the local launcher, or
 torchrun's agent): a guard thread ends the rank with one line when the launcher is gone, or when
@@ -34,6 +36,7 @@ import time
 from spd.distributed.config import role_of
 
 HEARTBEAT_DONE = 1 << 40  # added to a rank's heartbeat counter when it finished cleanly
+ABORT_BOUND_S = 5.0  # the longest a leaving rank waits for NCCL's communicators to abort
 
 EXIT_OK, EXIT_ERROR, EXIT_INPUT, EXIT_PEER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 EXIT_TERMINATED = 128 + signal.SIGTERM  # what a shell reports for a process SIGTERM ended
@@ -229,11 +232,34 @@ class FaultHandling:
                 hook(message or f"rank {self.rank} is stopping")
             except Exception:  # noqa: BLE001 - leaving regardless
                 pass
+        self.abort_communicators()
         try:
             sys.stdout.flush()
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+    def abort_communicators(self, bound_s: float | None = None) -> bool:
+        """Under NCCL, aborts this process's communicators before it leaves: a kernel waiting
+        in a receive from a dead peer (posted eagerly or replayed from a CUDA graph) spins on
+        the device until ncclCommAbort, and a process may not finish leaving while it does.
+        The abort runs on a thread of its own for at most `bound_s` seconds, so a hanging
+        abort delays the exit, never stops it. gloo needs none: a dead peer closes its socket,
+        and os._exit ends a rank blocked in gloo. -> whether an abort finished in time."""
+        if getattr(self, "backend", None) != "nccl":
+            return False
+        done = threading.Event()
+
+        def abort():
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+                _abort_process_group()  # every group of this process, in one NCCL group
+            except Exception:  # noqa: BLE001 - leaving regardless
+                pass
+            done.set()
+
+        threading.Thread(target=abort, name="spd-abort-nccl", daemon=True).start()
+        return done.wait(ABORT_BOUND_S if bound_s is None else bound_s)
 
     # the launcher ----------------------------------------------------------------------------
     def launcher_name(self) -> str:
