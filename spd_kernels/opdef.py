@@ -8,7 +8,8 @@ one declaration. From its signature the decorator makes:
     runtimes can leave the optional arguments out;
   - the compile path: under torch.compile the function calls that custom op, which Dynamo treats
     as opaque, so the checks and the dispatcher never break the graph (`backend=` then does not
-    apply).
+    apply). Inside `called_as_ops()` it calls the op too: a dispatch mode then sees one op per
+    call, not the backend's own (spd.runtime.cycle_graph's replay check).
 The fake (meta) implementation, which gives output shapes and dtypes for tracing, is declared
 next to the op with `@<function>.register_fake`.
 
@@ -20,8 +21,10 @@ op always takes the tensor).
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import functools
 import inspect
+import threading
 import types
 import typing
 from dataclasses import dataclass
@@ -32,6 +35,20 @@ import torch
 from spd_kernels import dispatch
 
 LIB = "spd"
+
+_AS_OPS = threading.local()  # called_as_ops() on this thread
+
+
+@contextlib.contextmanager
+def called_as_ops():
+    """On this thread, public functions call their torch.ops.spd op (the compile path)."""
+    before = getattr(_AS_OPS, "on", False)
+    _AS_OPS.on = True
+    try:
+        yield
+    finally:
+        _AS_OPS.on = before
+
 
 # A position given on the host (int) or on the device (int64 tensor of one element, no host read).
 Position = Union[torch.Tensor, int]
@@ -133,7 +150,7 @@ def op(name: str, *, mutates: tuple[str, ...] = (), returns_arg: str | None = No
 
         @functools.wraps(fn)
         def public(*args, **kwargs):
-            if not torch.compiler.is_compiling():
+            if not (torch.compiler.is_compiling() or getattr(_AS_OPS, "on", False)):
                 return fn(*args, **kwargs)
             kwargs.pop("backend", None)
             bound = bare.bind(*args, **kwargs)

@@ -16,6 +16,10 @@ CACHE = Var("SPD_CACHE", "~/.cache/spd", "where the default model, "
 CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the decode steps (the PDM's draft step, the "
                   "stage steps, the autoregressive step) eagerly on a GPU instead of replaying "
                   "them as CUDA graphs", "spd.cuda_graphs")
+REPLAY_CHECK = Var("SPD_REPLAY_CHECK", "0", "1: run the device loops' cycles eagerly and check "
+                   "that each steady cycle is the same work, op for op and tensor for tensor, "
+                   "as the first (what a CUDA graph's replay assumes); the tests set it",
+                   "spd.runtime.cycle_graph")
 FAULT_INJECT = Var("SPD_FAULT_INJECT", "", "tests only: make a distributed rank fail on purpose "
                    "(rank=2,cycle=5,action=kill)", "spd.cli.generate")
 TRAIN_FAULT = Var("SPD_TRAIN_FAULT", "", "tests only: make a training rank kill itself in the "
@@ -47,7 +51,7 @@ BUILD_VARIABLES = (
         "(default: the default model in SPD_CACHE)", "benchmarks/device_train.sh"),
 )
 
-RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, FAULT_INJECT, TRAIN_FAULT, RUN_SECRET)
+RUNTIME_VARIABLES = (CACHE, CUDA_GRAPHS, REPLAY_CHECK, FAULT_INJECT, TRAIN_FAULT, RUN_SECRET)
 VARIABLES = RUNTIME_VARIABLES + KERNEL_VARIABLES + BUILD_VARIABLES
 
 
@@ -77,3 +81,7 @@ def table() -> str:
     rows += [f"| `{v.name}` | `{v.default or '(unset)'}` | {v.read_by} | {v.doc} |"
              for v in VARIABLES]
     return "\n".join(rows)
+
+
+def replay_check_enabled() -> bool:
+    return REPLAY_CHECK.get() == "1"

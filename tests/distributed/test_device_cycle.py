@@ -39,10 +39,13 @@ def _same(g, e) -> None:
 
 @pytest.mark.parametrize("n,ahead", [(2, 2), (3, 0), (4, 1),
                                      pytest.param(8, 2, marks=pytest.mark.slow)])  # nine ranks
-def test_device_loop_ranks_equal_the_single_process_engine(n, ahead):
+def test_device_loop_ranks_equal_the_single_process_engine(n, ahead, monkeypatch):
     """Greedy with rejections, seeded sampling, the untrained PDM, budgets of 1 and 2 tokens
     and a stop id: the one-process engine's tokens and counts, and every rank ran the same
-    cycles (rank 0's stats and each stage rank's)."""
+    cycles (rank 0's stats and each stage rank's). Every rank's steady cycles are the same
+    work, op for op and tensor for tensor, messages included (SPD_REPLAY_CHECK): what one CUDA
+    graph per cycle replays under NCCL."""
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")  # (the ranks inherit it)
     t = make_tiny_target(seed=20 + n, vocab=48, layers=max(4, n))
     eng = SPDEngine(t, n_stages=n, lookup=0)
     ar = eng.generate_ar(PROMPT, 40).token_ids
@@ -70,6 +73,13 @@ def test_device_loop_ranks_equal_the_single_process_engine(n, ahead):
         assert g.stats.loop == "device" and d["loop"] == "device" and d["ahead"] == ahead
         # every stage rank ran rank 0's cycles, a forward each
         assert all(r["units_worked"] == d["cycles_run"] for r in d["ranks"][1:])
+        # every steady cycle checked against the first (the warm-up and, on a stage, the
+        # last cycle are not replayed)
+        eager = "its messages cannot be captured"  # (gloo)
+        assert d["graph"] == {"replays": 0, "checked": d["cycles_run"] - 2, "eager": eager}
+        for r in d["ranks"][1:]:
+            assert r["graph"] == {"replays": 0, "checked": max(0, d["cycles_run"] - 3),
+                                  "eager": eager}, r["rank"]
         json.dumps(g.stats.as_dict())
     assert 0 < got[0].stats.drafts_accepted < got[0].stats.drafts_judged
     assert got[1 if n == 8 else 2].token_ids != got[0].token_ids  # sampling sampled
@@ -268,11 +278,13 @@ def _strict_factory(rank: int):
 @needs_gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 3,
                     reason="NCCL needs one GPU per rank (3 for n = 2)")
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_gpu_device_loop_over_nccl_never_synchronises(temperature):
+@pytest.mark.parametrize("temperature,graphs", [(0.0, "1"), (1.0, "1"), (0.0, "0")])
+def test_gpu_device_loop_over_nccl_never_synchronises(temperature, graphs, monkeypatch):
     """n = 2 over NCCL, greedy and sampled: no rank synchronises the device in its decode loop
-    (the host reads only published pinned copies behind events); greedy gives the one-process
-    engine's tokens."""
+    (the host reads only published pinned copies behind events); every rank's steady cycle is
+    one CUDA graph's replay, its messages inside it (or eager, SPD_CUDA_GRAPHS=0); greedy gives
+    the one-process engine's tokens."""
+    monkeypatch.setenv("SPD_CUDA_GRAPHS", graphs)
     n = 2
     sp = SamplingParams(temperature=temperature, seed=3)
     config = DistConfig(n_stages=n, target_factory=_strict_factory, device="cuda",
@@ -281,6 +293,10 @@ def test_gpu_device_loop_over_nccl_never_synchronises(temperature):
     got = launch_local(config, partial(run_requests, [GenerateRequest(PROMPT, 24, sp)]),
                        timeout=240)[0]
     assert got.stats.loop == "device" and len(got.token_ids) == 24
+    d = got.stats.distributed
+    for graph in [d["graph"]] + [r["graph"] for r in d["ranks"][1:]]:
+        assert (graph["eager"] is None and graph["replays"] > 10) if graphs == "1" else \
+            (graph["eager"] == "off" and graph["replays"] == 0), graph
     if temperature == 0.0:
         t = tiny_target(51, 4, device="cuda")
         assert got.token_ids == SPDEngine(t, n_stages=n, lookup=0).generate(PROMPT, 24).token_ids

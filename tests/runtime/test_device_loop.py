@@ -46,7 +46,9 @@ def engines(n: int, seed: int = 0, **engine_args):
                                         (8, SAMPLINGS[0]), (2, SAMPLINGS[1]), (4, SAMPLINGS[1])],
                          ids=["greedy-2", "greedy-3", "greedy-4", "greedy-8", "sampled-2",
                               "sampled-4"])
-def test_device_loop_equals_host_loop(n, sampling):
+def test_device_loop_equals_host_loop(n, sampling, monkeypatch):
+    # and every steady cycle is the work a CUDA graph replays (spd.runtime.cycle_graph)
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
     host, dev = engines(n)
     ar = host.generate_ar(PROMPT, 30).token_ids
     # sampled: a sample of the target's (drafts of it are accepted until the decode's own
@@ -116,10 +118,12 @@ def test_a_stop_only_the_host_sees_emits_nothing_past_it(monkeypatch):
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_context_lookup_on_the_device(n):
+def test_context_lookup_on_the_device(n, monkeypatch):
     """The context lookup (on by default) runs on the device: the host loop's tokens, counts
     and lookup counts, greedy and sampled, with the PDM (its gate) and with a drafter that has
-    no confidence (the lookup's token always wins), on a prompt that repeats itself."""
+    no confidence (the lookup's token always wins), on a prompt that repeats itself. Every
+    steady cycle is the work a CUDA graph replays (SPD_REPLAY_CHECK)."""
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
     t = make_tiny_target(seed=3 + n, vocab=48, layers=4)
     host = SPDEngine(t, n_stages=n)
     dev = SPDEngine(t, n_stages=n, pdm=host.pdm, device_loop=True)

@@ -5,8 +5,9 @@ ranks, in lock-step (DistConfig.device_loop). Cycle c on every rank:
 
   rank 0      sends stage 0 its unit, then drafts (its own stream) beside receiving every
               stage's snap of cycle c; then the verdict and the commit, on the device
-  stage s     receives its unit, runs its step, sends the next stage its output (the unit of
-              stage s + 1's cycle c + 1) and rank 0 its snap
+  stage s     runs its unit (received in cycle c - 1), sends the next stage its output (the
+              unit of stage s + 1's cycle c + 1) and rank 0 its snap, and receives its unit of
+              cycle c + 1
 
 A stage never reads a message on the host to know what to run: every cycle runs the same work,
 and a bubble (filling, after a rejection, past the end) is a row at a position no row reads
@@ -26,8 +27,14 @@ A stage with no anchors sends no snap, but the last stage always does. At cycle 
 have no input yet and run a bubble; in the last cycle no stage sends on (so every pair posts as
 many sends as receives). `end` is the cycle number every rank stops at (DeviceLoop's END, 0
 while unknown): rank 0 sets it on the device; each stage reads the one it received from pinned
-memory `ahead` cycles late and forwards it. Under NCCL the host waits for nothing in a cycle
-(Endpoint.order, flush_sends(host=False)); under gloo (the CPU) messages are host memory.
+memory `ahead` cycles late and forwards it.
+
+A rank posts its cycle's messages together (Endpoint.exchange: one NCCL group, so a receive
+never waits behind this rank's own sends) and waits for them within the cycle, on the stream
+under NCCL (Endpoint.order, flush_sends(host=False): the host waits for nothing). So every
+cycle but a stage's last, which sends nothing on, is the same work on the same buffers: under
+NCCL one CUDA graph replays it, messages included (spd.runtime.cycle_graph; SPD_REPLAY_CHECK
+checks this on the CPU). Under gloo (the CPU) messages are host memory and run eagerly.
 """
 from __future__ import annotations
 
@@ -38,8 +45,9 @@ import torch
 
 from spd.distributed.config import DRAFT_RANK
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import CYCLE_SNAP_TAG, CYCLE_UNIT_TAG, Ring, snap_format
+from spd.distributed.protocol import CYCLE_SNAP_TAG, CYCLE_UNIT_TAG, snap_format
 from spd.errors import InternalError
+from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.device_loop import END
 from spd.runtime.host_mirror import Published
 
@@ -49,7 +57,6 @@ if TYPE_CHECKING:
     from spd.runtime.sequence import SequenceDecode
 
 HEAD = 16  # the int64 pair in front of a stage's unit and of a snap
-DEPTH = 3  # ring depth: a buffer's send is flushed two cycles later (flush_sends(before=c - 1))
 
 
 def _row_bytes(d: int, dtype: torch.dtype, rows: int = 1) -> int:
@@ -69,7 +76,6 @@ class RemoteCycleStages:
     stage's snap in; anchors into the decode's buffer at the positions the snaps name."""
 
     lockstep = True     # the stage ranks run exactly rank 0's cycles (DeviceLoop.run)
-    capturable = False  # the NCCL calls are enqueued eagerly each cycle (no host wait in them)
     in_process = False  # the stages are other ranks: rank 0 needs the drafter's stream alone
 
     def __init__(self, rt: Endpoint, dec: SequenceDecode):
@@ -78,12 +84,16 @@ class RemoteCycleStages:
         d, dtype, dev = t.hidden_size, t.dtype, t.device
         self.greedy = dec.sampling.greedy
         self.formats = [snap_format(dec.layout, s, greedy=self.greedy) for s in range(n)]
-        self.units = Ring(lambda: torch.zeros(3, dtype=torch.int64, device=dev), DEPTH,
-                          "cycle units", lambda b, _: rt.sending(b))
-        self.snaps = [Ring(lambda f=f: torch.zeros(HEAD + _row_bytes(d, dtype, f.rows),
-                                                   dtype=torch.uint8, device=dev), 2,
-                           f"stage {s}'s cycle snaps")
-                      if f.rows or s == n - 1 else None for s, f in enumerate(self.formats)]
+        # one buffer each: every message of a cycle is waited for within it
+        self.unit = torch.zeros(3, dtype=torch.int64, device=dev)
+        self.snaps = [torch.zeros(HEAD + _row_bytes(d, dtype, f.rows), dtype=torch.uint8,
+                                  device=dev) if f.rows or s == n - 1 else None
+                      for s, f in enumerate(self.formats)]
+        # a graph replays the cycle where the stages are other processes (not the mailbox of a
+        # draft-on-stage process) and their messages can be recorded (NCCL)
+        self.replayable = rt.mailbox is None
+        self.capturable = rt.backend == "nccl"
+        self.messages = rt.messages
         self.fault = rt.fault_here()  # the test hook (DistConfig.fault)
         self.posted: list = []  # this cycle's snap receives: (stage, buffer, work)
         # the final states by position: the last stage's output rows (sampling: rank 0 judges)
@@ -92,19 +102,17 @@ class RemoteCycleStages:
     def begin(self, loop: DeviceLoop, at: torch.Tensor) -> None:
         """Before the draft step of cycle `loop.launching`: stage 0's unit, the row at at[0]
         ([n] int64: the loop's own positions; the other stages run what the stage before ran
-        last cycle), goes out, and the snaps' receives are posted."""
-        rt, dec, c = self.rt, self.dec, loop.launching
+        last cycle), goes out with the snaps' receives."""
+        rt, dec, c, unit = self.rt, self.dec, loop.launching, self.unit
         if self.fault and c == self.fault["cycle"]:
             inject_fault(self.fault)
-        rt.flush_sends(before=c - 1, host=False)
-        unit = self.units.take()
         unit[:1].copy_(at[:1])
         unit[1:2].copy_(dec.tokens.index_select(0, at[:1]))
         unit[2:].copy_(loop.state[END:END + 1])
-        rt.isend(unit, 1, CYCLE_UNIT_TAG, c)
-        self.posted = [(s, buf, rt.irecv(buf, s + 1, CYCLE_SNAP_TAG))
-                       for s, ring in enumerate(self.snaps) if ring is not None
-                       for buf in (ring.take(),)]
+        snapping = [(s, buf) for s, buf in enumerate(self.snaps) if buf is not None]
+        works = rt.exchange([(unit, 1, CYCLE_UNIT_TAG)],
+                            [(buf, s + 1, CYCLE_SNAP_TAG) for s, buf in snapping], c)
+        self.posted = [(s, buf, work) for (s, buf), work in zip(snapping, works)]
 
     def run(self, loop: DeviceLoop, at: torch.Tensor):
         """After the draft step: every stage's snap in -> the greedy verdict (token [1],
@@ -123,12 +131,18 @@ class RemoteCycleStages:
                     verdict = (token, token == dec.tokens.index_select(0, pos + 1))
                 else:
                     self.carry.index_copy_(0, pos, rows[-1:])
+        rt.flush_sends(host=False)  # the unit is in (stage 0's snap came after it)
         return verdict
 
 
 class StageCycles:
     """A stage rank's side of the cycle, for one generation after its prefill. `worker`: the
-    rank's spd.distributed.stage_rank.StageWorker (its stage, target, layout and endpoint)."""
+    rank's spd.distributed.stage_rank.StageWorker (its stage, target, layout and endpoint).
+
+    Cycle c runs the unit in `inbox` (received in cycle c - 1; before cycle 0 from rank 0 at
+    stage 0, a bubble elsewhere), sends its snap and output, and receives cycle c + 1's unit
+    into `inbox`, all waited for within the cycle: so every cycle but the last (which sends no
+    output on and receives nothing) is the same work, which a CUDA graph replays (CycleGraph)."""
 
     def __init__(self, worker, req: dict):
         self.w, self.rt = worker, worker.rt
@@ -140,80 +154,85 @@ class StageCycles:
         first = worker.stage.layer_ids.start
         self.hidden = [b - first - 1 for b in self.fmt.hidden]  # layer outputs sent as anchors
         self.snapping = bool(self.fmt.rows) or worker.last
-        rt, row = self.rt, _row_bytes(self.d, self.dtype)
+        row = _row_bytes(self.d, self.dtype)
         # rank 0's units are int64 [3] (the in-process mailbox matches shapes, not bytes)
-        self.inbox = Ring(lambda: torch.zeros(3, dtype=torch.int64, device=dev) if worker.first
-                          else torch.zeros(HEAD + row, dtype=torch.uint8, device=dev), 2,
-                          "cycle unit receives")
-        sent = lambda b, _: rt.sending(b)  # noqa: E731
-        self.outbox = Ring(lambda: torch.zeros(HEAD + row, dtype=torch.uint8, device=dev),
-                           DEPTH, "cycle unit sends", sent)
-        self.snaps = Ring(lambda: torch.zeros(HEAD + _row_bytes(self.d, self.dtype,
-                                                                 self.fmt.rows),
-                                              dtype=torch.uint8, device=dev), DEPTH,
-                          "cycle snap sends", sent)
+        self.inbox = (torch.zeros(3, dtype=torch.int64, device=dev) if worker.first
+                      else torch.zeros(HEAD + row, dtype=torch.uint8, device=dev))
+        self.outbox = torch.zeros(HEAD + row, dtype=torch.uint8, device=dev)
+        self.snap = torch.zeros(HEAD + _row_bytes(self.d, self.dtype, self.fmt.rows),
+                                dtype=torch.uint8, device=dev)
         # greedy, the last stage's verdict is its argmax: the draft it is given is a dummy
         self.judge = (torch.zeros(1, dtype=torch.int64, device=dev)
                       if greedy and worker.last else None)
-        # cycle 0 of stages 1..: a bubble row past the first token's position
-        self.bubble = torch.tensor([int(req["prompt_len"]) + s, 0], dtype=torch.int64,
-                                   device=dev)
-        self.bubble_row = torch.zeros(1, self.d, dtype=self.dtype, device=dev)
+        if not worker.first:  # cycle 0's unit: a bubble row past the first token's position
+            _head(self.inbox)[:1].fill_(int(req["prompt_len"]) + s)
+        self.end = torch.zeros(1, dtype=torch.int64, device=dev)  # the `end` cycle c received
         self.ends = Published(self.ahead + 1, 1, dev)  # each cycle's `end`, for the host
-        self.forward_s: list[float] = []
-        self.fault = rt.fault_here()
+        self.graph = CycleGraph(lambda: self.cycle(last=False), dev, f"stage {s}'s cycle",
+                                replayable=self.rt.mailbox is None,
+                                capturable=self.rt.backend == "nccl",
+                                messages=self.rt.messages, thread_local=True)
+        self.forward_s: list[float] = []  # the host's time to launch each cycle
+        self.fault = self.rt.fault_here()
 
-    def cycle(self, c: int, last: bool) -> torch.Tensor:
-        """Cycle c (`last`: the final one, which sends no unit on) -> the `end` it received [1]."""
-        w, rt = self.w, self.rt
-        if self.fault and c == self.fault["cycle"]:
-            inject_fault(self.fault)
+    def cycle(self, last: bool) -> None:
+        """One cycle (`last`: the final one, which sends no unit on and receives none)."""
+        w, rt, inbox = self.w, self.rt, self.inbox
         if w.first:
-            buf = self.inbox.take()
-            rt.order(rt.irecv(buf, DRAFT_RANK, CYCLE_UNIT_TAG), DRAFT_RANK, "cycle unit")
-            pos, end = buf[:1], buf[2:3]
-            x = w.target.embed_tokens(buf[1:2])
-        elif c == 0:
-            pos, end, x = self.bubble[:1], self.bubble[1:], self.bubble_row
+            pos, end = inbox[:1], inbox[2:3]
+            x = w.target.embed_tokens(inbox[1:2])
         else:
-            buf = self.inbox.take()
-            rt.order(rt.irecv(buf, w.prev, CYCLE_UNIT_TAG), w.prev, "cycle unit")
-            head = _head(buf)
-            pos, end, x = head[:1], head[1:2], _rows(buf, self.d, self.dtype)
-        rt.flush_sends(before=c - 1, host=False)
-        t0 = time.perf_counter()
+            head = _head(inbox)
+            pos, end, x = head[:1], head[1:2], _rows(inbox, self.d, self.dtype)
+        self.end.copy_(end)
         outs, verdict = w.stage.run(x, pos, self.judge)
-        self.forward_s.append(time.perf_counter() - t0)
+        sends = []
         if self.snapping:
-            snap = self.snaps.take()
-            head = _head(snap)
+            head = _head(self.snap)
             head[:1].copy_(pos)
             if verdict is not None:
                 head[1:2].copy_(verdict[0].view(1))
-            rows = _rows(snap, self.d, self.dtype)
+            rows = _rows(self.snap, self.d, self.dtype)
             for i, k in enumerate(self.hidden):
                 rows[i:i + 1].copy_(outs[k])
             if self.fmt.with_output:
                 rows[-1:].copy_(outs[-1])
-            rt.isend(snap, DRAFT_RANK, CYCLE_SNAP_TAG, c)
+            sends.append((self.snap, DRAFT_RANK, CYCLE_SNAP_TAG))
         if not w.last and not last:
-            out = self.outbox.take()
-            head = _head(out)
+            head = _head(self.outbox)
             head[:1].copy_(pos)
             head[1:2].copy_(end)
-            _rows(out, self.d, self.dtype).copy_(outs[-1])
-            rt.isend(out, w.next, CYCLE_UNIT_TAG, c)
-        return end
+            _rows(self.outbox, self.d, self.dtype).copy_(outs[-1])
+            sends.append((self.outbox, w.next, CYCLE_UNIT_TAG))
+        recvs = [] if last else [(inbox, DRAFT_RANK if w.first else w.prev, CYCLE_UNIT_TAG)]
+        for work in rt.exchange(sends, recvs):
+            rt.order(work, recvs[0][1], "cycle unit")
+        rt.flush_sends(host=False)
+
+    def launch(self, c: int, last: bool) -> None:
+        """Cycle c, then its `end` published for the host."""
+        if self.fault and c == self.fault["cycle"]:
+            inject_fault(self.fault)
+        t0 = time.perf_counter()
+        if last:
+            self.cycle(last=True)
+        else:
+            self.graph.launch()
+        self.forward_s.append(time.perf_counter() - t0)
+        self.ends.publish(c, self.end)
 
     def run(self) -> int:
         """Cycles up to the end cycle, reading each one's `end` `ahead` cycles late -> cycles."""
+        rt = self.rt
+        if self.w.first:  # cycle 0's unit
+            for work in rt.exchange([], [(self.inbox, DRAFT_RANK, CYCLE_UNIT_TAG)]):
+                rt.order(work, DRAFT_RANK, "cycle unit")
         launched = read = 0
         end: int | None = None
         while end is None or launched < end:
             while (end is not None or launched <= read + self.ahead) and \
                     (end is None or launched < end):
-                self.ends.publish(launched, self.cycle(launched, end is not None
-                                                       and launched == end - 1))
+                self.launch(launched, end is not None and launched == end - 1)
                 launched += 1
             if end is None:
                 got = self.ends.read(read)[0]
@@ -222,7 +241,7 @@ class StageCycles:
                     raise InternalError("a stage learnt the end cycle too late", stage=self.w.s,
                                         end=got, launched=launched)
                 end = got or None
-        self.rt.flush_sends()
+        rt.flush_sends()
         return launched
 
 

@@ -557,7 +557,7 @@ class DistributedSPDEngine:
         zeros = [0.0] * len(cycle_s)
         stats.distributed = breakdown(rt, stats, cycle_s, zeros, stage_stats, zeros)
         stats.distributed.update(loop="device", ahead=loop.ahead, cycles_run=loop.cycles,
-                                 drain_ms=drain_ms,
+                                 drain_ms=drain_ms, graph=loop.graph.describe(),
                                  verify_on="rank 0", messages_per_cycle=per_cycle_messages(
                                      rt, counted, loop.cycles, stage_stats))
         return self.engine.build_result(dec.out, stats, rule)

@@ -115,7 +115,8 @@ class StageWorker:
             t_dec = time.perf_counter()
             ran = cycles.run()
             self._report(gen, prefill_s, time.perf_counter() - t_dec, phases, cycles.forward_s,
-                         cycles=ran, messages=messages_since(rt, counted))
+                         cycles=ran, messages=messages_since(rt, counted),
+                         graph=cycles.graph.describe())
             return
         # Decode: one unit message (protocol) per unit from its source (stage 0: rank 0).
         # gloo: one message per unit (header and payload folded), its receive posted a unit

@@ -63,7 +63,8 @@ def breakdown(rt: Endpoint, stats: DecodeStats, cycle_s: list[float], draft_s: l
                       "units_worked": len(worked),
                       "forward_ms": _summary([f * ms for f in worked]),
                       "phase_ms_per_cycle": {k: per_cycle(v) for k, v in st["phase_s"].items()},
-                      "prefill_ms": st["prefill_s"] * ms})
+                      "prefill_ms": st["prefill_s"] * ms,
+                      **({"graph": st["graph"]} if "graph" in st else {})})
     placement = rt.config.placement
     # world_size counts the roles (ranks of the protocol); processes the devices they run on
     return {"world_size": rt.world, "processes": placement.processes,

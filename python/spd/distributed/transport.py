@@ -57,7 +57,8 @@ class _PendingSend(NamedTuple):
     """A posted send, waited for once its epoch is old (see Runtime.flush_sends)."""
     work: object
     peer: int
-    tensor: torch.Tensor  # kept alive until the send completes
+    tensor: torch.Tensor | None  # kept alive until the send completes (None: a group's,
+    # whose buffers their owner keeps)
     epoch: int
 
 
@@ -236,13 +237,41 @@ class Endpoint:
         work = self._post(dist.isend, tensor, process, group, tag, "posting a send")
         self._outgoing.append(_PendingSend(work, process, tensor, epoch))
 
+    def exchange(self, sends: list, recvs: list, epoch: int = 0) -> list:
+        """Posts sends [(tensor, dst role, tag)] and receives [(tensor, src role, tag)] at once
+        -> the receives' works, in order (`order` each; `flush_sends` the sends). Under NCCL
+        they are one group (batch_isend_irecv): NCCL runs its messages in posting order on
+        one stream and a send may wait for its peer's receive, so a receive posted after a
+        send, as its own operation, could wait on a peer that waits on it. A group's messages
+        progress together. (The group's communicator is made by every process's first group
+        on it: every rank of the device cycle sends one in cycle 0.)"""
+        if self.rt.backend != "nccl" or self.mailbox is not None:
+            works = [self.irecv(t, src, tag) for t, src, tag in recvs]
+            for t, dst, tag in sends:
+                self.isend(t, dst, tag, epoch)
+            return works
+        ops = []
+        for (t, peer, tag), op, way in [(m, dist.isend, "send") for m in sends] + \
+                [(m, dist.irecv, "recv") for m in recvs]:
+            self.messages[way, "data"] += 1
+            ops.append(dist.P2POp(op, t, self._process(peer), self._group(tag, peer)[0], tag))
+        first = self._process((sends or recvs)[0][1]) if ops else None
+        try:
+            works = dist.batch_isend_irecv(ops) if ops else []
+        except RuntimeError as exc:
+            raise CommError(first, "posting messages", exc) from exc
+        for work in works:  # the sends complete with the group (NCCL coalesces it: one work)
+            self._outgoing.append(_PendingSend(work, first, None, epoch))
+        return [works[0]] * len(recvs) if len(works) == 1 else works[len(sends):]
+
     def sending(self, tensor: torch.Tensor | None) -> bool:
         """Whether a send from `tensor`'s memory is still pending (not flushed): it must not be
         written (protocol.Ring). A send staged through a host copy is not from it."""
         if tensor is None:
             return False
         ptr = tensor.data_ptr()
-        return any(item.tensor.data_ptr() == ptr for item in self._outgoing)
+        return any(item.tensor is not None and item.tensor.data_ptr() == ptr
+                   for item in self._outgoing)
 
     def flush_sends(self, before: int | None = None, host: bool = True) -> None:
         """Wait for the sends of epochs (cycles or units) < before (all when None). Waiting an

@@ -19,10 +19,12 @@ the same cycle (README, "How a cycle works") is fixed-shape device work whose ou
           Steps 1 and 2 touch disjoint buffers (the drafter reads a copy of its window), so on
           a GPU each role runs on its own stream (`Roles`): the in-process transport of one
           GPU, the cycle as long as its slowest role plus the commit.
-  graph   on a GPU (spd.cuda_graphs), the first cycle runs eagerly (it warms every kernel up),
-          the second is captured as one CUDA graph, and every cycle from then on is one replay:
-          the steps' own graphs step aside during that capture, which records their eager
-          steps. A capture that fails warns once and the cycles run eagerly: slower, never wrong.
+  graph   on a GPU (spd.runtime.cycle_graph), the first cycle runs eagerly (it warms every
+          kernel up), the second is captured as one CUDA graph, and every cycle from then on
+          is one replay: the steps' own graphs step aside during that capture, which records
+          their eager steps. A capture that fails warns once and the cycles run eagerly:
+          slower, never wrong. SPD_REPLAY_CHECK=1 checks on any device that every steady
+          cycle is the same work as the one captured.
   host    launches cycles up to `ahead` ahead of the last one it has read, and reads each
           cycle's state from pinned memory behind an event (on a CPU, a plain copy): the
           committed token for streaming and stop strings, and whether the decode ended. Cycles
@@ -38,16 +40,15 @@ targets (their recurrent states roll back explicitly), prompts shorter than n.
 from __future__ import annotations
 
 import time
-import warnings
 from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
 
-from spd.cuda_graphs import graphs_enabled
 from spd.draft.drafters import Draft
 from spd.draft.lookup import TRUST, propose_on_device
 from spd.errors import InternalError
+from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.host_mirror import Published
 from spd.runtime.verdict import judge_on_device
 
@@ -113,7 +114,8 @@ class LocalCycleStages:
     `anchor_layers`), each run on role s + 1's stream: DeviceLoop's in-process transport."""
 
     lockstep = False  # the host stops launching when it reads the end (no peers to keep in step)
-    capturable = True  # the whole cycle is one CUDA graph on a GPU
+    replayable = capturable = True  # the whole cycle is one CUDA graph on a GPU (CycleGraph)
+    messages = None  # no peers
     in_process = True  # each stage runs on a stream of its own (DeviceLoop.roles)
 
     def __init__(self, runner: StageRunner):
@@ -190,9 +192,11 @@ class DeviceLoop:
         self.published = Published(ahead + 1, self.state.numel(), dev)  # what the host reads
         # the drafter's stream, and each stage's when the stages run in this process
         self.roles = Roles(dev, 1 + (n if stages.in_process else 0))
-        self.graph: torch.cuda.CUDAGraph | None = None  # the captured cycle (a GPU)
-        self.graph_failed: str | None = None if graphs_enabled(dev) else "off"
-        self.replays = 0
+        # the cycle: one CUDA graph's replays on a GPU from the second cycle on
+        self.graph = CycleGraph(self.cycle, dev, "decode cycle", replayable=stages.replayable,
+                                capturable=stages.capturable,
+                                generators=(self.gen,) if dev.type == "cuda" else (),
+                                messages=stages.messages, thread_local=stages.lockstep)
         self.cycles = 0  # launched, when `run` returns
         self.read_at: list[float] = []  # when the host read each cycle's state
         self.done_at: float | None = None  # when the host read the cycle that ended the decode
@@ -293,30 +297,16 @@ class DeviceLoop:
     def launch(self, cycle: int) -> None:
         """Cycle number `cycle` (from 0): a replay of the captured cycle where there is one."""
         self.launching = cycle
-        if cycle >= 1 and self.graph_failed is None and self.stages.capturable:
-            if self.graph is None:
-                self._capture()
-            if self.graph is not None:
-                self.graph.replay()
-                self.replays += 1
-                return
-        self.cycle()
+        self.graph.launch()
 
-    def _capture(self) -> None:
-        """Records `cycle` as one CUDA graph (after an eager cycle warmed every kernel up). The
-        capture runs nothing: the cycle it records runs at the first replay."""
-        graph = torch.cuda.CUDAGraph()
-        try:
-            graph.register_generator_state(self.gen)  # the uniforms advance at every replay
-            with torch.cuda.graph(graph):
-                self.cycle()
-        except Exception as exc:  # noqa: BLE001 - any capture failure: eager cycles
-            self.graph_failed = f"{type(exc).__name__}: {exc}"
-            warnings.warn(f"CUDA-graph capture of the decode cycle failed ({self.graph_failed});"
-                          " it runs eagerly", RuntimeWarning, stacklevel=3)
-            torch.cuda.synchronize(self.state.device)
-            return
-        self.graph = graph
+    @property
+    def replays(self) -> int:
+        return self.graph.replays
+
+    @property
+    def graph_failed(self) -> str | None:
+        """Why the cycles run eagerly ("off": graphs are off, or not a GPU), or None."""
+        return self.graph.failed
 
     # --- the host's side -----------------------------------------------------------------------
     def _publish(self, cycle: int) -> None:
