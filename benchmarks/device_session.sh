@@ -176,8 +176,9 @@ step bench-automatic-cuda 40 "$LOGS/bench-automatic-cuda.log" "$PY" benchmarks/b
     --json-out "$LOGS/bench-automatic-cuda.json"
 bench_on_request 60 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
 for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 40 "$op"; done
+# (the NCCL device loop, one graph a cycle on every rank: runs where there are 3+ GPUs)
 step no-sync 60 "$LOGS/no-sync.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-    tests/runtime/test_gpu_no_sync.py
+    tests/runtime/test_gpu_no_sync.py tests/distributed/test_device_cycle.py::test_gpu_device_loop_over_nccl_never_synchronises
 # 9b. the device loop's own cost per cycle: roles on streams, one graph a cycle, spin kernels
 step device-loop 90 "$LOGS/device-loop.log" "$PY" benchmarks/bench_device_loop.py \
     "${LOOP_ARGS[@]}" --json-out "$OUT/$DATE-device-loop-$DEV.json"
