@@ -135,6 +135,27 @@ def test_device_loop_lookup_stop_id_and_fallback():
 LOOKUP_SAMPLINGS = (SamplingParams(), SamplingParams(temperature=0.9, seed=2))
 
 
+def test_device_loop_tree_runs_on_the_unit_protocol():
+    """Token trees are not on the device loop: with --device-loop a tree decode warns and runs
+    the unit protocol (the documented slower path), with the one-process engine's tokens."""
+    n, width = 2, 2
+    t = make_tiny_target(seed=33, vocab=48, layers=4)
+    eng = SPDEngine(t, n_stages=n, tree_width=width)
+    sp = SamplingParams(temperature=1.0, top_k=10, seed=4)
+    expected = [eng.generate(PROMPT, 16), eng.generate(PROMPT, 16, sp)]
+    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 33),
+                        fault_timeout=5.0, op_timeout=60.0, device_loop=True, tree_width=width)
+    got = launch_local(config, partial(_tree_warned, sp=sp), timeout=150)
+    for g, e in zip(got, expected):
+        _same(g, e)
+        assert g.stats.loop == "host" and g.stats.tree_width == width
+
+
+def _tree_warned(engine, sp):
+    with pytest.warns(UserWarning, match="token trees"):
+        return [engine.generate(PROMPT, 16), engine.generate(PROMPT, 16, sp)]
+
+
 def _short_stopped_and_looked_up(engine, stop_at: int):
     with pytest.warns(UserWarning, match="shorter than n"):
         short = engine.generate(PROMPT[:2], 12)
