@@ -163,23 +163,24 @@ def _shipped(method: str) -> list:
 
 @pytest.mark.parametrize("name,cfg", _shipped("spd"))
 def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cfg):
-    """Each PDM shipped in python/spd/checkpoints loads by default for its n and drafts better
-    than an untrained one (whose drafts are all but all rejected: every cache rolls back), with
-    the output of both still exactly Hugging Face's."""
+    """Each PDM shipped in python/spd/checkpoints loads by default for its n, decodes exactly
+    Hugging Face's output, and drafts better than an untrained one (whose drafts are all but
+    all rejected: every cache rolls back; on the first prompt, which is lossless too: the
+    untrained PDM on every prompt is test_untrained_pdm_matches_hf_generate's)."""
     n = cfg["n_stages"]
     eng = SPDEngine(default_target, n_stages=n, lookup=0)  # the PDMs alone, no context lookup
     assert eng.pdm_source.endswith(name)
     untrained = SPDEngine(default_target, n_stages=n, pdm="untrained", warn_untrained=False,
                           lookup=0)
-    accepted = {"shipped": 0, "untrained": 0}
+    accepted = []
     for ids, ref in references:
         res = eng.generate(ids, NEW)
         assert res.token_ids == ref
-        accepted["shipped"] += res.stats.drafts_accepted
-        res = untrained.generate(ids, NEW)
-        assert res.token_ids == ref
-        accepted["untrained"] += res.stats.drafts_accepted
-    assert accepted["shipped"] > accepted["untrained"] + 5
+        accepted.append(res.stats.drafts_accepted)
+    ids, ref = references[0]
+    res = untrained.generate(ids, NEW)
+    assert res.token_ids == ref
+    assert accepted[0] > res.stats.drafts_accepted + 5, (accepted, res.stats.drafts_accepted)
 
 
 @pytest.mark.parametrize("name,cfg", _shipped("ppsd"))
