@@ -243,9 +243,11 @@ class Endpoint:
         they are one group (batch_isend_irecv): NCCL runs its messages in posting order on
         one stream and a send may wait for its peer's receive, so a receive posted after a
         send, as its own operation, could wait on a peer that waits on it. A group's messages
-        progress together. (The group's communicator is made by every process's first group
-        on it: every rank of the device cycle sends one in cycle 0.)"""
-        if self.rt.backend != "nccl" or self.mailbox is not None:
+        progress together. (The group's communicator is made by the first group on it, which
+        every process must post: each rank of the device cycle posts one in cycle 0. With the
+        draft on a stage the draft's messages have groups of their own, which not every
+        process uses: there each message is posted alone, on its pair's own communicator.)"""
+        if self.rt.backend != "nccl" or self.rt.placement.draft_on_stage is not None:
             works = [self.irecv(t, src, tag) for t, src, tag in recvs]
             for t, dst, tag in sends:
                 self.isend(t, dst, tag, epoch)
