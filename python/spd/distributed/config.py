@@ -26,10 +26,6 @@ class Placement:
     other stages in order: n processes, n devices."""
     n: int
     draft_on_stage: int | None = None
-    # Decide each cycle on the device, every rank in lock-step, the host `ahead` cycles behind
-    # (spd.distributed.device_cycle); what it does not run falls back to the unit protocol.
-    device_loop: bool = False
-    ahead: int = DEFAULT_AHEAD
 
     @property
     def roles(self) -> int:
