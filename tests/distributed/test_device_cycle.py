@@ -278,20 +278,23 @@ def test_a_failing_rank_in_the_device_loop_stops_every_rank(rank, action):
 
 
 def _strict_factory(rank: int):
-    """A CUDA target; every rank's decode loop runs with synchronisation raising."""
+    """A CUDA target; every rank's decode loop runs with synchronisation raising, but for the
+    capture of its cycle (torch.cuda.graph synchronises as it begins)."""
     from spd.distributed.device_cycle import StageCycles
+    from spd.runtime.cycle_graph import CycleGraph
     from spd.runtime.device_loop import DeviceLoop
 
-    def strict(run):
+    def in_mode(run, mode, after):
         def wrapped(self):
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
             try:
                 return run(self)
             finally:
-                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode(after)
         return wrapped
-    StageCycles.run = strict(StageCycles.run)
-    DeviceLoop.run = strict(DeviceLoop.run)
+    StageCycles.run = in_mode(StageCycles.run, "error", "default")
+    DeviceLoop.run = in_mode(DeviceLoop.run, "error", "default")
+    CycleGraph._capture = in_mode(CycleGraph._capture, "default", "error")
     return tiny_target(51, 4, device="cuda")
 
 

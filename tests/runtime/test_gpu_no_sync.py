@@ -84,7 +84,11 @@ def test_gpu_single_process_decode_never_synchronises(sampling):
 def test_gpu_device_loop_replays_one_graph_a_cycle_and_never_synchronises(sampling):
     """The device loop (spd.runtime.device_loop): after its first, eager cycle and the capture
     of the second (a capture synchronises: left out of the check), every cycle is one replay
-    and nothing synchronises; greedy, the tokens are the host loop's and AR's."""
+    and nothing synchronises; greedy, the tokens are the host loop's and AR's. Both loops draw
+    their uniforms from the decode's generator on the GPU (Philox), in the same order: with a
+    drafter that reads no features, the sampled tokens and counts are the host loop's too."""
+    from spd.draft.drafters import ReferenceDrafter
+    from spd.runtime.cycle_graph import CycleGraph
     from spd.runtime.device_loop import DeviceLoop
     t = cuda_target()
     host = SPDEngine(t, n_stages=3, lookup=0, warn_untrained=False)
@@ -94,7 +98,7 @@ def test_gpu_device_loop_replays_one_graph_a_cycle_and_never_synchronises(sampli
     recorded = lambda loop: (loops.append(loop), run(loop))  # noqa: E731
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(DeviceLoop, "run", in_sync_mode(recorded, "error", "default"))
-        mp.setattr(DeviceLoop, "_capture", in_sync_mode(DeviceLoop._capture, "default", "error"))
+        mp.setattr(CycleGraph, "_capture", in_sync_mode(CycleGraph._capture, "default", "error"))
         res = eng.generate(PROMPT, 48, sampling)
     (loop,) = loops
     assert loop.graph_failed is None and loop.replays >= res.stats.K - 1 > 0
@@ -103,3 +107,9 @@ def test_gpu_device_loop_replays_one_graph_a_cycle_and_never_synchronises(sampli
     if sampling.greedy:
         assert res.token_ids == host.generate(PROMPT, 48).token_ids
         assert res.token_ids == eng.generate_ar(PROMPT, 48).token_ids
+    ref = PROMPT + host.generate_ar(PROMPT, 48).token_ids
+    a, b = (e.generate(PROMPT, 40, sampling, drafter=ReferenceDrafter(ref, 0.6, seed=3))
+            for e in (host, eng))
+    assert b.stats.loop == "device" and a.stats.loop == "host"
+    assert (b.token_ids, b.stats.K, b.stats.drafts_accepted) == \
+        (a.token_ids, a.stats.K, a.stats.drafts_accepted)

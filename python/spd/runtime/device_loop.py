@@ -186,9 +186,8 @@ class DeviceLoop:
             self.used_at = torch.zeros(dec.buffer_rows, dtype=torch.bool, device=dev)
         self.stop_ids = torch.tensor(sorted(dec.stop.stop_ids) or [-1], dtype=torch.int64,
                                      device=dev)
-        # the device's uniforms: on a CPU the decode's own generator (the host loop's draws)
-        self.gen = dec.gen if dev.type == "cpu" else torch.Generator(dev).manual_seed(
-            dec.sampling.seed)
+        # the decode's own generator, on its device: the host loop's draws, in its order
+        self.gen = dec.gen
         self.published = Published(ahead + 1, self.state.numel(), dev)  # what the host reads
         # the drafter's stream, and each stage's when the stages run in this process
         self.roles = Roles(dev, 1 + (n if stages.in_process else 0))

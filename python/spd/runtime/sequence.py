@@ -16,7 +16,8 @@ runtime sends units to stage ranks (`spd.distributed.draft_rank.RemoteStages`). 
 
 The generator's draws happen in this order (prefill pick, then per cycle three uniforms: the
 draft's and the verifier's two, drawn whether or not the cycle judges), so seeded sampling gives
-the same tokens whichever runner runs, the device loop (spd.runtime.device_loop) included.
+the same tokens whichever runner runs, the device loop (spd.runtime.device_loop) included. The
+generator lives on the target's device (Philox on a GPU), so the draws are device work there too.
 
 No cycle reads a device value on the host but the verdict, and none makes a tensor from a Python
 value (on a GPU a copy from pageable memory that holds the host): an int the cycle puts on the
@@ -185,8 +186,9 @@ class SequenceDecode:
         # Post-step drafting (an ablation) waits for the stages: features one stage deeper.
         self.post_step = getattr(drafter, "post_step", False)
         self.timer = PhaseTimer(stats.phase_s)
-        self.gen = torch.Generator().manual_seed(sampling.seed)
-        self.uniforms = torch.zeros(3)  # this cycle's draws (draft): the draft's, the verifier's
+        self.gen = torch.Generator(t.device).manual_seed(sampling.seed)
+        # this cycle's draws (draft): the draft's, the verifier's
+        self.uniforms = torch.zeros(3, device=t.device)
         self.draft_s: list[float] = []   # wall time of each draft call (per-cycle breakdowns)
         self.out: list[int] = []
         self.done = False
@@ -306,7 +308,7 @@ class SequenceDecode:
                 types = self._row_types[key] = self._deeper_types(*key)
             # a cycle's uniforms, drawn every cycle whether or not it judges (so the device
             # loop, which cannot skip a draw, draws the same): the draft's, the verifier's two
-            u = self.uniforms = torch.rand(3, generator=self.gen)
+            u = self.uniforms = torch.rand(3, generator=self.gen, device=self.gen.device)
             draft = self.drafter.draft(self.anchors[:, rows.start:rows.stop], types, rows.start,
                                        sched.newest + 1, self.sampling, u[0])
             from_lookup = False

@@ -286,7 +286,8 @@ class TreeDecode(SequenceDecode):
                 self.anchors[:, torch.tensor(buf, device=dev)], types,
                 [p for p, _ in rows], torch.tensor(slots, device=dev), sched.draft_from,
                 mask.to(dev), torch.tensor([i for _, i in leaves], device=dev))
-            torch.rand((), generator=self.gen)  # the chain's draw per draft, kept in step
+            # the chain's draw per draft, kept in step
+            torch.rand((), generator=self.gen, device=self.gen.device)
             children = self._children([lane for lane, _ in leaves], logits)
             self._draft = children
             self.fill_at[sched.newest + 1] = sched.count
@@ -386,7 +387,7 @@ class TreeDecode(SequenceDecode):
                 return TreeVerdict(lane is not None, token, lane)
             cands = torch.full((self.width,), -1, dtype=torch.int64)
             cands[:len(lanes)] = torch.tensor([r.token for _, r in lanes], dtype=torch.int64)
-            u = torch.rand(self.width + 1, generator=self.gen)
+            u = torch.rand(self.width + 1, generator=self.gen, device=self.gen.device)
             dev = logits.device
             token, which = tree_rejection_sample(logits, cands.to(dev), u.to(dev),
                                                  s.temperature, s.top_k, s.top_p)

@@ -33,7 +33,8 @@ def pick(logits: torch.Tensor, sampling: SamplingParams, gen: torch.Generator) -
     if sampling.greedy:
         return int(logits.argmax())
     probs = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    return int(sample_from_probs(probs, to_device(torch.rand((), generator=gen), probs.device)))
+    u = torch.rand((), generator=gen, device=gen.device)  # (the decode's device: no copy there)
+    return int(sample_from_probs(probs, to_device(u, probs.device)))
 
 
 def read_verdict(token: torch.Tensor, accepted: torch.Tensor) -> Verdict:
