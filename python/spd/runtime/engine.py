@@ -162,7 +162,7 @@ class SPDEngine:
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
         stats = DecodeStats(mode="ar", n=1)
         timer = PhaseTimer(stats.phase_s)
-        gen = torch.Generator().manual_seed(sampling.seed)
+        gen = torch.Generator(t.device).manual_seed(sampling.seed)  # (SequenceDecode's too)
         t0 = time.perf_counter()
         h = self._prefill(stages, ids)
         token = pick(t.logits(h[-1:])[0], sampling, gen)
