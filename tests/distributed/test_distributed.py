@@ -190,6 +190,22 @@ def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_pat
     assert oracle["announced"] == (0 if speculative == "off" else got[1].stats.N - 1)
 
 
+def _spd_env_of_rank0(engine) -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith("SPD_TEST_")}
+
+
+def test_ranks_take_the_launchers_spd_variables_at_each_launch(monkeypatch):
+    """The ranks fork from a fork server started at this process's first launch; a variable
+    set or removed after it still reaches (or leaves) the next launch's ranks."""
+    config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 7), fault_timeout=5.0,
+                        op_timeout=60.0)
+    monkeypatch.setenv("SPD_TEST_GONE", "1")
+    assert launch_local(config, _spd_env_of_rank0, timeout=120) == {"SPD_TEST_GONE": "1"}
+    monkeypatch.delenv("SPD_TEST_GONE")
+    monkeypatch.setenv("SPD_TEST_LATER", "on")
+    assert launch_local(config, _spd_env_of_rank0, timeout=120) == {"SPD_TEST_LATER": "on"}
+
+
 def test_host_staged_transport_is_exact():
     """The path that carries GPU tensors over gloo (host copies, copy back on wait), forced on
     CPU: same tokens and counts as the single-process engine."""

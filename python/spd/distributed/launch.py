@@ -11,8 +11,10 @@ see the record within one watchdog interval) and kills what is left. SIGTERM or 
 launcher stops the ranks (a record, then SIGTERM) and ends it with 143 or 130. It makes a random
 per-run secret that signs the records able to stop the run; the ranks get it as an argument and
 in their environment (SPD_RUN_SECRET), never through the store. Ranks fork from a fork server
-that exits with the launcher, and die with it (PR_SET_PDEATHSIG); a rank also leaves by itself,
-with one line, when the launcher is gone or its store stops answering for the fault timeout.
+that exits with the launcher, and die with it (PR_SET_PDEATHSIG); they take the launcher's SPD_*
+variables as they are at launch (the fork server keeps those of its own start). A rank also
+leaves by itself, with one line, when the launcher is gone or its store stops answering for the
+fault timeout.
 
 This module imports only the standard library at import time (the CLI imports it).
 """
@@ -50,8 +52,14 @@ class LauncherTerminated(BaseException):
     """The launcher got SIGTERM."""
 
 
-def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid, secret):
+def _local_rank_main(rank, world, config, job, host, port, conn, launcher_pid, secret,
+                     spd_env):
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher handles Ctrl-C for everyone
+    # The launcher's SPD_* settings as they are now: the fork server holds the environment of
+    # the first launch of this process, which a later launch may have changed.
+    for name in [k for k in os.environ if k.startswith("SPD_") and k not in spd_env]:
+        del os.environ[name]
+    os.environ.update(spd_env)
     from spd import env
     os.environ[env.RUN_SECRET.name] = secret  # for what this rank starts; never in the store
     # Our parent is the fork server, which exits when the launcher does; die with it.
@@ -153,6 +161,7 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
     # flight as the launcher dies); the rank's own one-line message says what happened. Read by
     # the fork server when it starts, so set before the first rank; an explicit choice is kept.
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    spd_env = {k: v for k, v in os.environ.items() if k.startswith("SPD_")}
     recv_conn, send_conn = ctx.Pipe(duplex=False)
     procs = {}
     deadline = None if timeout is None else time.monotonic() + timeout
@@ -161,7 +170,7 @@ def launch_local(config, job, *, master_addr: str = "127.0.0.1", master_port: in
         for r in range(world):
             p = ctx.Process(target=_local_rank_main, name=f"spd-rank{r}",
                             args=(r, world, config, job if r == 0 else None, master_addr, port,
-                                  send_conn, os.getpid(), secret))
+                                  send_conn, os.getpid(), secret, spd_env))
             p.start()
             procs[r] = p
         send_conn.close()
