@@ -14,8 +14,8 @@ spd_kernels op is one op: its CPU reference may read the host, the GPU's kernel 
 the second steady cycle on, each one must equal the first. Point-to-point messages are ops too
 (c10d send / recv), so a lock-step rank's cycle is checked with its messages.
 
-Under NCCL the cycle's messages are recorded in the graph with it (NCCL 2.9+). Each pair's
-communicator exists by then (the eager cycle, and the prefill before it, used it), and every
+Under NCCL the cycle's messages are recorded in the graph with it (NCCL 2.9+). Their
+communicator exists by then (the eager first cycle's message group made it), and every
 message of a cycle is waited for inside the cycle, so the NCCL stream joins the capture again.
 A capture that fails warns and the cycles run eagerly, unless messages were recorded before it
 failed: the peers may then disagree about what was sent, and the run stops with an error that
