@@ -76,9 +76,10 @@ def quantize_pdm_weights(weights: PDMWeights, kind: str = "int8") -> PDMWeights:
 
 def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
              v_cache: torch.Tensor, start, cos: torch.Tensor, sin: torch.Tensor, *,
-             backend: str | None = None) -> torch.Tensor:
+             last: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Rows features [T, hidden] at positions start.. through every layer -> draft logits of the
-    last row [Vd] (fp32). k_cache/v_cache [layers, kv_heads, S, head_dim] get the rows' keys and
+    last row [Vd] (fp32), or of row `last` (int64 [1] on the device: a window that runs past
+    the newest row, whose later rows are never read). k_cache/v_cache [layers, kv_heads, S, head_dim] get the rows' keys and
     values; cos/sin are the full RoPE tables. `backend` picks the backend of every op of the step
     (qkv_rope_append, cache_attention, fused_linear, fused_swiglu; None: the dispatcher's
     choice). `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
@@ -90,7 +91,8 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
     for i, lw in enumerate(weights.layers):
         x = decoder_layer(x, lw, k_cache[i], v_cache[i], start, cos, sin, weights.num_heads,
                           weights.num_kv_heads, weights.eps, backend=backend)
-    return fused_linear(x[-1:], weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
+    row = x[-1:] if last is None else x.index_select(0, last)
+    return fused_linear(row, weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
                         weight_scale=weights.lm_head_scale, backend=backend)[0].float()
 
 

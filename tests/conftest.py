@@ -143,98 +143,62 @@ class NoisyPDMDrafter(PDMDrafter):
         super().prefill(anchors, types)
         self.ref.prefill(anchors, types)
 
-    def draft(self, anchors, types, start, position, sampling, uniform):
-        super().draft(anchors, types, start, position, sampling, uniform)
-        return self.ref.draft(anchors, types, start, position, sampling, uniform)
+    def draft(self, anchors, types, start, position, sampling, uniform, last=None):
+        super().draft(anchors, types, start, position, sampling, uniform, last)
+        return self.ref.draft(anchors, types, start, position, sampling, uniform, last)
 
 
 class NoisyTreeDrafter(PDMDrafter):
-    """Runs the real PDM over the tree, then reorders each leaf's logits so the reference token
-    (the target's own continuation at the drafted position) is the top child with probability
-    `accuracy`, else at a random lower rank (accepted through a non-top row) or absent."""
+    """The real PDM over the tree (its cache recomputed as usual), then at each leaf the
+    reference token (the target's own continuation at the drafted position) is made the top
+    child with probability `accuracy`, else put at a random lower rank (accepted through a
+    non-top row) or last (absent: a rejection, or a gap when no leaf has it). `mix` adds the
+    features of each leaf's branch to its logits, so the tree depends on every anchor row the
+    drafter reads (a misplaced feature changes it). All on the device: a cycle reads nothing
+    on the host (the random choices come from a CPU generator, as ReferenceDrafter's)."""
 
-    def __init__(self, pdm, reference, accuracy, seed, lookup=0):
+    def __init__(self, pdm, reference, accuracy, seed, lookup=0, mix=0.0):
         super().__init__(pdm, lookup=lookup)
-        self.reference, self.accuracy = reference, accuracy
+        self.reference, self.accuracy, self.mix = reference, accuracy, mix
         self.gen = torch.Generator().manual_seed(seed)
+
+    def begin(self, capacity, vocab_size):
+        super().begin(capacity, vocab_size)
+        dev = self.pdm.lm_head.weight.device
+        ref = (self.reference + [0] * capacity)[:capacity]
+        self.table = torch.tensor(ref, device=dev)
+        d2t = self.pdm.draft_to_target
+        self.column = torch.full((vocab_size,), d2t.numel() - 1, dtype=torch.int64, device=dev)
+        self.column[d2t] = torch.arange(d2t.numel(), device=dev)
+        if self.mix:
+            g = torch.Generator().manual_seed(7)
+            self.proj = torch.randn(self.pdm.config.hidden_size, d2t.numel(), generator=g).to(dev)
 
     def tree_logits(self, anchors, types, positions, slots, prefix_len, tree_mask, leaves):
         logits = super().tree_logits(anchors, types, positions, slots, prefix_len, tree_mask,
-                                     leaves)
-        position = max(positions) + 1
-        token = self.reference[position] if position < len(self.reference) else 0
-        col = int((self.pdm.draft_to_target == token).nonzero()[0])
-        out = logits.clone()
-        for i in range(out.shape[0]):
-            r = float(torch.rand((), generator=self.gen))
-            ranked = out[i].sort(descending=True).values
-            if r < self.accuracy:
-                out[i, col] = ranked[0] + 1.0
-            elif r < (1 + self.accuracy) / 2:
-                rank = int(torch.randint(1, 4, (), generator=self.gen))
-                out[i, col] = ranked[min(rank, len(ranked) - 1)] - 1e-3
-            else:
-                out[i, col] = ranked[-1] - 10.0
-        return out
+                                     leaves).float()
+        W, V = logits.shape
+        if self.mix:  # the features of the rows each leaf sees (its branch) reach its logits
+            sees = tree_mask.index_select(0, leaves).float()                 # [W, R]
+            feats = self.pdm.features(anchors, types).float()
+            shared = (sees @ feats / sees.sum(1, keepdim=True)) @ self.proj  # [W, V]
+            logits = logits * 6.0 + shared / shared.std(-1, keepdim=True).clamp(min=1e-6)
+        position = positions.index_select(0, leaves[:1]) + 1
+        col = self.column.index_select(0, self.table.index_select(0, position)).expand(W)
+        dev = logits.device
+        r = torch.rand(W, generator=self.gen).to(dev)
+        rank = torch.randint(1, 4, (W,), generator=self.gen).clamp(max=V - 1).to(dev)
+        ranked = logits.sort(dim=-1, descending=True).values
+        value = torch.where(r < self.accuracy, ranked[:, 0] + 1.0,
+                            torch.where(r < (1 + self.accuracy) / 2,
+                                        ranked.gather(1, rank.view(W, 1)).view(W) - 1e-3,
+                                        ranked[:, -1] - 10.0))
+        return logits.scatter(1, col.view(W, 1), value.view(W, 1))
 
 
-class FeatureTreeDrafter(PDMDrafter):
-    """The real PDM over the tree, its logits sharpened, and at each leaf the reference token
-    (the target's own continuation at the drafted position) raised by a random amount with
-    probability `accuracy`. Unlike NoisyTreeDrafter, every other child and the order of the
-    rows follow the PDM's logits, so they depend on every anchor row the drafter reads (a
-    missing or misplaced feature changes the tree, and so N, K or the judged drafts), and the
-    children of one position come from several leaves (an accepted row keeps some of them, not
-    all: the surviving lanes are not a prefix of the draft's)."""
-
-    def __init__(self, pdm, reference, accuracy, seed, sharpen=6.0):
-        super().__init__(pdm)
-        self.reference, self.accuracy, self.sharpen = reference, accuracy, sharpen
-        self.gen = torch.Generator().manual_seed(seed)
-        self.trace: list[tuple[tuple[int, ...], list[float]]] = []  # per call: rows, features
-
-    def tree_logits(self, anchors, types, positions, slots, prefix_len, tree_mask, leaves):
-        logits = super().tree_logits(anchors, types, positions, slots, prefix_len, tree_mask,
-                                     leaves)
-        # every row's features (the anchors its depth reads) reach every leaf's logits: the
-        # untrained PDM's attention alone mixes them too weakly to change the tree
-        feats = self.pdm.features(anchors, types).float()
-        self.trace.append((tuple(positions), feats.sum(-1).tolist()))
-        mix = torch.Generator().manual_seed(7)
-        proj = torch.randn(feats.shape[-1], logits.shape[-1], generator=mix)
-        shared = feats.mean(0) @ proj
-        out = logits.float() * self.sharpen + shared / shared.std()
-        out = out - out.mean(-1, keepdim=True)
-        position = max(positions) + 1
-        token = self.reference[position] if position < len(self.reference) else 0
-        hit = (self.pdm.draft_to_target == token).nonzero()
-        for i in range(out.shape[0]):  # per leaf: the target's token raised, or not
-            boost = float(torch.rand((), generator=self.gen)) * 2 * out[i].std()
-            if len(hit) and float(torch.rand((), generator=self.gen)) < self.accuracy:
-                out[i, int(hit[0])] += boost
-        return out
-
-
-def feature_tree_drafter(reference, accuracy, seed, engine):
-    """A FeatureTreeDrafter over `engine`'s PDM (a picklable factory for distributed requests)."""
-    return FeatureTreeDrafter(engine.pdm, reference, accuracy, seed)
-
-
-def run_traced(requests, engine):
-    """A rank-0 job (spd.distributed.rank.run_requests) that also returns each request's
-    drafter trace: [(result, trace)]."""
-    out = []
-    for req in requests:
-        drafter = req.drafter(engine.engine)
-        result = engine.generate(req.prompt_ids, req.max_new_tokens, req.sampling,
-                                 drafter=drafter)
-        out.append((result, drafter.trace))
-    return out
-
-
-def noisy_tree_drafter(reference, accuracy, seed, engine):
+def noisy_tree_drafter(reference, accuracy, seed, engine, mix=0.0):
     """A NoisyTreeDrafter over `engine`'s PDM (a picklable factory for distributed requests)."""
-    return NoisyTreeDrafter(engine.pdm, reference, accuracy, seed)
+    return NoisyTreeDrafter(engine.pdm, reference, accuracy, seed, mix=mix)
 
 
 class RecordingDrafter(PDMDrafter):
@@ -250,9 +214,9 @@ class RecordingDrafter(PDMDrafter):
         super().begin(capacity, vocab_size)
         self.ref.begin(capacity, vocab_size)
 
-    def draft(self, anchors, types, start, position, sampling, uniform):
-        self.logits.append(self.draft_logits(anchors, types, start).clone())
-        return self.ref.draft(anchors, types, start, position, sampling, uniform)
+    def draft(self, anchors, types, start, position, sampling, uniform, last=None):
+        self.logits.append(self.draft_logits(anchors, types, start, last).clone())
+        return self.ref.draft(anchors, types, start, position, sampling, uniform, last)
 
 
 def check_stages_match_hf(t, stages, vocab: int = 40) -> None:

@@ -88,15 +88,20 @@ def _(q, k_cache, v_cache, start, scale=None):
 @dispatch.register("cache_attention", "reference")
 def cache_attention_reference(q, k_cache, v_cache, start, scale):
     """Two paths with the same result (up to rounding):
-    - start an int: SDPA over cache rows [0, start + R) with the causal chunk mask, as the
-      training form of the layer computes it (spd.model.layers.attention_step, cache-free);
-    - start a tensor: the mask over all S cache positions is built on the device (no .item()),
-      math in fp32; rows at or past start + R are zeroed first, so whatever an unwritten cache
-      holds (NaN poison) cannot leak through a zero softmax weight."""
+    - start an int, or a CPU tensor (read on the host, where that waits for nothing: the same
+      numbers whichever form the caller holds the position in): SDPA over cache rows
+      [0, start + R) with the causal chunk mask, as the training form of the layer computes it
+      (spd.model.layers.attention_step, cache-free);
+    - start a tensor on another device: the mask over all S cache positions is built on the
+      device (no .item()), math in fp32; rows at or past start + R are zeroed first, so
+      whatever an unwritten cache holds (NaN poison) cannot leak through a zero softmax
+      weight."""
     H, R, hd = q.shape
     kvh, S, _ = k_cache.shape
     if R == 0:
         return q.new_empty(0, H * hd, dtype=k_cache.dtype)
+    if isinstance(start, torch.Tensor) and start.device.type == "cpu":
+        start = int(start.reshape(-1)[0])
     if not isinstance(start, torch.Tensor):
         end = start + R
         mask = None

@@ -122,6 +122,8 @@ def tree_attention_reference(q, k_cache, v_cache, prefix_len, tree_slots, tree_m
     used = seen_tree.any(0)[:, None]                                   # [M, 1]: some row sees it
     k_tree = torch.where(used, k_cache.index_select(1, idx).float(), 0.0)  # [KVH, M, hd]
     v_tree = torch.where(used, v_cache.index_select(1, idx).float(), 0.0)
+    if isinstance(prefix_len, torch.Tensor) and dev.type == "cpu":  # read where that is free:
+        prefix_len = min(max(int(prefix_len.reshape(-1)[0]), 0), S)  # the same numbers as an int
     if isinstance(prefix_len, torch.Tensor):
         end = prefix_len.reshape(-1)[:1].clamp(0, S)                   # [1], stays on the device
         inside = torch.arange(S, device=dev) < end                     # [S]

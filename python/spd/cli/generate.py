@@ -28,7 +28,7 @@ from spd.cli.logs import add_log_level_arg, setup_logging
 from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 from spd.errors import SPDError
 from spd.model.prompt import encode_prompt
-from spd.runtime.device_loop import DEFAULT_AHEAD
+from spd.runtime.cycle import DEFAULT_AHEAD
 
 log = logging.getLogger("spd.cli")
 
@@ -74,14 +74,11 @@ def add_engine_args(p) -> None:
                    help="spd (default) or ar: plain autoregressive decoding on the same stages")
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
-    p.add_argument("--device-loop", action="store_true",
-                   help="each cycle decided on the device, the host running --ahead cycles "
-                        "ahead (one process: one CUDA graph a cycle on a GPU; --distributed: "
-                        "every rank in lock-step); the chain with the context lookup, else the "
-                        "host loop runs")
     p.add_argument("--ahead", type=int_in(0), default=DEFAULT_AHEAD, metavar="K",
-                   help=f"--device-loop: cycles launched past the one the host has read "
-                        f"(default {DEFAULT_AHEAD})")
+                   help=f"cycles launched past the one the host has read (default "
+                        f"{DEFAULT_AHEAD}; on a GPU the host runs that far ahead of the device)")
+    # gone: every cycle is decided on the device now; accepted with a warning for old scripts
+    p.add_argument("--device-loop", action="store_true", help=argparse.SUPPRESS)
     add_draft_weights_arg(p)
     add_tree_width_arg(p)
 
@@ -104,11 +101,20 @@ def build_engine(args):
                        lookup=check_lookup(args.lookup),
                        draft_weights=getattr(args, "draft_weights", "model"),
                        tree_width=getattr(args, "tree_width", 1),
-                       device_loop=getattr(args, "device_loop", False),
                        ahead=getattr(args, "ahead", DEFAULT_AHEAD))
     log.info("engine: n=%d, split %s, PDM %s", engine.n,
              ",".join(map(str, engine.layout.split)), engine.pdm_source)
     return target, engine
+
+
+def warn_retired_flags(args) -> None:
+    """Flags of the host-decided loops, which are gone: a warning, not an error, for scripts."""
+    if getattr(args, "device_loop", False):
+        log.warning("--device-loop is no longer needed: every cycle is decided on the device "
+                    "(drop the flag; SPD_CUDA_GRAPHS=0 runs the same cycle eagerly)")
+    if getattr(args, "speculative_control", None) is not None:
+        log.warning("--speculative-control no longer has an effect: every draft enters the "
+                    "pipeline before its verdict is read (drop the flag)")
 
 
 def read_prompt(args) -> str:
@@ -143,6 +149,7 @@ def cmd_generate(args) -> int:
     if args.max_new_tokens < 1:
         raise SPDError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     precheck_pdm(args.pdm)
+    warn_retired_flags(args)
     if wants_distributed(args):
         return cmd_generate_distributed(args)
     require_distributed_for_draft_on_stage(args)
@@ -188,10 +195,9 @@ def add_distributed_args(p) -> None:
                    help="data transport between ranks (default: nccl on CUDA devices, gloo "
                         "otherwise); gloo with --device cuda stages tensors through host memory, "
                         "so every rank may share one GPU")
-    g.add_argument("--speculative-control", choices=("auto", "on", "off"), default="auto",
-                   help="send each draft into the pipeline before the previous verdict is read, "
-                        "so the stages start it at once (a rejection drops it): "
-                        "auto (default) while recent drafts are mostly accepted, on, or off")
+    # gone with the unit protocol (every draft enters before its verdict is read); accepted
+    # with a warning for old scripts
+    g.add_argument("--speculative-control", default=None, help=argparse.SUPPRESS)
     g.add_argument("--draft-on-stage", type=int, default=None, metavar="S",
                    help="n devices instead of n + 1: the draft rank runs in stage S's process, "
                         "on its device and its own CUDA stream (S = 0..n-1; stage S should get "
@@ -234,13 +240,11 @@ def config_from_args(args):
                       pdm_layers=args.pdm_layers, model=args.model, device=args.device,
                       dtype=args.dtype, threads=getattr(args, "threads", None),
                       fault_timeout=args.fault_timeout, op_timeout=args.comm_timeout,
-                      speculative_control=getattr(args, "speculative_control", "auto"),
                       backend=getattr(args, "backend", None),
                       lookup=check_lookup(getattr(args, "lookup", None)),
                       draft_weights=getattr(args, "draft_weights", "model"),
                       tree_width=getattr(args, "tree_width", 1),
                       draft_on_stage=getattr(args, "draft_on_stage", None),
-                      device_loop=getattr(args, "device_loop", False),
                       ahead=getattr(args, "ahead", DEFAULT_AHEAD),
                       fault=parse_fault(env.fault_injection()))
 

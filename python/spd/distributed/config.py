@@ -1,4 +1,4 @@
-"""What every rank is told: the run's configuration, the speculation policy, requests, roles."""
+"""What every rank is told: the run's configuration, requests, roles."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -6,24 +6,24 @@ from typing import Callable
 
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.errors import SPDError
-from spd.runtime.device_loop import DEFAULT_AHEAD
+from spd.runtime.cycle import DEFAULT_AHEAD
 from spd.runtime.engine import SamplingParams
 
 DRAFT_RANK = 0  # the draft rank's role, and the process that hosts it
 
 
 def role_name(role: int) -> str:
-    """A role of the protocol: 0 the draft rank, s + 1 stage s."""
+    """A role: 0 the draft rank, s + 1 stage s."""
     return "draft rank" if role == DRAFT_RANK else f"stage {role - 1}"
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Which process runs which role. The protocol addresses n + 1 roles (role 0 the draft rank,
-    role s + 1 stage s); by default each role is a process of its own (rank = role). With the
-    draft on stage S (--draft-on-stage) process 0 runs the draft rank and stage S (the PDM on
-    that stage's device, each role on its own thread and CUDA stream), and processes 1.. the
-    other stages in order: n processes, n devices."""
+    """Which process runs which role. Messages address n + 1 roles (role 0 the draft rank, role
+    s + 1 stage s); by default each role is a process of its own (rank = role). With the draft
+    on stage S (--draft-on-stage) process 0 runs the draft rank and stage S (the PDM on that
+    stage's device; stage S runs inside rank 0's cycle, on a CUDA stream of its own), and
+    processes 1.. the other stages in order: n processes, n devices."""
     n: int
     draft_on_stage: int | None = None
 
@@ -43,6 +43,7 @@ class Placement:
         return 0 if s == S else s + 1 if s < S else s
 
     def roles_of(self, process: int) -> list[int]:
+        """The roles process `process` runs, the draft rank first."""
         return [r for r in range(self.roles) if self.process_of(r) == process]
 
     def describe(self, process: int) -> str:
@@ -87,9 +88,6 @@ class DistConfig:
     stage_through_host: bool | None = None
     # Test hook: {"rank": r, "cycle": c, "action": "raise" | "kill"} fails rank r at decode cycle c.
     fault: dict | None = None
-    # Announce the next cycle before the current draft is judged: "auto" (while recent drafts
-    # are mostly accepted), "on" or "off" (see SpeculationPolicy).
-    speculative_control: str = "auto"
     # Context lookup's shortest match (spd.draft.lookup; 0: the PDM alone).
     lookup: int = DEFAULT_LOOKUP
     # What the draft step reads (spd.draft.pdm.DRAFT_WEIGHTS): "model", "int8" or "fp8".
@@ -103,9 +101,7 @@ class DistConfig:
     # n-device mode: the PDM runs in stage S's process, on that device (Placement); None: the
     # draft rank is a process and a device of its own (n + 1).
     draft_on_stage: int | None = None
-    # Decide each cycle on the device, every rank in lock-step, the host `ahead` cycles behind
-    # (spd.distributed.device_cycle); what it does not run falls back to the unit protocol.
-    device_loop: bool = False
+    # Cycles each rank launches past the last one its host has read (spd.runtime.cycle).
     ahead: int = DEFAULT_AHEAD
 
     @property
@@ -131,11 +127,8 @@ class DistConfig:
             raise SPDError(f"fault timeout must be > 0 seconds, got {self.fault_timeout}")
         if not self.op_timeout > 0:
             raise SPDError(f"communication timeout must be > 0 seconds, got {self.op_timeout}")
-        from spd.runtime.tree import check_tree_width
+        from spd.runtime.sequence import check_tree_width
         check_tree_width(self.tree_width)
-        if self.speculative_control not in SPECULATION_MODES:
-            raise SPDError(f"speculative control must be one of {', '.join(SPECULATION_MODES)}, "
-                           f"got {self.speculative_control!r}")
         if self.emulate_s is not None and not self.emulate_s > 0:
             raise SPDError(f"emulated compute must be > 0 seconds, got {self.emulate_s}")
         S = self.draft_on_stage
@@ -146,29 +139,6 @@ class DistConfig:
             raise SPDError(f"--ahead takes a number of cycles >= 0, got {self.ahead!r}")
         if self.emulate_wait not in ("sleep", "spin"):
             raise SPDError(f"emulated wait must be sleep or spin, got {self.emulate_wait!r}")
-
-
-SPECULATION_MODES = ("auto", "on", "off")
-
-
-class SpeculationPolicy:
-    """Whether rank 0 sends the next unit (this cycle's draft) before it reads this cycle's verdict.
-
-    An accepted guess takes the verdict's read off the critical path (stage 0 is already
-    computing the draft); a rejected one makes every stage run a unit that is dropped before the
-    correction gets through, one cycle later than without the guess. It pays
-    when acceptance is high, so "auto" speculates while a moving average of recent judgments
-    (weight `decay` on the past) is at least `threshold`. Tokens never depend on it."""
-
-    def __init__(self, mode: str, threshold: float = 0.5, decay: float = 0.8):
-        self.mode, self.threshold, self.decay = mode, threshold, decay
-        self.rate = threshold  # start neutral: speculate until rejections say otherwise
-
-    def speculate(self) -> bool:
-        return self.mode == "on" or (self.mode == "auto" and self.rate >= self.threshold)
-
-    def record(self, accepted: bool) -> None:
-        self.rate = self.decay * self.rate + (1.0 - self.decay) * float(accepted)
 
 
 def parse_fault(text: str | None) -> dict | None:

@@ -3,7 +3,6 @@ Also the rank-0 jobs tests and benchmarks run (run_requests, run_forever)."""
 from __future__ import annotations
 
 import sys
-import threading
 import traceback
 from typing import Callable
 
@@ -14,7 +13,7 @@ from spd.distributed.draft_rank import DistributedSPDEngine
 from spd.distributed.faults import EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_OK
 from spd.distributed.handshake import check_handshake, exchange_info, rank_info
 from spd.distributed.stage_rank import StageWorker
-from spd.distributed.transport import CommError, Mailbox, Runtime
+from spd.distributed.transport import CommError, Runtime
 from spd.draft.drafters import ReferenceDrafter
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
@@ -121,29 +120,6 @@ def _leave_for(rt: Runtime, exc: BaseException, config: DistConfig) -> None:
         rt.exit_now(EXIT_ERROR, f"failed: {type(exc).__name__}: {exc}")
 
 
-def _stage_thread(rt: Runtime, endpoint, target, layout: DepthLayout,
-                  mailbox: Mailbox) -> threading.Thread:
-    """Stage S's loop on a thread of the draft rank's process (--draft-on-stage), on a CUDA
-    stream of its own; its failure stops the process as the main thread's would."""
-    device = torch.device(target.device)
-
-    def serve():
-        try:
-            if device.type == "cuda":  # the current device and stream are per thread
-                torch.cuda.set_device(device)
-                with torch.cuda.stream(torch.cuda.Stream(device)):
-                    StageWorker(endpoint, target, layout).serve()
-            else:
-                StageWorker(endpoint, target, layout).serve()
-        except BaseException as exc:  # noqa: BLE001 - the process stops: say why
-            mailbox.fail(f"{type(exc).__name__}: {exc}")
-            _leave_for(rt, exc, rt.config)
-
-    th = threading.Thread(target=serve, name=f"spd-stage{endpoint.rank - 1}", daemon=True)
-    th.start()
-    return th
-
-
 def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, host: str,
              port: int, *, is_master: bool = False, prefix: str = "spd/", local_rank: int = 0,
              local_world: int | None = None, result_sink: Callable | None = None,
@@ -182,18 +158,11 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
         _drop_unused_layers(target, layout.stages[stage_roles[0] - 1] if stage_roles else range(0))
         rt.init_groups(torch.device(target.device))
         if engine is None:
-            StageWorker(rt.endpoint(roles[0]), target, layout).serve()
-        else:
-            mailbox = Mailbox() if stage_roles else None
-            beside = None
-            if stage_roles:  # the draft on this stage's device: the stage on a thread
-                beside = _stage_thread(rt, rt.endpoint(stage_roles[0], mailbox), target, layout,
-                                       mailbox)
-            deng = DistributedSPDEngine(rt.endpoint(DRAFT_RANK, mailbox), engine)
+            StageWorker(rt.endpoint(), target, layout).serve()
+        else:  # (with the draft on a stage, that stage runs inside rank 0's cycle)
+            deng = DistributedSPDEngine(rt.endpoint(), engine)
             result = job(deng) if job is not None else None
             deng.shutdown()
-            if beside is not None:
-                beside.join()
             if result_sink is not None:
                 result_sink(result)
         rt.finish()

@@ -1,4 +1,4 @@
-"""A stage rank (rank s + 1): its layers, its KV cache and the cycle loop of stage s."""
+"""A stage rank (rank s + 1): its layers, its KV cache, and its side of every cycle."""
 from __future__ import annotations
 
 import json
@@ -6,37 +6,39 @@ import time
 
 import torch
 
+from spd import env
 from spd.distributed.config import DRAFT_RANK, role_name
-from spd.distributed.device_cycle import StageCycles, messages_since
 from spd.distributed.emulate import make_stage
 from spd.distributed.faults import inject_fault
-from spd.distributed.protocol import (
-    HEADER_TAG,
-    JUDGE_TAG,
+from spd.distributed.messages import (
     PREFILL_TAG,
     SNAP_TAG,
-    STOP,
-    UNIT,
-    UNIT_BYTES,
     UNIT_TAG,
-    VERDICT_SIZE,
-    VERDICT_TAG,
-    Ring,
-    SnapFormat,
-    TreeUnitFormat,
-    UnitMessage,
-    row_bytes,
+    snap_bytes,
     snap_format,
+    snap_views,
 )
 from spd.distributed.transport import Endpoint, _td
-from spd.errors import InternalError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
-from spd.runtime.sequence import PhaseTimer
+from spd.runtime.cycle_graph import CycleGraph
+from spd.runtime.driver import Published, drive, peek
+from spd.runtime.unit import (
+    CPOS,
+    CSLOT,
+    END,
+    LIVE,
+    POS,
+    PREFIX,
+    StageStep,
+    UnitFormat,
+    message_bytes,
+    split_message,
+)
 
 
 class StageWorker:
-    """Stage s = role s + 1: its layers, its KV cache, and the unit loop of one stage."""
+    """Stage s = role s + 1: its layers and its KV cache, generation after generation."""
 
     def __init__(self, rt: Endpoint, target, layout: DepthLayout):
         self.rt, self.target, self.layout = rt, target, layout
@@ -46,7 +48,6 @@ class StageWorker:
         self.last = self.s == self.n - 1
         self.stage: Stage | None = None
         self.prev, self.next = rt.rank - 1, rt.rank + 1
-        self.source = DRAFT_RANK if self.first else self.prev  # where its units come from
 
     def serve(self) -> None:
         gen = 0
@@ -57,204 +58,168 @@ class StageWorker:
                 return
             self.run(gen, req)
 
-    def _snap(self, fmt: SnapFormat, outs: list[torch.Tensor], into: Ring | None = None):
-        """This stage's snap for rank 0 (protocol.SnapFormat) from its layers' outputs [T, d]
-        each: [rows, T, d], stacked into the next buffer of `into` when given (decode: T = 1)."""
-        first = self.stage.layer_ids.start
-        rows = [outs[b - first - 1] for b in fmt.hidden] + ([outs[-1]] if fmt.with_output else [])
-        if not rows:
-            return None
-        return torch.stack(rows) if into is None else torch.stack(rows, out=into.take())
-
-    def _forward_unit(self, h: torch.Tensor, pos: torch.Tensor, draft: torch.Tensor | None):
-        """One unit: row h [1, d] at position pos [1] int64, both where the data arrived (no host
-        read: Stage.run at a device position). draft [1] (last stage, greedy): also judge it.
-        -> (every layer's output [1, d], verdict (token [1], ok [1]) or None)."""
-        return self.stage.run(h, pos, draft)
-
-    def _forward_tree_unit(self, fmt: TreeUnitFormat, h: torch.Tensor, meta: torch.Tensor):
-        """A tree unit: its commits into this stage's cache, then its rows h [W, d] (all on the
-        device) -> every layer's output [W, d]."""
-        f = fmt.fields(meta)
-        self.stage.commit_rows(f["commit_pos"], f["commit_slot"])
-        return self.stage.tree_run(h, f["position"], f["slots"], f["prefix_len"], f["keys"],
-                                   f["mask"])
-
     @torch.no_grad()
     def run(self, gen: int, req: dict) -> None:
         rt, t = self.rt, self.target
-        phases: dict[str, float] = {}
-        timer = PhaseTimer(phases)
         cap = int(req["capacity"])
-        greedy = bool(req.get("greedy", False))
-        width = int(req.get("tree_width", 1))
-        # a token tree's units (protocol.TreeUnitFormat): W rows each, rank 0 judges
-        tree = TreeUnitFormat.of(self.n, width) if width > 1 else None
         if self.stage is None or self.stage.cache.capacity < cap:
             self.stage = make_stage(t, self.s, self.layout.stages[self.s], cap, rt.config)
         self.stage.cache.truncate(0)
-        d, dev = t.hidden_size, t.device
-        # Prefill: the whole prompt through this stage as one chunk.
         t0 = time.perf_counter()
-        if self.first:
-            h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=dev))
-        else:
-            h = torch.empty(int(req["prompt_len"]), d, dtype=t.dtype, device=dev)
-            rt.wait(rt.irecv(h, self.prev, PREFILL_TAG), self.prev, "prefill input")
-        outs, _ = self.stage.run(h, 0)
-        snap = self._snap(snap_format(self.layout, self.s, greedy=greedy, prefill=True), outs)
-        if snap is not None:
-            rt.isend(snap, DRAFT_RANK, SNAP_TAG)
-        if not self.last:
-            rt.isend(outs[-1].contiguous(), self.next, PREFILL_TAG)
-        rt.flush_sends()
+        prefill(rt, self.stage, self.layout, req, keep=None)
         prefill_s = time.perf_counter() - t0
-        if req.get("device_loop"):  # every cycle the same fixed work (spd.distributed.device_cycle)
-            cycles = StageCycles(self, req)
-            counted = dict(rt.messages)
-            t_dec = time.perf_counter()
-            ran = cycles.run()
-            self._report(gen, prefill_s, time.perf_counter() - t_dec, phases, cycles.forward_s,
-                         cycles=ran, messages=messages_since(rt, counted),
-                         graph=cycles.graph.describe())
-            return
-        # Decode: one unit message (protocol) per unit from its source (stage 0: rank 0).
-        # gloo: one message per unit (header and payload folded), its receive posted a unit
-        # ahead (gloo matches per tag). NCCL: the header on gloo, the payload on NCCL, which
-        # matches a pair's messages in posting order whatever the tag, and where a pending
-        # receive holds up the pair's later sends (this stage's snaps to rank 0): there a
-        # payload receive is posted once its header is in, the judge draft's when it is needed
-        # (no host wait: the header is host data).
-        folded = rt.backend == "gloo"
-        src = self.source
-        in_bytes = UNIT_BYTES if self.first else row_bytes(d, t.dtype)
-        out_bytes = row_bytes(d, t.dtype)
-        if tree is not None:
-            in_bytes = tree.meta_bytes if self.first else tree.row_bytes(d, t.dtype)
-            out_bytes = tree.row_bytes(d, t.dtype)
-        per_unit = 1 if tree is None else width
-
-        # Rings (protocol.Ring), so no unit allocates. Receives: the unit in hand and the next
-        # one posted (ahead, or once its header is in): 2 (the judge draft's likewise). Sends:
-        # this unit's, and the unit before's, flushed only after this unit's are posted
-        # (flush_sends(before=unit)): 2. Each ring checks its buffer is free when it comes round.
-        sent = lambda m, _: rt.sending(m.data) or rt.sending(m.header)  # noqa: E731
-        inbox = Ring(lambda: UnitMessage(in_bytes, dev, folded), 2, "unit receives",
-                     lambda m, _: m.busy)
-        outbox = Ring(lambda: UnitMessage(out_bytes, dev, folded), 2, "unit sends", sent)
-        fmt = snap_format(self.layout, self.s, greedy=greedy)
-        snap_ring = Ring(lambda: torch.empty(fmt.rows, per_unit, d, dtype=t.dtype, device=dev), 2,
-                         "snap sends", lambda b, _: rt.sending(b))
-        verdict_ring = Ring(lambda: torch.empty(VERDICT_SIZE, dtype=torch.int64, device=dev), 2,
-                            "verdict sends", lambda b, _: rt.sending(b))
-        judges = Ring(lambda: UnitMessage(UNIT_BYTES, dev, folded), 2, "judge receives",
-                      lambda m, _: m.busy)
-
-        def post():  # the next unit's message: all of it when folded, else its header
-            msg = inbox.take()
-            msg.busy = True
-            return msg, rt.irecv(msg.data if folded else msg.header, src,
-                                 UNIT_TAG if folded else HEADER_TAG)
-        msg, hwork = post()
-
-        def send_unit(op: int, seq: int, position=None, row=None, epoch: int = 0):
-            out = outbox.take()
-            out.set_header(op, seq)
-            if row is not None and tree is not None:
-                out.write_tree(position, row)  # a tree unit: its fields, then its rows
-            elif row is not None:
-                out.write_row(position, row)
-            rt.isend(out.data, self.next, UNIT_TAG, epoch)
-            if not folded:
-                rt.isend(out.header, self.next, HEADER_TAG, epoch)
-
-        def next_judge():
-            m = judges.take()
-            m.busy = True
-            return m
-        judge_msg = next_judge() if self.last and greedy else None
-        post_judge = lambda: rt.irecv(judge_msg.data, DRAFT_RANK, JUDGE_TAG)  # noqa: E731
-        judge = post_judge() if judge_msg is not None and folded else None
-        fwd: list[float] = []
-        fault = rt.fault_here()
+        cycles = StageCycles(self, req)
+        counted = dict(rt.messages)
         t_dec = time.perf_counter()
-        while True:
-            unit = len(fwd)
-            with timer("wait_input"):
-                rt.wait(hwork, src, "unit message" if folded else "unit header")
-                op, seq = msg.header.tolist()  # host memory (protocol): no device wait
-                if not folded:
-                    rt.wait(rt.irecv(msg.payload, src, UNIT_TAG), src, "unit")  # on a GPU:
-                    # orders this stream after the payload
-            if op == STOP:
-                break
-            if op != UNIT or seq != unit:
-                raise InternalError("a unit header out of step", stage=self.s, header=[op, seq],
-                                    source_rank=src, expected_unit=unit)
-            msg.landed()
-            cur = msg
-            msg, hwork = post()  # the next unit's, posted before this one runs
-            if fault and unit + 1 == fault["cycle"]:
-                inject_fault(fault)
-            if tree is not None:
-                pos, h = cur.tree(tree, 0 if self.first else d, t.dtype)  # pos: the fields
-                if self.first:
-                    h = t.embed_tokens(tree.fields(pos)["tokens"])
-            elif self.first:
-                pos, token = cur.unit()
-                h = t.embed_tokens(token)
-            else:
-                pos, h = cur.row(d, t.dtype)
-            draft = None
-            if judge_msg is not None:  # the draft after this unit: the next unit's token
-                with timer("wait_input"):
-                    rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
-                            "draft to judge")
-                judge_msg.landed()
-                judged, draft = judge_msg, judge_msg.unit()[1]
-                judge_msg = next_judge()
-                judge = post_judge() if folded else None
-            tf = time.perf_counter()
-            if tree is not None:
-                outs, verdict = self._forward_tree_unit(tree, h, pos), None
-            else:
-                outs, verdict = self._forward_unit(h, pos, draft)
-            fwd.append(time.perf_counter() - tf)
-            with timer("send"):
-                snap = self._snap(fmt, outs, snap_ring)
-                if snap is not None:
-                    rt.isend(snap, DRAFT_RANK, SNAP_TAG, unit)
-                if verdict is not None:
-                    token, ok = verdict
-                    both = verdict_ring.take()
-                    both[:1].copy_(token.view(1))
-                    both[1:].copy_(ok.view(1))
-                    rt.isend(both, DRAFT_RANK, VERDICT_TAG, unit)
-                if not self.last:
-                    send_unit(UNIT, unit, pos, outs[-1], unit)
-                rt.flush_sends(before=unit)
-            cur.busy = False  # its data is copied out (or queued to be, on this stream)
-            if draft is not None:
-                judged.busy = False
-        decode_s = time.perf_counter() - t_dec
-        if not self.last:  # pass the stop on (protocol)
-            send_unit(STOP, len(fwd))
-        if judge_msg is not None:  # rank 0 sent one draft past the last unit: receive it
-            rt.wait(judge if judge is not None else post_judge(), DRAFT_RANK,
-                    "draft to judge")
-        rt.flush_sends()
-        self._report(gen, prefill_s, decode_s, phases, fwd)
-
-    def _report(self, gen: int, prefill_s: float, decode_s: float, phases: dict,
-                fwd: list[float], **extra) -> None:
-        """This rank's stats of generation `gen`, for rank 0 (the store)."""
-        rt = self.rt
-        phases["forward"] = sum(fwd)
+        ran = cycles.run()
         rt.store.set(f"stats/{gen}/{rt.rank}", json.dumps(
             {"rank": rt.rank, "role": role_name(rt.rank),
              "layers": [self.stage.layer_ids.start, self.stage.layer_ids.stop],
-             "prefill_s": prefill_s, "decode_s": decode_s, "phase_s": phases, "forward_s": fwd,
-             **extra}))
+             "prefill_s": prefill_s, "decode_s": time.perf_counter() - t_dec,
+             "phase_s": {"forward": sum(cycles.forward_s)}, "forward_s": cycles.forward_s,
+             "cycles": ran, "messages": messages_since(rt, counted),
+             "graph": cycles.graph.describe()}))
+
+
+def prefill(rt: Endpoint, stage: Stage, layout: DepthLayout, req: dict, keep) -> torch.Tensor:
+    """Stage `stage.index`'s prefill: the prompt's rows in (stage 0: its ids, embedded), its
+    layers, its snap to rank 0 (or, in rank 0's process, `keep`(snap rows [R, P, d])), its
+    output on to the next stage -> the output [P, d]."""
+    t, s = stage.target, stage.index
+    if s == 0:
+        h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=t.device))
+    else:
+        h = torch.empty(int(req["prompt_len"]), t.hidden_size, dtype=t.dtype, device=t.device)
+        rt.wait(rt.irecv(h, s, PREFILL_TAG), s, "prefill input")  # from role s: stage s - 1
+    outs, _ = stage.run(h, 0)
+    fmt = snap_format(layout, s, output=True)
+    first = stage.layer_ids.start
+    rows = [outs[b - first - 1] for b in fmt.hidden] + ([outs[-1]] if fmt.with_output else [])
+    if rows:
+        snap = torch.stack(rows)
+        if keep is not None:
+            keep(snap)
+        else:
+            rt.isend(snap, DRAFT_RANK, SNAP_TAG)
+    if s < layout.n - 1:
+        rt.isend(outs[-1].contiguous(), s + 2, PREFILL_TAG)  # to role s + 2: stage s + 1
+    rt.flush_sends()
+    return outs[-1]
+
+
+class StageCycles:
+    """A stage rank's side of the cycles of one generation, after its prefill. Cycle c runs the
+    unit in `inbox` (received in cycle c - 1; before cycle 0 from rank 0 at stage 0, a dead unit
+    elsewhere), sends rank 0 its snap and the next stage the unit with its output rows, and
+    receives cycle c + 1's unit into `inbox`, all waited for within the cycle: so every cycle
+    but the last (which sends no unit on and receives none) is the same work, which a CUDA graph
+    replays with its messages under NCCL (spd.runtime.cycle_graph). On a CPU a dead unit (a
+    bubble where nothing entered) skips its stage step (`peek`)."""
+
+    def __init__(self, worker: StageWorker, req: dict):
+        self.w, self.rt = worker, worker.rt
+        t, s, n = worker.target, worker.s, worker.n
+        self.d, self.dtype, dev = t.hidden_size, t.dtype, t.device
+        self.ahead = int(req["ahead"])
+        width = int(req.get("tree_width", 1))
+        chain_greedy = bool(req.get("greedy", False)) and width == 1
+        self.fmt = fmt = UnitFormat(n, width)
+        self.step = StageStep(worker.stage, worker.layout, fmt, chain_greedy and worker.last)
+        self.snapf = snap_format(worker.layout, s, output=not chain_greedy)
+        self.inbox = (torch.zeros(fmt.size, dtype=torch.int64, device=dev) if worker.first
+                      else torch.zeros(message_bytes(fmt, self.d, self.dtype), dtype=torch.uint8,
+                                       device=dev))
+        self.outbox = torch.zeros(message_bytes(fmt, self.d, self.dtype), dtype=torch.uint8,
+                                  device=dev)
+        self.snap = None
+        if self.snapf.rows or worker.last:
+            self.snap = torch.zeros(snap_bytes(self.snapf, width, self.d, self.dtype),
+                                    dtype=torch.uint8, device=dev)
+        if not worker.first:  # cycle 0's unit: a dead one past the first token's position
+            head = split_message(self.inbox, fmt, self.d, self.dtype)[0]
+            head.copy_(dead_unit(fmt, int(req["prompt_len"]) + s, int(req["capacity"]) - 1))
+        self.end = torch.zeros(1, dtype=torch.int64, device=dev)  # the `end` cycle c received
+        self.ends = Published(self.ahead + 1, 1, dev)  # each cycle's `end`, for the host
+        self.peek = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
+        self.graph = CycleGraph(lambda: self.cycle(last=False), dev, f"stage {s}'s cycle",
+                                capturable=self.rt.backend == "nccl",
+                                messages=self.rt.messages, thread_local=True)
+        self.forward_s: list[float] = []  # per cycle, the host's time in the step or a replay
+        self.step_s = 0.0
+        self.fault = self.rt.fault_here()
+
+    def cycle(self, last: bool) -> None:
+        """One cycle (`last`: the final one, which sends no unit on and receives none)."""
+        w, rt = self.w, self.rt
+        if w.first:
+            head, x = self.inbox, None
+        else:
+            head, x = split_message(self.inbox, self.fmt, self.d, self.dtype)
+        self.end.copy_(head[END:END + 1])
+        out_head, out_rows = split_message(self.outbox, self.fmt, self.d, self.dtype)
+        out_head.copy_(head)
+        t0 = time.perf_counter()
+        if self.peek and not peek(head[LIVE])[0]:
+            self.step.skip(head)
+        else:
+            anchors, out, token = self.step.run(head, x)
+            out_rows.copy_(out)
+            if self.snap is not None:
+                tok, rows = snap_views(self.snap, self.fmt.width, self.d, self.dtype)
+                if token is not None:
+                    tok.copy_(token)
+                for i, a in enumerate(anchors):
+                    rows[i].copy_(a)
+                if self.snapf.with_output:
+                    rows[-1].copy_(out)
+        self.step_s = time.perf_counter() - t0
+        sends = [] if self.snap is None else [(self.snap, DRAFT_RANK, SNAP_TAG)]
+        if not w.last and not last:
+            sends.append((self.outbox, w.next, UNIT_TAG))
+        recvs = [] if last else [(self.inbox, DRAFT_RANK if w.first else w.prev, UNIT_TAG)]
+        for work in rt.exchange(sends, recvs):
+            rt.order(work, recvs[0][1], "cycle unit")
+        rt.flush_sends(host=False)
+
+    def launch(self, c: int, end: int | None) -> None:
+        """Cycle c, then its `end` published for the host."""
+        if self.fault and c == self.fault["cycle"]:
+            inject_fault(self.fault)
+        t0, replays = time.perf_counter(), self.graph.replays
+        if end is not None and c == end - 1:
+            self.cycle(last=True)
+        else:
+            self.graph.launch()
+        # the stage step's host time; a replay's launch where the cycle is a graph
+        replayed = self.graph.replays > replays
+        self.forward_s.append(time.perf_counter() - t0 if replayed else self.step_s)
+        self.ends.publish(c, self.end)
+
+    def run(self) -> int:
+        """Cycles up to the end cycle, reading each one's `end` `ahead` cycles late -> cycles."""
+        rt = self.rt
+        if self.w.first:  # cycle 0's unit
+            for work in rt.exchange([], [(self.inbox, DRAFT_RANK, UNIT_TAG)]):
+                rt.order(work, DRAFT_RANK, "cycle unit")
+        launched = drive(self.launch, lambda c: self.ends.read(c)[0] or None, self.ahead)
+        rt.flush_sends()
+        return launched
+
+
+def dead_unit(fmt: UnitFormat, position: int, trash: int) -> torch.Tensor:
+    """The header of a dead unit at `position` (set-up: a Python-made tensor): its rows, keys
+    and commit name the trash slot."""
+    head = torch.zeros(fmt.size, dtype=torch.int64)
+    head[POS], head[PREFIX] = position, position
+    head[CPOS] = head[CSLOT] = trash
+    head[fmt.slots] = trash
+    head[fmt.key_slots] = trash
+    return head
+
+
+def messages_since(rt: Endpoint, before: dict) -> dict[str, int]:
+    """Messages `rt` posted since `before` (a copy of Endpoint.messages), keyed "send/data"."""
+    return {f"{a}/{b}": rt.messages[a, b] - before.get((a, b), 0) for a, b in rt.messages}
 
 
 def wait_request(rt: Endpoint, gen: int) -> dict:

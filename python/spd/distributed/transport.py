@@ -3,16 +3,14 @@ from __future__ import annotations
 
 import datetime
 import socket
-import threading
 from collections import Counter
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from spd.distributed.config import DRAFT_RANK, DistConfig, role_name, role_of
+from spd.distributed.config import DistConfig, role_of
 from spd.distributed.faults import FaultHandling, Signer, short_error
-from spd.distributed.protocol import GLOO_TAGS
 from spd.errors import InternalError, SPDError
 
 # The listening sockets of the store servers this process hosts: the server uses the descriptor,
@@ -87,8 +85,6 @@ class Runtime(FaultHandling):
         self._start_fault_handling()
         self.placement = config.placement
         self.data_group = None
-        self.ctrl_group = None
-        self.draft_groups = None  # (data, control) of the draft rank's messages
         self.backend = None
         self.host_staged = 0  # receives that went through a host buffer
 
@@ -97,50 +93,33 @@ class Runtime(FaultHandling):
         backend = self.config.backend or ("nccl" if device.type == "cuda" else "gloo")
         if backend == "nccl" and not dist.is_nccl_available():
             raise SPDError("NCCL is not available in this torch build: pass backend gloo")
-        if not dist.is_gloo_available():
-            raise SPDError("this torch build has no gloo backend (needed for the control plane)")
+        if backend == "gloo" and not dist.is_gloo_available():
+            raise SPDError("this torch build has no gloo backend")
         dist.init_process_group(backend, store=self.pg_store, rank=self.rank,
                                 world_size=self.world, timeout=self.op_timeout)
         self.backend = backend
         self.data_group = dist.group.WORLD
-        # The units' host headers (protocol) travel on gloo, their payloads on the data group.
-        self.ctrl_group = dist.new_group(backend="gloo") if backend != "gloo" else self.data_group
-        self.draft_groups = (self.data_group, self.ctrl_group)
-        if self.placement.draft_on_stage is not None:
-            # Two roles of one process talk to the same peers from two threads: the draft rank's
-            # messages get groups of their own, so each (group, pair of processes) carries one
-            # role's messages in one order, as NCCL matches a pair's messages in posting order.
-            data = dist.new_group(backend=backend)
-            self.draft_groups = (data, dist.new_group(backend="gloo") if backend != "gloo"
-                                 else data)
 
-    def endpoint(self, role: int, mailbox: "Mailbox | None" = None) -> "Endpoint":
-        """Role `role`'s messages from this process (Placement): see Endpoint."""
-        roles = self.placement.roles_of(self.rank)
-        if role not in roles:
-            raise InternalError("a role this process does not run", role=role, rank=self.rank)
-        # a second role has a store client of its own: an idle stage blocks in a store wait,
-        # which would hold up the other role's requests on a shared client
-        return Endpoint(self, role, mailbox, self.store if role == roles[0] else self._client())
+    def endpoint(self) -> "Endpoint":
+        """This process's messages (Placement: the roles it runs)."""
+        return Endpoint(self, self.placement.roles_of(self.rank)[0], self.store)
 
     def close_groups(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-class Endpoint:
-    """One role's point-to-point messages. The protocol addresses roles (config.Placement: 0 the
-    draft rank, s + 1 stage s); an endpoint maps them to processes, and a role this same process
-    runs (the draft on a stage) to the in-process Mailbox. It keeps its own pending sends: two
-    roles of one process run on two threads. Also the role's view of the run (rank = its role,
-    world = the roles; store, signer, config and backend are the process's)."""
 
-    def __init__(self, rt: Runtime, role: int, mailbox: "Mailbox | None", store):
+class Endpoint:
+    """A process's point-to-point messages, addressed by role (config.Placement: 0 the draft
+    rank, s + 1 stage s), which it maps to processes. Also the role's view of the run (rank =
+    its first role, world = the roles; store, signer, config and backend are the process's)."""
+
+    def __init__(self, rt: Runtime, role: int, store):
         self.rt, self.rank, self.store = rt, role, store
         self.world = rt.placement.roles
         self.config, self.signer, self.backend = rt.config, rt.signer, rt.backend  # (groups made)
-        self.mailbox = mailbox
         self._outgoing: list[_PendingSend] = []
-        # messages posted, by (direction, group): "send" / "recv", "data" / "control"
+        # messages posted, by (direction, group): "send" / "recv", "data"
         self.messages: Counter[tuple[str, str]] = Counter()
 
     @property
@@ -155,23 +134,13 @@ class Endpoint:
             return None
         return fault if fault.get("role", rt.placement.roles_of(rt.rank)[0]) == self.rank else None
 
-    def _process(self, peer: int) -> int | None:
-        """The process of role `peer`; None when it is this one (the mailbox carries it)."""
+    def _process(self, peer: int) -> int:
+        """The process of role `peer` (never this one: a process runs its roles' messages
+        between them itself)."""
         p = self.rt.placement.process_of(peer)
-        if p != self.rt.rank:
-            return p
-        if self.mailbox is None:
-            raise InternalError("a message to a role of this process without a mailbox",
-                                role=self.rank, peer=peer)
-        return None
-
-    def _group(self, tag: int, peer: int):
-        """(the group a message to or from role `peer` travels on, whether it is gloo)."""
-        data, ctrl = self.rt.draft_groups if DRAFT_RANK in (self.rank, peer) else \
-            (self.rt.data_group, self.rt.ctrl_group)
-        if tag in GLOO_TAGS:
-            return ctrl, True
-        return data, self.rt.backend == "gloo"
+        if p == self.rt.rank:
+            raise InternalError("a message to a role of this process", role=self.rank, peer=peer)
+        return p
 
     def _through_host(self, tensor, gloo: bool) -> bool:
         """gloo moves host memory only: device tensors go through a host copy."""
@@ -190,9 +159,6 @@ class Endpoint:
 
     def wait(self, work, peer: int, what: str) -> None:
         """Wait for a posted message of role `peer` (CommError names its process)."""
-        if isinstance(work, _LocalRecv):
-            work.wait(self.rt.op_timeout.total_seconds(), f"{what} from {role_name(peer)}")
-            return
         try:
             work.wait(self.rt.op_timeout)
         except Exception as exc:
@@ -202,8 +168,8 @@ class Endpoint:
         """What follows on the current stream comes after a posted message. Under NCCL that is
         `work.wait()` with no timeout: the stream waits, the host does not (torch's Work.wait
         blocks the host until the message is in when given a timeout, as `wait` gives one). On
-        gloo and the mailbox the message is host memory: the host waits, as in `wait`."""
-        if self.rt.backend == "nccl" and not isinstance(work, (_LocalRecv, _StagedRecv)):
+        gloo the message is host memory: the host waits, as in `wait`."""
+        if self.rt.backend == "nccl" and not isinstance(work, _StagedRecv):
             try:
                 work.wait()
             except Exception as exc:
@@ -214,10 +180,8 @@ class Endpoint:
     def irecv(self, tensor, src: int, tag: int):
         """A posted receive from role `src` (every receive names its sender)."""
         process = self._process(src)
-        if process is None:
-            return self.mailbox.post_recv((src, self.rank, tag), tensor)
-        group, gloo = self._group(tag, src)
-        self.messages["recv", "control" if tag in GLOO_TAGS else "data"] += 1
+        group, gloo = self.rt.data_group, self.rt.backend == "gloo"
+        self.messages["recv", "data"] += 1
         if self._through_host(tensor, gloo):
             self.rt.host_staged += 1
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
@@ -227,11 +191,8 @@ class Endpoint:
 
     def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
         process = self._process(dst)
-        if process is None:  # copied (or queued to be, on this stream) now: nothing pending
-            self.mailbox.send((self.rank, dst, tag), tensor)
-            return
-        group, gloo = self._group(tag, dst)
-        self.messages["send", "control" if tag in GLOO_TAGS else "data"] += 1
+        group, gloo = self.rt.data_group, self.rt.backend == "gloo"
+        self.messages["send", "data"] += 1
         if self._through_host(tensor, gloo):
             tensor = tensor.to("cpu", copy=True)
         work = self._post(dist.isend, tensor, process, group, tag, "posting a send")
@@ -244,10 +205,8 @@ class Endpoint:
         one stream and a send may wait for its peer's receive, so a receive posted after a
         send, as its own operation, could wait on a peer that waits on it. A group's messages
         progress together. (The group's communicator is made by the first group on it, which
-        every process must post: each rank of the device cycle posts one in cycle 0. With the
-        draft on a stage the draft's messages have groups of their own, which not every
-        process uses: there each message is posted alone, on its pair's own communicator.)"""
-        if self.rt.backend != "nccl" or self.rt.placement.draft_on_stage is not None:
+        every process must post: each rank posts one in cycle 0.)"""
+        if self.rt.backend != "nccl":
             works = [self.irecv(t, src, tag) for t, src, tag in recvs]
             for t, dst, tag in sends:
                 self.isend(t, dst, tag, epoch)
@@ -256,7 +215,7 @@ class Endpoint:
         for (t, peer, tag), op, way in [(m, dist.isend, "send") for m in sends] + \
                 [(m, dist.irecv, "recv") for m in recvs]:
             self.messages[way, "data"] += 1
-            ops.append(dist.P2POp(op, t, self._process(peer), self._group(tag, peer)[0], tag))
+            ops.append(dist.P2POp(op, t, self._process(peer), self.rt.data_group, tag))
         first = self._process((sends or recvs)[0][1]) if ops else None
         try:
             works = dist.batch_isend_irecv(ops) if ops else []
@@ -291,94 +250,6 @@ class Endpoint:
             else:
                 keep.append(item)
         self._outgoing = keep
-
-
-class Mailbox:
-    """Messages between the two roles of one process (the draft rank and the stage whose device
-    it shares), with a process group's matching: per (sender, receiver, tag), the k-th send goes
-    to the k-th posted receive, whatever order they are waited in. A send copies into its
-    receive's buffer when that is posted already (the steady state: receives are posted ahead),
-    else into a copy the receive takes on its wait. On CUDA the copy runs on the sender's
-    stream after the receive's posting (an event), and the receiver's stream waits for the copy
-    (another): no host synchronisation, as with NCCL."""
-
-    def __init__(self):
-        self._cv = threading.Condition()
-        self._sent: dict[tuple, int] = {}
-        self._posted: dict[tuple, int] = {}
-        self._early: dict[tuple, object] = {}   # (key, seq) -> (copy, event): sent first
-        self._waiting: dict[tuple, "_LocalRecv"] = {}  # (key, seq) -> posted, not yet sent
-        self.failed: str | None = None
-
-    def fail(self, why: str) -> None:
-        """The other role stopped: waits raise instead of hanging."""
-        with self._cv:
-            self.failed = why
-            self._cv.notify_all()
-
-    def post_recv(self, key: tuple, tensor: torch.Tensor) -> "_LocalRecv":
-        with self._cv:
-            seq = self._posted.get(key, 0)
-            self._posted[key] = seq + 1
-            recv = _LocalRecv(self, tensor)
-            early = self._early.pop((key, seq), None)
-            if early is not None:
-                recv.source = early
-            else:
-                self._waiting[(key, seq)] = recv
-            return recv
-
-    def send(self, key: tuple, tensor: torch.Tensor) -> None:
-        with self._cv:
-            seq = self._sent.get(key, 0)
-            self._sent[key] = seq + 1
-            recv = self._waiting.pop((key, seq), None)
-            if recv is None:
-                self._early[(key, seq)] = (tensor.clone(), _record(tensor))
-            else:
-                if recv.posted is not None:  # its buffer is free from the receive's posting on
-                    torch.cuda.current_stream(tensor.device).wait_event(recv.posted)
-                if tuple(recv.tensor.shape) != tuple(tensor.shape):
-                    raise InternalError("a local message of another shape than its receive",
-                                        key=key, sent=tuple(tensor.shape),
-                                        posted=tuple(recv.tensor.shape))
-                recv.tensor.copy_(tensor)
-                recv.source = (None, _record(tensor))
-            self._cv.notify_all()
-
-
-def _record(tensor: torch.Tensor):
-    """An event after the work queued so far on the current stream (CUDA), else None."""
-    if not tensor.is_cuda:
-        return None
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(tensor.device))
-    return event
-
-
-class _LocalRecv:
-    """A posted receive of the Mailbox."""
-
-    def __init__(self, box: Mailbox, tensor: torch.Tensor):
-        self.box, self.tensor = box, tensor
-        self.posted = _record(tensor)
-        self.source = None  # (the copy to take, or None when written in place; its event)
-
-    def wait(self, timeout_s: float, what: str) -> None:
-        with self.box._cv:
-            if not self.box._cv.wait_for(lambda: self.source is not None or self.box.failed,
-                                         timeout_s):
-                raise InternalError(f"no local message for the {what} within {timeout_s:g} s")
-            if self.source is None:
-                raise InternalError(f"the {what} never came: {self.box.failed}")
-        copy, event = self.source
-        if event is not None:
-            torch.cuda.current_stream(self.tensor.device).wait_event(event)
-        if copy is not None:
-            self.tensor.copy_(copy)
-            if copy.is_cuda:  # freed now: not reused before this stream has read it
-                copy.record_stream(torch.cuda.current_stream(copy.device))
-            self.source = (None, None)
 
 
 class _StagedRecv:

@@ -49,7 +49,6 @@ class PDMDrafter:
     """The PDM's guess each cycle. `lookup` (>= 1: the shortest match) lets the decode loop put
     the context lookup's token in its place when the text repeats itself (spd.draft.lookup); 0: off."""
     name = "pdm"
-    device_loop = True  # drafts at device positions (spd.runtime.device_loop)
 
     def __init__(self, pdm, cuda_graphs: bool = True, lookup: int = 0):
         if not 0 <= lookup <= MAX_LEN:
@@ -86,28 +85,29 @@ class PDMDrafter:
         # eager: the prompt's length differs every time
         self.pdm.step(self.pdm.features(anchors, types), 0, self.cache)
 
-    def draft_logits(self, anchors, types, start) -> torch.Tensor:
-        """Draft logits [Vd] of the last of the rows at positions start.. (graph replay on a
-        GPU). Rows from `start` on are recomputed: the step writes them, the cache ends there.
-        `start`: an int, or an int64 tensor [1] on the device (the device loop: no host read)."""
+    def draft_logits(self, anchors, types, start, last=None) -> torch.Tensor:
+        """Draft logits [Vd] of row `last` ([1] int64; None: the last) of the rows at positions
+        start.. ([1] int64 on the device: never read on the host; graph replay on a GPU). Rows
+        from `start` on are recomputed: the step writes them."""
         if self.graphs is not None:
-            return self.graphs.run(anchors, types, start)
-        return self.pdm.step(self.pdm.features(anchors, types), start, self.cache)
+            return self.graphs.run(anchors, types, start, last)
+        return self.pdm.step(self.pdm.features(anchors, types), start, self.cache, last)
 
-    def tree_logits(self, anchors, types, positions: list[int], slots, prefix_len: int,
-                    tree_mask, leaves) -> torch.Tensor:
-        """Draft logits [len(leaves), Vd] of a token tree's rows (spd.runtime.tree): anchors
-        [m, R, d] and types [R] of the rows at `positions`, written to this drafter's cache
-        slots `slots` [R]; each row attends to the cache's rows [0, prefix_len) and to its
-        ancestors and itself among the rows (tree_mask [R, R] bool). Eager (no graphs yet)."""
+    def tree_logits(self, anchors, types, positions, slots, prefix_len, tree_mask,
+                    leaves) -> torch.Tensor:
+        """Draft logits [len(leaves), Vd] of a token tree's rows (spd.runtime.drafting):
+        anchors [m, R, d] and types [R] of the rows at positions [R] (int64), written to this
+        drafter's cache slots `slots` [R]; each row attends to the cache's rows
+        [0, prefix_len) (prefix_len [1] int64) and to its ancestors and itself among the rows
+        (tree_mask [R, R] bool). All on the device. Eager (no graphs yet)."""
         return self.pdm.tree_step(self.pdm.features(anchors, types), positions, slots,
                                   prefix_len, tree_mask, leaves, self.cache)
 
-    def draft(self, anchors, types, start, position, sampling, uniform) -> Draft:
-        """The guess for `position` from rows anchors [m, R, d] with types [R] at positions
-        start.. (`start`, `position`: ints, or device tensors in the device loop);
-        uniform: a 0-d tensor (sampling's draw)."""
-        logits = self.draft_logits(anchors, types, start)
+    def draft(self, anchors, types, start, position, sampling, uniform, last=None) -> Draft:
+        """The guess for `position` (0-d int64) from rows anchors [m, R, d] with types [R] at
+        positions start.. ([1] int64), read at row `last` ([1] int64; None: the last row);
+        uniform: a 0-d tensor (sampling's draw). Nothing is read on the host."""
+        logits = self.draft_logits(anchors, types, start, last)
         d2t = self.pdm.draft_to_target
         # the PDM's confidence for the context lookup's gate (at temperature 1 whatever the
         # sampling: the gate's hit rates were measured that way)
@@ -122,7 +122,6 @@ class PDMDrafter:
 class ReferenceDrafter:
     """Proposes reference[position] with probability `accuracy`, else a different token."""
     name = "reference"
-    device_loop = True
 
     def __init__(self, reference: list[int], accuracy: float = 1.0, seed: int = 0):
         self.reference = list(reference)
@@ -131,11 +130,11 @@ class ReferenceDrafter:
 
     def begin(self, capacity: int, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._table = None  # the reference as a device table, for the device loop (made once)
+        self._table = None  # the reference as a device table (made once, before any cycle)
         self._capacity = capacity
 
     def prefill(self, anchors, types) -> None:
-        self._tables(anchors.device)  # before the first cycle (the device loop copies nothing)
+        self._tables(anchors.device)  # before the first cycle (a cycle copies nothing)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(the reference [capacity] int64, 0 past its end; arange(vocab)) on `device`."""
@@ -146,26 +145,14 @@ class ReferenceDrafter:
                            torch.arange(self.vocab_size, device=device))
         return self._table
 
-    def draft(self, anchors, types, start, position, sampling, uniform) -> Draft:
-        if isinstance(position, torch.Tensor):
-            return self._draft_on_device(anchors.device, position, sampling)
-        right = self.reference[position] if position < len(self.reference) else 0
-        hit = self.accuracy >= 1.0 or float(torch.rand((), generator=self.rng)) < self.accuracy
-        token = right if hit else (right + 1) % self.vocab_size
-        q = None
-        if not sampling.greedy:  # a deterministic proposal: q is one-hot on it
-            q = torch.zeros(self.vocab_size, device=anchors.device)
-            q[token] = 1.0
-        return Draft(token, q)
-
-    def _draft_on_device(self, device, position: torch.Tensor, sampling) -> Draft:
-        """`draft` at a device position (spd.runtime.device_loop): the same draws, no host
-        read of the position."""
-        table, ids = self._tables(device)
+    def draft(self, anchors, types, start, position, sampling, uniform, last=None) -> Draft:
+        """reference[position] (0-d int64 on the device: no host read), or with probability
+        1 - accuracy the next id; under sampling q is one-hot on it."""
+        table, ids = self._tables(anchors.device)
         right = table.index_select(0, position.reshape(1)).reshape(())
         token = right
         if self.accuracy < 1.0:
-            hit = torch.rand((), generator=self.rng).to(device) < self.accuracy
+            hit = torch.rand((), generator=self.rng).to(anchors.device) < self.accuracy
             token = torch.where(hit, right, (right + 1) % self.vocab_size)
         q = None if sampling.greedy else (ids == token).to(torch.float32)
         return Draft(token, q)

@@ -28,7 +28,10 @@ class PDMStepGraphs:
         self.device = w.device
         self.start = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.cos, self.sin = pdm._rope_for(cache.capacity, w)
-        self.set = GraphSet(self.device, "PDM step", lambda a, t: self._eager(a, t, self.start))
+        # the row whose logits are read (the window's newest; a short prompt's window runs past it)
+        self.last = torch.zeros(1, dtype=torch.int64, device=self.device)
+        self.set = GraphSet(self.device, "PDM step",
+                            lambda a, t: self._eager(a, t, self.start, self.last))
         self.weights_key = None
 
     @property
@@ -56,16 +59,21 @@ class PDMStepGraphs:
             self.set.clear()
             self.weights_key = key
 
-    def _eager(self, anchors, types, start):
+    def _eager(self, anchors, types, start, last):
         feats = self.pdm.features(anchors, types)
         return pdm_step(feats, self.pdm.kernel_weights(), self.cache.k, self.cache.v, start,
-                        self.cos, self.sin)
+                        self.cos, self.sin, last=last)
 
-    def run(self, anchors: torch.Tensor, types: torch.Tensor, start) -> torch.Tensor:
-        """Draft logits of the last row [Vd] for rows anchors [m, R, d] with types [R] at
-        positions start..start+R-1 (rows from `start` on are rewritten). `start`: an int, or
-        an int64 tensor [1] on the device (the device loop: copied, never read)."""
+    def run(self, anchors: torch.Tensor, types: torch.Tensor, start, last=None) -> torch.Tensor:
+        """Draft logits [Vd] of row `last` ([1] int64; None: the last row) for rows anchors
+        [m, R, d] with types [R] at positions start..start+R-1 (rows from `start` on are
+        rewritten). `start`: an int, or an int64 tensor [1] on the device (copied, never
+        read)."""
         rows = anchors.shape[1]
+        if last is None:
+            self.last.fill_(rows - 1)
+        else:
+            self.last.copy_(last.reshape(1))
         if isinstance(start, torch.Tensor):
             self.start.copy_(start.reshape(1))
             self.cache.set_length(self.start)
@@ -74,4 +82,4 @@ class PDMStepGraphs:
             self.cache.reserve(start, rows)  # raises an overflow clearly
             self.start.fill_(start)
         logits = self.set.run(rows, anchors, types)
-        return self._eager(anchors, types, start) if logits is None else logits
+        return self._eager(anchors, types, start, self.last) if logits is None else logits

@@ -274,10 +274,11 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         return self.lm_head(self.norm(x)).float() if head else self.norm(x)
 
     @torch.no_grad()
-    def step(self, features: torch.Tensor, start, cache) -> torch.Tensor:
-        """Run rows at positions start.. through the layers; return draft logits of the last row.
-        `start`: an int, or an int64 tensor [1] on the device (never read on the host: the
-        device loop keeps its rows inside the cache by construction).
+    def step(self, features: torch.Tensor, start, cache, last=None) -> torch.Tensor:
+        """Run rows at positions start.. through the layers; return draft logits of the last row,
+        or of row `last` (int64 [1] on the device). `start`: an int, or an int64 tensor [1] on
+        the device (never read on the host: a decode cycle keeps its rows inside the cache by
+        construction).
 
         Runs spd_kernels.pdm_step (backends per spd_kernels.dispatch): the layers of
         `forward_train`, cached (tests/kernels/test_pdm_step.py holds them equal)."""
@@ -289,20 +290,21 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         else:
             cos, sin = self._rope_for(start + rows, features)
             cache.reserve(start, rows)
-        return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin)
+        return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin,
+                        last=last)
 
     @torch.no_grad()
-    def tree_step(self, features: torch.Tensor, positions: list[int], slots: torch.Tensor,
-                  prefix_len: int, tree_mask: torch.Tensor, leaves: torch.Tensor,
+    def tree_step(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                  prefix_len, tree_mask: torch.Tensor, leaves: torch.Tensor,
                   cache) -> torch.Tensor:
-        """`step` over the rows of a token tree (spd.runtime.tree): features [R, hidden] at
-        positions [R] (int64), row r into cache slot slots[r]; each row attends to the cache's
-        rows [0, prefix_len) and to its ancestors and itself among the rows (tree_mask [R, R])
-        -> draft logits [len(leaves), Vd] of the rows `leaves` ([k] int64)."""
-        cos, sin = self._rope_for(max(positions) + 1, features)
-        at = torch.tensor(positions, device=features.device)
+        """`step` over the rows of a token tree (spd.runtime.drafting): features [R, hidden] at
+        positions [R] (int64, on the device), row r into cache slot slots[r]; each row attends
+        to the cache's rows [0, prefix_len) and to its ancestors and itself among the rows
+        (tree_mask [R, R]) -> draft logits [len(leaves), Vd] of the rows `leaves` ([k] int64)."""
+        cos, sin = self._rope_for(cache.capacity, features)
         return pdm_tree_step(features, self.kernel_weights(), cache.k, cache.v, slots,
-                             prefix_len, tree_mask, cos[at], sin[at], leaves)
+                             prefix_len, tree_mask, cos.index_select(0, positions),
+                             sin.index_select(0, positions), leaves)
 
     @torch.no_grad()
     def pack_qkv_(self) -> "PipelineDraftModule":

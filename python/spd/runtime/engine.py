@@ -1,8 +1,9 @@
-"""The SPD engine (single process): prefill, fill, steady state, verify, rollback, refill.
+"""The SPD engine (single process): prefill, then the cycle (spd.runtime.cycle) with every stage
+in this process, each on a CUDA stream of its own (`LocalStages`).
 
-Stages run one after another here (one process), so this engine proves the algorithm and its
-accounting rather than the wall-clock gain; the distributed runtime runs the same schedule with
-one rank per stage. An autoregressive path (`generate_ar`) uses the same stages and caches.
+Stages share one device here, so this engine proves the algorithm and its accounting rather than
+the wall-clock gain; the distributed runtime runs the same cycle with one rank per stage. An
+autoregressive path (`generate_ar`) uses the same stages and caches.
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from spd import env
 from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import DEFAULT_MIN_LEN as DEFAULT_LOOKUP
 from spd.draft.pdm import (
@@ -27,14 +29,15 @@ from spd.model.partition import DepthLayout
 from spd.model.prompt import encode_request_prompt
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
-from spd.runtime.device_loop import DEFAULT_AHEAD, DeviceLoop, LocalCycleStages, unsupported
+from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
+from spd.runtime.driver import peek
 from spd.runtime.request import check_prompt
-from spd.runtime.sequence import PhaseTimer, SequenceDecode, StageRunner
+from spd.runtime.sequence import Sequence, check_tree_width
 from spd.runtime.stopping import StopRule
 from spd.runtime.streaming import TextStream
-from spd.runtime.tree import TreeDecode, check_tree_width
-from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
-from spd.runtime.verdict import Verdict, pick, read_verdict
+from spd.runtime.types import DecodeStats, GenerationResult, PhaseTimer, SamplingParams
+from spd.runtime.unit import LIVE, StageStep, UnitFormat
+from spd.runtime.verdict import pick
 
 
 class SPDEngine:
@@ -48,22 +51,21 @@ class SPDEngine:
     (weight-only quantised copies, spd_kernels.quant: half the weight bytes of bf16; the output
     is unchanged, only the acceptance may move); None leaves a given PDM as it is ("model" for
     one the engine loads).
-    device_loop: run the chain's cycles with their control on the device, `ahead` cycles
-    launched past the one the host has read (spd.runtime.device_loop; what it does not run
-    yet runs on the host loop, with a warning naming it).
+    tree_width: candidate rows per position (1: a chain; spd.runtime.drafting). ahead: cycles
+    launched past the one the host has read (spd.runtime.cycle).
     """
 
     def __init__(self, target: TargetModel, n_stages: int = 4, split=None, anchors=None,
                  pdm=None, pdm_layers: int | None = None, debug_poison: bool = False,
                  warn_untrained: bool = True, lookup: int = DEFAULT_LOOKUP,
                  draft_weights: str | None = None, tree_width: int = 1,
-                 device_loop: bool = False, ahead: int = DEFAULT_AHEAD):
+                 ahead: int = DEFAULT_AHEAD):
         if draft_weights is not None:  # a bad value fails before anything loads
             check_draft_weights(draft_weights)
         self.tree_width = check_tree_width(tree_width)
         if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
             raise SPDError(f"ahead is a number of cycles >= 0, got {ahead!r}")
-        self.device_loop, self.ahead = bool(device_loop), ahead
+        self.ahead = ahead
         if tree_width > 1 and target.hybrid:
             raise SPDError("tree drafting (tree width > 1) is not supported on hybrid targets: "
                            "their linear-attention layers keep one recurrent state per stage, "
@@ -78,9 +80,6 @@ class SPDEngine:
         self._stages: list[Stage] = []
         self._ar: ARDecoder | None = None
         self.pdm = None
-        # Called as hook(stages, drafter, tokens, committed_length) after every rollback: lets
-        # tests check that the truncated caches equal a fresh prefill of the committed tokens.
-        self.rollback_hooks: list[Callable] = []
         self.pdm_source = "none"
         if self.n >= 2:
             if pdm is None:  # the checkpoint shipped for this target and layout, if any
@@ -116,16 +115,18 @@ class SPDEngine:
             s.cache.truncate(0)
         return self._stages
 
-    def _prefill(self, stages, ids, dec: SequenceDecode | None = None) -> torch.Tensor:
+    def _prefill(self, stages, ids, seq: Sequence | None = None) -> torch.Tensor:
         """The prompt through every stage as one chunk -> the last stage's output [P, d]; with
-        `dec`, each stage's anchor rows are kept there (the embedding is anchor 0)."""
+        `seq`, each stage's anchor rows are kept there (the embedding is anchor 0)."""
         h = self.target.embed_tokens(ids)
-        if dec is not None:
-            dec.anchors[0, :h.shape[0]] = h
+        if seq is not None:
+            seq.anchors[0, :h.shape[0]] = h
         for s, st in enumerate(stages):
             outs, _ = st.run(h, 0)
-            if dec is not None:
-                dec.keep_anchors(s, 0, [outs[i] for i in LocalStages.anchor_layers_of(st, dec, s)])
+            if seq is not None:
+                first = st.layer_ids.start
+                seq.keep_anchors(s, 0, [outs[b - first - 1]
+                                        for _, b in self.layout.anchors_of_stage(s)])
             h = outs[-1]
         return h
 
@@ -162,7 +163,7 @@ class SPDEngine:
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
         stats = DecodeStats(mode="ar", n=1)
         timer = PhaseTimer(stats.phase_s)
-        gen = torch.Generator(t.device).manual_seed(sampling.seed)  # (SequenceDecode's too)
+        gen = torch.Generator(t.device).manual_seed(sampling.seed)  # (Sequence's too)
         t0 = time.perf_counter()
         h = self._prefill(stages, ids)
         token = pick(t.logits(h[-1:])[0], sampling, gen)
@@ -210,119 +211,55 @@ class SPDEngine:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
                                     stop_token_ids=stop_token_ids)
         ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
-        args = (self.target, self.layout, drafter or self.drafter, ids, max_new, sampling,
-                DecodeStats(mode="spd", n=self.n), on_token, rule)
-        tree = self.tree_width > 1
-        dec = TreeDecode(*args, width=self.tree_width) if tree else SequenceDecode(*args)
-        stages = self._prepare_stages(dec.buffer_rows, self.n)
+        seq = Sequence(self.target, self.layout, drafter or self.drafter, ids, max_new, sampling,
+                       DecodeStats(mode="spd", n=self.n), on_token, rule, self.tree_width)
+        stages = self._prepare_stages(seq.buffer_rows, self.n)
         t0 = time.perf_counter()
-        # Prefill: the prompt through every stage as one chunk; the PDM caches depth-n features.
-        runner = (TreeLocalStages if tree else LocalStages)(self, stages, dec)
-        dec.start(self._prefill(stages, ids, dec)[-1:], t0, runner)
-        why = unsupported(dec) if self.device_loop else "off"
-        if why is None:
-            dec.stats.loop = "device"
-            DeviceLoop(dec, LocalCycleStages(runner), self.ahead).run()
-        else:
-            if self.device_loop:
-                warnings.warn(f"the device loop does not run {why} yet: this decode runs on "
-                              "the host loop", stacklevel=2)
-            dec.run()
-        dec.finish()
-        return self.build_result(dec.out, dec.stats, rule)
+        seq.start(self._prefill(stages, ids, seq)[-1:], t0)
+        Cycle(seq, LocalStages(stages, seq), self.ahead).run()
+        seq.finish()
+        return self.build_result(seq.out, seq.stats, rule)
 
 
-class LocalStages(StageRunner):
-    """The stages in this process, run one after another (SequenceDecode.run's runner). A stage
-    writes its anchor rows into the decode's buffer and hands the next stage its output; greedy
-    with a full window, the last stage judges the next token after its layers."""
+class LocalStages:
+    """Every stage in this process, each on a CUDA stream of its own (Roles): the cycle's
+    in-process transport. Stage s runs the unit the cycle holds for it (`Cycle.units[s]`) on
+    the rows stage s - 1 made last cycle (`inbox[s]`, moved from `outbox[s - 1]` as the cycle
+    begins), and its rows land where the unit's rows live (`Cycle.keep`). On a CPU, where
+    reading is free, it skips a dead unit's stage step (`peek`); under SPD_REPLAY_CHECK it runs
+    every unit, as a CUDA graph does."""
 
-    def __init__(self, engine: SPDEngine, stages: list[Stage], dec: SequenceDecode):
-        t = engine.target
-        self.engine, self.stages, self.dec = engine, stages, dec
-        # the hidden state each in-flight token carries from one stage to the next [C, d]
-        self.carry = torch.zeros(dec.buffer_rows, t.hidden_size, device=t.device, dtype=t.dtype)
-        self.fused = None  # this cycle's verdict from the last stage (token [1], accepted [1])
-        # per stage, which of its layers' outputs are its anchors (in slot order)
-        self.anchor_layers = [self.anchor_layers_of(st, dec, s) for s, st in enumerate(stages)]
+    lockstep = False  # no peers: the host stops launching once it has read the end
+    replayable = capturable = True  # the whole cycle is one CUDA graph on a GPU
+    messages = None
 
-    @staticmethod
-    def anchor_layers_of(stage: Stage, dec: SequenceDecode, s: int) -> list[int]:
-        """Indices into stage `s`'s layer outputs of the anchors it produces, in slot order."""
-        first = stage.layer_ids.start
-        return [b - first - 1 for _, b in dec.layout.anchors_of_stage(s)]
+    def __init__(self, stages: list[Stage], seq: Sequence):
+        t, n, W = seq.target, seq.n, seq.width
+        fmt = UnitFormat(n, W)
+        chain_greedy = seq.sampling.greedy and W == 1
+        self.steps = [StageStep(st, seq.layout, fmt, chain_greedy and s == n - 1)
+                      for s, st in enumerate(stages)]
+        self.local = list(range(n))
+        self.inbox = torch.zeros(n, W, t.hidden_size, device=t.device, dtype=t.dtype)
+        self.outbox = torch.zeros_like(self.inbox)
+        # the last stage's argmax (a greedy chain's verdict), kept where the cycle reads it
+        self.verdict = torch.zeros(1, dtype=torch.int64, device=t.device)
+        self.peek = seq.device.type == "cpu" and not env.replay_check_enabled()
 
-    def advance(self, cycle: int, work: list[tuple[int, int]], judge: bool) -> None:
-        dec, last = self.dec, len(self.stages) - 1
-        self.fused = None
-        for s, p in work:
-            with dec.timer(f"stage_{s}"):
-                x = dec.anchors[0, p:p + 1] if s == 0 else self.carry[p:p + 1]
-                draft = dec.tokens[p + 1:p + 2] if judge and s == last else None
-                outs, verdict = self.stages[s].run(x, p, draft)
-                dec.keep_anchors(s, p, [outs[i] for i in self.anchor_layers[s]])
-                self.carry[p] = outs[-1][0]
-                if verdict is not None:
-                    self.fused = verdict
+    def begin(self, cycle: Cycle) -> None:
+        self.inbox[1:].copy_(self.outbox[:-1])
 
-    def verdict(self, dec: SequenceDecode) -> Verdict:
-        if self.fused is not None:  # greedy: the last stage judged already
-            with dec.timer("verify"):
-                return read_verdict(*self.fused)
-        oldest = dec.sched.start
-        return dec.judge(self.carry[oldest:oldest + 1])
-
-    def rollback(self, length: int) -> None:
-        for st in self.stages:
-            st.cache.truncate(length)
-        for hook in self.engine.rollback_hooks:
-            hook(self.stages, self.dec.drafter, self.dec.tokens, length)
-
-
-class TreeLocalStages(LocalStages):
-    """LocalStages for a token tree (spd.runtime.tree.TreeDecode): each stage runs all of its
-    position's live rows at once under the tree mask (a committed position's one row runs as in
-    the chain), and an accepted row's state moves from its slot to its position."""
-
-    def advance(self, cycle: int, work: list[tuple[int, int]], judge: bool) -> None:
-        dec, dev = self.dec, self.engine.target.device
-        for s, p in work:
-            with dec.timer(f"stage_{s}"):
-                idx, prefix, keys, mask = dec.stage_input(p)
-                at = torch.tensor(idx, device=dev)
-                x = dec.anchors[0, at] if s == 0 else self.carry[at]
-                if p < dec.committed:
-                    outs, _ = self.stages[s].run(x, p)
-                else:
-                    outs = self.stages[s].tree_run(
-                        x, p, at, prefix, torch.tensor(keys, dtype=torch.int64, device=dev),
-                        torch.tensor(mask, dtype=torch.bool, device=dev))
-                for i, j in enumerate(dec.stage_slots[s]):
-                    dec.anchors[j, at] = outs[self.anchor_layers[s][i]]
-                self.carry[at] = outs[-1]
-
-    def verdict(self, dec) -> Verdict:
-        oldest = dec.sched.start
-        return dec.judge(self.carry[oldest:oldest + 1])
-
-    def rollback(self, length: int) -> None:
-        pass  # the caches keep their committed rows; dropped rows are only unreachable now
-
-    def commit_row(self, position: int, slot: int) -> None:
-        self.carry[position] = self.carry[slot]
-        dev = self.carry.device
-        at, frm = torch.tensor([position], device=dev), torch.tensor([slot], device=dev)
-        for st in self.stages:
-            st.commit_rows(at, frm)
-
-    def drop_rows(self, slots: list[int]) -> None:
-        if not (self.engine.debug_poison and slots):
-            return
-        # a debug run: NaN in every dropped row's state, so a read through a wrong tree mask
-        # (or a missed commit copy) spoils the output instead of passing unseen
-        at = torch.tensor(slots, device=self.carry.device)
-        self.carry[at] = float("nan")
-        self.dec.anchors[:, at] = float("nan")
-        for st in self.stages:
-            st.cache.k[:, :, at] = float("nan")
-            st.cache.v[:, :, at] = float("nan")
+    def run(self, cycle: Cycle) -> torch.Tensor:
+        live = peek(cycle.units[:, LIVE]) if self.peek else None
+        for s, step in enumerate(self.steps):
+            head = cycle.units[s]
+            if live is not None and not live[s]:
+                step.skip(head)
+                continue
+            with cycle.roles.on(s + 1):
+                anchors, out, token = step.run(head, None if s == 0 else self.inbox[s])
+                self.outbox[s].copy_(out)
+                cycle.keep(s, anchors, out)
+                if token is not None:
+                    self.verdict.copy_(token)
+        return self.verdict

@@ -2,6 +2,7 @@
 and the result. Both engines, the baselines and the evaluation share these."""
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 from spd.errors import SPDError
@@ -42,9 +43,7 @@ class DecodeStats:
     draft_calls: int = 0       # drafter invocations (their time is phase_s["draft"])
     stage_rows: int = 0        # rows the stages computed in decode cycles (a chain: one per
     #                            in-flight token; a tree: up to its width per stage)
-    tree_width: int = 1        # candidates per position (spd.runtime.tree; 1: the chain)
-    loop: str = "host"         # where the cycle's control ran: "host", or "device"
-    #                            (spd.runtime.device_loop)
+    tree_width: int = 1        # candidates per position (spd.runtime.drafting; 1: the chain)
     new_tokens: int = 0        # all new tokens returned, the prefill's first token included
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -104,3 +103,21 @@ class GenerationResult:
     stats: DecodeStats
     finish_reason: str = "length"  # "stop": EOS, a stop token or a stop string; "length": budget
     text: str | None = None        # the new text, cut before a stop string (when decodable)
+
+
+class PhaseTimer:
+    """Accumulates wall time per phase: `with timer("verify"): ...`."""
+
+    def __init__(self, sink: dict):
+        self.sink = sink
+
+    def __call__(self, phase: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                timer.sink[phase] = timer.sink.get(phase, 0.0) + time.perf_counter() - self.t0
+        return _Ctx()

@@ -1,0 +1,456 @@
+"""The decode cycle, written once: every feature, every runtime, decided on the device.
+
+README, "How a cycle works", as fixed-shape device work whose outcome is data:
+
+  state   `Cycle.state` int64: committed positions, the newest in flight, done, the counts K, N
+          and stage rows, this cycle's committed token, the cycle number, the end cycle, the
+          lookup's counts, then the judged and accepted drafts by draft position [n + 1, 2];
+          `units` [n, H]: the unit each stage runs this cycle (spd.runtime.unit); the lanes of
+          the positions in flight (spd.runtime.drafting.Lanes). The buffers are the
+          sequence's (spd.runtime.sequence).
+  cycle   1. the drafter drafts the children of the newest position from the window's pre-step
+             features (spd.runtime.drafting), beside
+          2. every stage running its unit (`stages`: in this process, each on a stream of its
+             own, or on the stage ranks: spd.distributed.pipeline); their anchor rows and
+             outputs land where each row lives (`keep`);
+          3. the position after the one that left the last stage is judged: greedy, the target's
+             argmax among its live rows; sampling, rejection sampling (a chain) or the tree's
+             recursive rejection against point masses;
+          4. accept: the rows not descending from the accepted one are dropped, and the
+             children enter (unless the accepted branch ends before the newest position: then
+             nothing enters, a gap); reject: the correction enters alone. A rollback is only the
+             lower position of the unit that enters: every cache takes its length from it.
+          Post-step drafting (an ablation) drafts after step 2, one stage deeper.
+  graph   on a GPU (spd.runtime.cycle_graph) the first cycle runs eagerly, the second is
+          captured as one CUDA graph, every later cycle is one replay; SPD_REPLAY_CHECK=1
+          checks on any device that every steady cycle is the same work.
+  host    `run` drives the cycles (spd.runtime.driver): the committed token of each cycle for
+          streaming and stop strings, and whether the decode ended. Cycles past the end change
+          nothing (`done` gates every update). On a CPU, where reading is free, a cycle looks
+          at its units before the stages run and skips the dead ones (`Pipeline.peek`).
+
+Draws: the decode's generator gives W + 2 uniforms every cycle (the draft's, then the
+verifier's: two for a chain, W + 1 for a tree), judged or not, in every runtime.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from spd.errors import InternalError
+from spd.runtime.cycle_graph import CycleGraph
+from spd.runtime.drafting import Drafting, Lanes
+from spd.runtime.driver import STOP, Published, drive, peek
+from spd.runtime.unit import CPOS, CSLOT, END, LIVE, POS, PREFIX, UnitFormat
+from spd.runtime.verdict import vocab_ids
+from spd_kernels import rejection_sample_logits, tree_rejection_sample
+
+FIELDS = ("committed", "newest", "done", "K", "N", "stage_rows", "emitted", "token", "cycle",
+          "end", "lookup_judged", "lookup_accepted")
+(COMMITTED, NEWEST, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN, CYCLE, END_CYCLE, LOOKUP_JUDGED,
+ LOOKUP_ACCEPTED) = range(len(FIELDS))
+DEFAULT_AHEAD = 2
+
+
+class Roles:
+    """The cycle's roles (0: the drafter, i + 1: the i-th stage of this process), each on its own
+    CUDA stream, forked from the current stream at a cycle's start and joined before its
+    verdict: hand-offs by events, so a captured cycle is one graph with a branch per role. On a
+    CPU every method does nothing."""
+
+    def __init__(self, device: torch.device, count: int):
+        self.cuda = device.type == "cuda"
+        self.streams = [torch.cuda.Stream(device) for _ in range(count)] if self.cuda else []
+
+    def fork(self) -> None:
+        if self.cuda:
+            main = torch.cuda.current_stream()
+            for stream in self.streams:
+                stream.wait_stream(main)
+
+    def on(self, role: int):
+        return torch.cuda.stream(self.streams[role]) if self.cuda else nullcontext()
+
+    def join(self, *made) -> None:
+        """The current stream waits for every role; `made`: tensors a role made that it reads
+        (so the allocator keeps them until it has)."""
+        if self.cuda:
+            main = torch.cuda.current_stream()
+            for stream in self.streams:
+                main.wait_stream(stream)
+            for x in made:
+                if isinstance(x, torch.Tensor):
+                    x.record_stream(main)
+
+
+class Cycle:
+    """Runs a sequence's cycles on the device with `stages` (spd.runtime.engine.LocalStages,
+    or the stage ranks: spd.distributed.pipeline), launching up to `ahead` cycles past the one
+    the host reads.
+
+    With peers in lock-step (`stages.lockstep`), the end is a cycle number, END: set on the
+    device in the cycle that ends the decode (or by the host at a stop string or a cancel,
+    `_stop_at`) to `margin` = n + ahead + 1 cycles past it, it travels with the units, and every
+    rank launches exactly the cycles before it (stage s learns it s cycles after stage 0, and
+    reads it `ahead` cycles after that)."""
+
+    def __init__(self, seq, stages, ahead: int = DEFAULT_AHEAD):
+        if ahead < 0:
+            raise InternalError("a negative number of cycles ahead", ahead=ahead)
+        n, W, dev = seq.n, seq.width, seq.device
+        self.seq, self.stages, self.n, self.W, self.ahead = seq, stages, n, W, ahead
+        self.tree, self.R = W > 1, n + 1
+        self.margin = n + ahead + 1
+        self.fmt = UnitFormat(n, W)
+        self.launching = 0  # the cycle being launched
+        self.state = torch.zeros(len(FIELDS) + 2 * (n + 1), dtype=torch.int64, device=dev)
+        self.by_position = self.state[len(FIELDS):].view(n + 1, 2)
+        self.units = torch.zeros(n, self.fmt.size, dtype=torch.int64, device=dev)
+        self.lanes = Lanes(n, W, dev)
+        self.drafting = Drafting(seq, self.lanes)
+        self.lane_ids = torch.arange(W, device=dev)
+        self.first_lane = self.lane_ids == 0
+        self.earlier = self.lane_ids.view(1, -1) < self.lane_ids.view(-1, 1)  # [i, j]: j < i
+        self.key_back = torch.arange(n, device=dev)  # a unit's keys: k positions back
+        self.stop_ids = torch.tensor(sorted(seq.stop.stop_ids) or [-1], dtype=torch.int64,
+                                     device=dev)
+        self.q_ring: torch.Tensor | None = None  # a sampled chain's q by position mod n + 1
+        self.q_ids: torch.Tensor | None = None
+        self.rows = torch.zeros(n, W, dtype=torch.int64, device=dev)  # where unit rows land
+        self.published = Published(ahead + 1, self.state.numel(), dev)
+        self.roles = Roles(dev, 1 + len(stages.local))
+        # a CPU skips a finished decode's cycles (no peers wait for them)
+        self.skip_done = stages.peek and not stages.lockstep
+        self.graph = CycleGraph(self.cycle, dev, "decode cycle", replayable=stages.replayable,
+                                capturable=stages.capturable,
+                                generators=(seq.gen,) if dev.type == "cuda" else (),
+                                messages=stages.messages, thread_local=stages.lockstep)
+        self.cycles = 0
+        self.read_at: list[float] = []  # when the host read each cycle's state
+        self.done_at: float | None = None  # when the host read the cycle that ended the decode
+
+    # --- units -----------------------------------------------------------------------------------
+    def slot(self, position: torch.Tensor, lane) -> torch.Tensor:
+        """The buffer row (and K/V slot) of an uncommitted tree row."""
+        return self.seq.capacity + (position % self.R) * self.W + lane
+
+    def make_unit(self, pos, live, committed_unit, tok, alive, prefix, cpos, cslot,
+                  anc=None) -> torch.Tensor:
+        """A unit header [H] (spd.runtime.unit) of device values: its position (0-d), whether
+        it is live and committed (one row at its position: the first token, a correction),
+        the rows' tokens and liveness [W], the committed prefix (0-d), the commit it carries
+        (0-d each) and, for a tree's children, anc [W, n]: each row's lane k positions back."""
+        f, seq = self.fmt, self.seq
+        trash = seq.trash
+        end = self.state[END_CYCLE:END_CYCLE + 1]
+        head = [pos.view(1), end, live.view(1).to(torch.int64), prefix.view(1), cpos.view(1),
+                cslot.view(1), tok.view(-1)]
+        if self.tree:
+            at_pos = committed_unit & self.first_lane
+            slots = torch.where(alive, torch.where(at_pos, pos, self.slot(pos, self.lane_ids)),
+                                trash)
+            back = pos - self.key_back                                   # [n]
+            valid = (back >= prefix) & ~committed_unit
+            keys = torch.where(valid.view(-1, 1), self.slot(back.view(-1, 1), self.lane_ids),
+                               trash)
+            keys = torch.where((self.key_back == 0).view(-1, 1) & at_pos, pos, keys)
+            own = (self.key_back == 0).view(1, -1, 1) & (self.lane_ids.view(-1, 1, 1)
+                                                         == self.lane_ids.view(1, 1, -1))
+            mask = own
+            if anc is not None:
+                mask = mask | (valid.view(1, -1, 1)
+                               & (anc.view(self.W, self.n, 1) == self.lane_ids))
+            mask = mask & alive.view(-1, 1, 1)
+            head += [slots, keys.view(-1), mask.view(-1).to(torch.int64)]
+        return torch.cat(head)
+
+    def unit_rows(self, units: torch.Tensor, live: torch.Tensor,
+                  committed: torch.Tensor) -> torch.Tensor:
+        """[n, W] where each stage's unit rows keep what the stages make of them: a live row's
+        buffer row (a tree row committed since its unit was sent: its position), else trash."""
+        pos, trash = units[:, POS], self.seq.trash
+        if not self.tree:
+            return torch.where(live, pos, trash).view(self.n, 1)
+        r = pos % self.R
+        alive = self.lanes.alive.index_select(0, r) & live.view(-1, 1)
+        at_pos = ((pos < committed).view(-1, 1)
+                  & (self.lane_ids == self.lanes.clane.index_select(0, r).view(-1, 1)))
+        slot = self.slot(pos.view(-1, 1), self.lane_ids)
+        return torch.where(alive, torch.where(at_pos, pos.view(-1, 1), slot), trash)
+
+    def keep(self, s: int, anchors, out: torch.Tensor) -> None:
+        """Stage s's rows this cycle (anchors: its anchor rows, each [W, d], in slot order; out:
+        its output [W, d], or None where nothing reads it) where its unit's rows live
+        (`rows`)."""
+        seq, at = self.seq, self.rows[s]
+        for i, j in enumerate(seq.stage_slots[s]):
+            seq.anchors[j].index_copy_(0, at, anchors[i])
+        if s == self.n - 1 and out is not None:
+            seq.final.index_copy_(0, at, out)
+
+    # --- the cycle -------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """After `Sequence.start`: the first token is the only unit in flight (stage 0's);
+        stage s > 0 runs a dead unit at P + s in cycle 0 (rewritten before anything reads it)."""
+        seq, st, dev = self.seq, self.state, self.seq.device
+        P = seq.prompt_len
+        st[COMMITTED].fill_(P + 1)
+        st[NEWEST].fill_(P)
+        st[DONE].fill_(int(seq.done))
+        one = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731 (set-up)
+        first = seq.tokens[P:P + 1].expand(self.W)
+        trash = one(seq.trash)
+        self.units[0] = self.make_unit(one(P), one(1).bool(), one(1).bool(), first,
+                                       self.first_lane, one(P), trash, trash)
+        for s in range(1, self.n):
+            self.units[s] = self.make_unit(one(P + s), one(0).bool(), one(0).bool(), first,
+                                           self.first_lane & False, one(P + 1), trash, trash)
+        self.lanes.write(one(P), first, torch.zeros_like(first), torch.zeros(self.W, device=dev),
+                         self.first_lane, self.first_lane & False, one(0), one(1))
+
+    def cycle(self) -> None:
+        """One decode cycle (module docstring)."""
+        seq, n, st = self.seq, self.n, self.state
+        if self.skip_done and peek(st[DONE])[0]:
+            st[EMITTED].fill_(0)
+            return
+        live = st[DONE] == 0
+        committed, newest = st[COMMITTED].clone(), st[NEWEST].clone()
+        start = committed - 1
+        u = torch.rand(self.W + 2, generator=seq.gen, device=st.device)
+        ulive = (self.units[:, LIVE] == 1) & live
+        occ = torch.where(ulive, self.units[:, POS], -1)   # the position at each depth
+        full = occ[n - 1] >= 0
+        self.rows = self.unit_rows(self.units, ulive, committed)
+        self.stages.begin(self)
+        self.roles.fork()
+        children = None
+        if not seq.post_step:
+            with self.roles.on(0):
+                children = self.drafting.draft(newest, start, occ, 0, u[0], committed)
+        verdict = self.stages.run(self)
+        made = () if children is None else (children.tok, children.q, children.score)
+        self.roles.join(*made, verdict)
+        if seq.post_step:  # features one stage deeper: after this cycle's steps
+            children = self.drafting.draft(newest, start, occ, 1, u[0], committed)
+        self._commit(children, verdict, u, live, committed, newest, full)
+
+    def _judge(self, c_tok, c_alive, verdict, start, rj, u):
+        """(committed token, accepted, lane) of the judged position's candidates c_tok [W]
+        (live where c_alive), from the final state of `start` (or, a greedy chain, the last
+        stage's argmax `verdict`)."""
+        seq, s = self.seq, self.seq.sampling
+        zero = torch.zeros((), dtype=torch.int64, device=c_tok.device)
+        if s.greedy and not self.tree:
+            target = verdict.view(())
+        else:
+            logits = seq.target.logits(seq.final.index_select(0, start.view(1)))  # [1, V]
+            if s.greedy:
+                target = logits[0].argmax()
+        if s.greedy:
+            match = c_alive & (c_tok == target)
+            return target, match.any(), match.to(torch.int64).argmax()
+        if not self.tree:
+            ids = self.q_ids if self.q_ids is not None else vocab_ids(logits.shape[-1],
+                                                                      logits.device)
+            tok, ok = rejection_sample_logits(
+                logits, self.q_ring.index_select(0, rj), ids, c_tok[:1], u[1:3].view(1, 2),
+                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
+            return tok.view(()), ok.view(()), zero
+        # live rows first, in lane order (the order of their scores); a judged position's rows
+        # share one parent, so their tokens differ, but a cycle that judges nothing (filling,
+        # past the end) may see stale rows: a repeated token is padding there
+        order = torch.sort((~c_alive).to(torch.int64), stable=True).indices
+        tok, live = c_tok.index_select(0, order), c_alive.index_select(0, order)
+        seen = ((tok.view(-1, 1) == tok.view(1, -1)) & live.view(1, -1) & self.earlier).any(1)
+        cands = torch.where(live & ~seen, tok, -1)
+        tok, which = tree_rejection_sample(logits[0], cands, u[1:], s.temperature, s.top_k,
+                                           s.top_p)
+        return tok.view(()), (which >= 0).view(()), order.index_select(0, which.clamp(min=0))
+
+    def _commit(self, ch, verdict, u, live, committed, newest, full) -> None:
+        """Judge, commit, and lay out the next cycle: the unit that enters stage 0, the lanes,
+        the counts and the state."""
+        seq, L, st, n, W = self.seq, self.lanes, self.state, self.n, self.W
+        trash = seq.trash
+        start, j = committed - 1, committed
+        rj = (j % self.R).view(1)
+        count = newest - start + 1
+        if ch.q is not None:  # a sampled chain: q waits for its judgement by position
+            if self.q_ring is None:  # the first draft fixes q's size (one allocation)
+                self.q_ring = torch.zeros(self.R, ch.q.numel(), device=ch.q.device)
+                self.q_ids = ch.q_ids
+            self.q_ring.index_copy_(0, ((newest + 1) % self.R).view(1), ch.q.view(1, -1))
+        # 3. the judged position's candidates: its rows in flight, or after a gap this cycle's
+        #    children (known before they enter)
+        in_flight = j <= newest
+        c_tok = torch.where(in_flight, L.tok.index_select(0, rj).view(W), ch.tok)
+        c_alive = torch.where(in_flight, L.alive.index_select(0, rj).view(W), ch.alive)
+        c_look = torch.where(in_flight, L.look.index_select(0, rj).view(W), ch.look)
+        fill = torch.where(in_flight, L.fill.index_select(0, rj).view(()), count)
+        token, ok, lane = self._judge(c_tok, c_alive, verdict, start, rj, u)
+        full = full & live
+        ok = ok & full
+        rejected = full & ~ok
+        acc_in, acc_gap = ok & in_flight, ok & ~in_flight
+        made = st[N] + full
+        ended = full & ((token == self.stop_ids).any() | (made + 1 >= seq.max_new))
+        going = live & ~ended
+        # 4. what survives an accepted row: its descendants, up to `keep`
+        keep = torch.where(acc_in, j, newest) if self.tree else newest
+        child_ok = ch.alive
+        if self.tree:
+            chosen = self.lane_ids == lane
+            L.alive.index_copy_(0, rj, torch.where(acc_in, chosen, L.alive.index_select(0, rj)
+                                                   .view(W)).view(1, W))
+            L.clane.index_copy_(0, rj, torch.where(acc_in, lane, L.clane.index_select(0, rj)
+                                                   .view(())).view(1))
+            leaf, alive = torch.where(newest == j, chosen, False), chosen
+            for t in range(1, n):
+                p = j + t
+                r = (p % self.R).view(1)
+                a = (L.alive.index_select(0, r).view(W) & (p <= newest)
+                     & alive.index_select(0, L.par.index_select(0, r).view(W)))
+                L.alive.index_copy_(0, r, torch.where(acc_in, a, L.alive.index_select(0, r)
+                                                      .view(W)).view(1, W))
+                keep = torch.where(acc_in & a.any(), p, keep)
+                leaf = torch.where(p == newest, a, leaf)
+                alive = a
+            child_ok = child_ok & torch.where(acc_in, leaf.index_select(0, ch.par), True)
+        draft_in = going & (~full | (acc_in & (keep == newest))) & child_ok.any()
+        commit_in = going & (rejected | acc_gap)
+        enters = draft_in | commit_in
+        new_newest = torch.where(draft_in, newest + 1,
+                                 torch.where(commit_in, j, torch.where(acc_in, keep, newest)))
+        enter = torch.where(commit_in, j, torch.where(draft_in, newest + 1, new_newest + 1))
+        e_tok = torch.where(commit_in, torch.where(self.first_lane, token, 0), ch.tok)
+        e_alive = torch.where(commit_in, self.first_lane, child_ok) & enters
+        L.write(enter, e_tok, ch.par, torch.where(commit_in, 0.0, ch.score), e_alive,
+                ch.look & ~commit_in, torch.where(commit_in, 0, -1), count)
+        # the buffers: the committed token at its position, the entering rows' tokens and
+        # embeddings where they live; a tree's accepted row moves to its position
+        seq.tokens.index_copy_(0, torch.where(full, j, trash).view(1), token.view(1))
+        if self.tree:
+            e_rows = torch.where(e_alive, torch.where(commit_in & self.first_lane, enter,
+                                                      self.slot(enter, self.lane_ids)), trash)
+            src = self.slot(j, lane).view(1)
+            seq.anchors.index_copy_(1, torch.where(acc_in, j, trash).view(1),
+                                    seq.anchors.index_select(1, src))
+        else:
+            e_rows = torch.where(enters, enter, trash).view(1)
+        seq.tokens.index_copy_(0, e_rows, e_tok)
+        seq.anchors[0].index_copy_(0, e_rows, seq.target.embed_tokens(e_tok))
+        # the counts: the judged draft by draft position, the lookup's, N, K, the stage rows
+        self.by_position.index_add_(0, fill.view(1),
+                                    torch.stack([full, ok]).view(1, 2).to(torch.int64))
+        if seq.lookup_min:
+            looked = torch.where(ok, c_look.index_select(0, lane.view(1)).view(()),
+                                 (c_look & c_alive).any()) & full
+            st[LOOKUP_JUDGED] += looked
+            st[LOOKUP_ACCEPTED] += looked & ok
+        st[STAGE_ROWS] += torch.where(live, (self.rows != trash).sum(), 0)
+        done = ~live | ended
+        st[COMMITTED] = committed + full
+        st[NEWEST] = new_newest
+        st[DONE] = done.to(torch.int64)
+        st[K] += live
+        st[N] = made
+        st[EMITTED] = full.to(torch.int64)
+        st[TOKEN] = token
+        st[CYCLE] += 1
+        st[END_CYCLE] = torch.where((st[END_CYCLE] == 0) & ended, st[CYCLE] + self.margin,
+                                    st[END_CYCLE])
+        # the next cycle's units: the one entering stage 0, then each stage's moved one on
+        # (those past the last surviving position, or all after a rejection, die)
+        anc = None
+        if self.tree:  # each child's lane k positions back: itself, then its leaf's ancestors
+            last = newest - (newest - n).clamp(min=0)  # the newest's offset in the window
+            back = (last - self.key_back + 1).clamp(min=0, max=n)  # (k = 0: the row itself)
+            anc = ch.anc.index_select(0, ch.par).index_select(1, back)
+            anc[:, 0] = self.lane_ids
+        prefix = torch.where(commit_in, j, committed + full)
+        cpos = torch.where(acc_in, j, trash) if self.tree else trash_of(j, trash)
+        cslot = torch.where(acc_in, self.slot(j, lane), trash) if self.tree else cpos
+        head = self.make_unit(enter, enters, commit_in, e_tok, e_alive, prefix, cpos, cslot, anc)
+        bound = torch.where(rejected, -1, torch.where(acc_in, keep, newest))
+        moved = self.units[:-1].clone()
+        moved[:, LIVE] = ((moved[:, LIVE] == 1) & (moved[:, POS] <= bound) & ~done).to(
+            torch.int64)
+        self.units.copy_(torch.cat([head.view(1, -1), moved]))
+
+    # --- the host's side -------------------------------------------------------------------------
+    def launch(self, cycle: int, end: int | None = None) -> None:
+        """Cycle number `cycle` (from 0): a replay of the captured cycle where there is one. The
+        last cycle before the end (`end`, once known) sends nothing on from a stage of this
+        process: it runs eagerly."""
+        self.launching = cycle
+        last = self.stages.lockstep and end is not None and cycle == end - 1
+        self.stages.last = last
+        if last and self.stages.local:
+            self.cycle()
+        else:
+            self.graph.launch()
+        self.published.publish(cycle, self.state)
+
+    def _stop_at(self, cycle: int) -> None:
+        """The host ends the decode (the first token ended it, a stop string, a cancel) before
+        launching `cycle`: the cycles from there change nothing, and unless the device has set
+        the end already, it is `margin` cycles after this one."""
+        st = self.state
+        st[DONE].fill_(1)
+        st[END_CYCLE] = torch.where(st[END_CYCLE] == 0, cycle + self.margin, st[END_CYCLE])
+
+    def run(self) -> None:
+        """Cycles until the device or the host (a stop string, a cancel) ends the decode; with
+        peers in lock-step, then on to the end cycle."""
+        seq, lockstep = self.seq, self.stages.lockstep
+        self.begin()
+        if seq.done:
+            self.done_at = time.perf_counter()
+            if not lockstep:
+                return
+            self._stop_at(0)  # the first token ended it: the peers still run to the end
+        self.counted: list[int] | None = None
+        self.launched = 0
+
+        def read(c: int):
+            got = self.published.read(c)
+            self.read_at.append(time.perf_counter())
+            if not seq.done:
+                self.counted = got
+                if got[EMITTED]:
+                    seq.emit(got[TOKEN])
+                if got[DONE] and not seq.done:
+                    raise InternalError("the device ended the decode where the host's stop "
+                                        "rule did not", token=got[TOKEN], emitted=len(seq.out))
+                if seq.done:
+                    self.done_at = time.perf_counter()
+                    if lockstep and not got[DONE]:
+                        self._stop_at(c + 1 + self.ahead)
+            if not lockstep:
+                return STOP if seq.done else None
+            return got[END_CYCLE] or None
+
+        self.cycles = drive(self.launch, read, self.ahead)
+        if self.counted is not None:
+            self._count(self.counted)
+
+    def _count(self, got: list[int]) -> None:
+        """The last read cycle's counts into the sequence's stats."""
+        stats = self.seq.stats
+        stats.K, stats.N, stats.stage_rows = got[K], got[N], got[STAGE_ROWS]
+        stats.draft_calls = got[K]
+        stats.lookup_judged, stats.lookup_accepted = got[LOOKUP_JUDGED], got[LOOKUP_ACCEPTED]
+        by = got[len(FIELDS):]
+        for fill in range(self.n + 1):
+            judged, accepted = by[2 * fill], by[2 * fill + 1]
+            if judged:
+                stats.by_position[fill] = [judged, accepted]
+            stats.drafts_judged += judged
+            stats.drafts_accepted += accepted
+
+
+def trash_of(like: torch.Tensor, trash: int) -> torch.Tensor:
+    return torch.full_like(like, trash)

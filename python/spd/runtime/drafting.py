@@ -1,0 +1,221 @@
+"""The draft step of a cycle: the rows that enter stage 0 next, as fixed-shape device work.
+
+Terms.
+  window    the drafter's rows this cycle: the n + 1 positions w0 .. w0 + n, w0 = max(newest - n,
+            0), each with W lanes (a chain: one). Positions up to the oldest in flight (`start`)
+            are committed, one row each, with their final features below `start`; those in
+            flight have the depth they are at; positions past the newest (a prompt shorter than
+            n) are dead rows, never read. The rows under the window are in the drafter's cache,
+            final. So every cycle drafts the same shapes, whatever the schedule.
+  lane      a row's index among its position's rows; with the position it names the row. The
+            lanes' tokens, parents (the lane at the position before), cumulative draft
+            log-probabilities and liveness are kept by position mod (n + 1) (`Lanes`).
+  children  what is drafted for position newest + 1: a chain's one token (the drafter's guess,
+            or the context lookup's where the gate trusts it more: spd.draft.lookup), or a
+            token tree's W most probable (leaf, token) pairs by cumulative draft
+            log-probability, the lookup's token for the most probable leaf competing at the log
+            of its trust.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from spd.draft.lookup import TRUST, propose_on_device
+from spd_kernels import filtered_probs
+
+
+@dataclass
+class Children:
+    """The rows drafted for the next position: W lanes (a chain: one), all on the device."""
+    tok: torch.Tensor      # [W] int64
+    par: torch.Tensor      # [W] int64: the parent's lane at the newest position
+    score: torch.Tensor    # [W] float32: cumulative draft log-probability (a chain: 0)
+    alive: torch.Tensor    # [W] bool
+    look: torch.Tensor     # [W] bool: the context lookup proposed it
+    q: torch.Tensor | None = None      # a sampled chain: the draft distribution [Vq]
+    q_ids: torch.Tensor | None = None  # its columns as target ids (None: every id)
+    anc: torch.Tensor | None = None    # a tree: [W, n + 1] each leaf's ancestor lane per window
+    #                                    offset (what the unit's tree mask is made of)
+
+
+class Lanes:
+    """The rows of the positions in flight, by position mod (n + 1) and lane: tok, par, score,
+    alive, look [n + 1, W]; clane [n + 1] the committed lane (-1: not committed); fill [n + 1]
+    the tokens in flight when the position was drafted (its draft position)."""
+
+    def __init__(self, n: int, width: int, device):
+        R, W = n + 1, width
+        self.n, self.R, self.W = n, R, W
+        self.tok = torch.zeros(R, W, dtype=torch.int64, device=device)
+        self.par = torch.zeros(R, W, dtype=torch.int64, device=device)
+        self.score = torch.zeros(R, W, dtype=torch.float32, device=device)
+        self.alive = torch.zeros(R, W, dtype=torch.bool, device=device)
+        self.look = torch.zeros(R, W, dtype=torch.bool, device=device)
+        self.clane = torch.full((R,), -1, dtype=torch.int64, device=device)
+        self.fill = torch.zeros(R, dtype=torch.int64, device=device)
+
+    def write(self, position: torch.Tensor, tok, par, score, alive, look, clane, fill) -> None:
+        """Position `position` (0-d) gets these rows ([W] each; clane, fill: 0-d)."""
+        r = (position % self.R).view(1)
+        for table, value in ((self.tok, tok), (self.par, par), (self.score, score),
+                             (self.alive, alive), (self.look, look)):
+            table.index_copy_(0, r, value.view(1, self.W).to(table.dtype))
+        self.clane.index_copy_(0, r, clane.view(1))
+        self.fill.index_copy_(0, r, fill.view(1))
+
+
+class Drafting:
+    """Drafts the children of the newest position for one sequence (spd.runtime.sequence) with
+    the cycle's lane tables."""
+
+    def __init__(self, seq, lanes: Lanes):
+        self.seq, self.lanes = seq, lanes
+        n, W, dev = seq.n, seq.width, seq.device
+        self.n, self.W, self.tree = n, W, W > 1
+        self.offsets = torch.arange(n + 1, device=dev)
+        self.lane_ids = torch.arange(W, device=dev)
+        self.stage_ids = torch.arange(n, device=dev)
+        if seq.lookup_min:
+            self.trust = torch.tensor(TRUST, device=dev)
+            self.log_trust = self.trust.log()
+        # the token trees' PDM rows past its cache's positions (rewritten every cycle)
+        self.pdm_slots = seq.capacity + self.offsets.view(-1, 1) * W + self.lane_ids
+        self.eye = torch.eye((n + 1) * W, dtype=torch.bool, device=dev)
+        self.vocab_ids = torch.arange(seq.target.vocab_size, device=dev)
+
+    def window(self, newest, start, occ, extra: int):
+        """(positions [n + 1], w0 [1], last [1]: the newest's offset, types [n + 1]) of this
+        cycle's window; types one stage deeper when `extra` (post-step features)."""
+        seq, n = self.seq, self.n
+        w0 = (newest - n).clamp(min=0).view(1)
+        pos = w0 + self.offsets
+        # depth: n under the window's in-flight rows, else the stage whose unit holds it
+        at = (occ.view(1, n) == pos.view(-1, 1)).to(torch.int64)
+        depth = torch.where(pos < start, n, (at * self.stage_ids).sum(1))
+        types = seq.type_of_depth[(depth + extra).clamp(max=n)]
+        return pos, w0, newest - w0, types
+
+    def draft(self, newest, start, occ, extra: int, uniform, committed) -> Children:
+        pos, w0, last, types = self.window(newest, start, occ, extra)
+        if self.tree:
+            return self._tree(pos, w0, last, types, start, committed, newest)
+        return self._chain(pos, w0, last, types, newest, committed, uniform)
+
+    # --- a chain ---------------------------------------------------------------------------------
+    def _chain(self, pos, w0, last, types, newest, committed, uniform) -> Children:
+        seq = self.seq
+        window = seq.anchors.index_select(1, pos)
+        d = seq.drafter.draft(window, types, w0, newest + 1, seq.sampling, uniform, last)
+        token, q, q_ids = d.token.view(()), d.q, d.q_ids
+        used = torch.zeros((), dtype=torch.bool, device=seq.device)
+        if seq.lookup_min:
+            found, length = propose_on_device(seq.tokens, committed, newest, seq.lookup_min)
+            used = length > 0
+            if d.p is not None:  # the gate: the lookup's token where the PDM is less sure
+                used = used & (d.p < self.trust.index_select(0, length.view(1)).view(()))
+            if q is not None:  # one-hot on the lookup's token, over every target id (one shape
+                # every cycle: the token may be outside the drafter's columns)
+                ids = self.vocab_ids
+                if q_ids is not None:
+                    q = torch.zeros(ids.shape[0], dtype=q.dtype, device=q.device).index_copy_(
+                        0, q_ids, q)
+                q, q_ids = torch.where(used, (ids == found).to(q.dtype), q), None
+            token = torch.where(used, found, token)
+        one = torch.ones(1, dtype=torch.bool, device=seq.device)
+        return Children(token.view(1), torch.zeros(1, dtype=torch.int64, device=seq.device),
+                        torch.zeros(1, device=seq.device), one, used.view(1), q, q_ids)
+
+    # --- a token tree ----------------------------------------------------------------------------
+    def _ancestors(self, pos, start):
+        """(alive [n + 1, W], anc [n + 1, W, n + 1]: the lane of row (k, l)'s ancestor at offset
+        k' <= k) of the window's rows; committed rows are lane 0."""
+        L, n, W = self.lanes, self.n, self.W
+        r = pos % (n + 1)
+        committed = (pos <= start).view(-1, 1)
+        alive = torch.where(committed, self.lane_ids == 0, L.alive.index_select(0, r))
+        par = L.par.index_select(0, r)                 # [n + 1, W]: each row's parent lane
+        cur = self.lane_ids.expand(n + 1, W)
+        steps = [cur]
+        for t in range(1, n + 1):                      # one position back per step
+            at = (self.offsets - t + 1).clamp(min=0)   # the position whose parent is taken
+            up = par.index_select(0, at).gather(1, cur)
+            cur = torch.where((pos.index_select(0, (self.offsets - t).clamp(min=0)) <= start)
+                              .view(-1, 1), 0, up)
+            steps.append(cur)
+        T = torch.stack(steps)                          # [t, k, l]
+        back = self.offsets.view(-1, 1) - self.offsets.view(1, -1)  # [k, k'] = t
+        anc = T[back.clamp(min=0), self.offsets.view(-1, 1)]         # [k, k', l]
+        return alive, anc.permute(0, 2, 1)
+
+    def _tree(self, pos, w0, last, types, start, committed, newest) -> Children:
+        seq, L, n, W = self.seq, self.lanes, self.n, self.W
+        trash = seq.trash
+        real = (pos <= newest).view(-1, 1)
+        alive, anc = self._ancestors(pos, start)
+        alive = alive & real
+        before = (self.offsets.view(-1, 1) >= self.offsets.view(1, -1))   # k' <= k
+        mask = (before.view(n + 1, 1, n + 1, 1)
+                & (anc.unsqueeze(-1) == self.lane_ids)                   # [k, l, k', l']
+                & alive.view(n + 1, W, 1, 1) & alive.view(1, 1, n + 1, W))
+        R = (n + 1) * W
+        # a dead row sees itself alone (never NaN; no live row sees it)
+        mask = mask.reshape(R, R) | self.eye
+        committed_row = (pos <= start).view(-1, 1)
+        slot = seq.capacity + (pos % (n + 1)).view(-1, 1) * W + self.lane_ids
+        buf = torch.where(alive, torch.where(committed_row, pos.view(-1, 1), slot), trash)
+        pdm = torch.where(alive, torch.where(committed_row, pos.view(-1, 1), self.pdm_slots),
+                          trash)
+        leaves = last * W + self.lane_ids
+        logits = seq.drafter.tree_logits(
+            seq.anchors.index_select(1, buf.view(-1)), types.repeat_interleave(W),
+            pos.repeat_interleave(W), pdm.view(-1), w0, mask, leaves)
+        return self._children(logits, leaves, alive.view(-1), anc, last, pos, newest, start,
+                              committed)
+
+    def _children(self, logits, leaves, alive, anc, last, pos, newest, start, committed):
+        seq, L, n, W, s = self.seq, self.lanes, self.n, self.W, self.seq.sampling
+        leaf_alive = alive.index_select(0, leaves)
+        r_new = (newest % (n + 1)).view(1)
+        uncommitted = newest > start
+        base = torch.where(uncommitted, L.score.index_select(0, r_new).view(W), 0.0)
+        base = torch.where(leaf_alive, base, float("-inf"))
+        if s.greedy:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        else:
+            logp = filtered_probs(logits, s.temperature, s.top_k, s.top_p).log()
+        top, cols = logp.topk(min(W, logp.shape[-1]), dim=-1)   # [W leaves, per]
+        per = top.shape[1]
+        ids = seq.drafter.pdm.draft_to_target.index_select(0, cols.reshape(-1)).view(W, per)
+        # a dead leaf's logits are never read (they may be anything, NaN included)
+        scores = torch.where(leaf_alive.view(W, 1), base.view(W, 1) + top, float("-inf")).view(-1)
+        parents = self.lane_ids.view(W, 1).expand(W, per).reshape(-1)
+        tokens = ids.reshape(-1)
+        leaf_anc = anc.index_select(0, last).view(W, n + 1)   # [leaf, k']
+        look_tok = torch.zeros((), dtype=torch.int64, device=seq.device)
+        look_score = torch.full((), float("-inf"), device=seq.device)
+        best = base.argmax()
+        if seq.lookup_min:
+            # the best leaf's branch: committed tokens, then its uncommitted ancestors
+            branch = leaf_anc.index_select(0, best.view(1)).view(n + 1)
+            mine = L.tok.index_select(0, pos % (n + 1)).gather(1, branch.view(-1, 1)).view(-1)
+            where_ = torch.where((pos > start) & (self.offsets <= last), pos, seq.trash)
+            ctx = seq.tokens.clone().index_copy_(0, where_, mine)
+            look_tok, length = propose_on_device(ctx, committed, newest, seq.lookup_min)
+            trust = self.trust.index_select(0, length.view(1)).view(())
+            pmax = logp.index_select(0, best.view(1)).amax().exp()
+            use = (length > 0) & ((trust >= 1.0) | (pmax < trust))
+            look_score = torch.where(use, base.index_select(0, best.view(1)).view(())
+                                     + self.log_trust.index_select(0, length.view(1)).view(()),
+                                     float("-inf"))
+            # the lookup's token replaces the same child of the same leaf (at its trust)
+            dup = use & (parents == best) & (tokens == look_tok)
+            scores = torch.where(dup, float("-inf"), scores)
+        all_scores = torch.cat([look_score.view(1), scores])
+        all_tok = torch.cat([look_tok.view(1), tokens])
+        all_par = torch.cat([best.view(1), parents])
+        order = torch.sort(all_scores, descending=True, stable=True).indices[:W]
+        score = all_scores.index_select(0, order)
+        return Children(all_tok.index_select(0, order), all_par.index_select(0, order),
+                        score, score > float("-inf"), order == 0, anc=leaf_anc)
