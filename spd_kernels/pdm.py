@@ -79,12 +79,13 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
              last: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
     """Rows features [T, hidden] at positions start.. through every layer -> draft logits of the
     last row [Vd] (fp32), or of row `last` (int64 [1] on the device: a window that runs past
-    the newest row, whose later rows are never read). k_cache/v_cache [layers, kv_heads, S, head_dim] get the rows' keys and
-    values; cos/sin are the full RoPE tables. `backend` picks the backend of every op of the step
-    (qkv_rope_append, cache_attention, fused_linear, fused_swiglu; None: the dispatcher's
-    choice). `start` is an int, or an int64 tensor of one element: with a tensor nothing in the
-    step reads the position on the host (a CUDA graph of it replays at any position). Quantised
-    weights (scales in `weights`, spd_kernels.quant) go to the ops that read them."""
+    the newest row, whose later rows are never read). k_cache/v_cache [layers, kv_heads, S,
+    head_dim] get the rows' keys and values; cos/sin are the full RoPE tables. `backend` picks
+    the backend of every op of the step (qkv_rope_append, cache_attention, fused_linear,
+    fused_swiglu; None: the dispatcher's choice). `start` is an int, or an int64 tensor of one
+    element: with a tensor nothing in the step reads the position on the host (a CUDA graph of
+    it replays at any position). Quantised weights (scales in `weights`, spd_kernels.quant) go
+    to the ops that read them."""
     if not isinstance(start, torch.Tensor):
         start = int(start)
     x = features

@@ -269,33 +269,33 @@ class ReferenceDecoder:
         return 0 if at <= start else lane
 
     def _tree_children(self, start, newest, w0, pos, types):
-        n, W, t = self.n, self.W, self.t
-        live = [[q <= newest and (l == 0 if q <= start else self.rows[q][l] is not None)
-                 for l in range(W)] for q in pos]
+        n, W = self.n, self.W
+        live = [[q <= newest and (ln == 0 if q <= start else self.rows[q][ln] is not None)
+                 for ln in range(W)] for q in pos]
         R = (n + 1) * W
         mask = torch.eye(R, dtype=torch.bool)
         for k, q in enumerate(pos):
-            for l in range(W):
-                if not live[k][l]:
+            for ln in range(W):
+                if not live[k][ln]:
                     continue
                 for k2 in range(k + 1):
-                    a = self._ancestor(q, l, pos[k2], start)
+                    a = self._ancestor(q, ln, pos[k2], start)
                     if live[k2][a]:
-                        mask[k * W + l, k2 * W + a] = True
+                        mask[k * W + ln, k2 * W + a] = True
         buf, slots = [], []
         for k, q in enumerate(pos):
-            for l in range(W):
-                if not live[k][l]:
+            for ln in range(W):
+                if not live[k][ln]:
                     buf.append(self.trash)
                     slots.append(self.trash)
                 elif q <= start:
                     buf.append(q)
                     slots.append(q)
                 else:
-                    buf.append(self._slot(q, l))
-                    slots.append(self.capacity + k * W + l)
+                    buf.append(self._slot(q, ln))
+                    slots.append(self.capacity + k * W + ln)
         last = newest - w0
-        leaves = torch.tensor([last * W + l for l in range(W)])
+        leaves = torch.tensor([last * W + ln for ln in range(W)])
         logits = self.drafter.tree_logits(
             self.anchors[:, buf], torch.tensor(types).repeat_interleave(W),
             torch.tensor(pos).repeat_interleave(W), torch.tensor(slots), torch.tensor([w0]),
@@ -416,11 +416,11 @@ class ReferenceDecoder:
             unit.prefix = committed
             unit.slots = [self._slot(p, i) if r is not None else self.trash
                           for i, r in enumerate(children)]
-            unit.keys = [self._slot(p - k, l) if p - k >= committed else self.trash
-                         for k in range(n) for l in range(W)]
-            unit.mask = [[r is not None and (l == i if k == 0 else
-                          p - k >= committed and self._ancestor(p, i, p - k, committed - 1) == l)
-                          for k in range(n) for l in range(W)] for i, r in enumerate(children)]
+            unit.keys = [self._slot(p - k, ln) if p - k >= committed else self.trash
+                         for k in range(n) for ln in range(W)]
+            unit.mask = [[r is not None and (ln == i if k == 0 else
+                          p - k >= committed and self._ancestor(p, i, p - k, committed - 1) == ln)
+                          for k in range(n) for ln in range(W)] for i, r in enumerate(children)]
             for i, r in enumerate(children):
                 if r is not None:
                     self.tokens[self._slot(p, i)] = r.token

@@ -67,7 +67,7 @@ class GraphSet:
         if self.failed is not None:
             return None
         if torch.cuda.is_current_stream_capturing():
-            # inside a graph of a whole cycle (spd.runtime.device_loop): the eager step is
+            # inside a graph of a whole cycle (spd.runtime.cycle): the eager step is
             # what that graph records (a graph cannot be captured inside another's capture)
             return None
         entry = self.graphs.get(key)

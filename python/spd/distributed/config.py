@@ -92,7 +92,7 @@ class DistConfig:
     lookup: int = DEFAULT_LOOKUP
     # What the draft step reads (spd.draft.pdm.DRAFT_WEIGHTS): "model", "int8" or "fp8".
     draft_weights: str = "model"
-    # Candidate rows per position (spd.runtime.tree; 1: a chain of drafts).
+    # Candidate rows per position (spd.runtime.drafting; 1: a chain of drafts).
     tree_width: int = 1
     # Test and benchmark hook (spd.distributed.emulate): every stage forward and draft step
     # becomes a fixed wait of this many seconds; emulate_wait "sleep" (host) or "spin" (CUDA).

@@ -74,7 +74,7 @@ class RemoteStages:
             inject_fault(self.fault)
         sends = [] if 0 in self.local else [(cycle.units[0], 1, UNIT_TAG)]
         recvs = [(buf, s + 1, SNAP_TAG) for s, buf in self.snaps.items()]
-        works = self.rt.exchange(sends, recvs, c)
+        works = self.rt.exchange(sends, recvs)
         self.posted = [(s, buf, work) for (s, buf), work in zip(self.snaps.items(), works)]
 
     def run(self, cycle: Cycle) -> torch.Tensor:
@@ -109,7 +109,7 @@ class RemoteStages:
                 return
             sends = [(self.outbox, S + 2, UNIT_TAG)] if S < self.n - 1 else []
             recvs = [(self.inbox, S, UNIT_TAG)] if S > 0 else []
-            for work in self.rt.exchange(sends, recvs, cycle.launching):
+            for work in self.rt.exchange(sends, recvs):
                 self.rt.order(work, S, "cycle unit")
 
 

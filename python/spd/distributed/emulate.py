@@ -1,4 +1,4 @@
-"""Emulated compute: what the protocol alone costs (a test and benchmark hook).
+"""Emulated compute: what the runtime alone costs (a test and benchmark hook).
 
 With `DistConfig.emulate_s = F` every stage forward and every draft step become a fixed wait of
 F seconds, so a cycle's time beyond F is the runtime's own: communication, control, bookkeeping,

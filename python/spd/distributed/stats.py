@@ -66,7 +66,7 @@ def breakdown(rt: Endpoint, stats: DecodeStats, cycle_s: list[float], draft_s: l
                       "prefill_ms": st["prefill_s"] * ms,
                       **({"graph": st["graph"]} if "graph" in st else {})})
     placement = rt.config.placement
-    # world_size counts the roles (ranks of the protocol); processes the devices they run on
+    # world_size counts the roles (ranks of the messages); processes the devices they run on
     return {"world_size": rt.world, "processes": placement.processes,
             "draft_on_stage": placement.draft_on_stage, "backend": rt.backend,
             "draft_rank": DRAFT_RANK,

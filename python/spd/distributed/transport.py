@@ -52,12 +52,11 @@ class CommError(RuntimeError):
 
 
 class _PendingSend(NamedTuple):
-    """A posted send, waited for once its epoch is old (see Runtime.flush_sends)."""
+    """A posted send, waited for by Endpoint.flush_sends."""
     work: object
     peer: int
     tensor: torch.Tensor | None  # kept alive until the send completes (None: a group's,
     # whose buffers their owner keeps)
-    epoch: int
 
 
 class Runtime(FaultHandling):
@@ -189,16 +188,16 @@ class Endpoint:
                                           "posting a receive"), host, tensor)
         return self._post(dist.irecv, tensor, process, group, tag, "posting a receive")
 
-    def isend(self, tensor, dst: int, tag: int, epoch: int = 0) -> None:
+    def isend(self, tensor, dst: int, tag: int) -> None:
         process = self._process(dst)
         group, gloo = self.rt.data_group, self.rt.backend == "gloo"
         self.messages["send", "data"] += 1
         if self._through_host(tensor, gloo):
             tensor = tensor.to("cpu", copy=True)
         work = self._post(dist.isend, tensor, process, group, tag, "posting a send")
-        self._outgoing.append(_PendingSend(work, process, tensor, epoch))
+        self._outgoing.append(_PendingSend(work, process, tensor))
 
-    def exchange(self, sends: list, recvs: list, epoch: int = 0) -> list:
+    def exchange(self, sends: list, recvs: list) -> list:
         """Posts sends [(tensor, dst role, tag)] and receives [(tensor, src role, tag)] at once
         -> the receives' works, in order (`order` each; `flush_sends` the sends). Under NCCL
         they are one group (batch_isend_irecv): NCCL runs its messages in posting order on
@@ -209,7 +208,7 @@ class Endpoint:
         if self.rt.backend != "nccl":
             works = [self.irecv(t, src, tag) for t, src, tag in recvs]
             for t, dst, tag in sends:
-                self.isend(t, dst, tag, epoch)
+                self.isend(t, dst, tag)
             return works
         ops = []
         for (t, peer, tag), op, way in [(m, dist.isend, "send") for m in sends] + \
@@ -222,34 +221,19 @@ class Endpoint:
         except RuntimeError as exc:
             raise CommError(first, "posting messages", exc) from exc
         for work in works:  # the sends complete with the group (NCCL coalesces it: one work)
-            self._outgoing.append(_PendingSend(work, first, None, epoch))
+            self._outgoing.append(_PendingSend(work, first, None))
         return [works[0]] * len(recvs) if len(works) == 1 else works[len(sends):]
 
-    def sending(self, tensor: torch.Tensor | None) -> bool:
-        """Whether a send from `tensor`'s memory is still pending (not flushed): it must not be
-        written (protocol.Ring). A send staged through a host copy is not from it."""
-        if tensor is None:
-            return False
-        ptr = tensor.data_ptr()
-        return any(item.tensor is not None and item.tensor.data_ptr() == ptr
-                   for item in self._outgoing)
-
-    def flush_sends(self, before: int | None = None, host: bool = True) -> None:
-        """Wait for the sends of epochs (cycles or units) < before (all when None). Waiting an
-        epoch late keeps these waits off the critical path; a buffer is not reused while its
-        send is pending (protocol.Ring asks `sending`). host=False under NCCL: the current
-        stream waits, not the host (the buffers are rewritten on that stream)."""
-        keep = []
+    def flush_sends(self, host: bool = True) -> None:
+        """Wait for every posted send. host=False under NCCL: the current stream waits, not the
+        host (a cycle's buffers are rewritten on that stream, after its sends)."""
         nccl_stream = not host and self.rt.backend == "nccl"
         for item in self._outgoing:
-            if before is None or item.epoch < before:
-                try:
-                    item.work.wait() if nccl_stream else item.work.wait(self.rt.op_timeout)
-                except Exception as exc:
-                    raise CommError(item.peer, "completion of a send", exc) from exc
-            else:
-                keep.append(item)
-        self._outgoing = keep
+            try:
+                item.work.wait() if nccl_stream else item.work.wait(self.rt.op_timeout)
+            except Exception as exc:
+                raise CommError(item.peer, "completion of a send", exc) from exc
+        self._outgoing = []
 
 
 class _StagedRecv:

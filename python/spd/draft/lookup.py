@@ -78,7 +78,7 @@ class NgramLookup:
 
 
 def propose_on_device(tokens, committed, newest, min_len: int, max_len: int = MAX_LEN):
-    """`NgramLookup.propose` as fixed-shape device work (spd.runtime.device_loop): tokens [C]
+    """`NgramLookup.propose` as fixed-shape device work (spd.runtime.drafting): tokens [C]
     int64, positions < `committed` (0-d int64) committed, then those in flight up to `newest`
     (0-d int64) -> (token, match length), 0-d int64 each; length 0: no match. An earlier
     occurrence of the last k tokens ends at j with a committed successor (j + 1 < committed);

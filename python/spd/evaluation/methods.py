@@ -19,7 +19,7 @@ Each cost is charged where it runs (docs/definitions.md):
           (Costs.balanced_cycle), stage 0 paying t_draft (+ t_head under sampling, it judges
           there) and the last stage t_head when greedy. Its counts are SPD's (the same
           drafters); the split is charged in the cost, as the n-device mode would run it
-  spd-tree  SPD drafting a token tree of width W = TREE_WIDTH (spd.runtime.tree): as spd, every
+  spd-tree  SPD drafting a token tree of width W = TREE_WIDTH (spd.runtime.drafting): as spd, every
           stage's time scaled by t_chunk(W) / t_fwd (a stage computes up to W rows a cycle:
           charged as W rows through the weights cost on this device, measured), t_draft its
           tree step as it ran

@@ -250,7 +250,7 @@ class Stage:
     @torch.no_grad()
     def tree_run(self, hidden: torch.Tensor, position, slots: torch.Tensor, prefix_len,
                  tree_slots: torch.Tensor, tree_mask: torch.Tensor) -> list[torch.Tensor]:
-        """The rows of a token tree at `position` (spd.runtime.tree): hidden [R, d], row r's
+        """The rows of a token tree at `position` (spd.runtime.unit): hidden [R, d], row r's
         K/V into cache slot slots[r] ([R] int64); each row attends to the cache's rows
         [0, prefix_len) and to tree_slots[m] ([M] int64) where tree_mask[r, m] ([R, M] bool)
         -> every layer's output [R, d]. position and prefix_len: ints, or int64 tensors [1] on

@@ -43,7 +43,7 @@ from spd.errors import InternalError
 from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.drafting import Drafting, Lanes
 from spd.runtime.driver import STOP, Published, drive, peek
-from spd.runtime.unit import CPOS, CSLOT, END, LIVE, POS, PREFIX, UnitFormat
+from spd.runtime.unit import LIVE, POS, UnitFormat
 from spd.runtime.verdict import vocab_ids
 from spd_kernels import rejection_sample_logits, tree_rejection_sample
 
@@ -142,7 +142,7 @@ class Cycle:
         it is live and committed (one row at its position: the first token, a correction),
         the rows' tokens and liveness [W], the committed prefix (0-d), the commit it carries
         (0-d each) and, for a tree's children, anc [W, n]: each row's lane k positions back."""
-        f, seq = self.fmt, self.seq
+        seq = self.seq
         trash = seq.trash
         end = self.state[END_CYCLE:END_CYCLE + 1]
         head = [pos.view(1), end, live.view(1).to(torch.int64), prefix.view(1), cpos.view(1),

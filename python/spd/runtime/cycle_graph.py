@@ -1,7 +1,7 @@
 """A decode cycle as one CUDA graph, and the check that a replay would be the cycle.
 
-The device loops (spd.runtime.device_loop on rank 0 or one process, spd.distributed.device_cycle
-on a stage rank) run one fixed cycle again and again. On a GPU the first steady launch runs
+Every process that decodes (rank 0 or the one process: spd.runtime.cycle; a stage rank:
+spd.distributed.stage_rank) runs one fixed cycle again and again. On a GPU the first steady launch runs
 eagerly (it warms every kernel up and makes lazy buffers), the second is captured as one CUDA
 graph, and every launch from then on replays it. A replay repeats the captured launches on the
 same memory: that is right only when every steady cycle is the same work, op for op, on the
@@ -37,7 +37,7 @@ from spd_kernels.opdef import called_as_ops
 
 
 class CycleGraph:
-    """Launches `cycle()` (a steady cycle of a device loop): eagerly, then as one CUDA graph's
+    """Launches `cycle()` (a steady decode cycle): eagerly, then as one CUDA graph's
     replays where it is `replayable` (the same work every cycle: checked under
     SPD_REPLAY_CHECK), `capturable` (its device and transport can be recorded: not gloo, whose
     messages are host work) and graphs are on (spd.cuda_graphs.graphs_enabled).

@@ -150,7 +150,7 @@ class Drafting:
         return alive, anc.permute(0, 2, 1)
 
     def _tree(self, pos, w0, last, types, start, committed, newest) -> Children:
-        seq, L, n, W = self.seq, self.lanes, self.n, self.W
+        seq, n, W = self.seq, self.n, self.W
         trash = seq.trash
         real = (pos <= newest).view(-1, 1)
         alive, anc = self._ancestors(pos, start)

@@ -1,7 +1,7 @@
 """What a drafter's held-out top-1 agreement projects for decoding, without decoding.
 
 A drafter whose drafts made at fill level f (f = 1..n tokens in flight) are accepted with
-probability a(f), independently, gives the pipeline (spd.runtime.schedule) a renewal process:
+probability a(f), independently, gives the pipeline (spd.runtime.cycle) a renewal process:
 after a rejection the pipeline refills, so the next judged drafts were made at fills 1, 2, ...,
 n, n, ...; each judgment commits one token and each rejection costs n - 1 cycles without one.
 With R the judgments from one refill to the next rejection (that one included),
