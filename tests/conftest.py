@@ -219,6 +219,53 @@ class RecordingDrafter(PDMDrafter):
         return self.ref.draft(anchors, types, start, position, sampling, uniform, last)
 
 
+# --- where the stages run: one test set for every runtime ----------------------------------------
+# "process": every stage in this process (spd.runtime.engine.LocalStages); "ranks": n stage ranks
+# and rank 0 (gloo, self-launched); "stage": n ranks, the draft on stage n // 2 (--draft-on-stage)
+PLACES = ("process", "ranks", "stage")
+
+
+def engine_for(factory, n: int, width: int = 1, lookup: int = 0, ahead: int = 2):
+    """The one-process engine on factory(0) (a tiny target factory(rank) -> TargetModel)."""
+    from spd import SPDEngine
+    return SPDEngine(factory(0), n_stages=n, tree_width=width, lookup=lookup, ahead=ahead,
+                     warn_untrained=False)
+
+
+def request_drafter(req, engine):
+    """A GenerateRequest's drafter on `engine` (spd.distributed.rank.run_requests' rule)."""
+    if req.drafter is not None:
+        return req.drafter(engine)
+    if req.reference is not None:
+        return ReferenceDrafter(req.reference, req.reference_accuracy, req.reference_seed)
+    return None
+
+
+def decode_in(place: str, factory, n: int, requests, *, width: int = 1, lookup: int = 0,
+              ahead: int = 2, timeout: float = 300.0):
+    """The GenerationResults of `requests` (spd.distributed.config.GenerateRequest) with the
+    stages `place`d (PLACES). `factory(rank)` makes the target in every process: picklable."""
+    from functools import partial
+
+    from spd.distributed.config import DistConfig
+    from spd.distributed.launch import launch_local
+    from spd.distributed.rank import run_requests
+    if place == "process":
+        eng = engine_for(factory, n, width, lookup, ahead)
+        return [eng.generate(r.prompt_ids, r.max_new_tokens, r.sampling,
+                             drafter=request_drafter(r, eng), stop_token_ids=r.stop_token_ids)
+                for r in requests]
+    config = DistConfig(n_stages=n, target_factory=factory, tree_width=width, lookup=lookup,
+                        ahead=ahead, fault_timeout=10.0, op_timeout=120.0, threads=1,
+                        draft_on_stage=n // 2 if place == "stage" else None)
+    return launch_local(config, partial(run_requests, list(requests)), timeout=timeout)
+
+
+def tiny_factory(seed: int, rank: int, vocab: int = 48, layers: int = 4):
+    """make_tiny_target for every rank (partial(tiny_factory, seed) is picklable)."""
+    return make_tiny_target(seed=seed, vocab=vocab, layers=layers)
+
+
 def check_stages_match_hf(t, stages, vocab: int = 40) -> None:
     """A 9-row prompt chunk, then 4 tokens one at a time (the decode pattern), through `stages`
     (fresh, covering every layer of `t`): each layer's output and the logits equal HF's."""

@@ -55,6 +55,7 @@ class ReferenceDecoder:
         self.W = engine.tree_width if width is None else width
 
     # --- set-up ---------------------------------------------------------------------------------
+    @torch.no_grad()
     def generate(self, prompt: list[int], max_new: int, sampling, drafter=None,
                  stop_token_ids=None):
         t, n, W = self.t, self.n, self.W

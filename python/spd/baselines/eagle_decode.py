@@ -24,8 +24,7 @@ from spd.errors import SPDError
 from spd.model.target import Stage, TargetModel
 from spd.runtime.engine import SPDEngine
 from spd.runtime.request import check_prompt
-from spd.runtime.sequence import PhaseTimer
-from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
+from spd.runtime.types import DecodeStats, GenerationResult, PhaseTimer, SamplingParams
 from spd.runtime.verdict import pick
 from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
 from spd_kernels.verify import scatter_draft_probs

@@ -167,3 +167,4 @@ class GenerateRequest:
     reference_seed: int = 0
     # a test's own drafter: drafter(engine: SPDEngine) -> drafter, made on rank 0 (picklable)
     drafter: Callable | None = None
+    stop_token_ids: list[int] | None = None

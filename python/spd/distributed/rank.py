@@ -36,7 +36,8 @@ def run_requests(requests: list[GenerateRequest], engine: DistributedSPDEngine,
         if req.drafter is not None:
             drafter = req.drafter(engine.engine)
         results.append(engine.generate(req.prompt_ids, req.max_new_tokens, req.sampling,
-                                       drafter=drafter, on_token=tick))
+                                       drafter=drafter, on_token=tick,
+                                       stop_token_ids=req.stop_token_ids))
     return results
 
 

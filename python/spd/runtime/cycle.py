@@ -87,14 +87,15 @@ class Roles:
 
 class Cycle:
     """Runs a sequence's cycles on the device with `stages` (spd.runtime.engine.LocalStages,
-    or the stage ranks: spd.distributed.pipeline), launching up to `ahead` cycles past the one
-    the host reads.
+    or the stage ranks: spd.distributed.draft_rank.RemoteStages), launching up to `ahead`
+    cycles past the one the host reads.
 
     With peers in lock-step (`stages.lockstep`), the end is a cycle number, END: set on the
     device in the cycle that ends the decode (or by the host at a stop string or a cancel,
-    `_stop_at`) to `margin` = n + ahead + 1 cycles past it, it travels with the units, and every
-    rank launches exactly the cycles before it (stage s learns it s cycles after stage 0, and
-    reads it `ahead` cycles after that)."""
+    `_stop_at`) to `margin` = n + ahead + 1 cycles past the next one, it travels with the
+    units from the next cycle on, and every rank launches exactly the cycles before it (stage s
+    learns it s cycles after stage 0, and reads it `ahead` cycles after that: it knows the end
+    before it launches the last cycle, which sends nothing on)."""
 
     def __init__(self, seq, stages, ahead: int = DEFAULT_AHEAD):
         if ahead < 0:
@@ -114,6 +115,8 @@ class Cycle:
         self.first_lane = self.lane_ids == 0
         self.earlier = self.lane_ids.view(1, -1) < self.lane_ids.view(-1, 1)  # [i, j]: j < i
         self.key_back = torch.arange(n, device=dev)  # a unit's keys: k positions back
+        self.steps = torch.arange(1, n, device=dev)  # the positions after a judged one
+        self.steps_back = self.steps.view(-1, 1, 1).expand(n - 1, W, 1).contiguous()
         self.stop_ids = torch.tensor(sorted(seq.stop.stop_ids) or [-1], dtype=torch.int64,
                                      device=dev)
         self.q_ring: torch.Tensor | None = None  # a sampled chain's q by position mod n + 1
@@ -307,17 +310,15 @@ class Cycle:
                                                    .view(W)).view(1, W))
             L.clane.index_copy_(0, rj, torch.where(acc_in, lane, L.clane.index_select(0, rj)
                                                    .view(())).view(1))
-            leaf, alive = torch.where(newest == j, chosen, False), chosen
-            for t in range(1, n):
-                p = j + t
-                r = (p % self.R).view(1)
-                a = (L.alive.index_select(0, r).view(W) & (p <= newest)
-                     & alive.index_select(0, L.par.index_select(0, r).view(W)))
-                L.alive.index_copy_(0, r, torch.where(acc_in, a, L.alive.index_select(0, r)
-                                                      .view(W)).view(1, W))
-                keep = torch.where(acc_in & a.any(), p, keep)
-                leaf = torch.where(p == newest, a, leaf)
-                alive = a
+            # the rows at j + 1 .. j + n - 1 whose ancestor at j is the accepted row live on
+            later = j + self.steps
+            rl = later % self.R
+            descends = L.anc.index_select(0, rl).gather(2, self.steps_back).view(n - 1, W) == lane
+            kept = L.alive.index_select(0, rl) & descends & (later <= newest).view(-1, 1)
+            L.alive.index_copy_(0, rl, torch.where(acc_in, kept, L.alive.index_select(0, rl)))
+            keep = torch.where(acc_in, torch.where(kept.any(1), later, j).amax(), newest)
+            leaf = torch.where(newest == j, chosen, kept.index_select(
+                0, (newest - j - 1).clamp(min=0).view(1)).view(W))
             child_ok = child_ok & torch.where(acc_in, leaf.index_select(0, ch.par), True)
         draft_in = going & (~full | (acc_in & (keep == newest))) & child_ok.any()
         commit_in = going & (rejected | acc_gap)
@@ -328,7 +329,8 @@ class Cycle:
         e_tok = torch.where(commit_in, torch.where(self.first_lane, token, 0), ch.tok)
         e_alive = torch.where(commit_in, self.first_lane, child_ok) & enters
         L.write(enter, e_tok, ch.par, torch.where(commit_in, 0.0, ch.score), e_alive,
-                ch.look & ~commit_in, torch.where(commit_in, 0, -1), count)
+                ch.look & ~commit_in, torch.where(commit_in, 0, -1), count,
+                torch.where(commit_in, 0, ch.anc) if self.tree else None)
         # the buffers: the committed token at its position, the entering rows' tokens and
         # embeddings where they live; a tree's accepted row moves to its position
         seq.tokens.index_copy_(0, torch.where(full, j, trash).view(1), token.view(1))
@@ -364,12 +366,7 @@ class Cycle:
                                     st[END_CYCLE])
         # the next cycle's units: the one entering stage 0, then each stage's moved one on
         # (those past the last surviving position, or all after a rejection, die)
-        anc = None
-        if self.tree:  # each child's lane k positions back: itself, then its leaf's ancestors
-            last = newest - (newest - n).clamp(min=0)  # the newest's offset in the window
-            back = (last - self.key_back + 1).clamp(min=0, max=n)  # (k = 0: the row itself)
-            anc = ch.anc.index_select(0, ch.par).index_select(1, back)
-            anc[:, 0] = self.lane_ids
+        anc = ch.anc[:, :n] if self.tree else None  # each child's lane k positions back
         prefix = torch.where(commit_in, j, committed + full)
         cpos = torch.where(acc_in, j, trash) if self.tree else trash_of(j, trash)
         cslot = torch.where(acc_in, self.slot(j, lane), trash) if self.tree else cpos
@@ -397,10 +394,11 @@ class Cycle:
     def _stop_at(self, cycle: int) -> None:
         """The host ends the decode (the first token ended it, a stop string, a cancel) before
         launching `cycle`: the cycles from there change nothing, and unless the device has set
-        the end already, it is `margin` cycles after this one."""
+        the end already, it is `margin` cycles past the next one (the units made in `cycle`
+        carry it)."""
         st = self.state
         st[DONE].fill_(1)
-        st[END_CYCLE] = torch.where(st[END_CYCLE] == 0, cycle + self.margin, st[END_CYCLE])
+        st[END_CYCLE] = torch.where(st[END_CYCLE] == 0, cycle + 1 + self.margin, st[END_CYCLE])
 
     def run(self) -> None:
         """Cycles until the device or the host (a stop string, a cancel) ends the decode; with

@@ -36,14 +36,16 @@ class Children:
     look: torch.Tensor     # [W] bool: the context lookup proposed it
     q: torch.Tensor | None = None      # a sampled chain: the draft distribution [Vq]
     q_ids: torch.Tensor | None = None  # its columns as target ids (None: every id)
-    anc: torch.Tensor | None = None    # a tree: [W, n + 1] each leaf's ancestor lane per window
-    #                                    offset (what the unit's tree mask is made of)
+    anc: torch.Tensor | None = None    # a tree: [W, n + 1] the lane of each row's ancestor k
+    #                                    positions back (k = 0: its own; Lanes.anc)
 
 
 class Lanes:
     """The rows of the positions in flight, by position mod (n + 1) and lane: tok, par, score,
-    alive, look [n + 1, W]; clane [n + 1] the committed lane (-1: not committed); fill [n + 1]
-    the tokens in flight when the position was drafted (its draft position)."""
+    alive, look [n + 1, W]; anc [n + 1, W, n + 1] the lane of each row's ancestor k positions
+    back (k = 0: its own; kept with the row, so a branch is one gather, never a walk); clane
+    [n + 1] the committed lane (-1: not committed); fill [n + 1] the tokens in flight when the
+    position was drafted (its draft position)."""
 
     def __init__(self, n: int, width: int, device):
         R, W = n + 1, width
@@ -53,15 +55,20 @@ class Lanes:
         self.score = torch.zeros(R, W, dtype=torch.float32, device=device)
         self.alive = torch.zeros(R, W, dtype=torch.bool, device=device)
         self.look = torch.zeros(R, W, dtype=torch.bool, device=device)
+        self.anc = torch.zeros(R, W, R, dtype=torch.int64, device=device)
         self.clane = torch.full((R,), -1, dtype=torch.int64, device=device)
         self.fill = torch.zeros(R, dtype=torch.int64, device=device)
 
-    def write(self, position: torch.Tensor, tok, par, score, alive, look, clane, fill) -> None:
-        """Position `position` (0-d) gets these rows ([W] each; clane, fill: 0-d)."""
+    def write(self, position: torch.Tensor, tok, par, score, alive, look, clane, fill,
+              anc=None) -> None:
+        """Position `position` (0-d) gets these rows ([W] each; clane, fill: 0-d; anc [W, n + 1]
+        for a tree)."""
         r = (position % self.R).view(1)
         for table, value in ((self.tok, tok), (self.par, par), (self.score, score),
                              (self.alive, alive), (self.look, look)):
             table.index_copy_(0, r, value.view(1, self.W).to(table.dtype))
+        if anc is not None:
+            self.anc.index_copy_(0, r, anc.view(1, self.W, self.R))
         self.clane.index_copy_(0, r, clane.view(1))
         self.fill.index_copy_(0, r, fill.view(1))
 
@@ -83,6 +90,9 @@ class Drafting:
         # the token trees' PDM rows past its cache's positions (rewritten every cycle)
         self.pdm_slots = seq.capacity + self.offsets.view(-1, 1) * W + self.lane_ids
         self.eye = torch.eye((n + 1) * W, dtype=torch.bool, device=dev)
+        # [k, l, k']: how far back offset k' lies from offset k (0 past it: masked anyway)
+        back = (self.offsets.view(-1, 1) - self.offsets.view(1, -1)).clamp(min=0)
+        self.back = back.view(n + 1, 1, n + 1).expand(n + 1, W, n + 1).contiguous()
         self.vocab_ids = torch.arange(seq.target.vocab_size, device=dev)
 
     def window(self, newest, start, occ, extra: int):
@@ -131,23 +141,13 @@ class Drafting:
     def _ancestors(self, pos, start):
         """(alive [n + 1, W], anc [n + 1, W, n + 1]: the lane of row (k, l)'s ancestor at offset
         k' <= k) of the window's rows; committed rows are lane 0."""
-        L, n, W = self.lanes, self.n, self.W
+        L, n = self.lanes, self.n
         r = pos % (n + 1)
-        committed = (pos <= start).view(-1, 1)
-        alive = torch.where(committed, self.lane_ids == 0, L.alive.index_select(0, r))
-        par = L.par.index_select(0, r)                 # [n + 1, W]: each row's parent lane
-        cur = self.lane_ids.expand(n + 1, W)
-        steps = [cur]
-        for t in range(1, n + 1):                      # one position back per step
-            at = (self.offsets - t + 1).clamp(min=0)   # the position whose parent is taken
-            up = par.index_select(0, at).gather(1, cur)
-            cur = torch.where((pos.index_select(0, (self.offsets - t).clamp(min=0)) <= start)
-                              .view(-1, 1), 0, up)
-            steps.append(cur)
-        T = torch.stack(steps)                          # [t, k, l]
-        back = self.offsets.view(-1, 1) - self.offsets.view(1, -1)  # [k, k'] = t
-        anc = T[back.clamp(min=0), self.offsets.view(-1, 1)]         # [k, k', l]
-        return alive, anc.permute(0, 2, 1)
+        committed = pos <= start
+        alive = torch.where(committed.view(-1, 1), self.lane_ids == 0,
+                            L.alive.index_select(0, r))
+        anc = L.anc.index_select(0, r).gather(2, self.back)   # [k, l, k']: k - k' back
+        return alive, torch.where(committed.view(1, 1, -1), 0, anc)
 
     def _tree(self, pos, w0, last, types, start, committed, newest) -> Children:
         seq, n, W = self.seq, self.n, self.W
@@ -216,6 +216,9 @@ class Drafting:
         all_tok = torch.cat([look_tok.view(1), tokens])
         all_par = torch.cat([best.view(1), parents])
         order = torch.sort(all_scores, descending=True, stable=True).indices[:W]
-        score = all_scores.index_select(0, order)
-        return Children(all_tok.index_select(0, order), all_par.index_select(0, order),
-                        score, score > float("-inf"), order == 0, anc=leaf_anc)
+        score, par = all_scores.index_select(0, order), all_par.index_select(0, order)
+        # each child's ancestors: itself, then its leaf's (kept with the leaf's row)
+        leaf_rows = L.anc.index_select(0, r_new).view(W, n + 1)
+        anc = torch.cat([self.lane_ids.view(W, 1), leaf_rows.index_select(0, par)[:, :n]], 1)
+        return Children(all_tok.index_select(0, order), par, score, score > float("-inf"),
+                        order == 0, anc=anc)

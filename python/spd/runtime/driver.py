@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from spd.errors import InternalError
+
 STOP = -1  # `read`'s answer when the host has what it needs and no peer waits for more cycles
 
 
@@ -84,8 +86,8 @@ def drive(launch: Callable[[int, int | None], None], read: Callable[[int], int |
         if got == STOP:
             break
         if got:
-            if launched > got:  # a cycle past the end is launched: the peers would desync
-                raise RuntimeError(f"the end cycle {got} was read after {launched} cycles were "
-                                   "launched (an internal fault)")
+            if launched >= got:  # the last cycle went out as a steady one: peers would desync
+                raise InternalError("the end cycle was read too late", end=got,
+                                    launched=launched)
             end = got
     return launched
