@@ -1,16 +1,17 @@
-"""Distributed runtime benchmark: per-cycle breakdown of n stage ranks + 1 draft rank (local ranks).
+"""Distributed runtime benchmark: per-cycle breakdown of n stage ranks + rank 0 (local ranks).
 
 For each n, one local launch (gloo on 127.0.0.1, one process per rank) runs every prompt with the
 reference ("oracle") drafter, which proposes the target's own next token (steady state: every
 cycle full and accepted), and with the untrained PDM (rejections and refills). Outputs are checked
 against autoregressive decoding of the same target. Reported per cycle (ms), from each run's
-breakdown: cycle wall time on the draft rank, the slowest stage forward, the draft, and the
-overhead = cycle - max(draft, slowest stage forward of that cycle): communication, control,
-verification and rollback, i.e. the fixed cost n devices could not hide. K-weighted over prompts.
+breakdown (spd.distributed.stats): the cycle on rank 0 (the interval between its host's reads of
+consecutive cycles' published state: spd.runtime.cycle), each stage rank's median stage step,
+and the overhead = cycle - the slowest stage's median step: messages, the judgement, the
+bookkeeping, i.e. the fixed cost n devices could not hide. K-weighted over prompts.
 
     python benchmarks/bench_distributed.py --stages 2,3 --max-new-tokens 48 --json-out out.json
 
-On a CPU machine with fewer cores than ranks the stage forwards and the draft compete for cores,
+On a CPU machine with fewer cores than ranks the stage steps and the draft compete for cores,
 so cycle times there are an upper bound of what separate devices would see; the overhead column
 is the number this benchmark is for.
 """
@@ -23,10 +24,10 @@ import time
 from functools import partial
 
 import torch
-from harness import run_meta, write_json
+from harness import Table, run_meta, write_json
 
 from spd import SPDEngine
-from spd.distributed.config import SPECULATION_MODES, DistConfig, GenerateRequest
+from spd.distributed.config import DistConfig, GenerateRequest
 from spd.distributed.launch import launch_local
 from spd.distributed.rank import run_requests
 from spd.model.loading import load_target
@@ -64,18 +65,11 @@ def summarise(results) -> dict:
         "decode_s": sum(r.stats.decode_s for r in results),
         "cycle_ms": weighted(results, lambda r: r.stats.distributed["cycle_ms"]["mean"]),
         "cycle_ms_median": weighted(results, lambda r: r.stats.distributed["cycle_ms"]["median"]),
-        "draft_ms": weighted(results, lambda r: r.stats.distributed["draft_ms"]["mean"]),
         "overhead_ms": weighted(results, lambda r: r.stats.distributed["overhead_ms"]["mean"]),
         "overhead_ms_median": weighted(
             results, lambda r: r.stats.distributed["overhead_ms"]["median"]),
-        "comm_control_ms": weighted(
-            results, lambda r: r.stats.distributed["comm_control_ms"]["mean"]),
-        "comm_control_ms_median": weighted(
-            results, lambda r: r.stats.distributed["comm_control_ms"]["median"]),
-        "verify_rollback_ms": weighted(
-            results, lambda r: r.stats.distributed["verify_rollback_ms_per_cycle"]),
         "stage_forward_ms": [weighted(results, lambda r, i=i: r.stats.distributed["ranks"][i]
-                                      ["forward_ms"]["mean"]) for i in range(1, n_ranks)],
+                                      ["forward_ms"]["median"]) for i in range(1, n_ranks)],
         "rank_phase_ms_per_cycle": {},
     }
     for i in range(n_ranks):
@@ -95,9 +89,6 @@ def main() -> int:
                     help="local HF folder; default SmolLM2-135M-Instruct; 'tiny' = a random "
                          "4-layer Llama (measures the fixed per-cycle overhead)")
     ap.add_argument("--stages", default="2,3")
-    ap.add_argument("--control", default="auto,on,off",
-                    help="comma-separated speculative-control modes to compare (the next cycle "
-                         "announced before the draft is judged: auto, on, off)")
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--limit", type=int, default=3)
     ap.add_argument("--json-out", default=None)
@@ -122,47 +113,42 @@ def main() -> int:
         ar_s += r.stats.decode_s
     ar_tok_s = ar_tok / ar_s
     rows = []
-    modes = [c.strip() for c in args.control.split(",") if c.strip()]
-    if not modes or any(c not in SPECULATION_MODES for c in modes):
-        sys.exit(f"--control takes auto, on and/or off, got {args.control!r}")
-    for n, control in [(int(x), c) for x in args.stages.split(",") for c in modes]:
+    for n in [int(x) for x in args.stages.split(",")]:
         warm = [GenerateRequest(ids_list[0], 8)]
         oracle = [GenerateRequest(ids, m, reference=ids + ref) for ids, ref in zip(ids_list, refs)]
         untrained = [GenerateRequest(ids, m) for ids in ids_list]
         config = DistConfig(n_stages=n, model=args.model, fault_timeout=30.0,
-                            threads=args.threads,
-                            speculative_control=control)
+                            threads=args.threads)
         t0 = time.perf_counter()
         res = launch_local(config, partial(run_requests, warm + oracle + untrained), timeout=1800)
         wall = time.perf_counter() - t0
         res = res[1:]
         for name, part in (("oracle", res[:len(ids_list)]), ("untrained-pdm", res[len(ids_list):])):
             assert [r.token_ids for r in part] == refs, f"n={n} {name}: output differs from AR"
-            row = dict(method=name, n=n, control=control, **summarise(part))
-            rows.append(row)
-        print(f"n={n} ({control} control): launch + {2 * len(ids_list) + 1} generations took "
-              f"{wall:.1f} s", file=sys.stderr)
+            rows.append(dict(method=name, n=n, **summarise(part)))
+        print(f"n={n}: launch + {2 * len(ids_list) + 1} generations took {wall:.1f} s",
+              file=sys.stderr)
 
     print(f"\nDistributed runtime on CPU (gloo, 127.0.0.1), {target.name}, {len(ids_list)} prompts x "
           f"{m} new tokens, {os.cpu_count()} cores, {args.threads} thread(s) per process; "
           f"single-process AR: {ar_tok_s:.1f} tok/s")
-    hdr = (f"{'drafter':<15}{'control':<9}{'n':>3}{'N':>5}{'K':>5}{'alpha':>7}{'tok/s':>7}{'cycle':>8}"
-           f"{'stages fwd':>18}{'draft':>7}{'overhead':>10}{'(median)':>9}{'comm+ctl':>9}"
-           f"{'verify':>8}")
-    print(hdr + "\n" + "-" * len(hdr))
+    table = Table([("method", "<15", "drafter"), ("n", ">3"), ("N", ">5"), ("K", ">5"),
+                   ("alpha", ">7.3f"), ("decode_tok_s", ">7.1f", "tok/s"),
+                   ("cycle_ms", ">8.2f", "cycle"), ("stages", ">18", "stage steps"),
+                   ("overhead_ms", ">10.2f", "overhead"), ("overhead_ms_median", ">9.2f",
+                                                           "(median)")])
+    table.print_header()
     for r in rows:
-        fwd = "/".join(f"{x:.1f}" for x in r["stage_forward_ms"])
-        print(f"{r['method']:<15}{r['control']:<9}{r['n']:>3}{r['N']:>5}{r['K']:>5}{r['alpha']:>7.3f}"
-              f"{r['decode_tok_s']:>7.1f}{r['cycle_ms']:>8.2f}{fwd:>18}{r['draft_ms']:>7.2f}"
-              f"{r['overhead_ms']:>10.2f}{r['overhead_ms_median']:>9.2f}"
-              f"{r['comm_control_ms']:>9.2f}{r['verify_rollback_ms']:>8.2f}")
-    print("(ms per cycle; overhead = cycle - max(draft, slowest stage forward); comm+ctl = "
-          "overhead - verify/rollback)")
+        table.print(dict(r, stages="/".join(f"{x:.1f}" for x in r["stage_forward_ms"])))
+    print("(ms per cycle; stage steps: each stage rank's median; overhead = cycle - the slowest "
+          "stage's median step)")
     print("\nEach rank's phases (ms per cycle):")
     for r in rows:
         for rank, ph in r["rank_phase_ms_per_cycle"].items():
+            if not ph:
+                continue
             parts = "  ".join(f"{k}={v:.2f}" for k, v in sorted(ph.items()))
-            print(f"  {r['method']:<14} {r['control']:<9} n={r['n']} {rank}: {parts}")
+            print(f"  {r['method']:<14} n={r['n']} {rank}: {parts}")
     if args.json_out:
         write_json(args.json_out, run_meta("cpu", rank_threads=args.threads, model=target.name,
                                            prompts=prompts, max_new_tokens=m, ar_tok_s=ar_tok_s),

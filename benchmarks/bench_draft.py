@@ -185,6 +185,9 @@ def measured_rows(shape, n: int, pdm_layers: list[int], vocabs: list[int], conte
     types = torch.tensor([types_of_depth[n - i] for i in range(n + 1)], device=device)
     anchors = torch.randn(len(layout.anchors), n + 1, shape.hidden, device=device, dtype=dtype)
     cap = context + n + 8
+    # the window's first position and the drafted one, on the device as the cycle passes them
+    start = torch.tensor([context - n], device=device)
+    position = torch.tensor(context + 1, device=device)
     for ls in pdm_layers:
         for vd in vocabs:
             pdm = random_pdm(shape, layout, ls, vd, None, device, dtype)
@@ -194,8 +197,8 @@ def measured_rows(shape, n: int, pdm_layers: list[int], vocabs: list[int], conte
                 drafter = PDMDrafter(pdm, cuda_graphs=gpu)
                 drafter.begin(cap, shape.vocab)
                 drafter.cache.reserve(0, context - n)
-                draft_us, _ = timer(lambda: drafter.draft(anchors, types, context - n,
-                                                          context + 1, greedy, None))
+                draft_us, _ = timer(lambda: drafter.draft(anchors, types, start, position,
+                                                          greedy, None))
                 mode = "graph" if gpu else "eager (CPU smoke)"
                 if gpu and (drafter.graphs is None or drafter.graphs.failed):
                     mode = "eager (graph capture failed)"

@@ -10,11 +10,12 @@ random weights, at a context of --context tokens already cached:
           the PDM's L_s layers over them, the draft LM head and argmax (draft vocabulary
           --draft-vocab, MLP width --pdm-intermediate, default the target's); on a GPU both
           eagerly and as the CUDA-graph replay the runtime uses there (spd.draft.graphs);
-  verify  spd.runtime.verdict.verify, greedy: final norm + the target's LM head + argmax +
-          compare. Where it runs depends on the sampling: greedy, the last stage judges each
-          draft itself, fused after its layers (its cycle is stage + verify, the draft rank's
-          the draft alone); under sampling the draft rank judges (its cycle is draft + verify,
-          and rejection sampling adds to the verify timed here).
+  verify  spd_kernels.verify_greedy with the target's final norm and LM head: norm + LM head +
+          argmax + compare, as the last stage runs it after its layers. Where it runs depends on
+          the sampling: greedy on a chain, the last stage judges each draft itself (its cycle
+          is stage + verify, the drafter's the draft alone); otherwise rank 0 judges in its
+          cycle (spd.runtime.cycle: draft + verify, and rejection sampling adds to the verify
+          timed here).
 
 Greedy, the draft is hidden when draft <= stage; under sampling when draft + verify <= stage
 (the last column: "yes" for both, "draft only" for greedy alone).
@@ -51,7 +52,7 @@ from spd.model.loading import describe_device  # noqa: E402
 from spd.model.partition import DepthLayout  # noqa: E402
 from spd.model.target import Stage, TargetModel  # noqa: E402
 from spd.runtime.types import SamplingParams  # noqa: E402
-from spd.runtime.verdict import verify  # noqa: E402
+from spd_kernels import verify_greedy  # noqa: E402
 
 
 def stage_target(shape, layers: int, device, dtype) -> TargetModel:
@@ -111,12 +112,17 @@ def measure(args, shape, n: int, pdm_layers: list[int], device, dtype, timer) ->
 
     greedy = SamplingParams()
     draft_tok = torch.zeros(1, dtype=torch.int64, device=device)
-    verify_us, _ = timer(lambda: verify(target, h, draft_tok, None, greedy, None))
+    verify_us, _ = timer(lambda: verify_greedy(h, target.norm.weight, target.rms_eps,
+                                               target.lm_head.weight, draft_tok,
+                                               target.norm_offset))
 
     types_of_depth = [layout.agg_type(k) for k in range(n + 1)]
     # Steady state at fill n: rows [C - n, C] hold depths n, n-1, ..., 0.
     types = torch.tensor([types_of_depth[n - i] for i in range(n + 1)], device=device)
     anchors = torch.randn(len(layout.anchors), n + 1, d, device=device, dtype=dtype)
+    # the window's first position and the drafted one, on the device as the cycle passes them
+    start = torch.tensor([C - n], device=device)
+    position = torch.tensor(C + 1, device=device)
     rows = []
     modes = [("eager", False)] + ([("graph", True)] if device.type == "cuda" else [])
     for ls, width in [(ls, w) for ls in pdm_layers for w in args.widths]:
@@ -125,7 +131,8 @@ def measure(args, shape, n: int, pdm_layers: list[int], device, dtype, timer) ->
             drafter = PDMDrafter(pdm, cuda_graphs=graphs)
             drafter.begin(cap, shape.vocab)
             drafter.cache.reserve(0, C - n)
-            draft_us, _ = timer(lambda: drafter.draft(anchors, types, C - n, C + 1, greedy, None))
+            draft_us, _ = timer(lambda: drafter.draft(anchors, types, start, position, greedy,
+                                                      None))
             if graphs and (drafter.graphs is None or drafter.graphs.failed):
                 mode = "eager (graph capture failed)"
             rank0 = draft_us + verify_us

@@ -1,24 +1,27 @@
 """Protocol benchmark: the distributed runtime's own cost per cycle, with emulated compute.
 
-The real runtime (n stage ranks + rank 0, self-launched, gloo) runs with every stage forward and
-every draft step replaced by a fixed wait of F (spd.distributed.emulate: a host sleep on the CPU,
-so the cores stay free for the ranks' own work). Ideally a cycle then takes F: stage forwards and
-the draft overlap. What it takes beyond F is the protocol: messages, control, bookkeeping,
-verification, rollbacks. Reported per (n, F, drafter): the mean cycle time and (cycle - F) / F.
+The real runtime (n stage ranks + rank 0, self-launched, gloo by default) runs its one decode
+cycle (spd.runtime.cycle; the stage ranks' side: spd.distributed.stage_rank) with every stage
+step and every draft step replaced by a fixed wait of F (spd.distributed.emulate: a host sleep on
+the CPU, so the cores stay free for the ranks' own work). Ideally a cycle then takes F: the stage
+steps and the draft overlap. What it takes beyond F is the runtime's: messages, the judgement,
+the bookkeeping on the device, the host's launches and reads. Reported per (n, F, drafter, draft
+placement): rank 0's cycle (the time between its host's reads of consecutive cycles' published
+state: mean and median), (cycle - F) / F, tokens per F, and each role's messages per cycle.
 Drafters: the reference drafter always right (every cycle full and accepted: the steady state)
-and right half the time (rejections, rollbacks and refills), both proposing the emulated
-target's own continuation.
+and right half the time (rejections and refills), both proposing the emulated target's own
+continuation; every decode is checked against it (the benchmark exits on a difference).
 
     python benchmarks/bench_protocol.py --stages 2,4,8 --emulate-ms 2,5,10 --json-out out.json
-    # n devices against n + 1: the draft rank in stage 0's process as well (--draft-on-stage)
+    # n devices against n + 1: the draft in stage 0's process as well (--draft-on-stage)
     python benchmarks/bench_protocol.py --stages 2,4 --draft-on-stage none,0
-    # the unit protocol against the device loop (every rank in lock-step, no host read)
-    python benchmarks/bench_protocol.py --stages 2,4,8 --loop host,device
     # GPU (ranks sharing one GPU over gloo; see --wait)
     python benchmarks/bench_protocol.py --device cuda --backend gloo --emulate-ms 0.2,0.3,0.6
 
 On a small CPU machine the ranks' own work (Python, gloo, bookkeeping) competes for the cores:
-figures there are an upper bound of what separate hosts would see, and are labelled CPU.
+figures there are an upper bound of what separate hosts would see, and are labelled CPU. The
+JSON (rows of n, F_ms, drafter, draft_on_stage, cycle_ms, ...) is what `spd eval --runtime-from`
+reads (spd.evaluation.cost_model.runtime_overhead).
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Table, run_meta, write_json  # noqa: E402
 
-from spd.distributed.config import SPECULATION_MODES, DistConfig, GenerateRequest  # noqa: E402
+from spd.distributed.config import DistConfig, GenerateRequest  # noqa: E402
 from spd.distributed.emulate import reference_tokens, tiny_target  # noqa: E402
 from spd.distributed.launch import launch_local  # noqa: E402
 from spd.distributed.rank import run_requests  # noqa: E402
@@ -43,11 +46,9 @@ PROMPT = [5, 17, 3, 99, 42, 7, 11, 200]
 SEED = 3
 
 
-def run_one(n: int, f_s: float, args, on_stage: int | None = None,
-            loop: str = "host") -> list[dict]:
-    """One launch of n + 1 ranks (n with the draft on stage `on_stage`) with F = f_s on the
-    `loop` ("host": the unit protocol, "device": spd.distributed.device_cycle): a warm-up, then
-    each drafter's generation."""
+def run_one(n: int, f_s: float, args, on_stage: int | None = None) -> list[dict]:
+    """One launch of n + 1 ranks (n with the draft on stage `on_stage`) with F = f_s: a
+    warm-up, then each drafter's generation."""
     layers = max(8, n)
     target = tiny_target(SEED, layers, device=args.device)
     m = args.max_new_tokens
@@ -60,32 +61,29 @@ def run_one(n: int, f_s: float, args, on_stage: int | None = None,
     config = DistConfig(n_stages=n, target_factory=factory,
                         device=args.device, backend=args.backend, threads=1,
                         fault_timeout=30.0, op_timeout=120.0, lookup=0,
-                        speculative_control=args.control, emulate_s=f_s, emulate_wait=args.wait,
-                        draft_on_stage=on_stage, device_loop=loop == "device",
-                        ahead=args.ahead)
+                        emulate_s=f_s, emulate_wait=args.wait,
+                        draft_on_stage=on_stage, ahead=args.ahead)
     t0 = time.perf_counter()
     res = launch_local(config, partial(run_requests, reqs), timeout=900)[1:]
     wall = time.perf_counter() - t0
     rows = []
+    f_ms = f_s * 1e3
     for (name, _), r in zip(drafters, res):
         if r.token_ids != ref[len(PROMPT):len(PROMPT) + m]:
-            sys.exit(f"n={n} F={f_s * 1e3} ms {name}: tokens differ from the emulated target's")
+            sys.exit(f"n={n} F={f_ms:g} ms {name}: tokens differ from the emulated target's")
         d = r.stats.distributed
-        cycle = d["cycle_ms"]["mean"]
-        f_ms = f_s * 1e3
-        rows.append(dict(n=n, processes=d["processes"], loop=d.get("loop", "host"),
-                         draft_on_stage=on_stage,
-                         F_ms=f_ms, drafter=name, control=args.control, N=r.stats.N,
-                         K=r.stats.K, cycle_ms=cycle, cycle_ms_median=d["cycle_ms"]["median"],
-                         overhead=(cycle - f_ms) / f_ms,
-                         overhead_median=(d["cycle_ms"]["median"] - f_ms) / f_ms,
+        cycle, median = d["cycle_ms"]["mean"], d["cycle_ms"]["median"]
+        rows.append(dict(n=n, processes=d["processes"], draft_on_stage=on_stage, F_ms=f_ms,
+                         drafter=name, N=r.stats.N, K=r.stats.K, cycle_ms=cycle,
+                         cycle_ms_median=median, overhead=(cycle - f_ms) / f_ms,
+                         overhead_median=(median - f_ms) / f_ms,
                          tokens_per_F=r.stats.N * f_ms / (r.stats.decode_s * 1e3),
-                         speculative=d.get("speculative_control"),
-                         messages_per_cycle=d.get("messages_per_cycle"),
+                         ahead=d["ahead"], cycles_run=d["cycles_run"], drain_ms=d["drain_ms"],
+                         messages_per_cycle=d["messages_per_cycle"],
                          rank_phase_ms_per_cycle={x["rank"]: x["phase_ms_per_cycle"]
                                                   for x in d["ranks"]}))
-    print(f"n={n} draft on stage {on_stage} F={f_s * 1e3:g} ms {loop} loop: launch + {len(reqs)} "
-          f"generations took {wall:.1f} s", file=sys.stderr)
+    print(f"n={n} draft on stage {on_stage} F={f_ms:g} ms: launch + {len(reqs)} generations "
+          f"took {wall:.1f} s", file=sys.stderr)
     return rows
 
 
@@ -94,8 +92,6 @@ def main() -> int:
     ap.add_argument("--stages", default="2,4,8")
     ap.add_argument("--emulate-ms", default="2,5,10", help="F, the emulated compute (ms)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--control", default="auto", choices=SPECULATION_MODES,
-                    help="speculative control (the next cycle announced before the judgement)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default=None, help="default: gloo on CPU, nccl on CUDA")
     ap.add_argument("--wait", default="sleep", choices=("sleep", "spin"),
@@ -103,12 +99,9 @@ def main() -> int:
                          "rank only: kernels of processes sharing a GPU are time-sliced)")
     ap.add_argument("--draft-on-stage", default="none",
                     help="comma-separated: none (a draft rank of its own: n + 1 processes) or a "
-                         "stage S whose process also runs the draft rank (n processes)")
-    ap.add_argument("--loop", default="host",
-                    help="comma-separated: host (the unit protocol, rank 0 deciding on the host) "
-                         "or device (the device loop: every rank in lock-step)")
+                         "stage S whose process also runs the draft (n processes)")
     ap.add_argument("--ahead", type=int, default=2,
-                    help="device loop: cycles the host launches past the one it has read")
+                    help="cycles each rank launches past the one its host has read")
     ap.add_argument("--label", default=None, help="a name for this run (e.g. before, after)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
@@ -118,11 +111,9 @@ def main() -> int:
                       for x in args.draft_on_stage.split(",")]
     except ValueError:
         sys.exit(f"--draft-on-stage takes none or stage indices, got {args.draft_on_stage!r}")
-    loops = [x.strip() for x in args.loop.split(",")]
-    if not set(loops) <= {"host", "device"} or args.ahead < 0:
-        sys.exit(f"--loop takes host and/or device, --ahead a count >= 0: got {args.loop!r}, "
-                 f"{args.ahead}")
-    table = Table([("n", ">3"), ("loop", ">7"), ("processes", ">7", "procs"),
+    if args.ahead < 0:
+        sys.exit(f"--ahead takes a count >= 0, got {args.ahead}")
+    table = Table([("n", ">3"), ("processes", ">7", "procs"),
                    ("draft_on_stage", ">8", "draft@"),
                    ("F_ms", ">7.2f", "F ms"), ("drafter", ">14"), ("N", ">5"),
                    ("K", ">5"), ("cycle_ms", ">10.3f", "cycle ms"),
@@ -131,33 +122,26 @@ def main() -> int:
     for n in [int(x) for x in args.stages.split(",")]:
         for f_ms in [float(x) for x in args.emulate_ms.split(",")]:
             for on_stage in placements:
-                for loop in loops:
-                    rows += run_one(n, f_ms * 1e-3, args, on_stage, loop)
+                rows += run_one(n, f_ms * 1e-3, args, on_stage)
     device = "CPU" if args.device == "cpu" else args.device
-    print(f"\nProtocol overhead with emulated compute ({device}, {args.backend or 'default'} "
-          f"backend, {os.cpu_count()} cores, {args.wait} wait, {args.control} control, "
+    print(f"\nRuntime overhead with emulated compute ({device}, {args.backend or 'default'} "
+          f"backend, {os.cpu_count()} cores, {args.wait} wait, ahead {args.ahead}, "
           f"{args.max_new_tokens} new tokens{', ' + args.label if args.label else ''})")
     table.print_header()
     for r in rows:
         table.print(r)
-    print("(cycle: rank 0's mean cycle wall time, the host loop's; the device loop's is the "
-          "interval between the host's reads of the published state; ideal = F, tokens / F = 1 "
-          "for an always-right drafter)")
-    device_rows = [r for r in rows if r["loop"] == "device"]
-    if device_rows:
-        print("\nDevice loop: messages per cycle and role on the process groups (a role of "
-              "the draft's own process goes through its mailbox), the first drafter's run")
-        per_rank = Table([("n", ">3"), ("draft_on_stage", ">8", "draft@"),
-                          ("F_ms", ">7.2f", "F ms"), ("rank", ">5", "role"),
-                          ("send", ">8.3f"), ("recv", ">8.3f"), ("control", ">8.3f")])
-        per_rank.print_header()
-        for r in device_rows[::2]:
-            for rank, m in r["messages_per_cycle"].items():
-                per_rank.print(dict(n=r["n"], draft_on_stage=r["draft_on_stage"],
-                                    F_ms=r["F_ms"], rank=rank,
-                                    send=m.get("send/data", 0.0), recv=m.get("recv/data", 0.0),
-                                    control=m.get("send/control", 0.0)
-                                    + m.get("recv/control", 0.0)))
+    print("(cycle: the interval between rank 0's reads of consecutive cycles' published state; "
+          "ideal = F, tokens / F = 1 for an always-right drafter)")
+    print("\nMessages per cycle and process (the always-right run; a role in rank 0's process "
+          "exchanges nothing with it)")
+    per_rank = Table([("n", ">3"), ("draft_on_stage", ">8", "draft@"), ("F_ms", ">7.2f", "F ms"),
+                      ("rank", ">5"), ("send", ">8.3f"), ("recv", ">8.3f")])
+    per_rank.print_header()
+    for r in rows[::2]:
+        for rank, m in r["messages_per_cycle"].items():
+            per_rank.print(dict(n=r["n"], draft_on_stage=r["draft_on_stage"], F_ms=r["F_ms"],
+                                rank=rank, send=m.get("send/data", 0.0),
+                                recv=m.get("recv/data", 0.0)))
     if args.json_out:
         write_json(args.json_out, run_meta(args.device, label=args.label, wait=args.wait,
                                            backend=args.backend, rank_threads=1,

@@ -1,4 +1,5 @@
-"""Token trees (spd.runtime.tree): the acceptance a width-W tree buys, what W rows cost a stage.
+"""Token trees (spd.runtime.drafting, in the one decode cycle: spd.runtime.cycle): the
+acceptance a width-W tree buys, what W rows cost a stage.
 
 Acceptance (counted, not timed). The single-process engine (spd.SPDEngine(target, n_stages=n,
 tree_width=W), its shipped drafter for n) decodes the held-out prompts (spd.data.datasets
@@ -31,10 +32,10 @@ r // 2 at the position before). --iters timed calls of each (default 20 on a CPU
 in --rounds rounds (5) that time every step in turn, the figure the median of the rounds'
 medians (on a shared machine a change of load falls on all steps alike): perf_counter on a CPU,
 CUDA events with L2 flushed on a GPU. Rows are labelled
-"measured (CPU, eager)" or "measured (GPU, eager)": the runtime does not replay the tree step
-as a CUDA graph yet, so both sides run eagerly; on a GPU the chain's graphed one-row step (what
-a W = 1 decode replays) is given beside it as `chain graph us`, and the tree step captured as a
-stage rank would run it (position and prefix on the device) as `tree graph us`, with
+"measured (CPU, eager)" or "measured (GPU, eager)": both sides run eagerly; on a GPU (where a
+decode replays its whole cycle, stage steps included, as one CUDA graph: spd.runtime.cycle_graph)
+the chain's one-row step captured as its own graph is given beside it as `chain graph us`, and
+the tree step captured with its position and prefix on the device as `tree graph us`, with
 `graph_ratio` = tree graph / chain graph (or `tree_graph_error`: why it could not be
 captured). `ratio` is t(W rows, tree step) /
 t(1 row, chain step); `x tree1` is over the tree step's own one row.
@@ -267,8 +268,8 @@ def stage_step_rows(target, stages: list[int], widths: list[int], context: int,
                                                      keys, mask)
 
         def tree_graph(w: int):
-            """The tree step as a CUDA-graph replay, as a stage rank runs a unit (position and
-            prefix on the device: spd.distributed.stage_rank): (replay or None, why not)."""
+            """The tree step as a CUDA-graph replay, its position and prefix on the device as
+            a unit gives them (spd.runtime.unit): (replay or None, why not)."""
             from spd.cuda_graphs import GraphSet
             a = tree_inputs(context, n, w)
             args = (torch.randn(w, d, generator=g).to(dev, dt),
@@ -428,8 +429,9 @@ def main(argv=None, target=None) -> int:
                     temperature=args.temperature, context=args.context, iters=timer.iters,
                     quick=args.quick, dataset="heldout",
                     note="acceptance rows are counts (alpha, S_theory = n * alpha: no draft "
-                         "cost); stage-step rows are measured eagerly (no graph replay of the "
-                         "tree step yet); decode_tok_s_serial runs every stage in one process")
+                         "cost); stage-step rows time the step alone, eagerly (graph columns: "
+                         "the step captured on its own); decode_tok_s_serial runs every stage "
+                         "in one process")
     print(f"{describe_device(device)}; target {meta['model']}; {target.num_layers} layers")
     rows: list[dict] = []
     if "stage" in args.part_list:

@@ -2,39 +2,43 @@
 # Everything a lent GPU should run, in one call, inside a short device budget. In order of need
 # (a step cut by the budget is skipped, the ones before it keep their results):
 #   0. the environment (nvidia-smi, torch, triton)            -> env.txt
-#   1. build the CUDA extension IN THE BACKGROUND (nvcc, sm_90 + PTX; ~64 s on an H200), into a
+#   1. the one decode cycle's own cost in one process (benchmarks/bench_cycle.py): spin kernels
+#      of F = 200 and 600 us per stage and draft step, n = 2, 4, 8, a chain and a token tree of
+#      W = 4, greedy and sampled; cycle - F against 15 us    -> $OUT/<date>-cycle-<dev>.json
+#      (first, and before the build: its host side is timed, and nvcc would share the cores)
+#   2. build the CUDA extension IN THE BACKGROUND (nvcc, sm_90 + PTX; ~64 s on an H200), into a
 #      staging folder, moved into spd_kernels/ in one rename when done: a benchmark starting
 #      meanwhile sees the extension whole or not at all    -> build.log
-#   2. while it builds, what runs on Triton alone:
-#      2a. the graphed one-row stage step against its floor (3 and 9 layers, attention at 1k
+#   3. while it builds, what runs on Triton alone:
+#      3a. the graphed one-row stage step against its floor (3 and 9 layers, attention at 1k
 #          context; Qwen3-4B and Qwen3-8B shapes)          -> $OUT/<date>-stage-<dev>.json
-#      2b. the same stage rows with programmatic dependent launch (SPD_PDL=1)
+#      3b. the same stage rows with programmatic dependent launch (SPD_PDL=1)
 #                                                          -> $OUT/<date>-stage-pdl-<dev>.json
-#      2c. kernel microbenchmarks of the Triton ops the automatic choice runs (PDM step, dense
+#      3c. kernel microbenchmarks of the Triton ops the automatic choice runs (PDM step, dense
 #          linear / SwiGLU, attention, QKV + RoPE)        -> bench-automatic-triton.{log,json}
-#   3. wait for the build (the rest may pick CUDA kernels)
-#   4. the gpu-marked tests with compiled Triton kernels and the built extension
+#   4. wait for the build (the rest may pick CUDA kernels)
+#   5. the gpu-marked tests with compiled Triton kernels and the built extension
 #                                                          -> gpu-tests.{log,xml}
 #      (pytest-xdist workers when installed, a per-test timeout when pytest-timeout is; a test
 #       that faults a kernel fails alone, tests/cuda_guard.py)
-#   5. the draft step against the stage step, both graphed, bf16, int8 and fp8 draft weights
+#   6. the draft step against the stage step, both graphed, bf16, int8 and fp8 draft weights
 #      (Qwen3-4B and Qwen3-8B shapes, n = 4, 8, L_s = 1, 3, Vd = 32k)
 #                                                          -> $OUT/<date>-draft-<dev>.json
-#   6. the whole-model AR step (its verify is a CUDA kernel) -> $OUT/<date>-stage-ar-<dev>.json
-#   7. kernel microbenchmarks of the ops whose automatic choice is a CUDA kernel (anchor
+#   7. the whole-model AR step (its verify is a CUDA kernel) -> $OUT/<date>-stage-ar-<dev>.json
+#   8. kernel microbenchmarks of the ops whose automatic choice is a CUDA kernel (anchor
 #      projection, greedy verify, KV truncation)          -> bench-automatic-cuda.{log,json}
-#   8. the on-request rows of the PDM step and the anchor projection, one process per op
+#   9. the on-request rows of the PDM step and the anchor projection, one process per op
 #                                                          -> bench-on-request-<op>.{log,json}
-#   9. the engine's decode under CUDA's sync debug mode set to raise (one GPU), the host loop
-#      and the device loop                                  -> no-sync.log
-#  9b. the device loop's cost per cycle (spin kernels of F = 200, 600 us; n = 2, 4, 8; ahead
-#      1, 2, 8)                                             -> $OUT/<date>-device-loop-<dev>.json
-#  10. the on-request rows of the step's other ops, one process per op
-#  11. 2c, 7, 8 and 10 merged, targets and challengers over all rows
+#  10. the engine's decode under CUDA's sync debug mode set to raise: one process
+#      (tests/runtime/test_gpu_no_sync.py), and over NCCL where there are 3+ GPUs (the
+#      distributed tests named for it)                      -> no-sync.log
+#  11. the on-request rows of the step's other ops, one process per op
+#  12. 3c, 8, 9 and 11 merged, targets and challengers over all rows
 #                                                          -> $OUT/<date>-kernels-<dev>.json
 #      (and where a kernel lost the CUDA context: its op once more under compute-sanitizer)
-#  12. if time is left: draft hiding, the distributed protocol's cost, token trees, the rest of
-#      the kernel tests compiled, torch.compile of four references (as before)
+#  13. if time is left: draft hiding, the distributed runtime's cost with emulated compute,
+#      token trees, the rest of the kernel tests compiled, torch.compile of four references
+#      (as before)
 # A kernel never run on a GPU may fault, and a fault takes the process's CUDA context with it: so
 # the on-request rows run apart from the automatic ones and one op per process, and a
 # benchmark stops at a lost context (saying which row lost it) instead of filling its table with
@@ -78,7 +82,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     COMPILE_ARGS=(--models smollm2-135m --ops truncate_kv --iters 1 --warmup 0 --compile on)
     PROTOCOL_ARGS=(--device cpu --stages 2 --emulate-ms 2 --draft-on-stage none,0
                    --max-new-tokens 8)
-    LOOP_ARGS=(--device cpu --n 2 --ahead 2 --tokens 8)
+    CYCLE_ARGS=(--device cpu --n 2 --widths 1,4 --tokens 8)
     TREE_ARGS=(--device cpu --quick --limit 1 --max-new-tokens 8 --context 32 --iters 1
                --warmup 0 --rounds 1)
 else
@@ -110,7 +114,7 @@ EOF
                   --compile on --iters 20)
     PROTOCOL_ARGS=(--device cuda --backend gloo --stages 2,4,8 --emulate-ms 0.3,0.6
                    --draft-on-stage none,0 --max-new-tokens 48)
-    LOOP_ARGS=(--device cuda --n 2,4,8 --spin-us 200,600 --ahead 1,2,8 --tokens 64)
+    CYCLE_ARGS=(--device cuda --n 2,4,8 --widths 1,4 --spin-us 200,600 --tokens 64)
     TREE_ARGS=(--device cuda --stages 4,8 --widths 1,2,4,8 --limit 12 --max-new-tokens 64
                --lookup default --context 512 --iters 30)
 fi
@@ -132,7 +136,11 @@ bench_on_request() {  # bench_on_request CAP OP: one op's on-request rows in a p
         "${KERNEL_ARGS[@]}" --rows on-request --ops "$2" --json-out "$LOGS/bench-on-request-$2.json"
 }
 
-# 1. The CUDA extension, built in the background while the Triton rows run (no host emulation:
+# 1. The one decode cycle's own cost: roles on streams, one graph a cycle, spin kernels of F
+step cycle 120 "$LOGS/cycle.log" "$PY" benchmarks/bench_cycle.py "${CYCLE_ARGS[@]}" \
+    --json-out "$OUT/$DATE-cycle-$DEV.json"
+
+# 2. The CUDA extension, built in the background while the Triton rows run (no host emulation:
 # spd_kernels._spd_simt is for machines without a GPU). Built into a staging folder, then each
 # library copied beside its final name and renamed over it: a process importing spd_kernels
 # meanwhile finds the extension whole or not at all (it then falls back to Triton, and says so).
@@ -146,8 +154,8 @@ done'
 ( step build 240 "$LOGS/build.log" bash -c "$BUILD_CMD" "$PY" "$BUILD_STAGE" ) &
 BUILD_PID=$!
 
-# 2. Triton alone (the stage's ops, the attention, the PDM step): the figures the stage-graphs
-# issue is judged by, first
+# 3. Triton alone (the stage's ops, the attention, the PDM step): real stage steps at Qwen3-4B
+# and Qwen3-8B shapes first
 step stage 110 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
     --json-out "$OUT/$DATE-stage-$DEV.json"
 SPD_PDL=1 step stage-pdl 60 "$LOGS/stage-pdl.log" "$PY" benchmarks/bench_stage.py \
@@ -156,11 +164,11 @@ step bench-automatic-triton 100 "$LOGS/bench-automatic-triton.log" "$PY" \
     benchmarks/bench_kernels.py "${KERNEL_ARGS[@]}" --rows automatic --ops "$TRITON_AUTO_OPS" \
     --json-out "$LOGS/bench-automatic-triton.json"
 
-# 3. the rest may run CUDA kernels: wait for the extension
+# 4. the rest may run CUDA kernels: wait for the extension
 wait "$BUILD_PID"
 ls spd_kernels/_spd_cuda*.so >> "$LOGS/build.log" 2>&1 || echo "no extension built" >> "$LOGS/build.log"
 
-# 4.-9.
+# 5.-10.
 step gpu-tests 150 "$LOGS/gpu-tests.log" "$PY" -m pytest -q -m gpu -rfEs -p no:cacheprovider \
     "${PYTEST_EXTRA[@]}" --junitxml "$LOGS/gpu-tests.xml" tests/kernels/test_*.py \
     tests/draft/test_pdm_graphs.py tests/distributed/test_distributed.py \
@@ -176,13 +184,12 @@ step bench-automatic-cuda 40 "$LOGS/bench-automatic-cuda.log" "$PY" benchmarks/b
     --json-out "$LOGS/bench-automatic-cuda.json"
 bench_on_request 60 "${FIRST_TRIALS[0]}"  # the PDM step: compiles its PDL variants first
 for op in "${FIRST_TRIALS[@]:1}"; do bench_on_request 40 "$op"; done
-# (the NCCL device loop, one graph a cycle on every rank: runs where there are 3+ GPUs)
+# one process, and the distributed tests named for it (over NCCL: they run where there are 3+
+# GPUs); a test module that does not import leaves the others to run
 step no-sync 60 "$LOGS/no-sync.log" "$PY" -m pytest -q -rfEs -p no:cacheprovider \
-    tests/runtime/test_gpu_no_sync.py tests/distributed/test_device_cycle.py::test_gpu_device_loop_over_nccl_never_synchronises
-# 9b. the device loop's own cost per cycle: roles on streams, one graph a cycle, spin kernels
-step device-loop 90 "$LOGS/device-loop.log" "$PY" benchmarks/bench_device_loop.py \
-    "${LOOP_ARGS[@]}" --json-out "$OUT/$DATE-device-loop-$DEV.json"
-# 10.-12. if time is left
+    --continue-on-collection-errors -k "synchronis or no_sync" tests/runtime/test_gpu_no_sync.py \
+    tests/distributed
+# 11.-13. if time is left
 for op in "${MORE_TRIALS[@]}"; do bench_on_request 35 "$op"; done
 shopt -s nullglob
 BENCH_JSONS=("$LOGS"/bench-*.json)
@@ -217,6 +224,7 @@ step bench-compile 120 "$LOGS/bench-compile.log" "$PY" benchmarks/bench_kernels.
 cp "$SUMMARY" "$LOGS/"
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$LOGS"
 show() { tar -xzOf "$OUT/logs.tar.gz" "logs/$1" 2>/dev/null; }
+echo "---- cycle";          show cycle.log | tail -n 52
 echo "---- no sync";        show no-sync.log | grep -E "^(FAILED|ERROR|SKIPPED)" | cut -c1-200
 show no-sync.log | tail -n 1
 echo "---- gpu tests";      show gpu-tests.log | grep -E "^(FAILED|ERROR)" | cut -c1-200 | head -n 25
@@ -229,8 +237,7 @@ echo "---- on request";     show bench-merge.log | grep -E "^challenger:" | cut 
 echo "---- step ops";       benches | grep -E "anchor_projection .*(cuda|triton)|verify_greedy|(qkv_rope_append|cache_attention|fused_linear|fused_swiglu|pdm_step) .*_cg" | cut -c1-110 | head -n 80
 echo "---- draft hiding";   show draft-hiding.log | tail -n 12
 echo "---- draft vs stage"; show draft.log | grep -E "measured|^model|^---" | head -n 40
-echo "---- device loop";    show device-loop.log | tail -n 40
-echo "---- protocol";     show protocol.log | tail -n 22
+echo "---- protocol";       show protocol.log | tail -n 30
 echo "---- tree";           show tree.log | grep -vE "^wrote" | tail -n 26
 echo "---- stage";          show stage.log | tail -n 12
 echo "---- stage, PDL";     show stage-pdl.log | tail -n 6

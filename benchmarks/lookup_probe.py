@@ -10,6 +10,13 @@ measures the real figure. Choose K on prompts you do not report (e.g. --offset 5
 It also prints, per match length, how often the lookup was right where it disagreed with the
 PDM: the table `spd.draft.lookup.TRUST` gates on (re-measure it for another target or n).
 
+The cycle decides on the device (spd.runtime.drafting); this probe reads on the host what it
+needs: each draft as it is made (Drafting.draft, wrapped: the PDM's token, the tokens before
+the drafted position, the committed count), the lookup's proposal there from a host index
+(spd.draft.lookup.NgramLookup) and, after each decode, the committed tokens. The judged draft of
+a position is the last one made for it (a position is drafted again only after its earlier
+draft died, and never once it is committed).
+
     python benchmarks/lookup_probe.py --stages 4 --offset 5 --limit 5 --json-out probe.json
 """
 from __future__ import annotations
@@ -20,53 +27,55 @@ import time
 
 import torch
 
-import spd.runtime.sequence as cycle
 from spd.draft.drafters import top_probability
 from spd.draft.lookup import DEFAULT_MIN_LEN, MAX_LEN, NgramLookup
 from spd.evaluation.evaluate import collect_sets, encode_question
 from spd.model.loading import describe_device, load_target
+from spd.runtime.drafting import Drafting
 from spd.runtime.engine import SPDEngine
 from spd.runtime.types import SamplingParams
 
 
 class _Recorder:
-    """Wraps SequenceDecode.draft/commit to log each judged draft (restored by close())."""
+    """Wraps Drafting.draft to log each draft with what the host sees then (restored by
+    close()); `decode` keeps the judged ones."""
 
     def __init__(self):
         self.judged: list[dict] = []
-        self._pending: dict[int, dict] = {}
-        self._draft, self._commit = cycle.SequenceDecode.draft, cycle.SequenceDecode.commit
+        self.last_p = 0.0  # the PDM's top probability of the latest draft step
+        self._drafts: dict[int, dict] = {}  # position -> its latest draft, this decode
+        self._index = NgramLookup(1, MAX_LEN)
+        self._draft = Drafting.draft
         rec = self
 
-        def draft(dec, extra_depth):
-            position = dec.sched.newest + 1
-            d = rec._draft(dec, extra_depth)
-            index = getattr(dec, "_probe_index", None)
-            if index is None:
-                index = dec._probe_index = NgramLookup(1, MAX_LEN)
-            index.extend(dec.tokens[len(index):dec.prompt_len + len(dec.out)].tolist())
-            found = index.propose(index.context(dec.tokens[len(index):position].tolist()))
-            rec._pending[position] = {"pdm": int(d.token), "p": rec.last_p,
-                                      "lookup": found[0] if found else None,
-                                      "match": found[1] if found else 0,
-                                      "fill": dec.pending[position].fill,
-                                      "context": dec.tokens[max(0, position - 8):position].tolist()}
-            return d
+        def draft(drafting, newest, start, occ, extra, uniform, committed):
+            children = rec._draft(drafting, newest, start, occ, extra, uniform, committed)
+            tokens, position, c = drafting.seq.tokens, int(newest) + 1, int(committed)
+            index = rec._index  # the committed tokens
+            index.extend(tokens[len(index):c].tolist())
+            found = index.propose(index.context(tokens[c:position].tolist()))
+            rec._drafts[position] = {"pdm": int(children.tok[0]), "p": rec.last_p,
+                                     "lookup": found[0] if found else None,
+                                     "match": found[1] if found else 0,
+                                     "fill": int(newest - start + 1),
+                                     "context": tokens[max(0, position - 8):position].tolist()}
+            return children
 
-        def commit(dec, accepted, token, d):
-            info = rec._pending.pop(dec.sched.judged, None)
-            if info is not None:
-                info.update(true=int(token), accepted=bool(accepted))
-                rec.judged.append(info)
-            if not accepted:
-                rec._pending.clear()
-            return rec._commit(dec, accepted, token, d)
+        Drafting.draft = draft
 
-        cycle.SequenceDecode.draft, cycle.SequenceDecode.commit = draft, commit
-        self.last_p = 0.0
+    def decode(self, engine: SPDEngine, ids: list[int], max_new_tokens: int) -> None:
+        """One greedy decode; its judged drafts onto `judged`."""
+        self._drafts, self._index = {}, NgramLookup(1, MAX_LEN)
+        res = engine.generate(ids, max_new_tokens, SamplingParams())
+        tokens = list(ids) + list(res.token_ids)
+        for position in range(len(ids) + 1, len(tokens)):  # every one judged (the first: not)
+            d = self._drafts.get(position)
+            if d is not None:
+                true = tokens[position]
+                self.judged.append(dict(d, true=true, accepted=d["pdm"] == true))
 
     def close(self):
-        cycle.SequenceDecode.draft, cycle.SequenceDecode.commit = self._draft, self._commit
+        Drafting.draft = self._draft
 
 
 def score(judged: list[dict], n: int, rules: dict) -> dict:
@@ -124,15 +133,14 @@ def main() -> None:
         for name, questions in sets.items():
             start = len(rec.judged)
             for q in questions:
-                engine.generate(encode_question(t.tokenizer, q), args.max_new_tokens,
-                                SamplingParams())
+                rec.decode(engine, encode_question(t.tokenizer, q), args.max_new_tokens)
             per_set[name] = rec.judged[start:]
     finally:
         rec.close()
     rules = {"PDM alone": lambda j: False}
     rules.update({f"lookup, match >= {k}": (lambda k: lambda j: j["match"] >= k)(k)
                   for k in range(1, 5)})
-    # what the decode loop does: a match of >= DEFAULT_MIN_LEN tokens, gated by the PDM's
+    # what the drafter does: a match of >= DEFAULT_MIN_LEN tokens, gated by the PDM's
     # confidence against spd.draft.lookup.TRUST
     rules["gated (shipped)"] = lambda j: (j["match"] >= DEFAULT_MIN_LEN
                                           and j["p"] < NgramLookup.trust(j["match"]))

@@ -1,20 +1,21 @@
 """How deep one steady-state decode cycle goes: call levels and source files (CPU).
 
-A reader follows a greedy cycle from the loop that owns it down to the ops. This probe profiles
-a single-process SPD decode of a tiny random target with an untrained PDM (sys.setprofile) and,
-for the deepest cycle after the fill (from one draft call to the next; greedy: every draft
-accepted; sampled: the target's greedy tokens drafted, so rejections and rollbacks occur):
+A reader follows a cycle from the code that launches it down to the ops. This probe profiles a
+single-process SPD decode of a tiny random target with an untrained PDM (sys.setprofile) and,
+for the deepest cycle after the fill (greedy: every draft accepted; sampled: the target's
+greedy tokens drafted, so rejections and refills occur):
 
   levels  the deepest chain of project calls below `SPDEngine.generate`, the entry every
           version has (functions in python/spd and spd_kernels; frames of torch and the
           standard library are passed through, not counted);
   to ops  the same down to an op's entry (an `@op` public function of spd_kernels, where the
           kernel library's own dispatch begins): the runtime's layering alone;
-  files   the project source files that cycle enters (the loop's own and the entry's
+  files   the project source files that cycle enters (its caller's and the entry's
           included).
 
-The cycle boundary is a call of `SequenceDecode.draft`, which every version of the runtime has,
-so the probe runs on any checkout:
+A cycle begins at a call of `spd.runtime.cycle.Cycle.cycle` (the one decode cycle); on an older
+checkout without it, at a call of its host loop's `SequenceDecode.draft` (spd/runtime/
+sequence.py), so the probe runs against either:
 
     python benchmarks/probe_cycle_calls.py                      # this checkout
     python benchmarks/probe_cycle_calls.py --before /path/old   # and another one, same table
@@ -43,10 +44,21 @@ def _project_file(path: str) -> str | None:
     return None
 
 
+def cycle_boundary() -> tuple[str, str]:
+    """(file, function) whose call begins a cycle in the measured checkout: Cycle.cycle, or an
+    older checkout's SequenceDecode.draft."""
+    import importlib.util
+    if importlib.util.find_spec("spd.runtime.cycle") is not None:
+        return os.path.join("spd", "runtime", "cycle.py"), "cycle"
+    return os.path.join("spd", "runtime", "sequence.py"), "draft"
+
+
 def measure(n: int, tokens: int, greedy: bool) -> dict:
     import torch
 
-    sys.path.insert(0, str(REPO / "tests"))
+    import spd
+    # the measured checkout's test helpers (its drafters' API)
+    sys.path.insert(0, str(Path(spd.__file__).resolve().parents[2] / "tests"))
     from conftest import NoisyPDMDrafter, make_tiny_target
 
     from spd import SamplingParams, SPDEngine
@@ -63,33 +75,33 @@ def measure(n: int, tokens: int, greedy: bool) -> dict:
     cycles: list[dict] = []
     stack: list[tuple | None] = []  # per live frame: (file, function) of project code, or None
     entry = os.path.join("spd", "runtime", "engine.py")
-    state = {"loop": None, "cur": None}
+    state = {"base": None, "cur": None}
+    boundary = cycle_boundary()
 
     def prof(frame, event, arg):
         if event == "call":
             f = _project_file(frame.f_code.co_filename)
-            if frame.f_code.co_name == "draft" and f == os.path.join("spd", "runtime",
-                                                                      "sequence.py"):
+            if (f, frame.f_code.co_name) == boundary:
                 # a new cycle: levels count from the engine's generate frame
                 ours = [x for x in stack if x is not None]
-                state["loop"] = max(i for i, x in enumerate(ours)
+                state["base"] = max(i for i, x in enumerate(ours)
                                     if x == (entry, "generate")) + 1
                 state["cur"] = {"levels": 0, "to_ops": 0, "files": {entry}}
-                loop_file = _project_file(frame.f_back.f_code.co_filename)
-                state["cur"]["files"].add(loop_file)
-                state["cur"]["loop"] = f"{loop_file}:{frame.f_back.f_code.co_name}"
-                for a, _ in ours[state["loop"]:]:  # frames between the entry and the draft
+                caller = _project_file(frame.f_back.f_code.co_filename)
+                state["cur"]["files"].add(caller)
+                state["cur"]["caller"] = f"{caller}:{frame.f_back.f_code.co_name}"
+                for a, _ in ours[state["base"]:]:  # frames between the entry and the cycle
                     state["cur"]["files"].add(a)
                 cycles.append(state["cur"])
             stack.append(None if f is None else (f, frame.f_code.co_name))
             if f is not None and state["cur"] is not None:
                 ours = [x for x in stack if x is not None]
                 cur = state["cur"]
-                if len(ours) - state["loop"] > cur["levels"]:
-                    cur["levels"] = len(ours) - state["loop"]
-                    cur["chain"] = [f"{a}:{b}" for a, b in ours[state["loop"]:]]
+                if len(ours) - state["base"] > cur["levels"]:
+                    cur["levels"] = len(ours) - state["base"]
+                    cur["chain"] = [f"{a}:{b}" for a, b in ours[state["base"]:]]
                 if f == os.path.join("spd_kernels", "opdef.py") and frame.f_code.co_name == "public":
-                    cur["to_ops"] = max(cur["to_ops"], len(ours) - state["loop"])
+                    cur["to_ops"] = max(cur["to_ops"], len(ours) - state["base"])
                 cur["files"].add(f)
         elif event == "return" and stack:
             stack.pop()
@@ -105,7 +117,7 @@ def measure(n: int, tokens: int, greedy: bool) -> dict:
     steady = cycles[n + 1:-2]
     worst = max(steady, key=lambda c: (c["levels"], len(c["files"])))
     return {"what": f"one process, n = {n}, {'greedy' if greedy else 'sampled'}",
-            "loop": worst["loop"], "levels": worst["levels"],
+            "caller": worst["caller"], "levels": worst["levels"],
             "to_ops": max(c["to_ops"] for c in steady), "files": len(worst["files"]),
             "file_list": sorted(worst["files"]), "deepest": worst.get("chain", [])}
 
@@ -137,14 +149,14 @@ def main() -> None:
     results = {"after": run_checkout(REPO, args.stages, args.tokens)}
     if args.before is not None:
         results["before"] = run_checkout(args.before.resolve(), args.stages, args.tokens)
-    table = Table([("what", "<30", "cycle (CPU)"), ("checkout", "<9"), ("loop", "<40", "draft called from"),
+    table = Table([("what", "<30", "cycle (CPU)"), ("checkout", "<9"), ("caller", "<40", "cycle called from"),
                    ("levels", ">7"), ("to_ops", ">7", "to ops"), ("files", ">6")])
     table.print_header()
     for i, row in enumerate(results["after"]):
         for label in ("before", "after"):
             if label in results:
                 r = results[label][i]
-                table.print({"what": r["what"], "checkout": label, "loop": r["loop"],
+                table.print({"what": r["what"], "checkout": label, "caller": r["caller"],
                              "levels": r["levels"], "to_ops": r.get("to_ops"),
                              "files": r["files"]})
     if args.json_out:

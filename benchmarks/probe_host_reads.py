@@ -3,23 +3,29 @@
 A read is anything that brings a tensor's value into Python (item, int / bool / float of a
 tensor, tolist, numpy) or makes the host wait on the data to size a result (nonzero and the
 like): on a GPU each one stalls the host until the device has caught up. `ReadLog` logs them
-with a TorchFunctionMode (methods) and a TorchDispatchMode (ops); tests/distributed/
-test_host_reads.py uses it too. With copies=True it also logs the other direction: a tensor made
-from, or written with, Python values (torch.tensor of a list, x[i] = 5: on a GPU a copy from
-pageable host memory, which holds the host); tests/runtime/test_host_copies.py counts them.
+with a TorchFunctionMode (methods) and a TorchDispatchMode (ops); the tests of host reads use it
+too. Reads of host memory that wait on no device are logged apart, as ("host",): each cycle's
+published state and, on a CPU, the cycle's look at its units (spd.runtime.driver.is_host_copy).
+With copies=True it also logs the other direction: a tensor made from, or written with, Python
+values (torch.tensor of a list, x[i] = 5: on a GPU a copy from pageable host memory, which holds
+the host).
 
 Reads per steady cycle are taken as a difference of two decodes of different lengths in one
 process (m and 2m new tokens: (reads(2m) - reads(m)) / (K(2m) - K(m))), so the prefill and the
 end cancel out and the probe needs no hook inside the code it measures: it runs on any checkout.
+Both decodes must run to their length: the default model's EOS is cleared for the probe (its
+decodes go on past an end of text; what a cycle reads does not depend on the token), and a row
+whose 2m decode ran no more cycles than its m decode reports n/a rather than a ratio.
 
-  * distributed, compute emulated (stage steps and drafts are fixed waits: the runtime's own
-    reads, not the CPU reference kernels'), gloo, every draft right, speculative control on:
-    rank 0 per cycle, each stage rank per cycle;
-  * single process (SPDEngine.generate), the default model with its shipped PDM, n = 4: the
-    issue's measurement (reads of the CPU reference kernels included), and the reads made
-    outside spd_kernels (its CPU-only value checks and reference paths aside: what a GPU run
-    would pay);
-  * both again under seeded sampling (temperature 1): drafts are then judged by rejection
+  * distributed (spd.runtime.cycle on rank 0, spd.distributed.stage_rank on the stage ranks),
+    compute emulated (stage steps and drafts are fixed waits: the runtime's own reads, not the
+    CPU reference kernels'), gloo, every draft right: rank 0 per cycle, each stage rank per
+    cycle;
+  * single process (SPDEngine.generate), the default model with its shipped PDM, n = 4, a chain
+    and a token tree of width 4: reads of the CPU reference kernels included, and the reads
+    made outside spd_kernels (its CPU-only value checks and reference paths aside: what a GPU
+    run would pay);
+  * the chains again under seeded sampling (temperature 1): drafts are then judged by rejection
     sampling on rank 0, and rejections roll every cache back.
 
 Each row also gives rank 0's copies of Python values to the device per cycle, outside
@@ -33,6 +39,7 @@ Prints the table and writes JSON (--json-out).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -61,19 +68,24 @@ COPY_FUNCS = {"tensor": 0, "as_tensor": 0, "full": 1, "full_like": 1, "__setitem
 
 
 # --- the read log ------------------------------------------------------------------------------
+_HOST_CHECKS: list | None = None
+
+
 def _host_kind(x) -> str | None:
-    """"header" for a unit's host header (spd.distributed.protocol.is_header), "host" for a host
-    mirror's copy (spd.runtime.host_mirror.is_host_copy), where the measured checkout has them:
-    host memory on every device, so reading them never waits on one. None otherwise."""
-    for kind, module, name in (("header", "spd.distributed.protocol", "is_header"),
-                               ("host", "spd.runtime.host_mirror", "is_host_copy")):
-        try:
-            check = getattr(__import__(module, fromlist=[name]), name)
-        except (ImportError, AttributeError):
-            continue
-        if check(x):
-            return kind
-    return None
+    """"host" for host memory that reading waits on no device for (spd.runtime.driver's
+    is_host_copy; an older checkout's spd.runtime.host_mirror), "header" for an older
+    checkout's unit header (spd.distributed.protocol.is_header); None otherwise."""
+    global _HOST_CHECKS
+    if _HOST_CHECKS is None:  # those the measured checkout has, looked up once
+        _HOST_CHECKS = []
+        for kind, module, name in (("host", "spd.runtime.driver", "is_host_copy"),
+                                   ("host", "spd.runtime.host_mirror", "is_host_copy"),
+                                   ("header", "spd.distributed.protocol", "is_header")):
+            try:
+                _HOST_CHECKS.append((kind, getattr(importlib.import_module(module), name)))
+            except (ImportError, AttributeError):
+                continue
+    return next((kind for kind, check in _HOST_CHECKS if check(x)), None)
 
 
 def _caller() -> str:
@@ -135,11 +147,11 @@ class _Ops(TorchDispatchMode):
 
 
 class ReadLog:
-    """Appends ("read", what) to `log` for every tensor-to-host read in this thread (("header",)
-    for a unit's host header, ("host",) for a host mirror's copy); `where`: ("read", what,
+    """Appends ("read", what) to `log` for every tensor-to-host read in this thread (("host",)
+    for a read of host memory that waits on no device: _host_kind); `where`: ("read", what,
     "file:line function" of the code that read). `copies`: also ("copy", what[, where]) for every
     tensor made from or written with Python values (COPY_FUNCS; on a CPU every tensor counts,
-    as each one would be on the device but a unit's header and a host mirror's copy)."""
+    as each one would be on the device, but a write into host memory of _host_kind's)."""
 
     def __init__(self, log: list, where: bool = False, copies: bool = False):
         self.methods = _Methods(log, where, copies)
@@ -157,8 +169,8 @@ class ReadLog:
 
 class CallLog:
     """Appends (name,) to `log` on every call of each given method (`(cls, name)` pairs) while
-    active, so that reads can be placed between the calls: a cycle's draft, its commit, a
-    rollback, a unit sent."""
+    active, so that reads can be placed between the calls: a cycle (spd.runtime.cycle.Cycle
+    .cycle), a draft, the end of a decode."""
 
     def __init__(self, log: list, *methods: tuple[type, str]):
         self.log, self.methods, self.saved = log, methods, []
@@ -196,26 +208,27 @@ def reads(log: list, outside_kernels: bool = False, kind: str = "read") -> int:
 
 # --- distributed, emulated compute ---------------------------------------------------------------
 def log_stage_runs(tag: str, **log_options) -> None:
-    """On a stage rank: log each generation's loop (ReadLog(**log_options), plus a ("unit",)
-    entry per unit forwarded) and put the log into the store as JSON under
+    """On a stage rank: log each generation's cycles (ReadLog(**log_options), plus a ("unit",)
+    entry as each cycle begins to run its unit: a call of StageCycles.cycle, which a replayed
+    CUDA graph does not make) and put the log into the store as JSON under
     test/<tag>/<generation>/<rank>, for rank 0's job to collect (the tests' counting
     factories)."""
     import json
 
     from spd.distributed import stage_rank
-    worker = stage_rank.StageWorker
-    run, forward_unit = worker.run, worker._forward_unit
+    worker, cycles = stage_rank.StageWorker, stage_rank.StageCycles
+    run, cycle = worker.run, cycles.cycle
 
-    def counted_forward_unit(self, *args):
-        self._test_log.append(("unit",))
-        return forward_unit(self, *args)
+    def counted_cycle(self, *args, **kwargs):
+        self.w._test_log.append(("unit",))
+        return cycle(self, *args, **kwargs)
 
     def counted_run(self, gen, req):
         self._test_log = log = []
         with ReadLog(log, **log_options):
             run(self, gen, req)
         self.rt.store.set(f"test/{tag}/{gen}/{self.rt.rank}", json.dumps(log))
-    worker.run, worker._forward_unit = counted_run, counted_forward_unit
+    worker.run, cycles.cycle = counted_run, counted_cycle
 
 
 def _counting_factory(rank: int):
@@ -234,6 +247,26 @@ def _counting_factory(rank: int):
     return tiny_target(4, 6)
 
 
+def _counts(log: list, K: int) -> dict:
+    """A decode's counts: rank 0's reads, those outside spd_kernels, its copies; K cycles."""
+    return {"K": K, "rank0": reads(log), "outside": reads(log, outside_kernels=True),
+            "copies": reads(log, outside_kernels=True, kind="copy")}
+
+
+def per_cycle(what: str, a: dict, b: dict) -> dict:
+    """The row of the m decode's counts `a` and the 2m decode's `b`: (b - a) per cycle more that
+    b ran; n/a (None) when it ran none more."""
+    dk = b["K"] - a["K"]
+    rate = (lambda x, y: (y - x) / dk) if dk > 0 else (lambda x, y: None)
+    row = {"what": what, "cycles": dk, "rank 0": rate(a["rank0"], b["rank0"]),
+           "outside spd_kernels": rate(a["outside"], b["outside"]),
+           "copies": rate(a["copies"], b["copies"]),
+           "stage ranks": [rate(x, y) for x, y in zip(a.get("stages", []), b.get("stages", []))]}
+    if dk <= 0:
+        row["note"] = "n/a: the 2m decode ran no more cycles than the m decode"
+    return row
+
+
 def _distributed_job(engine, lengths, refs, sampling):
     from spd.distributed.config import GenerateRequest
     from spd.distributed.rank import run_requests
@@ -243,10 +276,9 @@ def _distributed_job(engine, lengths, refs, sampling):
         with ReadLog(log, where=True, copies=True):
             res = run_requests([GenerateRequest(PROMPT, m, sampling, reference=refs)],
                                engine)[0]
-        stages = [int(engine.rt.store.get(f"probe/reads/{gen}/{r}")) for r in range(1, engine.n + 1)]
-        out.append({"m": m, "K": res.stats.K, "rank0": reads(log),
-                    "outside": reads(log, outside_kernels=True),
-                    "copies": reads(log, outside_kernels=True, kind="copy"), "stages": stages})
+        out.append(dict(_counts(log, res.stats.K),
+                        stages=[int(engine.rt.store.get(f"probe/reads/{gen}/{r}"))
+                                for r in range(1, engine.n + 1)]))
     return out
 
 
@@ -257,30 +289,28 @@ def _sampling(sampled: bool):
 
 def distributed_row(n: int, m: int, sampled: bool = False) -> dict:
     """Greedy: every draft right. Sampled: the same drafts (the emulated target's greedy
-    continuation) judged by rejection sampling, so some are rejected and roll back."""
+    continuation) judged by rejection sampling, so some are rejected and roll back. The
+    emulated target has no EOS: both decodes run to their length."""
     from spd.distributed.config import DistConfig
     from spd.distributed.emulate import reference_tokens, tiny_target
     from spd.distributed.launch import launch_local
     ref = reference_tokens(tiny_target(4, 6), PROMPT, 4 * m + n + 2)
     config = DistConfig(n_stages=n, target_factory=_counting_factory, fault_timeout=10.0,
-                        op_timeout=120.0, lookup=0, speculative_control="on", emulate_s=0.002)
+                        op_timeout=120.0, lookup=0, emulate_s=0.002)
     a, b = launch_local(config, partial(_distributed_job, lengths=(m, 2 * m), refs=ref,
                                         sampling=_sampling(sampled)), timeout=600)
-    dk = b["K"] - a["K"]
-    return {"what": f"distributed, n = {n}{', sampled' if sampled else ''}", "cycles": dk,
-            "rank 0": (b["rank0"] - a["rank0"]) / dk,
-            "outside spd_kernels": (b["outside"] - a["outside"]) / dk,
-            "copies": (b["copies"] - a["copies"]) / dk,
-            "stage ranks": [(y - x) / dk for x, y in zip(a["stages"], b["stages"])]}
+    return per_cycle(f"distributed, n = {n}{', sampled' if sampled else ''}", a, b)
 
 
 # --- single process, default model ---------------------------------------------------------------
-def single_row(n: int, m: int, sampled: bool = False) -> dict:
+def single_row(n: int, m: int, sampled: bool = False, width: int = 1) -> dict:
+    """The default model with its EOS cleared (module docstring), n stages, tree width `width`."""
     from spd.model.loading import load_target
     from spd.model.prompt import encode_prompt
     from spd.runtime.engine import SPDEngine
     target = load_target(None)
-    engine = SPDEngine(target, n_stages=n)
+    target.eos_token_ids = set()
+    engine = SPDEngine(target, n_stages=n, tree_width=width)
     ids = torch.tensor(encode_prompt(target.tokenizer, DEFAULT_PROMPT, chat=True))
     sampling = _sampling(sampled)
     engine.generate(ids, 4, sampling)  # warm-up: first-call work is not a cycle's
@@ -289,21 +319,17 @@ def single_row(n: int, m: int, sampled: bool = False) -> dict:
         log: list = []
         with ReadLog(log, where=True, copies=True):
             res = engine.generate(ids, length, sampling)
-        runs.append((reads(log), reads(log, outside_kernels=True), res.stats.K,
-                     reads(log, outside_kernels=True, kind="copy")))
-    dk = runs[1][2] - runs[0][2]
-    return {"what": f"one process, default model, n = {n}{', sampled' if sampled else ''}",
-            "cycles": dk,
-            "rank 0": (runs[1][0] - runs[0][0]) / dk,
-            "outside spd_kernels": (runs[1][1] - runs[0][1]) / dk,
-            "copies": (runs[1][3] - runs[0][3]) / dk, "stage ranks": []}
+        runs.append(_counts(log, res.stats.K))
+    tree = f", W = {width}" if width > 1 else ""
+    return per_cycle(f"one process, default model, n = {n}{tree}{', sampled' if sampled else ''}",
+                     *runs)
 
 
 def measure(m: int) -> list[dict]:
     torch.set_num_threads(1)
     return [distributed_row(2, m), distributed_row(4, m), single_row(4, m),
-            distributed_row(2, m, sampled=True), distributed_row(4, m, sampled=True),
-            single_row(4, m, sampled=True)]
+            single_row(4, m, width=4), distributed_row(2, m, sampled=True),
+            distributed_row(4, m, sampled=True), single_row(4, m, sampled=True)]
 
 
 # --- driver -------------------------------------------------------------------------------------------
@@ -342,10 +368,12 @@ def main() -> None:
         for label in ("before", "after"):
             if label in results:
                 r = results[label][i]
-                table.print({"what": r["what"], "checkout": label, "cycles": r["cycles"],
+                what = r["what"] + (" (n/a)" if r.get("note") else "")
+                table.print({"what": what, "checkout": label, "cycles": r["cycles"],
                              "rank0": r["rank 0"], "outside": r.get("outside spd_kernels"),
                              "copies": r.get("copies"),
-                             "stages": " ".join(f"{x:.2f}" for x in r["stage ranks"]) or None})
+                             "stages": " ".join("n/a" if x is None else f"{x:.2f}"
+                                                for x in r["stage ranks"]) or None})
     if args.json_out:
         write_json(args.json_out, run_meta(), tokens=args.tokens,
                    before_checkout=str(args.before) if args.before else None, **results)
