@@ -1,6 +1,7 @@
-"""Distributed runtime on CPU (gloo on 127.0.0.1): the same tokens, N and K as the single-process
-engine; faults end every rank within the bound and name the failed rank; torchrun across two
-"nodes" on loopback; bad input gets clear errors.
+"""Distributed runtime on CPU (gloo on 127.0.0.1): the launcher and the transport; faults end
+every rank within the bound and name the failed rank; torchrun across two "nodes" on loopback;
+bad input gets clear errors. (Decodes against the reference decoder in every runtime:
+tests/runtime/test_cycle.py.)
 
 Every launch is bounded (launch_local's timeout, subprocess timeouts) and every process group a
 test starts is killed in a finally block, so a bug fails a test instead of hanging CI.
@@ -25,14 +26,12 @@ from conftest import make_tiny_target, needs_gpu
 
 from spd import SamplingParams, SPDEngine
 from spd.cli import main
-from spd.distributed.config import DistConfig, GenerateRequest, SpeculationPolicy, parse_fault
-from spd.distributed.draft_rank import ring_depth
+from spd.distributed.config import DistConfig, GenerateRequest, parse_fault
 from spd.distributed.faults import RankFailedError
 from spd.distributed.handshake import check_handshake
 from spd.distributed.launch import launch_local
 from spd.distributed.rank import run_forever, run_requests
 from spd.draft.drafters import ReferenceDrafter
-from spd.draft.pdm import PipelineDraftModule
 from spd.errors import SPDError
 from spd.model.prompt import encode_prompt
 from spd.model.target import TargetModel
@@ -110,86 +109,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# --- exactness against the single-process engine -------------------------------------------------
-@pytest.mark.parametrize("n,features,speculative", [(2, "pre-step", "on"), (3, "post-step", "on"),
-                                                    (4, "pre-step", "auto"), (3, "pre-step", "off")])
-def test_same_tokens_n_and_k_as_single_process(n, features, speculative, tmp_path):
-    """Rank 0 announces each next cycle before judging the draft (speculative control on, or
-    auto) or after (off): either way exactly the single-process engine's tokens and counts."""
-    t = make_tiny_target(seed=10 + n, vocab=48, layers=4)
-    pdm = None
-    if features == "post-step":  # a PDM checkpoint folder (as --pdm gives it), post-step ablation
-        pdm = PipelineDraftModule.untrained(t, SPDEngine(t, n_stages=n).layout, seed=1)
-        pdm.config.features = "post-step"
-        pdm.save(tmp_path / "pdm")
-        pdm = str(tmp_path / "pdm")
-    eng = SPDEngine(t, n_stages=n, pdm=pdm)
-    assert getattr(eng.drafter, "post_step", False) == (features == "post-step")
-    ar = eng.generate_ar(PROMPT, 72).token_ids
-    ref = PROMPT + ar
-    sp = SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=7)
-    cases = [  # (request for rank 0, the same call on the single-process engine)
-        (GenerateRequest(PROMPT, 24), {}),                                   # untrained PDM
-        (GenerateRequest(PROMPT, 24, reference=ref), {"drafter": ReferenceDrafter(ref)}),
-        (GenerateRequest(PROMPT, 24, reference=ref, reference_accuracy=0.6, reference_seed=n),
-         {"drafter": ReferenceDrafter(ref, 0.6, n)}),                        # mixed accept/reject
-        (GenerateRequest(PROMPT, 24, sp), {"sampling": sp}),                 # seeded sampling
-        (GenerateRequest(PROMPT, 24, sp, reference=ref, reference_accuracy=0.6, reference_seed=1),
-         {"sampling": sp, "drafter": ReferenceDrafter(ref, 0.6, 1)}),
-        # A prompt that repeats: the context lookup (on by default) proposes many drafts
-        (GenerateRequest(PROMPT * 3, 24), {}),
-        (GenerateRequest(PROMPT * 3, 24, sp), {"sampling": sp}),
-        # Long, mixed accept/reject: every ring of unit buffers wraps several times
-        (GenerateRequest(PROMPT, 72, reference=ref, reference_accuracy=0.7, reference_seed=n),
-         {"drafter": ReferenceDrafter(ref, 0.7, n)}),
-    ]
-    expected = [eng.generate(r.prompt_ids, r.max_new_tokens, **kw) for r, kw in cases]
-    config = DistConfig(n_stages=n, target_factory=partial(tiny_factory, 10 + n), pdm=pdm,
-                        fault_timeout=5.0, op_timeout=60.0, speculative_control=speculative)
-    got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=150)
-    assert len(got) == len(cases)
-    for e, g in zip(expected, got):
-        assert g.token_ids == e.token_ids
-        assert (g.stats.N, g.stats.K, g.stats.drafts_judged, g.stats.drafts_accepted) == \
-            (e.stats.N, e.stats.K, e.stats.drafts_judged, e.stats.drafts_accepted)
-        assert g.stats.by_position == e.stats.by_position  # same drafts judged at the same fills
-        assert (g.stats.lookup_judged, g.stats.lookup_accepted) == \
-            (e.stats.lookup_judged, e.stats.lookup_accepted)
-    assert got[5].stats.lookup_judged > 0  # (sampled text may never repeat itself)
-    assert got[1].stats.K == got[1].stats.N + n - 1                 # oracle: only the first fill
-    assert 0 < got[2].stats.drafts_accepted < got[2].stats.drafts_judged
-    assert got[3].token_ids != got[0].token_ids                      # sampling really sampled
-    assert got[7].stats.distributed["units"] >= 4 * ring_depth(n)   # rank 0's rings (stages': 2)
-    assert 0 < got[7].stats.drafts_accepted < got[7].stats.drafts_judged
-    # The breakdown accounts for every cycle on every rank.
-    for (req, _), g in zip(cases, got):
-        d = g.stats.distributed
-        assert d["world_size"] == n + 1 and d["cycles"] == g.stats.K
-        assert d["host_staged_receives"] == 0  # CPU tensors over gloo go as they are
-        assert [r["rank"] for r in d["ranks"]] == list(range(n + 1))
-        # One unit enters per cycle (plus each correction after an optimistic send, and maybe
-        # the last cycle's optimistic one); every stage runs every unit, dropped ones included.
-        spec = d["speculative_control"]
-        assert g.stats.K + spec["redone"] <= d["units"] <= g.stats.K + spec["redone"] + 1
-        assert all(d["ranks"][r]["units_worked"] == d["units"] for r in range(1, n + 1))
-        assert d["verify_on"] == ("last stage" if req.sampling.greedy else "rank 0")
-        assert d["cycle_ms"]["mean"] > 0 and "wait_stage" in d["ranks"][0]["phase_ms_per_cycle"]
-        json.dumps(g.stats.as_dict())
-        assert spec["mode"] == speculative
-        rejected = g.stats.drafts_judged - g.stats.drafts_accepted
-        if speculative == "off":
-            assert spec["announced"] == spec["redone"] == 0
-        elif speculative == "on":  # every judgment but the last announced its successor
-            assert spec["announced"] == g.stats.drafts_judged - 1
-            assert rejected - 1 <= spec["redone"] <= rejected
-        else:
-            assert 0 <= spec["redone"] <= min(rejected, spec["announced"])
-            assert spec["announced"] <= g.stats.drafts_judged - 1
-    oracle = got[1].stats.distributed["speculative_control"]  # every draft accepted
-    assert oracle["redone"] == 0
-    assert oracle["announced"] == (0 if speculative == "off" else got[1].stats.N - 1)
-
-
+# --- the launcher, the transport ------------------------------------------------------------------
+# (every decode against the reference decoder, wherever the stages run: tests/runtime/test_cycle.py)
 def _spd_env_of_rank0(engine) -> dict:
     return {k: v for k, v in os.environ.items() if k.startswith("SPD_TEST_")}
 
@@ -214,8 +135,8 @@ def test_host_staged_transport_is_exact():
     ref = PROMPT + eng.generate_ar(PROMPT, 20).token_ids
     want = eng.generate(PROMPT, 20, drafter=ReferenceDrafter(ref, 0.6, 4))
     config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 12), fault_timeout=5.0,
-                        op_timeout=60.0, stage_through_host=True, speculative_control="on")
-    one = eng.generate(PROMPT, 1)  # the prompt's pick alone: one unit, drained at once
+                        op_timeout=60.0, stage_through_host=True)
+    one = eng.generate(PROMPT, 1)  # the prompt's pick alone: the ranks run to the end cycle
     got, got_one = launch_local(config, partial(run_requests, [GenerateRequest(
         PROMPT, 20, reference=ref, reference_accuracy=0.6, reference_seed=4),
         GenerateRequest(PROMPT, 1)]), timeout=120)
@@ -233,8 +154,7 @@ def cuda_tiny_factory(seed: int, rank: int):
 
 @pytest.mark.gpu
 @needs_gpu
-@pytest.mark.parametrize("speculative", ["on", "off"])
-def test_gpu_ranks_sharing_one_gpu_match_single_process(speculative):
+def test_gpu_ranks_sharing_one_gpu_match_single_process():
     """Every rank on one GPU (gloo through host memory): the stage forwards, truncation kernels
     and the CUDA-graph draft step on the device, exactly the single-process engine's output."""
     n = 3
@@ -248,27 +168,13 @@ def test_gpu_ranks_sharing_one_gpu_match_single_process(speculative):
              (GenerateRequest(PROMPT, 24, sp), {"sampling": sp})]
     expected = [eng.generate(PROMPT, 24, **kw) for _, kw in cases]
     config = DistConfig(n_stages=n, target_factory=partial(cuda_tiny_factory, 20), device="cuda",
-                        backend="gloo", fault_timeout=10.0, op_timeout=60.0,
-                        speculative_control=speculative)
+                        backend="gloo", fault_timeout=10.0, op_timeout=60.0)
     got = launch_local(config, partial(run_requests, [r for r, _ in cases]), timeout=180)
     for e, g in zip(expected, got):
         assert g.token_ids == e.token_ids
         assert (g.stats.N, g.stats.K) == (e.stats.N, e.stats.K)
         assert g.stats.distributed["backend"] == "gloo"
         assert g.stats.distributed["host_staged_receives"] > 0
-
-
-def test_speculation_policy():
-    on, off, auto = (SpeculationPolicy(m) for m in ("on", "off", "auto"))
-    for accepted in (False, False, False):
-        for p in (on, off, auto):
-            p.record(accepted)
-    assert on.speculate() and not off.speculate() and not auto.speculate()
-    for _ in range(6):  # a run of accepts brings auto back
-        auto.record(True)
-    assert auto.speculate()
-    with pytest.raises(SPDError, match="speculative control"):
-        DistConfig(n_stages=2, speculative_control="yes").validate()
 
 
 # --- faults -------------------------------------------------------------------------------------

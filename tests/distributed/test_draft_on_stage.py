@@ -1,6 +1,7 @@
-"""SPD on n devices (--draft-on-stage S): the draft rank runs in stage S's process, so n processes
-carry the n + 1 roles. The tokens, N and K must be those of the n + 1 layout (which
-test_distributed.py holds equal to the single-process engine's; here both are compared)."""
+"""SPD on n devices (--draft-on-stage S): the draft rank runs in stage S's process (stage S runs
+inside rank 0's cycle), so n processes carry the n + 1 roles. Its decodes against the reference
+decoder: tests/runtime/test_cycle.py (the "stage" placement); here the roles, a failure, a GPU
+and the command line."""
 from __future__ import annotations
 
 from functools import partial
@@ -12,9 +13,8 @@ from spd import SamplingParams, SPDEngine
 from spd.distributed.config import DistConfig, GenerateRequest, Placement, role_of, use_placement
 from spd.distributed.launch import launch_local
 from spd.distributed.rank import run_requests
-from spd.distributed.transport import Mailbox
 from spd.draft.drafters import ReferenceDrafter
-from spd.errors import InternalError, SPDError
+from spd.errors import SPDError
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6]
 
@@ -44,66 +44,13 @@ def test_placement_maps_roles_to_processes():
     assert DistConfig(n_stages=3, draft_on_stage=1).world_size == 3
 
 
-def test_mailbox_matches_sends_to_receives_in_posting_order():
-    import torch
-    box = Mailbox()
-    key = (0, 1, 30)
-    first = box.post_recv(key, torch.full((2,), -7.0))   # posted before its send: copied in
-    box.send(key, torch.tensor([1.0, 2.0]))
-    box.send(key, torch.tensor([3.0, 4.0]))              # sent before its receive: kept aside
-    second = box.post_recv(key, torch.full((2,), -7.0))
-    second.wait(1.0, "second")                           # waited out of order
-    first.wait(1.0, "first")
-    assert first.tensor.tolist() == [1.0, 2.0] and second.tensor.tolist() == [3.0, 4.0]
-    late = box.post_recv(key, torch.empty(2))
-    with pytest.raises(InternalError, match="within"):
-        late.wait(0.05, "third")
-    box.fail("stage 0 failed")
-    with pytest.raises(InternalError, match="stage 0 failed"):
-        late.wait(1.0, "third")
-
-
-@pytest.mark.parametrize("n,stage", [(2, 0), (3, 1), (4, 3)])
-def test_same_tokens_n_and_k_as_n_plus_one_layout(n, stage):
-    t = make_tiny_target(seed=30 + n, vocab=48, layers=4)
-    eng = SPDEngine(t, n_stages=n)
-    ref = PROMPT + eng.generate_ar(PROMPT, 40).token_ids
-    sp = SamplingParams(temperature=1.0, top_k=10, top_p=0.9, seed=5)
-    cases = [
-        (GenerateRequest(PROMPT, 20), {}),
-        (GenerateRequest(PROMPT, 40, reference=ref, reference_accuracy=0.7, reference_seed=n),
-         {"drafter": ReferenceDrafter(ref, 0.7, n)}),                        # mixed accept/reject
-        (GenerateRequest(PROMPT, 20, sp, reference=ref, reference_accuracy=0.6, reference_seed=1),
-         {"sampling": sp, "drafter": ReferenceDrafter(ref, 0.6, 1)}),        # seeded sampling
-        (GenerateRequest(PROMPT * 3, 20), {}),                               # context lookup
-    ]
-    expected = [eng.generate(r.prompt_ids, r.max_new_tokens, **kw) for r, kw in cases]
-    base = dict(n_stages=n, target_factory=partial(tiny_factory, 30 + n), fault_timeout=5.0,
-                op_timeout=60.0)
-    layouts = {"n + 1": DistConfig(**base), "n": DistConfig(**base, draft_on_stage=stage)}
-    got = {k: launch_local(c, partial(run_requests, [r for r, _ in cases]), timeout=150)
-           for k, c in layouts.items()}
-    for i, e in enumerate(expected):
-        for g in (got["n + 1"][i], got["n"][i]):
-            assert g.token_ids == e.token_ids
-            assert (g.stats.N, g.stats.K, g.stats.drafts_judged, g.stats.drafts_accepted) == \
-                (e.stats.N, e.stats.K, e.stats.drafts_judged, e.stats.drafts_accepted)
-            assert g.stats.by_position == e.stats.by_position
-        d = got["n"][i].stats.distributed
-        assert d["processes"] == n and d["draft_on_stage"] == stage
-        assert d["world_size"] == n + 1 and d["cycles"] == got["n"][i].stats.K
-        assert [r["rank"] for r in d["ranks"]] == list(range(n + 1))
-        assert all(d["ranks"][r]["units_worked"] == d["units"] for r in range(1, n + 1))
-    assert 0 < got["n"][1].stats.drafts_accepted < got["n"][1].stats.drafts_judged
-
-
-def test_a_failing_stage_beside_the_draft_stops_the_run():
-    """The stage thread of the draft's process raises: the run stops naming that process, no
-    hang (the main thread may be waiting on the mailbox or on a peer)."""
+def test_a_failing_process_of_the_draft_and_a_stage_stops_the_run():
+    """The process of the draft and stage 1 raises mid-decode: the run stops naming that
+    process (both its roles), no hang (the other stage waits on it)."""
     from spd.distributed.faults import RankFailedError
     config = DistConfig(n_stages=2, target_factory=partial(tiny_factory, 3), fault_timeout=3.0,
                         op_timeout=30.0, draft_on_stage=1,
-                        fault={"rank": 0, "role": 2, "cycle": 3, "action": "raise"})
+                        fault={"rank": 0, "cycle": 3, "action": "raise"})
     with pytest.raises(RankFailedError, match=r"rank 0 \(draft rank \+ stage 1\)"):
         launch_local(config, partial(run_requests, [GenerateRequest(PROMPT, 30)]), timeout=60)
 
@@ -118,8 +65,8 @@ def cuda_tiny_factory(seed: int, rank: int):
 @needs_gpu
 def test_gpu_draft_beside_a_stage_matches_single_process():
     """Every process on one GPU (gloo through host memory), the draft and stage 1 in one
-    process on two threads and streams: the mailbox's CUDA events order the copies, so the
-    output is exactly the single-process engine's, greedy and sampled."""
+    process, each on a stream of its own: exactly the single-process engine's output, greedy
+    and sampled."""
     n = 3
     t = cuda_tiny_factory(21, 0)
     eng = SPDEngine(t, n_stages=n)

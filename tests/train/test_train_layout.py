@@ -7,28 +7,28 @@ from conftest import make_tiny_target
 
 from spd.draft.pdm import PipelineDraftModule
 from spd.model.partition import DepthLayout
-from spd.runtime.schedule import PipelineSchedule
 from spd.train.layout import training_layout
 
 
 def inference_views(n, prompt_len, decisions):
-    """Brute force from the real schedule: for each cycle, (newest position, fill, {position:
-    depth} of every row the drafter's newest row depends on)."""
-    s = PipelineSchedule(n)
-    s.seed(prompt_len, prompt_len)
-    views = []
+    """Brute force of the chain's schedule (README, "How a cycle works"): for each cycle, (newest
+    position, fill, {position: depth} of every row the drafter's newest row depends on). The
+    oldest in-flight position is `start`, `count` are in flight; a full window judges: accept
+    slides it, reject leaves the correction alone."""
+    start, count, views = prompt_len, 1, []
     it = iter(decisions)
     while True:
-        newest, fill = s.newest, s.count
-        views.append((newest, fill, {p: s.depth(p) for p in range(newest + 1)}))
-        s.after_draft()
-        if not s.full:
-            s.refill()
+        newest = start + count - 1
+        views.append((newest, count, {p: n if p < start else newest - p
+                                      for p in range(newest + 1)}))
+        if count < n:  # filling: the draft enters
+            count += 1
             continue
         try:
-            s.accept() if next(it) else s.reject()
+            accepted = next(it)
         except StopIteration:
             return views
+        start, count = start + 1, count if accepted else 1
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -62,6 +62,6 @@ def explain_distributed(target, device: str, stats) -> str:
     d = stats.distributed
     plain, ar = _plain(target, device)
     ratio = f" ({stats.decode_tok_s / ar:.2f}x)" if ar else ""
-    return (f"[spd] distributed, {d.get('loop', 'host')} loop: measured cycle "
+    return (f"[spd] distributed: measured cycle "
             f"{d['cycle_ms']['median']:.2f} ms (median of {d['cycles']}), "
             f"{stats.decode_tok_s:.1f} tok/s{ratio}; {plain}")

@@ -9,7 +9,7 @@ from typing import Callable
 import torch
 
 from spd import env
-from spd.distributed.config import DRAFT_RANK
+from spd.distributed.config import DRAFT_RANK, role_name
 from spd.distributed.emulate import make_stage, wrap_drafter
 from spd.distributed.faults import inject_fault
 from spd.distributed.messages import (
@@ -67,6 +67,7 @@ class RemoteStages:
         self.fault = rt.fault_here()  # the test hook (DistConfig.fault)
         self.posted: list = []
         self.last = False  # this cycle is the last (a local stage sends nothing on)
+        self.forward_s: list[float] = []  # the local stage's host time per cycle
 
     def begin(self, cycle: Cycle) -> None:
         c = cycle.launching
@@ -96,6 +97,7 @@ class RemoteStages:
         x = None if S == 0 else split_message(self.inbox, self.fmt, self.d, self.dtype)[1]
         out_head, out_rows = split_message(self.outbox, self.fmt, self.d, self.dtype)
         out_head.copy_(head)
+        t0 = time.perf_counter()
         with cycle.roles.on(1):  # the stage step, then its messages after it on its stream
             if self.peek and not peek(head[LIVE])[0]:
                 self.step.skip(head)
@@ -105,6 +107,7 @@ class RemoteStages:
                 cycle.keep(S, anchors, out)
                 if token is not None:
                     self.verdict.copy_(token)
+            self.forward_s.append(time.perf_counter() - t0)
             if self.last:
                 return
             sends = [(self.outbox, S + 2, UNIT_TAG)] if S < self.n - 1 else []
@@ -169,12 +172,21 @@ class DistributedSPDEngine:
                 last = buf[-1][-1:]
         return last
 
-    def _stage_stats(self, gen_id: int) -> list[dict]:
-        rt = self.rt
-        remote = [r for r in range(1, rt.world)
-                  if r - 1 != rt.config.draft_on_stage]
-        out = [json.loads(rt.store.get(f"stats/{gen_id}/{r}")) for r in remote]
-        for r in remote:
+    def _stage_stats(self, gen_id: int, stages: RemoteStages, cycle: Cycle) -> list[dict]:
+        """Every stage's stats, in stage order: the stage ranks' (the store), and the one in
+        this process, with the draft on it."""
+        rt, out = self.rt, []
+        for r in range(1, rt.world):
+            if r - 1 in stages.local:
+                st = self.stage
+                out.append({"rank": r, "role": role_name(r),
+                            "layers": [st.layer_ids.start, st.layer_ids.stop],
+                            "prefill_s": 0.0, "forward_s": stages.forward_s,
+                            "phase_s": {"forward": sum(stages.forward_s)},
+                            "cycles": cycle.cycles, "messages": {},
+                            "graph": cycle.graph.describe()})
+                continue
+            out.append(json.loads(rt.store.get(f"stats/{gen_id}/{r}")))
             rt.store.delete_key(f"stats/{gen_id}/{r}")
         return out
 
@@ -200,7 +212,8 @@ class DistributedSPDEngine:
         local = self._local_stage(seq.buffer_rows)
         t0 = time.perf_counter()
         seq.start(self._prefill(seq, req, local), t0)
-        cycle = Cycle(seq, RemoteStages(rt, seq, local), rt.config.ahead)
+        stages = RemoteStages(rt, seq, local)
+        cycle = Cycle(seq, stages, rt.config.ahead)
         counted = dict(rt.messages)
         cycle.run()
         rt.flush_sends()
@@ -209,13 +222,15 @@ class DistributedSPDEngine:
         seq.finish(cycle.done_at)
         drain_ms = (time.perf_counter() - (cycle.done_at or t0)) * 1e3
         stats = seq.stats
-        stage_stats = self._stage_stats(gen_id)
+        stage_stats = self._stage_stats(gen_id, stages, cycle)
         cycle_s = [b - a for a, b in zip(cycle.read_at, cycle.read_at[1:])]
         zeros = [0.0] * len(cycle_s)
         stats.distributed = breakdown(rt, stats, cycle_s, zeros, stage_stats, zeros)
         per_cycle = {"0": {k: v / cycle.cycles for k, v in messages_since(rt, counted).items()
                            if v}}
         for st in stage_stats:
+            if not st["messages"]:  # (a stage of rank 0's process: counted with it)
+                continue
             per_cycle[str(st["rank"])] = {k: v / st["cycles"] for k, v in st["messages"].items()
                                           if v}
         stats.distributed.update(ahead=cycle.ahead, cycles_run=cycle.cycles, drain_ms=drain_ms,

@@ -94,8 +94,8 @@ class Costs:
 def runtime_overhead(path, device_type: str) -> dict[str, float]:
     """{str(n): seconds} from a `benchmarks/bench_protocol.py` JSON: per n, the median over its
     F of (cycle - F) with the always-right drafter (what the runtime costs a steady cycle beyond
-    its compute), on the device loop where the file has it, else the unit protocol; n + 1
-    processes. The file must have been measured on `device_type` ("cpu" or "cuda")."""
+    its compute); n + 1 processes. The file must have been measured on `device_type` ("cpu" or
+    "cuda")."""
     import json
     import statistics
     from pathlib import Path

@@ -122,6 +122,7 @@ class Cycle:
         self.q_ring: torch.Tensor | None = None  # a sampled chain's q by position mod n + 1
         self.q_ids: torch.Tensor | None = None
         self.rows = torch.zeros(n, W, dtype=torch.int64, device=dev)  # where unit rows land
+        self.trash = torch.tensor(seq.trash, device=dev)  # (made once: no Python value a cycle)
         self.published = Published(ahead + 1, self.state.numel(), dev)
         self.roles = Roles(dev, 1 + len(stages.local))
         # a CPU skips a finished decode's cycles (no peers wait for them)
@@ -245,7 +246,7 @@ class Cycle:
         (live where c_alive), from the final state of `start` (or, a greedy chain, the last
         stage's argmax `verdict`)."""
         seq, s = self.seq, self.seq.sampling
-        zero = torch.zeros((), dtype=torch.int64, device=c_tok.device)
+        zero = self.drafting.zero
         if s.greedy and not self.tree:
             target = verdict.view(())
         else:
@@ -368,8 +369,8 @@ class Cycle:
         # (those past the last surviving position, or all after a rejection, die)
         anc = ch.anc[:, :n] if self.tree else None  # each child's lane k positions back
         prefix = torch.where(commit_in, j, committed + full)
-        cpos = torch.where(acc_in, j, trash) if self.tree else trash_of(j, trash)
-        cslot = torch.where(acc_in, self.slot(j, lane), trash) if self.tree else cpos
+        cpos = torch.where(acc_in, j, trash) if self.tree else self.trash
+        cslot = torch.where(acc_in, self.slot(j, lane), trash) if self.tree else self.trash
         head = self.make_unit(enter, enters, commit_in, e_tok, e_alive, prefix, cpos, cslot, anc)
         bound = torch.where(rejected, -1, torch.where(acc_in, keep, newest))
         moved = self.units[:-1].clone()
@@ -449,6 +450,3 @@ class Cycle:
             stats.drafts_judged += judged
             stats.drafts_accepted += accepted
 
-
-def trash_of(like: torch.Tensor, trash: int) -> torch.Tensor:
-    return torch.full_like(like, trash)

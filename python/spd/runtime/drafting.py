@@ -94,6 +94,12 @@ class Drafting:
         back = (self.offsets.view(-1, 1) - self.offsets.view(1, -1)).clamp(min=0)
         self.back = back.view(n + 1, 1, n + 1).expand(n + 1, W, n + 1).contiguous()
         self.vocab_ids = torch.arange(seq.target.vocab_size, device=dev)
+        # constants a cycle reads (made here once: a cycle makes no tensor of a Python value)
+        self.no = torch.zeros((), dtype=torch.bool, device=dev)
+        self.zero = torch.zeros((), dtype=torch.int64, device=dev)
+        self.no_score = torch.tensor(float("-inf"), device=dev)
+        self.chain_rows = (torch.zeros(1, dtype=torch.int64, device=dev),  # par, score, alive
+                           torch.zeros(1, device=dev), torch.ones(1, dtype=torch.bool, device=dev))
 
     def window(self, newest, start, occ, extra: int):
         """(positions [n + 1], w0 [1], last [1]: the newest's offset, types [n + 1]) of this
@@ -119,7 +125,7 @@ class Drafting:
         window = seq.anchors.index_select(1, pos)
         d = seq.drafter.draft(window, types, w0, newest + 1, seq.sampling, uniform, last)
         token, q, q_ids = d.token.view(()), d.q, d.q_ids
-        used = torch.zeros((), dtype=torch.bool, device=seq.device)
+        used = self.no
         if seq.lookup_min:
             found, length = propose_on_device(seq.tokens, committed, newest, seq.lookup_min)
             used = length > 0
@@ -133,9 +139,8 @@ class Drafting:
                         0, q_ids, q)
                 q, q_ids = torch.where(used, (ids == found).to(q.dtype), q), None
             token = torch.where(used, found, token)
-        one = torch.ones(1, dtype=torch.bool, device=seq.device)
-        return Children(token.view(1), torch.zeros(1, dtype=torch.int64, device=seq.device),
-                        torch.zeros(1, device=seq.device), one, used.view(1), q, q_ids)
+        par, score, alive = self.chain_rows
+        return Children(token.view(1), par, score, alive, used.view(1), q, q_ids)
 
     # --- a token tree ----------------------------------------------------------------------------
     def _ancestors(self, pos, start):
@@ -193,8 +198,7 @@ class Drafting:
         parents = self.lane_ids.view(W, 1).expand(W, per).reshape(-1)
         tokens = ids.reshape(-1)
         leaf_anc = anc.index_select(0, last).view(W, n + 1)   # [leaf, k']
-        look_tok = torch.zeros((), dtype=torch.int64, device=seq.device)
-        look_score = torch.full((), float("-inf"), device=seq.device)
+        look_tok, look_score = self.zero, self.no_score
         best = base.argmax()
         if seq.lookup_min:
             # the best leaf's branch: committed tokens, then its uncommitted ancestors

@@ -1,44 +1,25 @@
-"""`--device-loop` end to end: `spd generate` on the default model decides each cycle on the
-device and prints the tokens of the host loop (and AR); with --distributed every rank runs the
-cycles in lock-step and prints the one-process engine's tokens; a bad --ahead names itself."""
+"""`spd generate --distributed` end to end on a tiny model folder (n + 1 ranks on the CPU): the
+one-process engine's tokens and counts; a bad --ahead names itself; the flags of the removed
+host-decided loops still parse, with a warning."""
 import json
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 from spd.cli import main
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-def test_generate_device_loop_matches_the_host_loop(capsys):
-    base = ["generate", "--prompt", "Name three colours.", "--max-new-tokens", "16", "--json",
-            "--stages", "4", "--lookup", "0"]
-    assert main(base + ["--device-loop", "--ahead", "3"]) == 0
-    dev = json.loads(capsys.readouterr().out)
-    assert main(base) == 0
-    host = json.loads(capsys.readouterr().out)
-    assert dev["stats"]["loop"] == "device" and host["stats"]["loop"] == "host"
-    for key in ("token_ids",):
-        assert dev[key] == host[key]
-    for key in ("N", "K", "drafts_judged", "drafts_accepted"):
-        assert dev["stats"][key] == host["stats"][key]
-
-
-def test_generate_distributed_device_loop(tmp_path):
-    """`spd generate --distributed --device-loop` on a tiny model folder: n + 1 ranks on the
-    CPU, the one-process engine's tokens and counts."""
+def test_generate_distributed(tmp_path):
     from spd.model.loading import load_target, save_tiny_random_llama
     from spd.model.prompt import encode_prompt
     from spd.runtime.engine import SPDEngine
     folder = str(save_tiny_random_llama(tmp_path / "tiny"))
     prompt = "Tell me about caches."
     cmd = [sys.executable, "-m", "spd", "generate", "--model", folder, "--distributed",
-           "--stages", "2", "--device-loop", "--ahead", "1", "--lookup", "0", "--prompt",
-           prompt, "--max-new-tokens", "12", "--json", "--quiet"]
+           "--stages", "2", "--ahead", "1", "--lookup", "0", "--prompt", prompt,
+           "--max-new-tokens", "12", "--json", "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -47,13 +28,23 @@ def test_generate_distributed_device_loop(tmp_path):
         encode_prompt(t.tokenizer, prompt, True), 12)
     assert got["token_ids"] == expected.token_ids
     st = got["stats"]
-    assert st["loop"] == "device" and st["distributed"]["loop"] == "device"
     assert (st["N"], st["K"]) == (expected.stats.N, expected.stats.K)
+    assert st["distributed"]["ahead"] == 1
 
 
-def test_device_loop_bad_ahead(capsys):
-    assert main(["generate", "--prompt", "hi", "--device-loop", "--ahead", "-1"]) == 2
+def test_bad_ahead(capsys):
+    assert main(["generate", "--prompt", "hi", "--ahead", "-1"]) == 2
     assert "--ahead" in capsys.readouterr().err
+
+
+def test_retired_flags_warn(tmp_path, capsys):
+    from spd.model.loading import save_tiny_random_llama
+    folder = str(save_tiny_random_llama(tmp_path / "tiny"))
+    assert main(["generate", "--model", folder, "--prompt", "hi", "--max-new-tokens", "2",
+                 "--stages", "2", "--device-loop", "--speculative-control", "on"]) == 0
+    err = capsys.readouterr().err
+    assert "--device-loop is no longer needed" in err
+    assert "--speculative-control no longer has an effect" in err
 
 
 def test_distributed_summary_reads_the_cycle_against_plain_decoding(monkeypatch, tmp_path):
@@ -65,9 +56,9 @@ def test_distributed_summary_reads_the_cycle_against_plain_decoding(monkeypatch,
     monkeypatch.setattr(plain_speed, "cache_dir", lambda: tmp_path)
     target = SimpleNamespace(name="tiny", dtype="torch.float32")
     stats = SimpleNamespace(decode_tok_s=30.0, distributed={
-        "loop": "device", "cycles": 40, "cycle_ms": {"median": 12.5}})
+        "cycles": 40, "cycle_ms": {"median": 12.5}})
     line = plain_speed.explain_distributed(target, "cpu", stats)
-    assert "device loop" in line and "12.50 ms (median of 40)" in line
+    assert "distributed" in line and "12.50 ms (median of 40)" in line
     assert "30.0 tok/s" in line and "not measured here yet" in line
     plain_speed.record(target, "cpu", 20.0)
     line = plain_speed.explain_distributed(target, "cpu", stats)
