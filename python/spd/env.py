@@ -13,13 +13,13 @@ from spd_kernels.env import Var
 
 CACHE = Var("SPD_CACHE", "~/.cache/spd", "where the default model, "
             "downloaded wheels and feature caches live", "spd.data.assets")
-CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the decode steps (the PDM's draft step, the "
-                  "stage steps, the autoregressive step) eagerly on a GPU instead of replaying "
-                  "them as CUDA graphs", "spd.cuda_graphs")
-REPLAY_CHECK = Var("SPD_REPLAY_CHECK", "0", "1: run the device loops' cycles eagerly and check "
+CUDA_GRAPHS = Var("SPD_CUDA_GRAPHS", "1", "0: run the decode cycle (every rank's) and the "
+                  "autoregressive step eagerly on a GPU instead of replaying them as CUDA graphs: "
+                  "the same cycle, slower", "spd.cuda_graphs")
+REPLAY_CHECK = Var("SPD_REPLAY_CHECK", "0", "1: run every rank's decode cycles eagerly and check "
                    "that each steady cycle is the same work, op for op and tensor for tensor, "
-                   "as the first (what a CUDA graph's replay assumes); the tests set it",
-                   "spd.runtime.cycle_graph")
+                   "as the first (what a CUDA graph's replay assumes; on a CPU the cycle's look "
+                   "at its units is off then); the tests set it", "spd.runtime.cycle_graph")
 FAULT_INJECT = Var("SPD_FAULT_INJECT", "", "tests only: make a distributed rank fail on purpose "
                    "(rank=2,cycle=5,action=kill)", "spd.cli.generate")
 TRAIN_FAULT = Var("SPD_TRAIN_FAULT", "", "tests only: make a training rank kill itself in the "

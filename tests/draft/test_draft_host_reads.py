@@ -23,7 +23,7 @@ def _drafter(seed: int) -> tuple[PDMDrafter, torch.Tensor, torch.Tensor]:
     drafter = PDMDrafter(pdm, cuda_graphs=False, lookup=2)  # lookup: also its confidence
     drafter.vocab_size = VOCAB
     logits = torch.randn(VOCAB_DRAFT, generator=g)
-    drafter.draft_logits = lambda anchors, types, start: logits  # the step itself is not tested
+    drafter.draft_logits = lambda anchors, types, start, last: logits  # (the step: not tested)
     return drafter, d2t, logits
 
 
@@ -33,7 +33,8 @@ def test_a_draft_reads_nothing_back_to_the_host(sampling):
     drafter, d2t, logits = _drafter(seed=7)
     log: list = []
     with probe.ReadLog(log, where=True):
-        draft = drafter.draft(None, None, 0, 5, sampling, torch.tensor(0.3))
+        draft = drafter.draft(None, None, torch.tensor([0]), torch.tensor(5), sampling,
+                              torch.tensor(0.3))
     # reads inside spd_kernels are its CPU-only value checks (spd_kernels.checks): not on a GPU
     ours = [e for e in log if e[0] == "read" and "spd_kernels" not in e[2]]
     assert ours == [], ours

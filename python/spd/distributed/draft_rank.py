@@ -209,6 +209,7 @@ class DistributedSPDEngine:
                "capacity": seq.buffer_rows, "greedy": sampling.greedy, "tree_width": width,
                "ahead": rt.config.ahead}
         gen_id = self._request(req)
+        staged_before = rt.host_staged
         local = self._local_stage(seq.buffer_rows)
         t0 = time.perf_counter()
         seq.start(self._prefill(seq, req, local), t0)
@@ -234,6 +235,7 @@ class DistributedSPDEngine:
             per_cycle[str(st["rank"])] = {k: v / st["cycles"] for k, v in st["messages"].items()
                                           if v}
         stats.distributed.update(ahead=cycle.ahead, cycles_run=cycle.cycles, drain_ms=drain_ms,
+                                 host_staged_receives=rt.host_staged - staged_before,
                                  graph=cycle.graph.describe(), messages_per_cycle=per_cycle,
                                  verify_on="last stage" if sampling.greedy and width == 1
                                  else "rank 0")

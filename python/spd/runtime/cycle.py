@@ -132,6 +132,7 @@ class Cycle:
                                 generators=(seq.gen,) if dev.type == "cuda" else (),
                                 messages=stages.messages, thread_local=stages.lockstep)
         self.cycles = 0
+        self.draft_s = 0.0  # the draft step's host time (a CPU's: where it runs as called)
         self.read_at: list[float] = []  # when the host read each cycle's state
         self.done_at: float | None = None  # when the host read the cycle that ended the decode
 
@@ -211,8 +212,10 @@ class Cycle:
         for s in range(1, self.n):
             self.units[s] = self.make_unit(one(P + s), one(0).bool(), one(0).bool(), first,
                                            self.first_lane & False, one(P + 1), trash, trash)
-        self.lanes.write(one(P), first, torch.zeros_like(first), torch.zeros(self.W, device=dev),
-                         self.first_lane, self.first_lane & False, one(0), one(1))
+        self.lanes.write(one(P), first, self.first_lane, self.first_lane & False, one(1),
+                         (torch.zeros_like(first), torch.zeros(self.W, device=dev), one(0),
+                          torch.zeros(self.W, self.R, dtype=torch.int64, device=dev))
+                         if self.tree else None)
 
     def cycle(self) -> None:
         """One decode cycle (module docstring)."""
@@ -231,14 +234,18 @@ class Cycle:
         self.stages.begin(self)
         self.roles.fork()
         children = None
+        t0 = time.perf_counter()
         if not seq.post_step:
             with self.roles.on(0):
                 children = self.drafting.draft(newest, start, occ, 0, u[0], committed)
+            self.draft_s += time.perf_counter() - t0
         verdict = self.stages.run(self)
         made = () if children is None else (children.tok, children.q, children.score)
         self.roles.join(*made, verdict)
         if seq.post_step:  # features one stage deeper: after this cycle's steps
+            t0 = time.perf_counter()
             children = self.drafting.draft(newest, start, occ, 1, u[0], committed)
+            self.draft_s += time.perf_counter() - t0
         self._commit(children, verdict, u, live, committed, newest, full)
 
     def _judge(self, c_tok, c_alive, verdict, start, rj, u):
@@ -329,9 +336,9 @@ class Cycle:
         enter = torch.where(commit_in, j, torch.where(draft_in, newest + 1, new_newest + 1))
         e_tok = torch.where(commit_in, torch.where(self.first_lane, token, 0), ch.tok)
         e_alive = torch.where(commit_in, self.first_lane, child_ok) & enters
-        L.write(enter, e_tok, ch.par, torch.where(commit_in, 0.0, ch.score), e_alive,
-                ch.look & ~commit_in, torch.where(commit_in, 0, -1), count,
-                torch.where(commit_in, 0, ch.anc) if self.tree else None)
+        L.write(enter, e_tok, e_alive, ch.look & ~commit_in, count,
+                (ch.par, torch.where(commit_in, 0.0, ch.score), torch.where(commit_in, 0, -1),
+                 torch.where(commit_in, 0, ch.anc)) if self.tree else None)
         # the buffers: the committed token at its position, the entering rows' tokens and
         # embeddings where they live; a tree's accepted row moves to its position
         seq.tokens.index_copy_(0, torch.where(full, j, trash).view(1), token.view(1))
@@ -353,18 +360,13 @@ class Cycle:
                                  (c_look & c_alive).any()) & full
             st[LOOKUP_JUDGED] += looked
             st[LOOKUP_ACCEPTED] += looked & ok
-        st[STAGE_ROWS] += torch.where(live, (self.rows != trash).sum(), 0)
         done = ~live | ended
-        st[COMMITTED] = committed + full
-        st[NEWEST] = new_newest
-        st[DONE] = done.to(torch.int64)
-        st[K] += live
-        st[N] = made
-        st[EMITTED] = full.to(torch.int64)
-        st[TOKEN] = token
-        st[CYCLE] += 1
-        st[END_CYCLE] = torch.where((st[END_CYCLE] == 0) & ended, st[CYCLE] + self.margin,
-                                    st[END_CYCLE])
+        cycle = st[CYCLE] + 1
+        end = torch.where((st[END_CYCLE] == 0) & ended, cycle + self.margin, st[END_CYCLE])
+        rows = st[STAGE_ROWS] + torch.where(live, (self.rows != trash).sum(), 0)
+        st[:LOOKUP_JUDGED].copy_(torch.stack([  # (FIELDS' order)
+            committed + full, new_newest, done.long(), st[K] + live, made, rows, full.long(),
+            token, cycle, end]))
         # the next cycle's units: the one entering stage 0, then each stage's moved one on
         # (those past the last surviving position, or all after a rejection, die)
         anc = ch.anc[:, :n] if self.tree else None  # each child's lane k positions back
@@ -439,6 +441,8 @@ class Cycle:
     def _count(self, got: list[int]) -> None:
         """The last read cycle's counts into the sequence's stats."""
         stats = self.seq.stats
+        if self.seq.device.type == "cpu":  # (on a GPU a replay runs it: not timed apart)
+            stats.phase_s["draft"] = self.draft_s
         stats.K, stats.N, stats.stage_rows = got[K], got[N], got[STAGE_ROWS]
         stats.draft_calls = got[K]
         stats.lookup_judged, stats.lookup_accepted = got[LOOKUP_JUDGED], got[LOOKUP_ACCEPTED]

@@ -59,18 +59,15 @@ class Lanes:
         self.clane = torch.full((R,), -1, dtype=torch.int64, device=device)
         self.fill = torch.zeros(R, dtype=torch.int64, device=device)
 
-    def write(self, position: torch.Tensor, tok, par, score, alive, look, clane, fill,
-              anc=None) -> None:
-        """Position `position` (0-d) gets these rows ([W] each; clane, fill: 0-d; anc [W, n + 1]
-        for a tree)."""
+    def write(self, position: torch.Tensor, tok, alive, look, fill, tree=None) -> None:
+        """Position `position` (0-d) gets these rows (tok, alive, look [W]; fill 0-d) and, for a
+        tree, tree = (par [W], score [W], clane 0-d, anc [W, n + 1])."""
         r = (position % self.R).view(1)
-        for table, value in ((self.tok, tok), (self.par, par), (self.score, score),
-                             (self.alive, alive), (self.look, look)):
-            table.index_copy_(0, r, value.view(1, self.W).to(table.dtype))
-        if anc is not None:
-            self.anc.index_copy_(0, r, anc.view(1, self.W, self.R))
-        self.clane.index_copy_(0, r, clane.view(1))
-        self.fill.index_copy_(0, r, fill.view(1))
+        fields = [(self.tok, tok), (self.alive, alive), (self.look, look), (self.fill, fill)]
+        if tree is not None:
+            fields += zip((self.par, self.score, self.clane, self.anc), tree)
+        for table, value in fields:
+            table.index_copy_(0, r, value.reshape((1,) + table.shape[1:]).to(table.dtype))
 
 
 class Drafting:
