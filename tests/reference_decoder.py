@@ -6,7 +6,7 @@ It keeps the schedule on the host (the positions in flight and their depths, eac
 rows as Python objects) and branches on every verdict; it runs live rows only. Only the numbers
 come from the product's primitives (stage steps, the drafter, the verifiers), called with the
 shapes the product uses, so that equal decisions give equal numbers: the drafter's window (the
-n + 1 positions from max(newest - n, 0), W lanes each), where a tree row keeps its state (slot
+n + 1 positions from max(newest - n, the last cycle's oldest in flight), W lanes each), where a tree row keeps its state (slot
 capacity + (position mod (n + 1)) * W + lane; committed rows at their position), a tree unit's
 n * W keys, and the draws (W + 2 uniforms every cycle: the draft's, then the verifier's).
 """
@@ -104,6 +104,7 @@ class ReferenceDecoder:
         self.commits: list[tuple[int, int, int]] = []  # (its carrier's cycle, position, slot)
         self.applied = [0] * n                   # per stage: the commits it has made
         self.cycle = 0                           # cycles run
+        self.last_start = P                      # the last cycle's oldest in flight
         if self._emit(first):
             return self.out, self.stats
         self._enter_committed(P, first)
@@ -129,6 +130,7 @@ class ReferenceDecoder:
         if self.post_step:
             children = self._draft(start, newest, 1, u[0])
         full = self.depth[start] == n - 1
+        self.last_start = start
         for p in self.depth:
             self.depth[p] += 1
         if not full:  # filling: the children enter
@@ -225,7 +227,7 @@ class ReferenceDecoder:
     # --- the draft -------------------------------------------------------------------------------
     def _window(self, start: int, newest: int, extra: int):
         n = self.n
-        w0 = max(newest - n, 0)
+        w0 = max(newest - n, self.last_start)  # the rows below are final in the drafter's cache
         pos = list(range(w0, w0 + n + 1))
         depth = [n if q < start else self.depth.get(q, 0) for q in pos]
         types = [self.types[min(d + extra, n)] for d in depth]

@@ -226,6 +226,7 @@ class Cycle:
         live = st[DONE] == 0
         committed, newest = st[COMMITTED].clone(), st[NEWEST].clone()
         start = committed - 1
+        final = start - st[EMITTED]  # the last cycle's start (drafting: the window)
         u = torch.rand(self.W + 2, generator=seq.gen, device=st.device)
         ulive = (self.units[:, LIVE] == 1) & live
         occ = torch.where(ulive, self.units[:, POS], -1)   # the position at each depth
@@ -237,14 +238,14 @@ class Cycle:
         t0 = time.perf_counter()
         if not seq.post_step:
             with self.roles.on(0):
-                children = self.drafting.draft(newest, start, occ, 0, u[0], committed)
+                children = self.drafting.draft(newest, start, final, occ, 0, u[0], committed)
             self.draft_s += time.perf_counter() - t0
         verdict = self.stages.run(self)
         made = () if children is None else (children.tok, children.q, children.score)
         self.roles.join(*made, verdict)
         if seq.post_step:  # features one stage deeper: after this cycle's steps
             t0 = time.perf_counter()
-            children = self.drafting.draft(newest, start, occ, 1, u[0], committed)
+            children = self.drafting.draft(newest, start, final, occ, 1, u[0], committed)
             self.draft_s += time.perf_counter() - t0
         self._commit(children, verdict, u, live, committed, newest, full)
 

@@ -1,12 +1,14 @@
 """The draft step of a cycle: the rows that enter stage 0 next, as fixed-shape device work.
 
 Terms.
-  window    the drafter's rows this cycle: the n + 1 positions w0 .. w0 + n, w0 = max(newest - n,
-            0), each with W lanes (a chain: one). Positions up to the oldest in flight (`start`)
-            are committed, one row each, with their final features below `start`; those in
-            flight have the depth they are at; positions past the newest (a prompt shorter than
-            n) are dead rows, never read. The rows under the window are in the drafter's cache,
-            final. So every cycle drafts the same shapes, whatever the schedule.
+  window    the drafter's rows this cycle: the n + 1 positions w0 .. w0 + n, each with W lanes
+            (a chain: one), w0 = max(newest - n, final): `final` is the last cycle's `start`
+            (the oldest in flight), the rows below it are in the drafter's cache with their
+            final features. Positions up to `start` are committed, one row each, final below
+            it; those in flight have the depth they are at; positions past the newest are dead
+            rows, never read (their type is the newest's: they add no projection). So every
+            cycle drafts the same shapes, whatever the schedule, and computes each committed
+            row's final features once.
   lane      a row's index among its position's rows; with the position it names the row. The
             lanes' tokens, parents (the lane at the position before), cumulative draft
             log-probabilities and liveness are kept by position mod (n + 1) (`Lanes`).
@@ -98,11 +100,11 @@ class Drafting:
         self.chain_rows = (torch.zeros(1, dtype=torch.int64, device=dev),  # par, score, alive
                            torch.zeros(1, device=dev), torch.ones(1, dtype=torch.bool, device=dev))
 
-    def window(self, newest, start, occ, extra: int):
+    def window(self, newest, start, final, occ, extra: int):
         """(positions [n + 1], w0 [1], last [1]: the newest's offset, types [n + 1]) of this
         cycle's window; types one stage deeper when `extra` (post-step features)."""
         seq, n = self.seq, self.n
-        w0 = (newest - n).clamp(min=0).view(1)
+        w0 = torch.maximum(newest - n, final).view(1)
         pos = w0 + self.offsets
         # depth: n under the window's in-flight rows, else the stage whose unit holds it
         at = (occ.view(1, n) == pos.view(-1, 1)).to(torch.int64)
@@ -110,8 +112,8 @@ class Drafting:
         types = seq.type_of_depth[(depth + extra).clamp(max=n)]
         return pos, w0, newest - w0, types
 
-    def draft(self, newest, start, occ, extra: int, uniform, committed) -> Children:
-        pos, w0, last, types = self.window(newest, start, occ, extra)
+    def draft(self, newest, start, final, occ, extra: int, uniform, committed) -> Children:
+        pos, w0, last, types = self.window(newest, start, final, occ, extra)
         if self.tree:
             return self._tree(pos, w0, last, types, start, committed, newest)
         return self._chain(pos, w0, last, types, newest, committed, uniform)
