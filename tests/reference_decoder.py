@@ -6,9 +6,10 @@ It keeps the schedule on the host (the positions in flight and their depths, eac
 rows as Python objects) and branches on every verdict; it runs live rows only. Only the numbers
 come from the product's primitives (stage steps, the drafter, the verifiers), called with the
 shapes the product uses, so that equal decisions give equal numbers: the drafter's window (the
-n + 1 positions from max(newest - n, the last cycle's oldest in flight), W lanes each), where a tree row keeps its state (slot
-capacity + (position mod (n + 1)) * W + lane; committed rows at their position), a tree unit's
-n * W keys, and the draws (W + 2 uniforms every cycle: the draft's, then the verifier's).
+n + 1 positions from max(newest - n, the last cycle's oldest in flight), W lanes each), where a
+tree row keeps its state (slot capacity + (position mod (n + 1)) * W + lane; committed rows at
+their position), a tree unit's n * W keys, and the draws (W + 2 uniforms every cycle: the
+draft's, then the verifier's).
 """
 from __future__ import annotations
 
