@@ -65,7 +65,8 @@ def create_app(worker: EngineWorker, model_name: str, default_max_tokens: int = 
     async def health():
         ok = worker.fatal_error is None
         body = {"status": "ok" if ok else "failed", "busy": worker.busy,
-                "queued": worker.queued,
+                "slots": worker.slots, "slots_in_use": worker.slots_in_use,
+                "queued": worker.queued, "max_queue": worker.max_queue,
                 "backend": worker.backend.describe(), **worker.counts}
         if not ok:
             body["error"] = worker.fatal_error

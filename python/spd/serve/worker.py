@@ -1,6 +1,12 @@
-"""EngineWorker: the one thread that owns the backend. Jobs wait in a bounded queue and are
-decoded one at a time; each new token goes to its request as a TokenEvent (the id and the text
-it adds, nothing of a stop string), then a DoneEvent or an ErrorEvent."""
+"""EngineWorker: the one thread that owns the backend. Jobs wait for a decode slot (the backend
+decodes `slots` at once: one today) and are decoded in order; each new token goes to its
+request as a TokenEvent (the id and the text it adds, nothing of a stop string), then a
+DoneEvent or an ErrorEvent.
+
+Admission counts every job the worker holds, taken off the queue or not: a job is refused
+(QueueFull, a 429) only when `slots` are decoding and `max_queue` wait already. Counting the
+queue's length instead would refuse a burst that fits, while the worker has not yet taken the
+first job off the queue."""
 from __future__ import annotations
 
 import logging
@@ -44,10 +50,17 @@ class EngineWorker:
     """Call `run()` on the thread that owns the backend (it returns after `stop()` or a fatal
     backend error, which `on_fatal(message)` is told); `submit` from any thread."""
 
+    slots = 1  # jobs decoded at once
+
     def __init__(self, backend, max_queue: int = 16,
                  on_fatal: Callable[[str], None] | None = None):
+        if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
+            raise SPDError(f"max_queue is a number of requests >= 0, got {max_queue!r}")
         self.backend = backend
-        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.max_queue = max_queue
+        self._queue: queue.Queue = queue.Queue()
+        self._held = 0  # jobs submitted and not finished (waiting or decoding)
+        self._lock = threading.RLock()
         self._stop = threading.Event()
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None
@@ -56,19 +69,31 @@ class EngineWorker:
         self._current: Job | None = None
 
     def submit(self, job: Job) -> None:
-        if self._stop.is_set():
-            raise QueueFull("the server is stopping")
-        try:
-            self._queue.put_nowait(job)
-        except queue.Full:
-            raise QueueFull(f"{self._queue.maxsize} requests are waiting already") from None
+        with self._lock:
+            if self._stop.is_set():
+                raise QueueFull("the server is stopping")
+            if self._held >= self.max_queue + self.slots:
+                raise QueueFull(f"{self.max_queue} requests are waiting already")
+            self._held += 1
+            self._queue.put_nowait(job)  # (under the lock: a stopping worker drains it)
+
+    def _release(self) -> None:
+        """A job the worker held is finished (served, failed, cancelled or drained)."""
+        with self._lock:
+            self._held -= 1
 
     def stop(self) -> None:
         self._stop.set()
 
     @property
     def queued(self) -> int:
-        return self._queue.qsize()
+        """Jobs waiting for a slot."""
+        with self._lock:
+            return max(self._held - self.slots_in_use, 0)
+
+    @property
+    def slots_in_use(self) -> int:
+        return int(self.busy)
 
     def run(self) -> None:
         try:
@@ -77,7 +102,12 @@ class EngineWorker:
                     job = self._queue.get(timeout=0.2)
                 except queue.Empty:
                     continue
-                self._run_job(job)
+                self.busy = True  # it holds the slot from here on, no longer waiting
+                try:
+                    self._run_job(job)
+                finally:
+                    self.busy, self._current = False, None
+                    self._release()
         finally:
             self._stop.set()
             self._drain()
@@ -85,12 +115,14 @@ class EngineWorker:
     def _drain(self) -> None:
         """Jobs still queued when the worker stops get a 503."""
         why = self.fatal_error or "the server is stopping"
-        while True:
-            try:
-                job = self._queue.get_nowait()
-            except queue.Empty:
-                return
-            job.emit(ErrorEvent(503, why))
+        with self._lock:  # a submit under way has queued its job, later ones are refused
+            while True:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                self._release()
+                job.emit(ErrorEvent(503, why))
 
     def _run_job(self, job: Job) -> None:
         if job.cancel.is_set():  # the client left while it waited
@@ -106,7 +138,7 @@ class EngineWorker:
             job.emit(TokenEvent(token, pieces.add(token)))
 
         t0 = time.perf_counter()
-        self.busy, self._current = True, job
+        self._current = job
         try:
             result = self.backend.generate(job, on_token)
         except DecodeCancelled:
@@ -133,8 +165,6 @@ class EngineWorker:
             log.exception("%s failed", job.id)
             job.emit(ErrorEvent(500, f"internal error: {type(exc).__name__}: {exc}"))
             return
-        finally:
-            self.busy, self._current = False, None
         if job.cancel.is_set():
             self.counts["cancelled"] += 1
         else:
