@@ -11,6 +11,7 @@ from importlib import metadata as _metadata
 
 from spd_kernels import on_request  # noqa: F401  (registers the on-request kernels)
 from spd_kernels.attention import cache_attention
+from spd_kernels.attention.slots import slot_attention
 from spd_kernels.attention.tree import tree_attention
 from spd_kernels.checks import SPDInputError
 from spd_kernels.deltanet import conv_ring_step, gated_delta_step
@@ -45,6 +46,7 @@ __all__ = [
     "rejection_sample",
     "rejection_sample_logits",
     "sample_from_probs",
+    "slot_attention",
     "stage_step",
     "tree_attention",
     "tree_rejection_sample",
