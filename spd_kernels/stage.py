@@ -7,7 +7,8 @@ the cache (`cache_attention`), output projection + residual (`fused_linear`), RM
 (`fused_swiglu`), down projection + residual (`fused_linear`). Training runs the same layer
 cache-free under a mask (spd.model.layers.decoder_layer_step; tests/kernels/test_pdm_step.py
 holds the two equal). With the position an int64 device tensor nothing reads it on the host, so
-a CUDA graph of the step replays at every position.
+a CUDA graph of the step replays at every position. `batch_stage_step` runs rows of several
+sequences, each against its own slot of a batched cache (docs/batching.md).
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from spd_kernels.attention import cache_attention
+from spd_kernels.attention.slots import slot_attention
 from spd_kernels.attention.tree import tree_attention
 from spd_kernels.linear import fused_linear, fused_swiglu
 from spd_kernels.qkv_rope import back_to_back, qkv_rope_append
@@ -150,5 +152,50 @@ def stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,
     for i, lw in enumerate(weights.layers):
         x = decoder_layer(x, lw, k_cache[i], v_cache[i], start, cos, sin, weights.num_heads,
                           weights.num_kv_heads, weights.eps, backend=backend)
+        outs.append(x)
+    return outs
+
+
+def batch_decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                        cos: torch.Tensor, sin: torch.Tensor, num_heads: int, num_kv_heads: int,
+                        eps: float, *, backend: str | None = None) -> torch.Tensor:
+    """`decoder_layer` for rows of several sequences: x [R, d], row r of slot slots[r] ([R]
+    int64) at position positions[r] ([R] int64), its RoPE cos/sin[r] ([R, head_dim] each); its
+    key/value written to k_cache/v_cache [B, kv_heads, S, head_dim] at (slots[r], positions[r]),
+    then it attends to its slot's keys [0, positions[r]] (slot_attention)."""
+    rows, hd = x.shape[0], k_cache.shape[-1]
+    # q/k/v, norms and RoPE as one sequence's step computes them, into a scratch cache of R rows
+    # (row r at "position" r of the per-row tables), then scattered to each row's slot
+    k_new = torch.empty(num_kv_heads, rows, hd, dtype=k_cache.dtype, device=k_cache.device)
+    v_new = torch.empty_like(k_new)
+    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
+                        sin, 0, k_new, v_new, num_heads, num_kv_heads, qkv_bias=lw.qkv_bias,
+                        wq_scale=lw.wq_scale, wk_scale=lw.wk_scale, wv_scale=lw.wv_scale,
+                        backend=backend)
+    k_cache[slots, :, positions] = k_new.transpose(0, 1)     # [R, kv_heads, hd]
+    v_cache[slots, :, positions] = v_new.transpose(0, 1)
+    att = slot_attention(q, k_cache, v_cache, slots, positions + 1, backend=backend)
+    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
+    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
+                       up_scale=lw.up_scale, backend=backend)
+    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+
+
+def batch_stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                     cos: torch.Tensor, sin: torch.Tensor, *,
+                     backend: str | None = None) -> list[torch.Tensor]:
+    """`stage_step` for rows of several sequences (batch_decoder_layer's arguments): x [R, hidden];
+    k_cache/v_cache [B, layers, kv_heads, S, head_dim] (slot b's one-sequence cache is k_cache[b],
+    which the prompt's prefill fills through `stage_step`); cos/sin [P, head_dim] the full RoPE
+    tables -> each layer's output [R, hidden]. Positions stay on the device."""
+    at = positions.reshape(-1)
+    cos_rows, sin_rows = cos.index_select(0, at), sin.index_select(0, at)
+    outs = []
+    for i, lw in enumerate(weights.layers):
+        x = batch_decoder_layer(x, lw, k_cache[:, i], v_cache[:, i], slots, at, cos_rows,
+                                sin_rows, weights.num_heads, weights.num_kv_heads, weights.eps,
+                                backend=backend)
         outs.append(x)
     return outs

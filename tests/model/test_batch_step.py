@@ -1,0 +1,60 @@
+"""batch_stage_step: rows of several sequences through one stage step, each against its own slot
+of a batched cache, against each sequence's own stage_step (the one-sequence path): a batch of
+one bit for bit, several within float32 rounding (the CPU's products are not batch-invariant:
+docs/batching.md); each row's key/value lands in its own slot at its position and nothing else
+in the caches moves (NaN poison past every slot's length)."""
+import pytest
+import torch
+from conftest import make_tiny_target
+
+from spd_kernels.stage import batch_stage_step, stage_step
+
+PROMPTS = (5, 9, 3)  # each slot's context length
+S = 16
+
+
+@pytest.fixture(scope="module")
+def stage():
+    t = make_tiny_target(seed=3, vocab=48, layers=3, model_type="qwen3")  # q/k norms too
+    cos, sin = t.rope(0, S)
+    return t, t.stage_weights(range(t.num_layers)), cos, sin
+
+
+def filled_caches(t, weights, cos, sin, seed=0):
+    """Caches [B, layers, kv_heads, S, hd], slot b holding a random prompt of PROMPTS[b] rows
+    prefilled through stage_step; NaN past each prompt."""
+    shape = (len(PROMPTS), t.num_layers, t.num_kv_heads, S, t.head_dim)
+    k = torch.full(shape, float("nan"), dtype=t.dtype)
+    v = torch.full(shape, float("nan"), dtype=t.dtype)
+    g = torch.Generator().manual_seed(seed)
+    for b, P in enumerate(PROMPTS):
+        stage_step(torch.randn(P, t.hidden_size, generator=g).to(t.dtype), weights, k[b], v[b],
+                   0, cos, sin)
+    return k, v
+
+
+@pytest.mark.parametrize("rows", [[1], [2, 0, 1], [0, 2]])
+def test_rows_of_several_sequences_equal_each_alone(stage, rows):
+    t, weights, cos, sin = stage
+    k, v = filled_caches(t, weights, cos, sin)
+    alone_k, alone_v = k.clone(), v.clone()
+    x = torch.randn(len(rows), t.hidden_size, generator=torch.Generator().manual_seed(7))
+    slots = torch.tensor(rows)
+    positions = torch.tensor([PROMPTS[b] for b in rows])
+    outs = batch_stage_step(x, weights, k, v, slots, positions, cos, sin)
+    assert len(outs) == t.num_layers and outs[-1].shape == x.shape
+    for r, b in enumerate(rows):
+        P = PROMPTS[b]
+        ref = stage_step(x[r:r + 1], weights, alone_k[b], alone_v[b], P, cos, sin)
+        for got, want in zip(outs, ref):
+            if len(rows) == 1:  # one row: the one-sequence step's very numbers
+                assert torch.equal(got[r], want[0])
+            else:
+                torch.testing.assert_close(got[r], want[0], atol=1e-5, rtol=1e-5)
+        # its key/value at its position, in its slot; the slot's other rows untouched
+        torch.testing.assert_close(k[b, :, :, :P + 1], alone_k[b, :, :, :P + 1], atol=1e-5,
+                                   rtol=1e-5)
+        assert k[b, :, :, P + 1:].isnan().all() and v[b, :, :, P + 1:].isnan().all()
+    for b in set(range(len(PROMPTS))) - set(rows):  # a slot with no row: not a bit moved
+        assert torch.equal(k[b].nan_to_num(), alone_k[b].nan_to_num())
+        assert torch.equal(k[b].isnan(), alone_k[b].isnan())
