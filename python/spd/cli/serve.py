@@ -30,14 +30,21 @@ log = logging.getLogger("spd.serve")
 def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (docs/serve.md)",
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models and "
-                       "/health on one persistent engine. Requests queue and decode one at a "
-                       "time; the output is exactly the target's own.")
+                       "/health on one persistent engine. Requests queue for a decode slot "
+                       "(one with SPD; --max-batch with --mode ar); the output is the target's "
+                       "own.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
                    help="port to listen on (0: any free one)")
     p.add_argument("--max-queue", type=int_in(1), default=16,
-                   help="requests that may wait while one decodes; more get HTTP 429")
+                   help="requests that may wait for a decode slot; more get HTTP 429")
+    p.add_argument("--max-batch", type=int_in(1), default=None,
+                   help="requests decoded at once (default 8 with --mode ar, 1 with spd: "
+                        "batched SPD is not built yet, docs/batching.md)")
+    p.add_argument("--max-context", type=int_in(2), default=2048,
+                   help="rows of context (prompt and new tokens) a batch slot holds; its KV "
+                        "memory is allocated at start-up (default 2048)")
     p.add_argument("--max-tokens", type=int_in(1), default=256,
                    help="new tokens of a request that gives no max_tokens")
     p.add_argument("--served-model-name", default=None,
@@ -102,7 +109,9 @@ def cmd_serve(args) -> int:
         raise SPDError("serving needs the model's tokenizer")
     if engine.pdm_source == "untrained":
         warn_untrained_pdm()
-    server = Server(LocalBackend(engine, args.mode), **server_opts(args))
+    max_batch = args.max_batch or (8 if args.mode == "ar" else 1)
+    backend = LocalBackend(engine, args.mode, max_batch, args.max_context)
+    server = Server(backend, **server_opts(args))
     server.start_http()
     _announce(server)
     server.run()
@@ -139,6 +148,9 @@ def cmd_serve_distributed(args) -> int:
     from spd.distributed.faults import RankFailedError
     from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 
+    if args.max_batch not in (None, 1):
+        raise SPDError("--max-batch > 1 is one process only so far: the distributed engine "
+                       "decodes one request at a time (docs/batching.md)")
     config = config_from_args(args)
     job = partial(serve_job, {**server_opts(args), "log_level": args.log_level})
     if under_torchrun():

@@ -30,6 +30,16 @@ def encode_request_prompt(tokenizer, prompt):
     return prompt
 
 
+def is_prompt_batch(prompt) -> bool:
+    """Whether `prompt` is several prompts (as vLLM's LLM.generate takes them): a list of texts,
+    of token-id lists or tensors, or of chats (lists of message dicts). A list of ints is one
+    prompt's ids and a list of dicts one chat."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    return all(isinstance(p, (str, list, tuple)) or (hasattr(p, "dim") and p.dim() == 1)
+               for p in prompt)
+
+
 def encode_messages(tokenizer, messages) -> list[int]:
     """Chat messages through the model's chat template, the assistant's turn opened."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):

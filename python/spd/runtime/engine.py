@@ -26,9 +26,10 @@ from spd.draft.pdm import (
 )
 from spd.errors import SPDError
 from spd.model.partition import DepthLayout
-from spd.model.prompt import encode_request_prompt
+from spd.model.prompt import encode_request_prompt, is_prompt_batch
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
+from spd.runtime.batch_ar import BatchedAR
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
 from spd.runtime.driver import peek
 from spd.runtime.request import check_prompt
@@ -79,6 +80,7 @@ class SPDEngine:
         self.debug_poison = debug_poison
         self._stages: list[Stage] = []
         self._ar: ARDecoder | None = None
+        self._batch: BatchedAR | None = None  # several prompts' AR decode (its slot caches)
         self.pdm = None
         self.pdm_source = "none"
         if self.n >= 2:
@@ -155,9 +157,20 @@ class SPDEngine:
     def generate_ar(self, prompt_ids, max_new_tokens: int = 64,
                     sampling: SamplingParams = SamplingParams(),
                     on_token: Callable[[int], None] | None = None, *, stop=None,
-                    stop_token_ids=None) -> GenerationResult:
+                    stop_token_ids=None, max_batch: int | None = None):
         """Plain decoding through the same stages: one full forward per token (on a GPU one CUDA
-        graph per token: spd.runtime.ar_decode). Takes what `generate` takes."""
+        graph per token: spd.runtime.ar_decode). Takes what `generate` takes.
+
+        Several prompts (a list of texts, of token-id lists or of chats) decode together with
+        continuous batching, up to `max_batch` at once (default: all of them, at most 8), each
+        with `sampling` (one for all, or a list of one each) and its own generator: a list of
+        results, one each, in order (spd.runtime.batch_ar). on_token(i, id) then names the
+        prompt."""
+        if is_prompt_batch(prompt_ids):
+            return self._generate_ar_batch(prompt_ids, max_new_tokens, sampling, on_token, stop,
+                                           stop_token_ids, max_batch)
+        if max_batch is not None:
+            raise SPDError("max_batch applies to several prompts; this is one")
         ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
         t = self.target
         stages = self._prepare_stages(ids.numel() + max_new + 1, self.n)
@@ -179,6 +192,36 @@ class SPDEngine:
         stats.decode_s = time.perf_counter() - t0
         stats.new_tokens = len(out)
         return self.build_result(out, stats, rule)
+
+    def _generate_ar_batch(self, prompts, max_new_tokens, sampling, on_token, stop,
+                           stop_token_ids, max_batch) -> list[GenerationResult]:
+        """generate_ar over several prompts, continuously batched (BatchedAR)."""
+        prompts = list(prompts)
+        if isinstance(sampling, SamplingParams):
+            sampling = [sampling] * len(prompts)
+        if len(sampling) != len(prompts):
+            raise SPDError(f"sampling: one SamplingParams for all prompts or one each; got "
+                           f"{len(sampling)} for {len(prompts)} prompts")
+        if max_batch is None:
+            max_batch = min(len(prompts), 8)
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
+        requests = [self.prepare_request(p, max_new_tokens, stop, stop_token_ids)
+                    for p in prompts]
+        context = max(ids.numel() + max_new - 1 for ids, max_new, _ in requests)
+        if self._batch is None or self._batch.slots < max_batch or self._batch.context < context:
+            self._batch = None  # (its caches freed before the new ones are made)
+            self._batch = BatchedAR(self.target, max_batch, context)
+        batch, waiting, joined = self._batch, list(range(len(prompts))), {}
+        while waiting or batch.running:
+            while waiting and len(batch.running) < max_batch:
+                i = waiting.pop(0)
+                ids, max_new, rule = requests[i]
+                tick = None if on_token is None else (lambda tok, i=i: on_token(i, tok))
+                joined[i] = batch.join(ids, max_new, sampling[i], rule, tick)
+            batch.step()
+        return [self.build_result(joined[i].out, joined[i].stats, requests[i][2])
+                for i in range(len(prompts))]
 
     def stream(self, prompt, max_new_tokens: int = 64,
                sampling: SamplingParams = SamplingParams(), *, stop=None, stop_token_ids=None,
@@ -207,6 +250,10 @@ class SPDEngine:
         token as it is committed. stop: a string or strings that end the decode where they
         appear in the text (cut from `result.text`); stop_token_ids: ids that end it like EOS.
         `result.finish_reason` is "stop" or "length"."""
+        if is_prompt_batch(prompt_ids):
+            raise SPDError(f"{len(prompt_ids)} prompts: SPD decodes one sequence at a time so far "
+                           "(several in one pipeline: docs/batching.md); call generate once per "
+                           "prompt, or generate_ar(prompts) for batched autoregressive decoding")
         if self.n < 2:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
                                     stop_token_ids=stop_token_ids)

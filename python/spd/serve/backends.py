@@ -3,6 +3,8 @@ cancelled job ends early (DecodeCancelled, or a result cut short) and leaves the
 for the next one. `fatal`: errors after which the backend cannot serve again."""
 from __future__ import annotations
 
+from spd.errors import SPDError
+from spd.runtime.batch_ar import BatchedAR
 from spd.serve.jobs import Job
 
 
@@ -12,15 +14,41 @@ class DecodeCancelled(Exception):
 
 class LocalBackend:
     """The one-process engine (SPDEngine): stages, PDM and caches are reused across requests.
-    mode "ar": plain autoregressive decoding on the same stages."""
+    mode "ar": plain autoregressive decoding on the same stages. max_batch > 1 (mode "ar" so
+    far): that many requests decode together (spd.runtime.batch_ar), each slot holding up to
+    `max_context` rows (prompt and new tokens; a request that needs more gets a 400), through
+    `join`, `step`, `leave` and `result` instead of `generate`."""
 
     fatal: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, engine, mode: str = "spd"):
+    def __init__(self, engine, mode: str = "spd", max_batch: int = 1, max_context: int = 2048):
         self.engine, self.target, self.mode = engine, engine.target, mode
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if max_batch > 1 and mode != "ar":
+            raise SPDError("several requests at once (max batch > 1) need --mode ar so far: "
+                           "SPD decodes one sequence at a time (docs/batching.md)")
+        self.slots = max_batch
+        self.batch = BatchedAR(engine.target, max_batch, max_context) if max_batch > 1 else None
 
     def describe(self) -> str:
-        return f"one process, {self.mode} n={self.engine.n if self.mode == 'spd' else 1}"
+        what = f"one process, {self.mode} n={self.engine.n if self.mode == 'spd' else 1}"
+        return what + (f", {self.slots} slots" if self.slots > 1 else "")
+
+    def join(self, job: Job, on_token):
+        """A job into a free slot: its prefill and first token (on_token) -> its sequence."""
+        ids, max_new, rule = self.engine.prepare_request(job.prompt_ids, job.max_new, job.stop,
+                                                         job.stop_token_ids)
+        return self.batch.join(ids, max_new, job.sampling, rule, on_token)
+
+    def step(self) -> None:
+        self.batch.step()
+
+    def leave(self, seq) -> None:
+        self.batch.leave(seq)
+
+    def result(self, seq):
+        return self.engine.build_result(seq.out, seq.stats, seq.rule)
 
     def generate(self, job: Job, on_token):
         def tick(token: int) -> None:

@@ -50,13 +50,12 @@ class EngineWorker:
     """Call `run()` on the thread that owns the backend (it returns after `stop()` or a fatal
     backend error, which `on_fatal(message)` is told); `submit` from any thread."""
 
-    slots = 1  # jobs decoded at once
-
     def __init__(self, backend, max_queue: int = 16,
                  on_fatal: Callable[[str], None] | None = None):
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise SPDError(f"max_queue is a number of requests >= 0, got {max_queue!r}")
         self.backend = backend
+        self.slots = getattr(backend, "slots", 1)  # jobs decoded at once
         self.max_queue = max_queue
         self._queue: queue.Queue = queue.Queue()
         self._held = 0  # jobs submitted and not finished (waiting or decoding)
@@ -65,6 +64,7 @@ class EngineWorker:
         self.on_fatal = on_fatal
         self.fatal_error: str | None = None
         self.counts = {"served": 0, "cancelled": 0, "failed": 0}
+        self._active: dict[int, tuple] = {}  # a batched backend's jobs in their slots, by id
         self.busy = False
         self._current: Job | None = None
 
@@ -93,9 +93,11 @@ class EngineWorker:
 
     @property
     def slots_in_use(self) -> int:
-        return int(self.busy)
+        return len(self._active) if self.slots > 1 else int(self.busy)
 
     def run(self) -> None:
+        if self.slots > 1:
+            return self._run_batched()
         try:
             while not self._stop.is_set():
                 try:
@@ -146,25 +148,31 @@ class EngineWorker:
             log.info("%s cancelled (client left) after %d tokens, %.2f s", job.id, count,
                      time.perf_counter() - t0)
             return
-        except SPDError as exc:  # the request's fault
+        except Exception as exc:
+            self._failed(job, exc)
+            return
+        self._done(job, result, pieces, t0)
+
+    def _failed(self, job: Job, exc: Exception) -> None:
+        """`job` failed with `exc`: its error event (400 the request's fault, 500 the engine's),
+        or, where the backend cannot serve again, the server stops."""
+        if isinstance(exc, SPDError):  # the request's fault
             self.counts["failed"] += 1
             job.emit(ErrorEvent(400, str(exc)))
-            return
-        except InternalError as exc:  # the engine's fault: logged with its context
+        elif isinstance(exc, InternalError):  # the engine's fault: logged with its context
             self.counts["failed"] += 1
             log.error("%s failed inside the engine: %s; context %s", job.id, exc.message,
                       exc.context, exc_info=exc)
             job.emit(ErrorEvent(500, f"internal error: {exc}"))
-            return
-        except self.backend.fatal as exc:
+        elif isinstance(exc, self.backend.fatal):
             self._fail(job, str(exc) if isinstance(exc, RankFailure)
                        else f"{type(exc).__name__}: {exc}")
-            return
-        except Exception as exc:  # a bug: this request fails, the next one starts afresh
+        else:  # a bug: this request fails, the next one starts afresh
             self.counts["failed"] += 1
-            log.exception("%s failed", job.id)
+            log.error("%s failed", job.id, exc_info=exc)
             job.emit(ErrorEvent(500, f"internal error: {type(exc).__name__}: {exc}"))
-            return
+
+    def _done(self, job: Job, result, pieces: TextPieces, t0: float) -> None:
         if job.cancel.is_set():
             self.counts["cancelled"] += 1
         else:
@@ -174,6 +182,74 @@ class EngineWorker:
         log.info("%s prompt=%d new=%d finish=%s time=%.2f s (queued %.2f s) %s", job.id,
                  len(job.prompt_ids), len(result.token_ids), result.finish_reason,
                  time.perf_counter() - t0, t0 - job.queued_at, st.summary())
+
+    # --- a batched backend: up to `slots` jobs decode together ----------------------------------
+    def _run_batched(self) -> None:
+        """Between steps: jobs join free slots (their prefill and first token), jobs whose
+        client left leave theirs; then one step for every job in a slot."""
+        try:
+            while not self._stop.is_set():
+                self._admit()
+                self.busy = bool(self._active)
+                for key, (job, seq, _, t0) in list(self._active.items()):
+                    if job.cancel.is_set():  # the client left: its slot is free next step
+                        self.backend.leave(seq)
+                        self._active.pop(key)
+                        self.counts["cancelled"] += 1
+                        log.info("%s cancelled (client left) after %d tokens, %.2f s",
+                                 job.id, len(seq.out), time.perf_counter() - t0)
+                        self._release()
+                if not self._active:
+                    continue
+                try:
+                    self.backend.step()
+                except Exception as exc:  # every job in a slot fails with it
+                    for key, (job, seq, _, _) in list(self._active.items()):
+                        self.backend.leave(seq)
+                        self._active.pop(key)
+                        self._failed(job, exc)
+                        self._release()
+                    continue
+                self._finish_ended()
+        finally:
+            self.busy = False
+            for job, seq, _, _ in self._active.values():  # stopping: those in slots get a 503
+                job.emit(ErrorEvent(503, self.fatal_error or "the server is stopping"))
+                self._release()
+            self._active.clear()
+            self._stop.set()
+            self._drain()
+
+    def _admit(self) -> None:
+        """Waiting jobs into the free slots (blocking briefly for one when none decodes)."""
+        while len(self._active) < self.slots and not self._stop.is_set():
+            try:
+                job = (self._queue.get_nowait() if self._active
+                       else self._queue.get(timeout=0.2))
+            except queue.Empty:
+                return
+            if job.cancel.is_set():  # the client left while it waited
+                self.counts["cancelled"] += 1
+                self._release()
+                continue
+            pieces = TextPieces(self.backend.target.tokenizer, tuple(job.stop or ()))
+            t0 = time.perf_counter()
+            try:
+                seq = self.backend.join(job, lambda tok, job=job, pieces=pieces: job.emit(
+                    TokenEvent(tok, pieces.add(tok))))
+            except Exception as exc:
+                self._failed(job, exc)
+                self._release()
+                continue
+            self._active[id(job)] = (job, seq, pieces, t0)
+            self._finish_ended()
+
+    def _finish_ended(self) -> None:
+        for key, (job, seq, pieces, t0) in list(self._active.items()):
+            if seq.done:
+                self._active.pop(key)
+                self._done(job, self.backend.result(seq), pieces, t0)
+                self._release()
 
     def _fail(self, job: Job | None, message: str) -> None:
         """The backend cannot serve again (a rank died): fail this job, stop the server."""

@@ -1,0 +1,155 @@
+"""Autoregressive decoding of several sequences at once: continuous batching over slot caches.
+
+The baseline for several sequences in one engine (issue 54, docs/batching.md): `slots` sequences
+decode together, each in its own slot of one batched KV cache. A sequence joins between steps
+(`join`: its prompt's prefill into its slot, on its own, and its first token), every `step` runs
+one row per live sequence through `batch_stage_step` (the weight reads shared by all of them),
+and a sequence leaves at its end (EOS, a stop id or string, its budget) or when told to
+(`leave`), freeing its slot for the next. Each keeps its own sampling generator, stop rule and
+budget, so its tokens are what it would get alone, up to rounding: on the CPU the products over
+B rows round differently from one row's (docs/batching.md), which can move a near tie.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from spd.errors import InternalError, SPDError
+from spd.model.target import TargetModel
+from spd.runtime.stopping import StopRule
+from spd.runtime.types import DecodeStats, SamplingParams
+from spd.runtime.verdict import pick
+from spd_kernels import verify_greedy
+from spd_kernels.stage import batch_stage_step, stage_step
+
+
+@dataclass
+class Running:
+    """One sequence in a slot: `position` rows of its slot are written, `token` (the last one
+    chosen) goes in at `position` in the next step."""
+    slot: int
+    position: int
+    token: int
+    max_new: int
+    sampling: SamplingParams
+    gen: torch.Generator
+    rule: StopRule
+    on_token: Callable[[int], None] | None
+    stats: DecodeStats
+    out: list[int] = field(default_factory=list)
+    done: bool = False
+    t0: float = 0.0            # when its decode started (after its prefill)
+
+
+class BatchedAR:
+    """Up to `slots` sequences of at most `context` rows each (prompt and new tokens), on a
+    dense target (every layer as one batched stage step). KV memory is allocated once: slots x
+    layers x 2 x kv_heads x context x head_dim elements."""
+
+    def __init__(self, target: TargetModel, slots: int, context: int):
+        if target.hybrid:
+            raise SPDError("batched decoding (max batch > 1) needs a dense target: a hybrid "
+                           "target's linear-attention state is not kept per slot yet")
+        for name, v in (("slots", slots), ("context", context)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise SPDError(f"{name} must be a positive integer, got {v!r}")
+        t = target
+        self.target, self.slots, self.context = t, slots, context
+        self.weights = t.stage_weights(range(t.num_layers))
+        shape = (slots, t.num_layers, t.num_kv_heads, context, t.head_dim)
+        self.k = torch.zeros(shape, dtype=t.dtype, device=t.device)
+        self.v = torch.zeros_like(self.k)
+        self.cos, self.sin = t.rope(0, context)
+        self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.running: dict[int, Running] = {}
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return 2 * self.k[0].numel() * self.k.element_size()
+
+    def check_fits(self, prompt_len: int, max_new: int) -> None:
+        """A sequence of `prompt_len` prompt tokens and up to `max_new` new ones fits a slot
+        (the last new token is never fed back), else SPDError naming both."""
+        need = prompt_len + max_new - 1
+        if need > self.context:
+            raise SPDError(f"the prompt ({prompt_len} tokens) and max_new_tokens ({max_new}) "
+                           f"need {need} rows of context but a slot holds {self.context}")
+
+    @torch.no_grad()
+    def join(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams, rule: StopRule,
+             on_token: Callable[[int], None] | None = None) -> Running:
+        """Prefill `ids` [P] into a free slot and choose the first token (emitted); the sequence
+        decodes from the next step unless that token ended it."""
+        if not self.free:
+            raise InternalError("no free slot to join", slots=self.slots)
+        self.check_fits(ids.numel(), max_new)
+        t = self.target
+        t0 = time.perf_counter()
+        slot = self.free.pop()
+        gen = torch.Generator(t.device).manual_seed(sampling.seed)
+        h = stage_step(t.embed_tokens(ids), self.weights, self.k[slot], self.v[slot], 0,
+                       self.cos, self.sin)[-1]
+        first = pick(t.logits(h[-1:])[0], sampling, gen)
+        seq = Running(slot, ids.numel(), first, max_new, sampling, gen, rule, on_token,
+                      DecodeStats(mode="ar", n=1))
+        seq.stats.prefill_s = time.perf_counter() - t0
+        seq.t0 = time.perf_counter()
+        self.running[slot] = seq
+        self._emit(seq, first)
+        return seq
+
+    def leave(self, seq: Running) -> None:
+        """The sequence stops now (ended, or its client left): its slot is free."""
+        if self.running.get(seq.slot) is not seq:
+            return
+        del self.running[seq.slot]
+        self.free.append(seq.slot)
+        seq.done = True
+        seq.stats.decode_s = time.perf_counter() - seq.t0
+        seq.stats.new_tokens = len(seq.out)
+        seq.stats.K = seq.stats.N = len(seq.out) - 1
+
+    def _emit(self, seq: Running, token: int) -> None:
+        seq.out.append(token)
+        seq.token = token
+        ended = seq.rule.feed(token) or len(seq.out) >= seq.max_new
+        if seq.on_token:
+            seq.on_token(token)
+        if ended:
+            self.leave(seq)
+
+    @torch.no_grad()
+    def step(self) -> list[Running]:
+        """One token for every running sequence -> the sequences that ended in it."""
+        if not self.running:
+            return []
+        t = self.target
+        seqs = [self.running[s] for s in sorted(self.running)]
+        dev = t.device
+        tokens = torch.tensor([s.token for s in seqs], device=dev)
+        slots = torch.tensor([s.slot for s in seqs], device=dev)
+        positions = torch.tensor([s.position for s in seqs], device=dev)
+        h = batch_stage_step(t.embed_tokens(tokens), self.weights, self.k, self.v, slots,
+                             positions, self.cos, self.sin)[-1]
+        chosen: list[int | None] = [None] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+        if greedy:  # the fused norm + head + argmax, as the one-sequence decode chooses
+            rows = torch.tensor(greedy, device=dev)
+            none = torch.full((len(greedy),), -1, dtype=torch.int64, device=dev)
+            picked = verify_greedy(h.index_select(0, rows), t.norm.weight, t.rms_eps,
+                                   t.lm_head.weight, none, t.norm_offset)[0]
+            for i, tok in zip(greedy, picked.tolist()):
+                chosen[i] = tok
+        for i, s in enumerate(seqs):
+            if chosen[i] is None:
+                chosen[i] = pick(t.logits(h[i:i + 1])[0], s.sampling, s.gen)
+        ended = []
+        for s, tok in zip(seqs, chosen):
+            s.position += 1
+            self._emit(s, tok)
+            if s.done:
+                ended.append(s)
+        return ended
