@@ -6,14 +6,15 @@ count and path: total tokens/s, per-request tokens/s (its tokens over its time f
 last token), time to first token (TTFT, from t = 0: waiting included) and time between tokens
 (TBT, p50 and p99 over all requests' gaps).
 
-  spd         the default SPD decode, one request at a time (the batched SPD cycle: not built
-              yet, docs/batching.md)
-  ar          autoregressive, one request at a time
-  ar-batched  autoregressive with continuous batching, all C at once (`generate_ar` on a list)
+  spd          the SPD decode, one request at a time
+  spd-batched  SPD with all C requests in the pipeline at once, each with its own speculation
+               (`generate` on a list: spd.runtime.batch_spd)
+  ar           autoregressive, one request at a time
+  ar-batched   autoregressive with continuous batching, all C at once (`generate_ar` on a list)
 
-In one process the stages run one after another (SPD's n stages share this machine), and the
-server's HTTP layer is left out. The pipeline without speculation batched over requests is not
-built yet either.
+In one process the stages run one after another (SPD's n stages share this machine: SPD's
+figures here are not what n devices give), and the server's HTTP layer is left out. The pipeline
+without speculation batched over requests is not built yet.
 
     python benchmarks/bench_clients.py --clients 1,2,4,8,16 --json-out out.json
 """
@@ -29,7 +30,7 @@ from spd import SPDEngine
 from spd.data.datasets import load_dataset
 from spd.model.loading import load_target
 
-PATHS = ("spd", "ar", "ar-batched")
+PATHS = ("spd", "spd-batched", "ar", "ar-batched")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -41,9 +42,10 @@ def serve(engine: SPDEngine, path: str, prompts: list, max_new: int) -> dict:
     """Every prompt's token times (s from t = 0) when `path` serves them all from t = 0."""
     times: list[list[float]] = [[] for _ in prompts]
     t0 = time.perf_counter()
-    if path == "ar-batched":
-        engine.generate_ar(prompts, max_new, max_batch=len(prompts),
-                           on_token=lambda i, _tok: times[i].append(time.perf_counter() - t0))
+    if path.endswith("-batched"):
+        run = engine.generate if path == "spd-batched" else engine.generate_ar
+        run(prompts, max_new, max_batch=len(prompts),
+            on_token=lambda i, _tok: times[i].append(time.perf_counter() - t0))
     else:
         run = engine.generate if path == "spd" else engine.generate_ar
         for i, p in enumerate(prompts):
@@ -79,7 +81,7 @@ def main() -> None:
     if max(clients) > len(prompts):
         ap.error(f"at most {len(prompts)} clients (the held-out prompts)")
     engine.generate(prompts[0], 4)  # warm-up
-    table = Table([("clients", ">7"), ("path", ">10"), ("total_tok_s", ">9.2f", "tok/s"),
+    table = Table([("clients", ">7"), ("path", ">11"), ("total_tok_s", ">9.2f", "tok/s"),
                    ("per_request_tok_s", ">9.2f", "req tok/s"), ("ttft_p50_s", ">9.2f", "TTFT p50"),
                    ("ttft_max_s", ">9.2f", "TTFT max"), ("tbt_p50_ms", ">9.1f", "TBT p50"),
                    ("tbt_p99_ms", ">9.1f", "TBT p99")])

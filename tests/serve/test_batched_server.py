@@ -1,9 +1,9 @@
-"""`spd serve --mode ar --max-batch B`: requests decode together, each in a slot of one batched
-cache. Through the real openai client on a loopback port (a tiny random Llama with the default
-model's tokenizer): concurrent clients each get exactly their serial answer, streaming or not,
-greedy or seeded; a request whose context cannot fit a slot gets a 400 naming it; a client that
-leaves mid-stream frees its slot. Then the worker alone, on a stand-in batched backend: a burst
-of max_queue + B requests is accepted whole and one more gets a 429."""
+"""`spd serve --max-batch B` (SPD, and `--mode ar`): requests decode together, each in a slot of
+one batched cache. Through the real openai client on a loopback port (a tiny random Llama with the
+default model's tokenizer): concurrent clients each get exactly their serial answer, streaming or
+not, greedy or seeded; a request whose context cannot fit a slot gets a 400 naming it; a client
+that leaves mid-stream frees its slot. Then the worker alone, on a stand-in batched backend: a
+burst of max_queue + B requests is accepted whole and one more gets a 429."""
 from __future__ import annotations
 
 import http.client
@@ -31,16 +31,22 @@ SLOTS, CONTEXT = 3, 96
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def tiny_engine(tmp_path_factory):
     from spd.model.loading import load_target, save_tiny_random_llama
     target = load_target(save_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama")))
-    engine = SPDEngine(target, n_stages=2, warn_untrained=False)
-    backend = LocalBackend(engine, "ar", max_batch=SLOTS, max_context=CONTEXT)
+    return SPDEngine(target, n_stages=2, warn_untrained=False)
+
+
+@pytest.fixture(scope="module", params=["spd", "ar"])
+def served(tiny_engine, request):
+    """(server, the serial decode of its mode, client)."""
+    backend = LocalBackend(tiny_engine, request.param, max_batch=SLOTS, max_context=CONTEXT)
     server, thread = start_background(backend, model_name=MODEL, port=0, max_queue=4)
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                            timeout=60)
+    serial = tiny_engine.generate if request.param == "spd" else tiny_engine.generate_ar
     try:
-        yield server, engine, client
+        yield server, serial, client
     finally:
         server.stop()
         thread.join(10)
@@ -69,7 +75,7 @@ def ask(client, q: str, max_tokens: int, stream: bool = False, **kw) -> str:
 
 
 def test_concurrent_clients_each_get_their_serial_answer(served):
-    server, engine, client = served
+    server, serial, client = served
     assert health(server)["slots"] == SLOTS
     answers: dict[int, str] = {}
 
@@ -81,28 +87,27 @@ def test_concurrent_clients_each_get_their_serial_answer(served):
     for th in threads:
         th.join(60)
     for i, q in enumerate(QUESTIONS):
-        assert answers[i] == engine.generate_ar(chat(q), 6 + 3 * i).text, q
+        assert answers[i] == serial(chat(q), 6 + 3 * i).text, q
     seeded = ask(client, QUESTIONS[0], 10, temperature=1.0, seed=11)
-    assert seeded == engine.generate_ar(chat(QUESTIONS[0]), 10,
-                                        SamplingParams(temperature=1.0, seed=11)).text
+    assert seeded == serial(chat(QUESTIONS[0]), 10, SamplingParams(temperature=1.0, seed=11)).text
 
 
 def test_a_request_that_cannot_fit_a_slot_gets_400_naming_it(served):
-    server, engine, client = served
+    server, serial, client = served
     with pytest.raises(openai.BadRequestError, match=f"a slot holds {CONTEXT}"):
         ask(client, QUESTIONS[0], CONTEXT)
-    assert ask(client, QUESTIONS[1], 4, temperature=0) == engine.generate_ar(
+    assert ask(client, QUESTIONS[1], 4, temperature=0) == serial(
         chat(QUESTIONS[1]), 4).text  # the server serves on
 
 
 def test_a_client_that_leaves_mid_stream_frees_its_slot(served):
-    server, engine, client = served
+    server, _, client = served
     before = health(server)["cancelled"]
     u = urlsplit(server.url)
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
     conn.request("POST", "/v1/chat/completions", headers={"content-type": "application/json"},
                  body=json.dumps({"model": MODEL, "messages": chat(QUESTIONS[2]),
-                                  "max_tokens": CONTEXT - 40, "stream": True,
+                                  "max_tokens": CONTEXT - 50, "stream": True,
                                   "temperature": 0}))
     resp = conn.getresponse()
     assert resp.status == 200 and resp.readline().startswith(b"data: ")
@@ -190,7 +195,14 @@ def test_a_burst_of_max_queue_plus_slots_is_accepted_and_one_more_refused(monkey
     assert worker.counts["served"] == 5 and worker.queued == 0
 
 
-def test_batching_spd_is_refused_with_a_reason(served):
-    _, engine, _ = served
-    with pytest.raises(SPDError, match="need --mode ar so far"):
-        LocalBackend(engine, "spd", max_batch=2)
+def test_batching_token_trees_is_refused_with_a_reason(tiny_engine):
+    tree = SPDEngine(tiny_engine.target, n_stages=2, warn_untrained=False, tree_width=2)
+    with pytest.raises(SPDError, match="token trees"):
+        LocalBackend(tree, "spd", max_batch=2)
+
+
+def test_serve_defaults_to_eight_slots_where_batching_is_supported(tiny_engine):
+    from spd.cli.serve import default_max_batch
+    tree = SPDEngine(tiny_engine.target, n_stages=2, warn_untrained=False, tree_width=2)
+    assert default_max_batch(tiny_engine, "spd") == 8
+    assert default_max_batch(tree, "spd") == 1 and default_max_batch(tree, "ar") == 8

@@ -40,8 +40,9 @@ def add_serve(sub) -> None:
     p.add_argument("--max-queue", type=int_in(1), default=16,
                    help="requests that may wait for a decode slot; more get HTTP 429")
     p.add_argument("--max-batch", type=int_in(1), default=None,
-                   help="requests decoded at once (default 8 with --mode ar, 1 with spd: "
-                        "batched SPD is not built yet, docs/batching.md)")
+                   help="requests decoded at once, each with its own speculation (default 8; "
+                        "1 where batching is not supported yet: token trees, hybrid targets, "
+                        "--distributed; docs/batching.md)")
     p.add_argument("--max-context", type=int_in(2), default=2048,
                    help="rows of context (prompt and new tokens) a batch slot holds; its KV "
                         "memory is allocated at start-up (default 2048)")
@@ -80,6 +81,19 @@ def server_opts(args) -> dict:
             "max_queue": args.max_queue, "default_max_tokens": args.max_tokens}
 
 
+DEFAULT_MAX_BATCH = 8
+
+
+def default_max_batch(engine, mode: str) -> int:
+    """8 slots where several requests can decode together; 1 (with a log line) where not yet:
+    token trees and hybrid targets (docs/batching.md)."""
+    if not engine.target.hybrid and (mode == "ar" or engine.tree_width == 1):
+        return DEFAULT_MAX_BATCH
+    log.info("requests decode one at a time (token trees and hybrid targets are not batched "
+             "yet)")
+    return 1
+
+
 def _announce(server) -> None:
     print(f"[spd] serving {server.model_name} on {server.url}/v1 (backend: "
           f"{server.worker.backend.describe()}); Ctrl-C stops it", file=sys.stderr, flush=True)
@@ -109,8 +123,9 @@ def cmd_serve(args) -> int:
         raise SPDError("serving needs the model's tokenizer")
     if engine.pdm_source == "untrained":
         warn_untrained_pdm()
-    max_batch = args.max_batch or (8 if args.mode == "ar" else 1)
-    backend = LocalBackend(engine, args.mode, max_batch, args.max_context)
+    max_batch = args.max_batch or default_max_batch(engine, args.mode)
+    context = min(args.max_context, target.max_context)
+    backend = LocalBackend(engine, args.mode, max_batch, context)
     server = Server(backend, **server_opts(args))
     server.start_http()
     _announce(server)

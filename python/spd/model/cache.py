@@ -20,10 +20,17 @@ class KVCache:
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, capacity: int,
-                 device, dtype, poison_on_truncate: bool = False):
+                 device, dtype, poison_on_truncate: bool = False, buffers=None):
+        """buffers: (k, v) of that shape to use instead of new ones (a slot of a batched cache,
+        spd.runtime.batch_spd)."""
         shape = (num_layers, num_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if buffers is None:
+            buffers = (torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(shape, device=device, dtype=dtype))
+        if any(tuple(b.shape) != shape for b in buffers):
+            raise InternalError("KV buffers of the wrong shape", want=shape,
+                                got=[tuple(b.shape) for b in buffers])
+        self.k, self.v = buffers
         self.lengths = torch.zeros(num_layers, dtype=torch.int64, device=device)
         self.capacity = capacity
         self.poison_on_truncate = poison_on_truncate

@@ -197,13 +197,16 @@ class TargetModel:
         return self._final_norm
 
     def new_cache(self, layers: int, capacity: int, poison: bool = False,
-                  layer_ids: range | None = None, ring: int = 2) -> KVCache:
+                  layer_ids: range | None = None, ring: int = 2, buffers=None) -> KVCache:
         """The cache of a stage of `layers` layers (`layer_ids` on a hybrid target, whose
-        DeltaNet layers keep `ring` states: rollbacks of up to ring - 1 positions)."""
+        DeltaNet layers keep `ring` states: rollbacks of up to ring - 1 positions); `buffers`:
+        the (k, v) it lives in (a dense target's batch slot)."""
         if self.hybrid:
+            if buffers is not None:
+                raise InternalError("a hybrid target's cache on given buffers")
             return HybridCache(self, layer_ids, capacity, ring, poison)
         return KVCache(layers, self.num_kv_heads, self.head_dim, capacity, self.device,
-                       self.dtype, poison_on_truncate=poison)
+                       self.dtype, poison_on_truncate=poison, buffers=buffers)
 
 
 class Stage:
@@ -216,14 +219,16 @@ class Stage:
     CUDA-graph replay that does all of this on the device."""
 
     def __init__(self, target: TargetModel, index: int, layer_ids: range, capacity: int,
-                 poison: bool = False, cuda_graphs: bool = True, max_rollback: int = 8):
+                 poison: bool = False, cuda_graphs: bool = True, max_rollback: int = 8,
+                 buffers=None):
         """max_rollback: on a hybrid target, the deepest truncation the stage's DeltaNet state
-        rings must allow (a ring of max_rollback + 1 states; the engines give n)."""
+        rings must allow (a ring of max_rollback + 1 states; the engines give n). buffers: the
+        (k, v) [layers, kv_heads, capacity, head_dim] its cache lives in (a batch slot)."""
         self.target = target
         self.index = index
         self.layer_ids = layer_ids
         self.cache = target.new_cache(len(layer_ids), capacity, poison, layer_ids,
-                                      ring=max_rollback + 1)
+                                      ring=max_rollback + 1, buffers=buffers)
         self.weights = target.stage_weights(layer_ids)
         # Full tables for every position the cache holds: a graph keeps them by address.
         self.cos, self.sin = target.rope(0, capacity)

@@ -70,10 +70,16 @@ class BatchedAR:
     def bytes_per_slot(self) -> int:
         return 2 * self.k[0].numel() * self.k.element_size()
 
+    @staticmethod
+    def rows_needed(prompt_len: int, max_new: int, n: int = 1) -> int:
+        """A slot's rows for such a sequence (the last new token is never fed back; n: the
+        stages, which AR does not keep rows in flight for)."""
+        return prompt_len + max_new - 1
+
     def check_fits(self, prompt_len: int, max_new: int) -> None:
-        """A sequence of `prompt_len` prompt tokens and up to `max_new` new ones fits a slot
-        (the last new token is never fed back), else SPDError naming both."""
-        need = prompt_len + max_new - 1
+        """A sequence of `prompt_len` prompt tokens and up to `max_new` new ones fits a slot,
+        else SPDError naming both."""
+        need = self.rows_needed(prompt_len, max_new)
         if need > self.context:
             raise SPDError(f"the prompt ({prompt_len} tokens) and max_new_tokens ({max_new}) "
                            f"need {need} rows of context but a slot holds {self.context}")

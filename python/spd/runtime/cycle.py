@@ -132,6 +132,7 @@ class Cycle:
                                 generators=(seq.gen,) if dev.type == "cuda" else (),
                                 messages=stages.messages, thread_local=stages.lockstep)
         self.cycles = 0
+        self.counted: list[int] | None = None  # the counts of the last cycle read
         self.draft_s = 0.0  # the draft step's host time (a CPU's: where it runs as called)
         self.read_at: list[float] = []  # when the host read each cycle's state
         self.done_at: float | None = None  # when the host read the cycle that ended the decode
@@ -219,10 +220,19 @@ class Cycle:
 
     def cycle(self) -> None:
         """One decode cycle (module docstring)."""
+        opened = self.open()
+        if opened is not None:
+            self.close(opened, self.stages.run(self))
+
+    def open(self):
+        """The cycle up to its stage steps (with the drafter's pre-step draft): what `close`
+        needs after them, or None for a finished decode's cycle that a CPU skips. A batch of
+        sequences (spd.runtime.batch_spd) opens each, runs every stage once over all of them,
+        and closes each."""
         seq, n, st = self.seq, self.n, self.state
         if self.skip_done and peek(st[DONE])[0]:
             st[EMITTED].fill_(0)
-            return
+            return None
         live = st[DONE] == 0
         committed, newest = st[COMMITTED].clone(), st[NEWEST].clone()
         start = committed - 1
@@ -240,7 +250,13 @@ class Cycle:
             with self.roles.on(0):
                 children = self.drafting.draft(newest, start, final, occ, 0, u[0], committed)
             self.draft_s += time.perf_counter() - t0
-        verdict = self.stages.run(self)
+        return children, u, live, committed, newest, start, final, occ, full
+
+    def close(self, opened, verdict: torch.Tensor) -> None:
+        """The cycle after its stage steps (`verdict`: a greedy chain's argmax of the last
+        stage): the roles joined, a post-step draft, the judgement and the commit."""
+        children, u, live, committed, newest, start, final, occ, full = opened
+        seq = self.seq
         made = () if children is None else (children.tok, children.q, children.score)
         self.roles.join(*made, verdict)
         if seq.post_step:  # features one stage deeper: after this cycle's steps
@@ -414,28 +430,32 @@ class Cycle:
             if not lockstep:
                 return
             self._stop_at(0)  # the first token ended it: the peers still run to the end
-        self.counted: list[int] | None = None
-        self.launched = 0
+        self.cycles = drive(self.launch, self.read, self.ahead)
+        self.finish()
 
-        def read(c: int):
-            got = self.published.read(c)
-            self.read_at.append(time.perf_counter())
-            if not seq.done:
-                self.counted = got
-                if got[EMITTED]:
-                    seq.emit(got[TOKEN])
-                if got[DONE] and not seq.done:
-                    raise InternalError("the device ended the decode where the host's stop "
-                                        "rule did not", token=got[TOKEN], emitted=len(seq.out))
-                if seq.done:
-                    self.done_at = time.perf_counter()
-                    if lockstep and not got[DONE]:
-                        self._stop_at(c + 1 + self.ahead)
-            if not lockstep:
-                return STOP if seq.done else None
-            return got[END_CYCLE] or None
+    def read(self, c: int):
+        """What cycle c published, to the host: its committed token emitted (stop strings, the
+        callback), the end checked -> `drive`'s answer (STOP, the end cycle, or None)."""
+        seq, lockstep = self.seq, self.stages.lockstep
+        got = self.published.read(c)
+        self.read_at.append(time.perf_counter())
+        if not seq.done:
+            self.counted = got
+            if got[EMITTED]:
+                seq.emit(got[TOKEN])
+            if got[DONE] and not seq.done:
+                raise InternalError("the device ended the decode where the host's stop "
+                                    "rule did not", token=got[TOKEN], emitted=len(seq.out))
+            if seq.done:
+                self.done_at = time.perf_counter()
+                if lockstep and not got[DONE]:
+                    self._stop_at(c + 1 + self.ahead)
+        if not lockstep:
+            return STOP if seq.done else None
+        return got[END_CYCLE] or None
 
-        self.cycles = drive(self.launch, read, self.ahead)
+    def finish(self) -> None:
+        """The last read cycle's counts into the sequence's stats."""
         if self.counted is not None:
             self._count(self.counted)
 

@@ -30,6 +30,7 @@ from spd.model.prompt import encode_request_prompt, is_prompt_batch
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
 from spd.runtime.batch_ar import BatchedAR
+from spd.runtime.batch_spd import BatchedSPD
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
 from spd.runtime.driver import peek
 from spd.runtime.request import check_prompt
@@ -80,7 +81,7 @@ class SPDEngine:
         self.debug_poison = debug_poison
         self._stages: list[Stage] = []
         self._ar: ARDecoder | None = None
-        self._batch: BatchedAR | None = None  # several prompts' AR decode (its slot caches)
+        self._batches: dict = {}  # several prompts' decode by mode (their slot caches)
         self.pdm = None
         self.pdm_source = "none"
         if self.n >= 2:
@@ -167,8 +168,8 @@ class SPDEngine:
         results, one each, in order (spd.runtime.batch_ar). on_token(i, id) then names the
         prompt."""
         if is_prompt_batch(prompt_ids):
-            return self._generate_ar_batch(prompt_ids, max_new_tokens, sampling, on_token, stop,
-                                           stop_token_ids, max_batch)
+            return self._generate_batch("ar", prompt_ids, max_new_tokens, sampling, on_token,
+                                        stop, stop_token_ids, max_batch)
         if max_batch is not None:
             raise SPDError("max_batch applies to several prompts; this is one")
         ids, max_new, rule = self.prepare_request(prompt_ids, max_new_tokens, stop, stop_token_ids)
@@ -193,9 +194,9 @@ class SPDEngine:
         stats.new_tokens = len(out)
         return self.build_result(out, stats, rule)
 
-    def _generate_ar_batch(self, prompts, max_new_tokens, sampling, on_token, stop,
-                           stop_token_ids, max_batch) -> list[GenerationResult]:
-        """generate_ar over several prompts, continuously batched (BatchedAR)."""
+    def _generate_batch(self, mode, prompts, max_new_tokens, sampling, on_token, stop,
+                        stop_token_ids, max_batch) -> list[GenerationResult]:
+        """Several prompts, continuously batched: mode "ar" (BatchedAR) or "spd" (BatchedSPD)."""
         prompts = list(prompts)
         if isinstance(sampling, SamplingParams):
             sampling = [sampling] * len(prompts)
@@ -208,11 +209,16 @@ class SPDEngine:
             raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
         requests = [self.prepare_request(p, max_new_tokens, stop, stop_token_ids)
                     for p in prompts]
-        context = max(ids.numel() + max_new - 1 for ids, max_new, _ in requests)
-        if self._batch is None or self._batch.slots < max_batch or self._batch.context < context:
-            self._batch = None  # (its caches freed before the new ones are made)
-            self._batch = BatchedAR(self.target, max_batch, context)
-        batch, waiting, joined = self._batch, list(range(len(prompts))), {}
+        kind = BatchedAR if mode == "ar" else BatchedSPD
+        context = max(kind.rows_needed(ids.numel(), max_new, self.n)
+                      for ids, max_new, _ in requests)
+        batch = self._batches.get(mode)
+        if batch is None or batch.slots < max_batch or batch.context < context:
+            self._batches.pop(mode, None)  # (its caches freed before the new ones are made)
+            batch = self._batches[mode] = (BatchedAR(self.target, max_batch, context)
+                                           if mode == "ar" else
+                                           BatchedSPD(self, max_batch, context))
+        waiting, joined = list(range(len(prompts))), {}
         while waiting or batch.running:
             while waiting and len(batch.running) < max_batch:
                 i = waiting.pop(0)
@@ -243,17 +249,27 @@ class SPDEngine:
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(), drafter=None,
                  on_token: Callable[[int], None] | None = None, *, stop=None,
-                 stop_token_ids=None) -> GenerationResult:
+                 stop_token_ids=None, max_batch: int | None = None):
         """Decode one sequence. prompt_ids: token ids (a list of ints, a 1-D or [1, L] integer
         tensor), text (tokenized as it is) or chat messages ([{"role": ..., "content": ...}],
-        the chat template applied); a batch is refused. on_token(id) is called with each new
+        the chat template applied). on_token(id) is called with each new
         token as it is committed. stop: a string or strings that end the decode where they
         appear in the text (cut from `result.text`); stop_token_ids: ids that end it like EOS.
-        `result.finish_reason` is "stop" or "length"."""
+        `result.finish_reason` is "stop" or "length".
+
+        Several prompts (a list of texts, of token-id lists or of chats) go through the pipeline
+        together, up to `max_batch` at once (default: all, at most 8), each with its own
+        speculation (spd.runtime.batch_spd: token chains on dense targets so far): a list of
+        results, one each, in order, with `sampling` and on_token as generate_ar takes them."""
         if is_prompt_batch(prompt_ids):
-            raise SPDError(f"{len(prompt_ids)} prompts: SPD decodes one sequence at a time so far "
-                           "(several in one pipeline: docs/batching.md); call generate once per "
-                           "prompt, or generate_ar(prompts) for batched autoregressive decoding")
+            if drafter is not None:
+                raise SPDError("several prompts decode with the engine's own drafter: give no "
+                               "drafter")
+            mode = "spd" if self.n >= 2 else "ar"
+            return self._generate_batch(mode, prompt_ids, max_new_tokens, sampling, on_token,
+                                        stop, stop_token_ids, max_batch)
+        if max_batch is not None:
+            raise SPDError("max_batch applies to several prompts; this is one")
         if self.n < 2:
             return self.generate_ar(prompt_ids, max_new_tokens, sampling, on_token, stop=stop,
                                     stop_token_ids=stop_token_ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from spd.errors import SPDError
 from spd.runtime.batch_ar import BatchedAR
+from spd.runtime.batch_spd import BatchedSPD
 from spd.serve.jobs import Job
 
 
@@ -14,10 +15,11 @@ class DecodeCancelled(Exception):
 
 class LocalBackend:
     """The one-process engine (SPDEngine): stages, PDM and caches are reused across requests.
-    mode "ar": plain autoregressive decoding on the same stages. max_batch > 1 (mode "ar" so
-    far): that many requests decode together (spd.runtime.batch_ar), each slot holding up to
-    `max_context` rows (prompt and new tokens; a request that needs more gets a 400), through
-    `join`, `step`, `leave` and `result` instead of `generate`."""
+    mode "ar": plain autoregressive decoding on the same stages. max_batch > 1: that many
+    requests decode together (spd.runtime.batch_spd, or batch_ar), each slot holding up to
+    `max_context` rows (prompt, new tokens and, for SPD, the rows in flight; a request that
+    needs more gets a 400), through `join`, `step`, `leave` and `result` instead of
+    `generate`."""
 
     fatal: tuple[type[BaseException], ...] = ()
 
@@ -25,11 +27,12 @@ class LocalBackend:
         self.engine, self.target, self.mode = engine, engine.target, mode
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
-        if max_batch > 1 and mode != "ar":
-            raise SPDError("several requests at once (max batch > 1) need --mode ar so far: "
-                           "SPD decodes one sequence at a time (docs/batching.md)")
         self.slots = max_batch
-        self.batch = BatchedAR(engine.target, max_batch, max_context) if max_batch > 1 else None
+        self.batch = None
+        if max_batch > 1:
+            spd = mode == "spd" and engine.n >= 2
+            self.batch = (BatchedSPD(engine, max_batch, max_context) if spd else
+                          BatchedAR(engine.target, max_batch, max_context))
 
     def describe(self) -> str:
         what = f"one process, {self.mode} n={self.engine.n if self.mode == 'spd' else 1}"

@@ -1,0 +1,133 @@
+"""Several prompts at once (spd.runtime.batch_ar, spd.runtime.batch_spd; generate_ar and
+generate on a list): continuous batching over slot caches, AR and SPD. Each prompt's result
+equals its decode alone (SPD: also its N, K and judged drafts; greedy SPD equals AR), greedy and
+seeded sampling, with fewer slots than prompts (sequences join as others leave, in a slot another
+sequence used), one ending at once, one at a stop id; on_token names the prompt; bad input is
+refused with a message naming it."""
+import pytest
+import torch
+from conftest import make_tiny_target
+
+from spd import SamplingParams, SPDEngine
+from spd.errors import SPDError
+from spd.runtime.batch_ar import BatchedAR
+from spd.runtime.batch_spd import BatchedSPD
+from spd.runtime.stopping import StopRule
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1], [8, 2, 8, 1, 8, 2]]
+MODES = ["ar", "spd"]
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["n2", "n4"])
+def engine(request):
+    return SPDEngine(make_tiny_target(seed=5, vocab=32, layers=4), n_stages=request.param,
+                     warn_untrained=False)
+
+
+def decode(engine, mode: str):
+    return engine.generate_ar if mode == "ar" else engine.generate
+
+
+def same(batched, alone, mode: str) -> bool:
+    ok = batched.token_ids == alone.token_ids and batched.finish_reason == alone.finish_reason
+    if mode == "spd":
+        a, b = batched.stats, alone.stats
+        ok = ok and (a.K, a.N, a.drafts_judged, a.drafts_accepted) == (
+            b.K, b.N, b.drafts_judged, b.drafts_accepted)
+    return ok
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("max_batch", [2, 5])
+def test_each_prompt_equals_its_decode_alone(engine, mode, max_batch):
+    run = decode(engine, mode)
+    seen = {i: [] for i in range(len(PROMPTS))}
+    results = run(PROMPTS, 12, max_batch=max_batch, on_token=lambda i, tok: seen[i].append(tok))
+    assert len(results) == len(PROMPTS)
+    for i, (p, r) in enumerate(zip(PROMPTS, results)):
+        alone = run(p, 12)
+        assert same(r, alone, mode), i
+        assert r.token_ids == engine.generate_ar(p, 12).token_ids  # greedy SPD: AR's tokens
+        assert seen[i] == r.token_ids and r.stats.mode == mode
+        assert r.stats.new_tokens == len(r.token_ids)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_seeded_sampling_equals_each_alone(engine, mode):
+    run = decode(engine, mode)
+    sampling = [SamplingParams(temperature=1.0, top_k=8, seed=s) for s in range(len(PROMPTS))]
+    sampling[1] = SamplingParams()  # greedy beside sampled rows
+    results = run(PROMPTS, 10, sampling, max_batch=3)
+    for p, s, r in zip(PROMPTS, sampling, results):
+        assert same(r, run(p, 10, s), mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_stops_free_their_slots_for_the_next_prompt(engine, mode):
+    run = decode(engine, mode)
+    stop_at = engine.generate_ar(PROMPTS[2], 12).token_ids[3]
+    results = run(PROMPTS, 12, max_batch=2, stop_token_ids=[stop_at])
+    for p, r in zip(PROMPTS, results):
+        assert same(r, run(p, 12, stop_token_ids=[stop_at]), mode)
+    assert results[2].finish_reason == "stop" and len(results[2].token_ids) <= 4
+    ones = run(PROMPTS, 1, max_batch=2)  # every sequence ends at its join
+    assert [r.token_ids for r in ones] == [run(p, 1).token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_default_model_batched_equals_alone(default_target, mode):
+    eng = SPDEngine(default_target, n_stages=4)
+    chats = [[{"role": "user", "content": q}] for q in
+             ("What is a prime number?", "Why is the sky dark at night?")]
+    run = decode(eng, mode)
+    for chat, r in zip(chats, run(chats, 8)):
+        assert r.token_ids == eng.generate_ar(chat, 8).token_ids
+
+
+def test_bad_input_is_named(engine):
+    with pytest.raises(SPDError, match="max_batch must be a positive integer"):
+        engine.generate_ar(PROMPTS, 4, max_batch=0)
+    with pytest.raises(SPDError, match="one SamplingParams for all prompts or one each"):
+        engine.generate(PROMPTS, 4, [SamplingParams()] * 2)
+    with pytest.raises(SPDError, match="max_batch applies to several prompts"):
+        engine.generate(PROMPTS[0], 4, max_batch=2)
+    with pytest.raises(SPDError, match="give no drafter"):
+        engine.generate(PROMPTS, 4, drafter=engine.drafter)
+    need = len(PROMPTS[2]) + 4 - 1
+    with pytest.raises(SPDError, match=rf"the prompt \(8 tokens\) and max_new_tokens \(4\) need "
+                                       rf"{need} rows of context but a slot holds 8"):
+        BatchedAR(engine.target, 2, 8).join(torch.tensor(PROMPTS[2]), 4, SamplingParams(),
+                                            StopRule(set()))
+    with pytest.raises(SPDError, match="a slot holds 12"):
+        BatchedSPD(engine, 2, 12).join(torch.tensor(PROMPTS[2]), 4, SamplingParams(),
+                                       StopRule(set()))
+    with pytest.raises(SPDError, match="slots must be a positive integer"):
+        BatchedAR(engine.target, 0, 8)
+    tree = SPDEngine(engine.target, n_stages=2, warn_untrained=False, tree_width=2)
+    with pytest.raises(SPDError, match="token trees"):
+        tree.generate(PROMPTS, 4)
+
+
+def test_a_steady_batched_cycle_reads_nothing_and_copies_no_python_value(engine):
+    """Outside spd_kernels' CPU reference paths, a cycle of the batch reads no device value and
+    makes no tensor of a Python value: the host reads each sequence's published state (host
+    memory) and nothing else; only when the set of running sequences changes is its index made.
+    """
+    from conftest import bench_module
+    probe = bench_module("probe_host_reads")
+    log: list = []
+    sampling = [SamplingParams(), SamplingParams(temperature=1.0, seed=2), SamplingParams()]
+    with probe.CallLog(log, (BatchedSPD, "step")):
+        with probe.ReadLog(log, where=True, copies=True):
+            results = engine.generate(PROMPTS[:3], 12, sampling)
+    steps, events = [], []
+    for event in log:
+        if event[0] == "step":
+            steps.append([])
+        elif steps and event[0] in ("read", "copy") and "/spd_kernels/" not in event[2]:
+            steps[-1].append(event)
+            events.append(event)
+    assert len(steps) >= max(r.stats.K for r in results) > 5
+    # the set of slots made: in the first step, and in a step after a sequence left
+    assert sum(1 for s in steps if s) <= 3
+    assert all("batch_spd.py" in e[2] for e in events), events
