@@ -21,14 +21,16 @@ from typing import Callable
 
 import torch
 
+from spd import env
 from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.model.target import Stage
 from spd.runtime.cycle import Cycle
+from spd.runtime.driver import peek
 from spd.runtime.sequence import Sequence
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
-from spd.runtime.unit import FIXED, POS
+from spd.runtime.unit import FIXED, LIVE, POS
 from spd_kernels import verify_greedy
 from spd_kernels.stage import batch_stage_step
 
@@ -69,7 +71,9 @@ class BatchStages:
         self.cos, self.sin = t.rope(0, context)
         self.outbox = torch.zeros(slots, n, t.hidden_size, dtype=t.dtype, device=t.device)
         self._slot_stages: dict[int, list[Stage]] = {}
-        self._index: tuple = ((), None, None)
+        self._index: dict[tuple, tuple] = {}
+        self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=t.device)
+        self.cpu = t.device.type == "cpu"
 
     def slot_stages(self, slot: int) -> list[Stage]:
         """Slot `slot`'s stages (views of the batched caches), for its prompt's prefill."""
@@ -82,36 +86,51 @@ class BatchStages:
 
     def _slot_index(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the slots [R], no drafts [R] of -1: what verify_greedy compares with) on the
-        device, made once per set of slots: no tensor of a Python value every cycle."""
-        if self._index[0] != slots:
+        device, made once per set of slots: no tensor of a Python value in a steady cycle."""
+        got = self._index.get(slots)
+        if got is None:
+            if len(self._index) >= 256:  # (on a CPU, the live rows' sets: a few patterns)
+                self._index.clear()
             dev = self.target.device
-            self._index = (slots, torch.tensor(slots, device=dev),
-                           torch.full((len(slots),), -1, dtype=torch.int64, device=dev))
-        return self._index[1:]
+            got = self._index[slots] = (torch.tensor(slots, device=dev),
+                                        torch.full((len(slots),), -1, dtype=torch.int64,
+                                                   device=dev))
+        return got
 
     def run(self, cycles: dict[int, Cycle], judge: bool) -> dict[int, torch.Tensor]:
         """Every stage's step over one row per slot (cycles: each slot's Cycle, opened); their
         rows land where each sequence keeps them (Cycle.keep) -> each slot's verdict [1] (with
-        `judge`, a greedy chain: the last stage's argmax; else a stand-in)."""
+        `judge`, a greedy chain: the last stage's argmax; else a stand-in). Stage s reads what
+        stage s - 1 made last cycle (`outbox`), so the stages run last to first. On a CPU, where
+        reading is free, a stage runs only its live units' rows (`peek`, as LocalStages)."""
         t, n = self.target, self.n
         slots = sorted(cycles)
-        idx, none = self._slot_index(tuple(slots))
-        inbox = self.outbox.index_select(0, idx)                   # [R, n, d]
-        verdict = none  # (a sampled chain's stand-in: its cycles judge from the final rows)
-        for s in range(n):
-            heads = torch.stack([cycles[b].units[s] for b in slots])  # [R, H]
-            x = t.embed_tokens(heads[:, FIXED]) if s == 0 else inbox[:, s - 1]
+        units = torch.stack([cycles[b].units for b in slots])       # [R, n, H]
+        # a CPU runs a stage only for its live units (reading is free there); a GPU, and the
+        # replay check, run every row every cycle: the same work (docs/cycle.md)
+        looks = self.cpu and not env.replay_check_enabled()
+        live = peek(units[:, :, LIVE]) if looks else None
+        verdicts = dict.fromkeys(slots, self._stand_in)
+        for s in reversed(range(n)):
+            rows = [r for r in range(len(slots)) if live is None or live[r * n + s]]
+            if not rows:
+                continue
+            run = tuple(slots[r] for r in rows)
+            idx, none = self._slot_index(run)
+            heads = units[:, s] if len(rows) == len(slots) else units[rows, s]  # [R', H]
+            x = t.embed_tokens(heads[:, FIXED]) if s == 0 else self.outbox[idx, s - 1]
             outs = batch_stage_step(x, self.weights[s], self.k[s], self.v[s], idx,
                                     heads[:, POS], self.cos, self.sin)
             out = outs[-1]
-            for r, b in enumerate(slots):
+            for r, b in enumerate(run):
                 cycles[b].keep(s, [outs[i][r:r + 1] for i in self.anchor_layers[s]],
                                out[r:r + 1])
             self.outbox[idx, s] = out
             if s == n - 1 and judge:
                 verdict = verify_greedy(out, t.norm.weight, t.rms_eps, t.lm_head.weight, none,
                                         t.norm_offset)[0]
-        return {b: verdict[r:r + 1] for r, b in enumerate(slots)}
+                verdicts.update({b: verdict[r:r + 1] for r, b in enumerate(run)})
+        return verdicts
 
 
 class Running:
