@@ -36,8 +36,8 @@ def _one_sequence(prompt_ids) -> torch.Tensor:
         prompt_ids = prompt_ids[0]
     if prompt_ids.dim() != 1:
         raise SPDError(f"the prompt must be one sequence: a 1-D tensor of token ids (or [1, L]), "
-                       f"got shape {tuple(prompt_ids.shape)}; SPD decodes one sequence at a "
-                       f"time, so give the rows of a batch one by one")
+                       f"got shape {tuple(prompt_ids.shape)}; for several prompts give a list "
+                       f"of them (one result each)")
     return prompt_ids.to(torch.int64)
 
 
