@@ -136,3 +136,32 @@ def test_a_steady_batched_cycle_reads_nothing_and_copies_no_python_value(engine,
     if replay:  # the set of slots made: in the first step, and in a step after one left
         assert sum(1 for s in steps if s) <= 3
     assert all("batch_spd.py" in e[2] for e in events), events
+
+
+def test_a_sequence_rejected_every_cycle_leaves_the_others_as_they_are_alone(engine):
+    """Three sequences in one batch: one drafter always wrong (every draft rejected: that
+    pipeline refills every time), one always right, one the engine's own. Each gets the tokens,
+    N, K and judged / accepted drafts it gets alone with the same drafter."""
+    from conftest import NoisyPDMDrafter
+    prompts = PROMPTS[:3]
+    refs = [p + engine.generate_ar(p, 16).token_ids for p in prompts]
+    made = {0: lambda: NoisyPDMDrafter(engine.pdm, refs[0], 0.0, seed=1),
+            1: lambda: NoisyPDMDrafter(engine.pdm, refs[1], 1.0, seed=1)}
+    batch = BatchedSPD(engine, 3, 64)
+    for slot, drafter in made.items():  # (slots fill from 0)
+        batch.drafters[slot] = drafter()
+    joined = []
+    for p in prompts:
+        ids, max_new, rule = engine.prepare_request(p, 16, None, None)
+        joined.append(batch.join(ids, max_new, SamplingParams(), rule))
+    assert [e.slot for e in joined] == [0, 1, 2]
+    while batch.running:
+        batch.step()
+    for i, (p, e) in enumerate(zip(prompts, joined)):
+        alone = engine.generate(p, 16, drafter=made[i]() if i in made else None)
+        assert e.out == alone.token_ids == refs[i][len(p):]
+        a, b = e.stats, alone.stats
+        assert (a.K, a.N, a.drafts_judged, a.drafts_accepted) == (
+            b.K, b.N, b.drafts_judged, b.drafts_accepted), i
+    assert joined[0].stats.drafts_accepted == 0 < joined[0].stats.drafts_judged
+    assert joined[1].stats.drafts_accepted == joined[1].stats.drafts_judged > 0
