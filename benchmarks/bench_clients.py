@@ -81,7 +81,7 @@ def main() -> None:
     if max(clients) > len(prompts):
         ap.error(f"at most {len(prompts)} clients (the held-out prompts)")
     engine.generate(prompts[0], 4)  # warm-up
-    table = Table([("clients", ">7"), ("path", ">11"), ("total_tok_s", ">9.2f", "tok/s"),
+    table = Table([("clients", ">7"), ("path", ">12"), ("total_tok_s", ">9.2f", "tok/s"),
                    ("per_request_tok_s", ">9.2f", "req tok/s"), ("ttft_p50_s", ">9.2f", "TTFT p50"),
                    ("ttft_max_s", ">9.2f", "TTFT max"), ("tbt_p50_ms", ">9.1f", "TBT p50"),
                    ("tbt_p99_ms", ">9.1f", "TBT p99")])
