@@ -82,3 +82,29 @@ def test_gpu_cycle_replays_one_graph_and_never_synchronises(kind, sampling):
     assert res.stats.drafts_accepted < res.stats.drafts_judged  # rejections were replayed
     if sampling.greedy:
         assert res.token_ids == ar
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("sampling", [SamplingParams(),
+                                      SamplingParams(temperature=1.0, top_k=20, seed=11)],
+                         ids=["greedy", "sampled"])
+def test_gpu_batched_cycle_never_synchronises(sampling):
+    """Several sequences through one pipeline (spd.runtime.batch_spd): after the first cycle of
+    the batch, every step of it runs under the sync debug mode set to raise, eagerly (one graph
+    per batch bucket is not built yet), and each sequence equals its decode alone."""
+    from spd.runtime.batch_spd import BatchedSPD
+    eng = SPDEngine(cuda_target("chain"), n_stages=4, warn_untrained=False, lookup=2)
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:6] * 2]
+    batch = BatchedSPD(eng, 4, 96)
+    joined = []
+    for p in prompts:
+        ids, max_new, rule = eng.prepare_request(p, 24, None, None)
+        joined.append(batch.join(ids, max_new, sampling, rule))
+    batch.step()
+    steady = in_sync_mode(batch.step, "error", "default")
+    while batch.running:
+        steady()
+    for p, e in zip(prompts, joined):
+        alone = eng.generate(p, 24, sampling)
+        assert e.out == alone.token_ids and e.stats.K == alone.stats.K

@@ -91,11 +91,14 @@ class BatchStages:
         if got is None:
             if len(self._index) >= 256:  # (on a CPU, the live rows' sets: a few patterns)
                 self._index.clear()
-            dev = self.target.device
-            got = self._index[slots] = (torch.tensor(slots, device=dev),
+            dev = torch.device(self.target.device)
+            # (on a GPU from pinned memory, without blocking: the host copy stays cached
+            # beside it, alive until the copy has run)
+            host = torch.tensor(slots, pin_memory=dev.type == "cuda")
+            got = self._index[slots] = (host.to(dev, non_blocking=True),
                                         torch.full((len(slots),), -1, dtype=torch.int64,
-                                                   device=dev))
-        return got
+                                                   device=dev), host)
+        return got[:2]
 
     def run(self, cycles: dict[int, Cycle], judge: bool) -> dict[int, torch.Tensor]:
         """Every stage's step over one row per slot (cycles: each slot's Cycle, opened); their
