@@ -79,6 +79,30 @@ class StageWeights:
     eps: float
 
 
+def _qkv_per_row(x, lw: LayerWeights, k_cache, cos, sin, num_heads: int, num_kv_heads: int,
+                 eps: float, backend):
+    """q [H, R, hd] and the rows' new k, v [kv_heads, R, hd]: norms, projections and RoPE as a
+    chain's step computes them (row r with cos/sin[r]), into a scratch cache of R rows that the
+    caller scatters where each row's key and value live."""
+    k_new = torch.empty(num_kv_heads, x.shape[0], k_cache.shape[-1], dtype=k_cache.dtype,
+                        device=k_cache.device)
+    v_new = torch.empty_like(k_new)
+    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
+                        sin, 0, k_new, v_new, num_heads, num_kv_heads, qkv_bias=lw.qkv_bias,
+                        wq_scale=lw.wq_scale, wk_scale=lw.wk_scale, wv_scale=lw.wv_scale,
+                        backend=backend)
+    return q, k_new, v_new
+
+
+def _after_attention(att, x, lw: LayerWeights, eps: float, backend) -> torch.Tensor:
+    """The rest of a decoder layer after its attention att [T, H * hd]: output projection and
+    residual, then RMSNorm + SwiGLU, down projection and residual -> [T, d]."""
+    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
+    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
+                       up_scale=lw.up_scale, backend=backend)
+    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+
+
 def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
                   v_cache: torch.Tensor, start, cos: torch.Tensor, sin: torch.Tensor,
                   num_heads: int, num_kv_heads: int, eps: float, *,
@@ -89,10 +113,7 @@ def decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
                         qkv_bias=lw.qkv_bias, wq_scale=lw.wq_scale, wk_scale=lw.wk_scale,
                         wv_scale=lw.wv_scale, backend=backend)
     att = cache_attention(q, k_cache, v_cache, start, backend=backend)
-    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
-    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
-                       up_scale=lw.up_scale, backend=backend)
-    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+    return _after_attention(att, x, lw, eps, backend)
 
 
 def tree_decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
@@ -105,22 +126,12 @@ def tree_decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
     int64); it attends to slots [0, prefix_len) and to tree_slots[m] ([M] int64) where
     tree_mask[r, m] ([R, M] bool): its ancestors on its own branch and itself
     (spd_kernels.attention.tree). k_cache/v_cache [kv_heads, S, head_dim]."""
-    rows, hd = x.shape[0], k_cache.shape[-1]
-    # q/k/v, norms and RoPE as the chain computes them, into a scratch cache of R rows (row r
-    # at "position" r of the per-row tables), then scattered to the rows' slots
-    k_new = torch.empty(num_kv_heads, rows, hd, dtype=k_cache.dtype, device=k_cache.device)
-    v_new = torch.empty_like(k_new)
-    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
-                        sin, 0, k_new, v_new, num_heads, num_kv_heads, qkv_bias=lw.qkv_bias,
-                        wq_scale=lw.wq_scale, wk_scale=lw.wk_scale, wv_scale=lw.wv_scale,
-                        backend=backend)
+    q, k_new, v_new = _qkv_per_row(x, lw, k_cache, cos, sin, num_heads, num_kv_heads, eps,
+                                   backend)
     k_cache.index_copy_(1, slots, k_new)
     v_cache.index_copy_(1, slots, v_new)
     att = tree_attention(q, k_cache, v_cache, prefix_len, tree_slots, tree_mask, backend=backend)
-    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
-    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
-                       up_scale=lw.up_scale, backend=backend)
-    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+    return _after_attention(att, x, lw, eps, backend)
 
 
 def tree_stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,
@@ -164,22 +175,12 @@ def batch_decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor
     int64) at position positions[r] ([R] int64), its RoPE cos/sin[r] ([R, head_dim] each); its
     key/value written to k_cache/v_cache [B, kv_heads, S, head_dim] at (slots[r], positions[r]),
     then it attends to its slot's keys [0, positions[r]] (slot_attention)."""
-    rows, hd = x.shape[0], k_cache.shape[-1]
-    # q/k/v, norms and RoPE as one sequence's step computes them, into a scratch cache of R rows
-    # (row r at "position" r of the per-row tables), then scattered to each row's slot
-    k_new = torch.empty(num_kv_heads, rows, hd, dtype=k_cache.dtype, device=k_cache.device)
-    v_new = torch.empty_like(k_new)
-    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
-                        sin, 0, k_new, v_new, num_heads, num_kv_heads, qkv_bias=lw.qkv_bias,
-                        wq_scale=lw.wq_scale, wk_scale=lw.wk_scale, wv_scale=lw.wv_scale,
-                        backend=backend)
+    q, k_new, v_new = _qkv_per_row(x, lw, k_cache, cos, sin, num_heads, num_kv_heads, eps,
+                                   backend)
     k_cache[slots, :, positions] = k_new.transpose(0, 1)     # [R, kv_heads, hd]
     v_cache[slots, :, positions] = v_new.transpose(0, 1)
     att = slot_attention(q, k_cache, v_cache, slots, positions + 1, backend=backend)
-    x = fused_linear(att, lw.wo, residual=x, weight_scale=lw.wo_scale, backend=backend)
-    mid = fused_swiglu(x, lw.post_norm, eps, lw.w_gate, lw.w_up, gate_scale=lw.gate_scale,
-                       up_scale=lw.up_scale, backend=backend)
-    return fused_linear(mid, lw.w_down, residual=x, weight_scale=lw.down_scale, backend=backend)
+    return _after_attention(att, x, lw, eps, backend)
 
 
 def batch_stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,

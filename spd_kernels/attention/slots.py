@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from spd_kernels import dispatch
+from spd_kernels.attention import check_q_and_caches
 from spd_kernels.checks import SPDInputError, check_tensor, check_values_enabled
 from spd_kernels.opdef import op
 
@@ -30,21 +31,12 @@ def _check_slots(q, k_cache, v_cache, slots, lengths, scale):
     dev = q.device
     check_tensor("k_cache", k_cache, dim=4, floating=True, device=dev)
     check_tensor("v_cache", v_cache, dim=4, floating=True, device=dev)
-    H, R, hd = q.shape
-    if k_cache.shape != v_cache.shape or k_cache.dtype != v_cache.dtype:
-        raise SPDInputError(f"k_cache and v_cache must have one shape and dtype, got "
-                            f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} "
-                            f"{v_cache.dtype}")
-    B, kvh, S, chd = k_cache.shape
-    if chd != hd:
-        raise SPDInputError(f"q has head_dim {hd} but the caches [B, num_kv_heads, S, head_dim] "
-                            f"have head_dim {chd}")
-    if kvh <= 0 or H <= 0 or H % kvh:
-        raise SPDInputError(f"q's heads ({H}) must be a positive multiple of the caches' kv "
-                            f"heads ({kvh}) (grouped-query attention)")
-    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
-                                  and 0 < float(scale) < float("inf")):
-        raise SPDInputError(f"scale must be a positive finite float or None, got {scale!r}")
+    B = k_cache.shape[0]
+    if B == 0 or v_cache.shape[0] != B:
+        raise SPDInputError(f"k_cache and v_cache must hold the same slots, at least one, got "
+                            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    # a slot is a one-sequence cache: the checks every attention op makes of q and caches
+    _, R, _, _, S = check_q_and_caches(q, k_cache[0], v_cache[0], scale)
     for name, t in (("slots", slots), ("lengths", lengths)):
         check_tensor(name, t, dim=1, dtype=torch.int64, device=dev)
         if t.shape[0] != R:

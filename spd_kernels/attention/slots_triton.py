@@ -11,7 +11,7 @@ from spd_kernels.checks import check_kernel_float
 
 if HAS_TRITON:
     from spd_kernels._triton import round_to
-    from spd_kernels.attention.tree_triton import _tree_softmax_step
+    from spd_kernels.attention.tree_triton import _key_prefix
 
 
 if HAS_TRITON:
@@ -40,16 +40,8 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, HD_PAD], dtype=tl.float32)
         base = slot * stride_cb + j.to(tl.int64) * stride_ch
-        for n0 in range(0, n_keys, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < n_keys
-            offs = base + n[:, None].to(tl.int64) * stride_cs + d[None, :]
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_ptr + offs, mask=kv_mask, other=0.0)
-            seen = gmask[:, None] & nmask[None, :]
-            m_i, l_i, acc = _tree_softmax_step(q, k, v, seen, m_i, l_i, acc, scale_log2,
-                                               IEEE, UPCAST)
+        m_i, l_i, acc = _key_prefix(q, k_ptr + base, v_ptr + base, n_keys, stride_cs, d, dmask,
+                                    gmask, m_i, l_i, acc, scale_log2, BLOCK_N, IEEE, UPCAST)
         out = round_to(acc / tl.where(l_i > 0, l_i, 1.0)[:, None], OUT)
         tl.store(out_ptr + r.to(tl.int64) * stride_or + heads[:, None] * HD + d[None, :], out,
                  mask=gmask[:, None] & dmask[None, :])

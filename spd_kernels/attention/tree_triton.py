@@ -48,6 +48,24 @@ if HAS_TRITON:
         return m_new, l_i, acc * alpha[:, None] + pv
 
     @triton.jit
+    def _key_prefix(q, k_head, v_head, n_keys, stride_cs, d, dmask, pairs, m_i, l_i, acc,
+                    scale_log2, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+                    UPCAST: tl.constexpr):
+        """Keys 0..n_keys-1 of one kv head (k_head, v_head: its rows, stride_cs apart) in
+        blocks of BLOCK_N, seen by every pair where `pairs`, into the running (m_i, l_i, acc)."""
+        for n0 in range(0, n_keys, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nmask = n < n_keys
+            offs = n[:, None].to(tl.int64) * stride_cs + d[None, :]
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_head + offs, mask=kv_mask, other=0.0)
+            v = tl.load(v_head + offs, mask=kv_mask, other=0.0)
+            seen = pairs[:, None] & nmask[None, :]
+            m_i, l_i, acc = _tree_softmax_step(q, k, v, seen, m_i, l_i, acc, scale_log2,
+                                               IEEE, UPCAST)
+        return m_i, l_i, acc
+
+    @triton.jit
     def _tree_attention_kernel(q_ptr, stride_qh, stride_qr, k_ptr, v_ptr, stride_ch, stride_cs,
                                prefix_ptr, slots_ptr, stride_t, mask_ptr, stride_mr, stride_mc,
                                out_ptr, stride_or, R, S, G, M, scale_log2,
@@ -77,16 +95,8 @@ if HAS_TRITON:
         acc = tl.zeros([BLOCK_M, HD_PAD], dtype=tl.float32)
         k_head = k_ptr + j.to(tl.int64) * stride_ch
         v_head = v_ptr + j.to(tl.int64) * stride_ch
-        for n0 in range(0, prefix, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nmask = n < prefix
-            offs = n[:, None].to(tl.int64) * stride_cs + d[None, :]
-            kv_mask = nmask[:, None] & dmask[None, :]
-            k = tl.load(k_head + offs, mask=kv_mask, other=0.0)
-            v = tl.load(v_head + offs, mask=kv_mask, other=0.0)
-            seen = mmask[:, None] & nmask[None, :]
-            m_i, l_i, acc = _tree_softmax_step(q, k, v, seen, m_i, l_i, acc, scale_log2,
-                                               IEEE, UPCAST)
+        m_i, l_i, acc = _key_prefix(q, k_head, v_head, prefix, stride_cs, d, dmask, mmask,
+                                    m_i, l_i, acc, scale_log2, BLOCK_N, IEEE, UPCAST)
         for t0 in range(0, M, BLOCK_T):
             t = t0 + tl.arange(0, BLOCK_T)
             tmask = t < M

@@ -17,8 +17,8 @@ from typing import Callable
 
 import torch
 
-from spd.errors import InternalError, SPDError
 from spd.model.target import TargetModel
+from spd.runtime.slots import SlotPool
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
@@ -44,27 +44,19 @@ class Running:
     t0: float = 0.0            # when its decode started (after its prefill)
 
 
-class BatchedAR:
+class BatchedAR(SlotPool):
     """Up to `slots` sequences of at most `context` rows each (prompt and new tokens), on a
     dense target (every layer as one batched stage step). KV memory is allocated once: slots x
     layers x 2 x kv_heads x context x head_dim elements."""
 
     def __init__(self, target: TargetModel, slots: int, context: int):
-        if target.hybrid:
-            raise SPDError("batched decoding (max batch > 1) needs a dense target: a hybrid "
-                           "target's linear-attention state is not kept per slot yet")
-        for name, v in (("slots", slots), ("context", context)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SPDError(f"{name} must be a positive integer, got {v!r}")
+        super().__init__(target, slots, context)
         t = target
-        self.target, self.slots, self.context = t, slots, context
         self.weights = t.stage_weights(range(t.num_layers))
         shape = (slots, t.num_layers, t.num_kv_heads, context, t.head_dim)
         self.k = torch.zeros(shape, dtype=t.dtype, device=t.device)
         self.v = torch.zeros_like(self.k)
         self.cos, self.sin = t.rope(0, context)
-        self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
-        self.running: dict[int, Running] = {}
 
     @property
     def bytes_per_slot(self) -> int:
@@ -76,25 +68,14 @@ class BatchedAR:
         stages, which AR does not keep rows in flight for)."""
         return prompt_len + max_new - 1
 
-    def check_fits(self, prompt_len: int, max_new: int) -> None:
-        """A sequence of `prompt_len` prompt tokens and up to `max_new` new ones fits a slot,
-        else SPDError naming both."""
-        need = self.rows_needed(prompt_len, max_new)
-        if need > self.context:
-            raise SPDError(f"the prompt ({prompt_len} tokens) and max_new_tokens ({max_new}) "
-                           f"need {need} rows of context but a slot holds {self.context}")
-
     @torch.no_grad()
     def join(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams, rule: StopRule,
              on_token: Callable[[int], None] | None = None) -> Running:
         """Prefill `ids` [P] into a free slot and choose the first token (emitted); the sequence
         decodes from the next step unless that token ended it."""
-        if not self.free:
-            raise InternalError("no free slot to join", slots=self.slots)
-        self.check_fits(ids.numel(), max_new)
+        slot = self.claim(ids.numel(), max_new)
         t = self.target
         t0 = time.perf_counter()
-        slot = self.free.pop()
         gen = torch.Generator(t.device).manual_seed(sampling.seed)
         h = stage_step(t.embed_tokens(ids), self.weights, self.k[slot], self.v[slot], 0,
                        self.cos, self.sin)[-1]
@@ -109,11 +90,8 @@ class BatchedAR:
 
     def leave(self, seq: Running) -> None:
         """The sequence stops now (ended, or its client left): its slot is free."""
-        if self.running.get(seq.slot) is not seq:
+        if not self.release(seq):
             return
-        del self.running[seq.slot]
-        self.free.append(seq.slot)
-        seq.done = True
         seq.stats.decode_s = time.perf_counter() - seq.t0
         seq.stats.new_tokens = len(seq.out)
         seq.stats.K = seq.stats.N = len(seq.out) - 1

@@ -28,6 +28,7 @@ from spd.model.target import Stage
 from spd.runtime.cycle import Cycle
 from spd.runtime.driver import peek
 from spd.runtime.sequence import Sequence
+from spd.runtime.slots import SlotPool
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.unit import FIXED, LIVE, POS
@@ -157,52 +158,34 @@ class Running:
         return self.seq.stop
 
 
-class BatchedSPD:
+class BatchedSPD(SlotPool):
     """Up to `slots` sequences of the engine's target through its n stages at once, each slot
     holding `context` rows (prompt, new tokens and the n + 2 rows in flight). Its memory is
     allocated once: every stage's KV rows for `slots` x `context`, a drafter cache a slot."""
 
     def __init__(self, engine, slots: int, context: int):
-        t = engine.target
         if engine.n < 2:
             raise SPDError("batched SPD needs n >= 2 stages")
         if engine.tree_width > 1:
             raise SPDError("several sequences at once with token trees (tree width > 1) are "
                            "not supported yet: use tree width 1")
-        if t.hybrid:
-            raise SPDError("batched decoding (several sequences at once) needs a dense target: "
-                           "a hybrid target's linear-attention state is not kept per slot yet")
-        for name, v in (("slots", slots), ("context", context)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise SPDError(f"{name} must be a positive integer, got {v!r}")
-        self.engine, self.target, self.n = engine, t, engine.n
-        self.slots, self.context = slots, context
-        self.stages = BatchStages(t, engine.layout, slots, context)
+        super().__init__(engine.target, slots, context)
+        self.engine, self.n = engine, engine.n
+        self.stages = BatchStages(engine.target, engine.layout, slots, context)
         lookup = engine.drafter.lookup
         self.drafters = [PDMDrafter(engine.pdm, lookup=lookup) for _ in range(slots)]
-        self.free = list(range(slots - 1, -1, -1))
-        self.running: dict[int, Running] = {}
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int) -> int:
         """A slot's rows for such a sequence (Sequence's: the rows in flight, then trash)."""
         return prompt_len + max_new + n + 3
 
-    def check_fits(self, prompt_len: int, max_new: int) -> None:
-        need = self.rows_needed(prompt_len, max_new, self.n)
-        if need > self.context:
-            raise SPDError(f"the prompt ({prompt_len} tokens) and max_new_tokens ({max_new}) "
-                           f"need {need} rows of context but a slot holds {self.context}")
-
     @torch.no_grad()
     def join(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams, rule: StopRule,
              on_token: Callable[[int], None] | None = None) -> Running:
         """Prefill `ids` [P] into a free slot and choose the first token (emitted); the sequence
         runs from the next cycle unless that token ended it."""
-        if not self.free:
-            raise InternalError("no free slot to join", slots=self.slots)
-        self.check_fits(ids.numel(), max_new)
-        slot = self.free.pop()
+        slot = self.claim(ids.numel(), max_new)
         seq = Sequence(self.target, self.engine.layout, self.drafters[slot], ids, max_new,
                        sampling, DecodeStats(mode="spd", n=self.n), on_token, rule)
         t0 = time.perf_counter()
@@ -218,11 +201,8 @@ class BatchedSPD:
 
     def leave(self, entry: Running) -> None:
         """The sequence stops now (ended, or its client left): its slot is free."""
-        if self.running.get(entry.slot) is not entry:
+        if not self.release(entry):
             return
-        del self.running[entry.slot]
-        self.free.append(entry.slot)
-        entry.done = True
         entry.cycle.cycles = entry.cycles
         entry.cycle.finish()
         entry.seq.finish()
@@ -234,9 +214,8 @@ class BatchedSPD:
             return []
         entries = dict(self.running)
         opened = {b: e.cycle.open() for b, e in entries.items()}
-        judge = {b: e.seq.sampling.greedy for b, e in entries.items()}
         verdicts = self.stages.run({b: e.cycle for b, e in entries.items()},
-                                   judge=any(judge.values()))
+                                   judge=any(e.seq.sampling.greedy for e in entries.values()))
         ended = []
         for b, e in entries.items():
             e.cycle.close(opened[b], verdicts[b])
