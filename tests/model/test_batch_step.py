@@ -58,3 +58,41 @@ def test_rows_of_several_sequences_equal_each_alone(stage, rows):
     for b in set(range(len(PROMPTS))) - set(rows):  # a slot with no row: not a bit moved
         assert torch.equal(k[b].nan_to_num(), alone_k[b].nan_to_num())
         assert torch.equal(k[b].isnan(), alone_k[b].isnan())
+
+
+@pytest.mark.parametrize("units", [[1], [2, 0]])
+def test_token_tree_units_of_several_sequences_equal_each_alone(stage, units):
+    """batch_tree_stage_step: each slot's W = 3 tree rows (their own K/V rows past the prompt,
+    a random branch mask) against that slot's tree_stage_step: one unit bit for bit, several
+    within float32 rounding; each unit's K/V land in its slot's rows alone."""
+    from spd_kernels.stage import batch_tree_stage_step, tree_stage_step
+    t, weights, cos, sin = stage
+    k, v = filled_caches(t, weights, cos, sin)
+    alone_k, alone_v = k.clone(), v.clone()
+    W, M = 3, 6
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(len(units) * W, t.hidden_size, generator=g)
+    rows = torch.stack([PROMPTS[b] + torch.randperm(W, generator=g) for b in units])  # [U, W]
+    prefix = torch.tensor([PROMPTS[b] for b in units])
+    keys = torch.stack([torch.cat([r, r]) for r in rows])                   # [U, M]
+    mask = torch.rand(len(units), W, M, generator=g) < 0.5
+    mask[:, torch.arange(W), torch.arange(W)] = True                         # itself
+    at = prefix.repeat_interleave(W)
+    outs = batch_tree_stage_step(x, weights, k, v, units, rows, prefix, keys, mask,
+                                 cos.index_select(0, at), sin.index_select(0, at))
+    for u, b in enumerate(units):
+        mine = slice(u * W, (u + 1) * W)
+        ref = tree_stage_step(x[mine], weights, alone_k[b], alone_v[b], rows[u], prefix[u:u + 1],
+                              keys[u], mask[u], cos.index_select(0, at[mine]),
+                              sin.index_select(0, at[mine]))
+        for got, want in zip(outs, ref):
+            if len(units) == 1:
+                assert torch.equal(got[mine], want)
+            else:
+                torch.testing.assert_close(got[mine], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(k[b].nan_to_num(), alone_k[b].nan_to_num(), atol=1e-5,
+                                   rtol=1e-5)
+        assert torch.equal(k[b].isnan(), alone_k[b].isnan())
+    for b in set(range(len(PROMPTS))) - set(units):
+        assert torch.equal(k[b].isnan(), alone_k[b].isnan())
+        assert torch.equal(k[b].nan_to_num(), alone_k[b].nan_to_num())
