@@ -103,9 +103,6 @@ def test_bad_input_is_named(engine):
                                        StopRule(set()))
     with pytest.raises(SPDError, match="slots must be a positive integer"):
         BatchedAR(engine.target, 0, 8)
-    tree = SPDEngine(engine.target, n_stages=2, warn_untrained=False, tree_width=2)
-    with pytest.raises(SPDError, match="token trees"):
-        tree.generate(PROMPTS, 4)
 
 
 @pytest.mark.parametrize("replay", [False, True], ids=["cpu", "checked"])
@@ -165,3 +162,109 @@ def test_a_sequence_rejected_every_cycle_leaves_the_others_as_they_are_alone(eng
             b.K, b.N, b.drafts_judged, b.drafts_accepted), i
     assert joined[0].stats.drafts_accepted == 0 < joined[0].stats.drafts_judged
     assert joined[1].stats.drafts_accepted == joined[1].stats.drafts_judged > 0
+
+
+def poisoned(batch):
+    """`batch` with every KV row NaN until written: a row read before it is written (a prefill
+    chunk at the wrong place, a tree row not committed) spoils the tokens."""
+    caches = batch.stages.k + batch.stages.v if hasattr(batch, "stages") else [batch.k, batch.v]
+    for c in caches:
+        c.fill_(float("nan"))
+    return batch
+
+
+def run_batch(engine, batch, prompts, max_new: int, sampling=None):
+    """The prompts joined one a step (as slots free) and decoded -> each one's entry, what
+    every step emitted ([(prompt index, token)] a step) and after each step every prompt's
+    progress (SPD: cycles launched; AR: tokens)."""
+    sampling = sampling or [SamplingParams()] * len(prompts)
+    waiting, joined, steps, progress = list(range(len(prompts))), {}, [], []
+    while waiting or batch.running:
+        steps.append([])
+        if waiting and batch.free:
+            i = waiting.pop(0)
+            ids, n_new, rule = engine.prepare_request(prompts[i], max_new, None, None)
+            joined[i] = batch.join(ids, n_new, sampling[i], rule,
+                                   lambda tok, i=i: steps[-1].append((i, tok)))
+        batch.step()
+        progress.append({i: getattr(e, "launched", len(e.out)) for i, e in joined.items()})
+    return [joined[i] for i in range(len(prompts))], steps, progress
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("ahead", [0, 3])
+def test_chunked_prefill_and_reading_behind_change_no_token(engine, mode, ahead):
+    """Prompts prefilled two rows a step while the others decode, the host reading each
+    sequence `ahead` cycles behind (SPD): every result is its decode alone, and a long prompt's
+    prefill steps still carry the running sequences' tokens."""
+    sampling = [SamplingParams(temperature=1.0, top_k=8, seed=s) for s in range(len(PROMPTS))]
+    sampling[0] = SamplingParams()
+    batch = poisoned(BatchedAR(engine.target, 3, 32, prefill_chunk=2) if mode == "ar" else
+                     BatchedSPD(engine, 3, 32, ahead=ahead, prefill_chunk=2))
+    entries, steps, progress = run_batch(engine, batch, PROMPTS, 10, sampling)
+    run = decode(engine, mode)
+    for i, (p, s, e) in enumerate(zip(PROMPTS, sampling, entries)):
+        alone = run(p, 10, s)
+        assert e.out == alone.token_ids, i
+        if mode == "spd":
+            assert (e.stats.K, e.stats.drafts_judged) == (alone.stats.K,
+                                                          alone.stats.drafts_judged), i
+    # PROMPTS[2] (8 rows) joins in step 2: its first chunk there, its others in the next
+    # three steps (the last one choosing its first token), while the others decode
+    firsts = [k for k, got in enumerate(steps) if any(i == 2 for i, _ in got)]
+    assert firsts[0] == 2 + 2
+    for k in (2, 3, 4):
+        assert all(progress[k][i] > progress[k - 1][i] for i in (0, 1)), k
+
+
+def test_a_batched_cycle_is_the_work_one_graph_replays(engine, monkeypatch):
+    """Under SPD_REPLAY_CHECK every steady cycle of the batch (its sequences' controls, draft
+    steps and the shared stage steps) is the same work, op for op on the same memory, as the
+    first steady cycle of its members: what one CUDA graph replays until a sequence joins or
+    leaves. Greedy and sampled sequences together, joining at different steps."""
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    sampling = [SamplingParams(), SamplingParams(temperature=1.0, top_p=0.9, seed=4),
+                SamplingParams(), SamplingParams(temperature=0.7, seed=1)]
+    batch = BatchedSPD(engine, 3, 40)
+    entries, _, _ = run_batch(engine, batch, PROMPTS[:4], 14, sampling)
+    for p, s, e in zip(PROMPTS, sampling, entries):
+        assert e.out == engine.generate(p, 14, s).token_ids
+    got = batch.describe()
+    assert got["checked"] >= 10 and got["made"] >= 4 and got.get("captured", 0) == 0, got
+
+
+@pytest.fixture(scope="module")
+def tree_engine():
+    return SPDEngine(make_tiny_target(seed=5, vocab=32, layers=4), n_stages=3,
+                     warn_untrained=False, tree_width=3)
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["cpu", "checked"])
+def test_token_trees_in_one_batch_each_equal_its_decode_alone(tree_engine, replay, monkeypatch):
+    """Token trees (W = 3 rows a unit, n = 3), three sequences at once with drafters that
+    accept through top and lower rows and reject: each gets its decode alone (tokens, N, K,
+    judged and accepted drafts), greedy ones AR's tokens, a seeded sampled one its own; under
+    SPD_REPLAY_CHECK every steady cycle of the batch is the work one graph replays."""
+    from conftest import NoisyTreeDrafter
+    if replay:
+        monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    eng, prompts = tree_engine, PROMPTS[:3]
+    refs = [p + eng.generate_ar(p, 14).token_ids for p in prompts]
+    made = [lambda i=i, a=a: NoisyTreeDrafter(eng.pdm, refs[i], a, seed=i, mix=0.5)
+            for i, a in enumerate((0.8, 0.5, 0.8))]
+    sampling = [SamplingParams(), SamplingParams(), SamplingParams(temperature=1.0, seed=3)]
+    batch = poisoned(BatchedSPD(eng, 3, 64))
+    for slot in range(3):
+        batch.drafters[slot] = made[slot]()
+    entries, _, _ = run_batch(eng, batch, prompts, 14, sampling)
+    for i, (p, e) in enumerate(zip(prompts, entries)):
+        alone = eng.generate(p, 14, sampling[i], drafter=made[i]())
+        assert e.out == alone.token_ids, i
+        a, b = e.stats, alone.stats
+        assert (a.K, a.N, a.drafts_judged, a.drafts_accepted) == (
+            b.K, b.N, b.drafts_judged, b.drafts_accepted), i
+        if sampling[i].greedy:
+            assert e.out == refs[i][len(p):]
+    assert entries[0].stats.drafts_accepted > 0
+    if replay:
+        assert batch.describe()["checked"] >= 5

@@ -91,9 +91,11 @@ def test_gpu_cycle_replays_one_graph_and_never_synchronises(kind, sampling):
                          ids=["greedy", "sampled"])
 def test_gpu_batched_cycle_never_synchronises(sampling):
     """Several sequences through one pipeline (spd.runtime.batch_spd): after the first cycle of
-    the batch, every step of it runs under the sync debug mode set to raise, eagerly (one graph
-    per batch bucket is not built yet), and each sequence equals its decode alone."""
+    the batch, every step of it (a graph's captures aside) runs under the sync debug mode set to
+    raise; the cycles replay CUDA graphs (one per set of sequences decoding together), and each
+    sequence equals its decode alone."""
     from spd.runtime.batch_spd import BatchedSPD
+    from spd.runtime.cycle_graph import CycleGraph
     eng = SPDEngine(cuda_target("chain"), n_stages=4, warn_untrained=False, lookup=2)
     prompts = [PROMPT, PROMPT[3:], PROMPT[:6] * 2]
     batch = BatchedSPD(eng, 4, 96)
@@ -103,8 +105,12 @@ def test_gpu_batched_cycle_never_synchronises(sampling):
         joined.append(batch.join(ids, max_new, sampling, rule))
     batch.step()
     steady = in_sync_mode(batch.step, "error", "default")
-    while batch.running:
-        steady()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(CycleGraph, "_capture", in_sync_mode(CycleGraph._capture, "default", "error"))
+        while batch.running:
+            steady()
+    got = batch.describe()
+    assert got["captured"] >= 1 and got["replays"] >= 10, got
     for p, e in zip(prompts, joined):
         alone = eng.generate(p, 24, sampling)
         assert e.out == alone.token_ids and e.stats.K == alone.stats.K

@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from spd.model.target import TargetModel
-from spd.runtime.slots import SlotPool
+from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
@@ -44,13 +44,64 @@ class Running:
     t0: float = 0.0            # when its decode started (after its prefill)
 
 
-class BatchedAR(SlotPool):
+class TokenBatch(SlotPool):
+    """What the batches without speculation share (AR here, the pipeline in
+    spd.runtime.batch_pipeline): a sequence's tokens are chosen one at a time from its last
+    hidden state, as the one-sequence decode chooses, and emitted as they come."""
+
+    def _running(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams,
+                 rule: StopRule, on_token, stats: DecodeStats, kind=None):
+        """A sequence for a free slot (`kind`: its Running class)."""
+        slot = self.claim(ids.numel(), max_new)
+        gen = torch.Generator(self.target.device).manual_seed(sampling.seed)
+        return (kind or Running)(slot, ids.numel(), -1, max_new, sampling, gen, rule, on_token,
+                                 stats)
+
+    def _ended(self, seq: Running) -> bool:
+        """`seq` leaves its slot (False: it had left); its clock stopped, its counts."""
+        if not self.release(seq):
+            return False
+        st = seq.stats
+        st.decode_s = time.perf_counter() - seq.t0 if seq.t0 else 0.0  # (0: left in prefill)
+        st.new_tokens, st.N = len(seq.out), len(seq.out) - 1
+        return True
+
+    def _emit(self, seq: Running, token: int) -> None:
+        seq.out.append(token)
+        seq.token = token
+        ended = seq.rule.feed(token) or len(seq.out) >= seq.max_new
+        if seq.on_token:
+            seq.on_token(token)
+        if ended:
+            self.leave(seq)
+
+    def _choose(self, seqs: list[Running], h: torch.Tensor) -> list[int]:
+        """The next token of each of `seqs` from its row of `h` [R, d]: greedy rows through
+        the fused norm + head + argmax, sampled ones through `pick` with their generators."""
+        t, dev = self.target, h.device
+        chosen: list[int | None] = [None] * len(seqs)
+        greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=dev)
+            none = torch.full((len(greedy),), -1, dtype=torch.int64, device=dev)
+            picked = verify_greedy(h.index_select(0, rows), t.norm.weight, t.rms_eps,
+                                   t.lm_head.weight, none, t.norm_offset)[0]
+            for i, tok in zip(greedy, picked.tolist()):
+                chosen[i] = tok
+        for i, s in enumerate(seqs):
+            if chosen[i] is None:
+                chosen[i] = pick(t.logits(h[i:i + 1])[0], s.sampling, s.gen)
+        return chosen
+
+
+class BatchedAR(TokenBatch):
     """Up to `slots` sequences of at most `context` rows each (prompt and new tokens), on a
     dense target (every layer as one batched stage step). KV memory is allocated once: slots x
     layers x 2 x kv_heads x context x head_dim elements."""
 
-    def __init__(self, target: TargetModel, slots: int, context: int):
-        super().__init__(target, slots, context)
+    def __init__(self, target: TargetModel, slots: int, context: int,
+                 prefill_chunk: int | None = None):
+        super().__init__(target, slots, context, prefill_chunk)
         t = target
         self.weights = t.stage_weights(range(t.num_layers))
         shape = (slots, t.num_layers, t.num_kv_heads, context, t.head_dim)
@@ -71,65 +122,49 @@ class BatchedAR(SlotPool):
     @torch.no_grad()
     def join(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams, rule: StopRule,
              on_token: Callable[[int], None] | None = None) -> Running:
-        """Prefill `ids` [P] into a free slot and choose the first token (emitted); the sequence
-        decodes from the next step unless that token ended it."""
-        slot = self.claim(ids.numel(), max_new)
-        t = self.target
-        t0 = time.perf_counter()
-        gen = torch.Generator(t.device).manual_seed(sampling.seed)
-        h = stage_step(t.embed_tokens(ids), self.weights, self.k[slot], self.v[slot], 0,
-                       self.cos, self.sin)[-1]
-        first = pick(t.logits(h[-1:])[0], sampling, gen)
-        seq = Running(slot, ids.numel(), first, max_new, sampling, gen, rule, on_token,
-                      DecodeStats(mode="ar", n=1))
-        seq.stats.prefill_s = time.perf_counter() - t0
-        seq.t0 = time.perf_counter()
-        self.running[slot] = seq
-        self._emit(seq, first)
+        """`ids` [P] into a free slot: its prefill (at once, or a chunk a step) and its first
+        token (emitted); it decodes from the step its prefill ends in, unless that token ended
+        it."""
+        seq = self._running(ids, max_new, sampling, rule, on_token, DecodeStats(mode="ar", n=1))
+        self.admit(seq, self._prefill(seq, ids))
         return seq
+
+    def _prefill(self, seq: Running, ids: torch.Tensor):
+        """The prompt into the slot a chunk per `next`, then the first token."""
+        t = self.target
+        for a, b in chunks(ids.numel(), self.prefill_chunk):
+            if a:
+                yield
+            t0 = time.perf_counter()
+            h = stage_step(t.embed_tokens(ids[a:b]), self.weights, self.k[seq.slot],
+                           self.v[seq.slot], a, self.cos, self.sin)[-1]
+            seq.stats.prefill_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        first = pick(t.logits(h[-1:])[0], seq.sampling, seq.gen)
+        seq.stats.prefill_s += time.perf_counter() - t0
+        seq.t0 = time.perf_counter()
+        self._emit(seq, first)
 
     def leave(self, seq: Running) -> None:
         """The sequence stops now (ended, or its client left): its slot is free."""
-        if not self.release(seq):
-            return
-        seq.stats.decode_s = time.perf_counter() - seq.t0
-        seq.stats.new_tokens = len(seq.out)
-        seq.stats.K = seq.stats.N = len(seq.out) - 1
-
-    def _emit(self, seq: Running, token: int) -> None:
-        seq.out.append(token)
-        seq.token = token
-        ended = seq.rule.feed(token) or len(seq.out) >= seq.max_new
-        if seq.on_token:
-            seq.on_token(token)
-        if ended:
-            self.leave(seq)
+        if self._ended(seq):
+            seq.stats.K = seq.stats.N
 
     @torch.no_grad()
     def step(self) -> list[Running]:
         """One token for every running sequence -> the sequences that ended in it."""
-        if not self.running:
+        self.advance_prefills()
+        seqs = self.decoding()
+        if not seqs:
             return []
         t = self.target
-        seqs = [self.running[s] for s in sorted(self.running)]
         dev = t.device
         tokens = torch.tensor([s.token for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         positions = torch.tensor([s.position for s in seqs], device=dev)
         h = batch_stage_step(t.embed_tokens(tokens), self.weights, self.k, self.v, slots,
                              positions, self.cos, self.sin)[-1]
-        chosen: list[int | None] = [None] * len(seqs)
-        greedy = [i for i, s in enumerate(seqs) if s.sampling.greedy]
-        if greedy:  # the fused norm + head + argmax, as the one-sequence decode chooses
-            rows = torch.tensor(greedy, device=dev)
-            none = torch.full((len(greedy),), -1, dtype=torch.int64, device=dev)
-            picked = verify_greedy(h.index_select(0, rows), t.norm.weight, t.rms_eps,
-                                   t.lm_head.weight, none, t.norm_offset)[0]
-            for i, tok in zip(greedy, picked.tolist()):
-                chosen[i] = tok
-        for i, s in enumerate(seqs):
-            if chosen[i] is None:
-                chosen[i] = pick(t.logits(h[i:i + 1])[0], s.sampling, s.gen)
+        chosen = self._choose(seqs, h)
         ended = []
         for s, tok in zip(seqs, chosen):
             s.position += 1

@@ -5,18 +5,20 @@ Terms (docs/batching.md):
            cache ([slots, layers, kv_heads, context, head_dim] a stage), its own drafter (its
            PDM cache) and its own `Cycle` (state, units, lanes, sampling generator).
   cycle    of the batch: every running sequence's cycle opened (its pre-step draft), each
-           stage's step run once over one row per sequence (`batch_stage_step`: the weight reads
-           shared), every cycle closed (judged and committed), then each one's state read. A
+           stage's step run once over one unit per sequence (`batch_stage_step`: the weight
+           reads shared), every cycle closed (judged and committed), then each one's state read. A
            sequence's speculation is its own: a rejection refills only its pipeline.
 
 A sequence joins between cycles (its prompt's prefill into its slot through that slot's views of
-the stages, then its first token) and leaves at its end or when told, freeing its slot. So far:
-token chains (tree width 1), dense targets, one process, eager cycles; each sequence's control
-and draft step are its own (their fusion over the batch is issue 55's).
+the stages, at once or a chunk a step, then its first token) and leaves at its end or when told,
+freeing its slot. Token chains and trees (W rows a unit: `batch_tree_stage_step`), dense
+targets, one process; each sequence's control and draft step are its own (their fusion over the
+batch is issue 55's).
 """
 from __future__ import annotations
 
 import time
+from collections import Counter
 from typing import Callable
 
 import torch
@@ -25,28 +27,30 @@ from spd import env
 from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.model.target import Stage
-from spd.runtime.cycle import Cycle
-from spd.runtime.driver import peek
+from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
+from spd.runtime.cycle_graph import CycleGraph, figures
+from spd.runtime.driver import STOP, peek
 from spd.runtime.sequence import Sequence
-from spd.runtime.slots import SlotPool
+from spd.runtime.slot_stage import SlotStage
+from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
-from spd.runtime.unit import FIXED, LIVE, POS
+from spd.runtime.unit import LIVE, UnitFormat
 from spd_kernels import verify_greedy
-from spd_kernels.stage import batch_stage_step
 
 
 class SlotStages:
-    """A slot's stages as its Cycle sees them: in this process, run by the batch
-    (BatchStages.run) over every slot at once, never by the cycle itself."""
+    """A slot's stages as its Cycle sees them: run by the batch over every slot at once (in
+    this process BatchStages.run; across ranks spd.distributed.batch_draft), never by the
+    Cycle itself, and not in lock-step of their own (the batch keeps the ranks in step)."""
 
     lockstep = False
     replayable = capturable = True
     messages = None
-    peek = False
+    local: list = []  # (the stage steps run outside the slot's cycle: no stream of their own)
 
-    def __init__(self, n: int):
-        self.local = list(range(n))
+    def __init__(self, peek: bool):
+        self.peek = peek  # a CPU skips a finished sequence's cycles (Cycle.open)
 
     def begin(self, cycle) -> None:
         pass  # (the batch hands each stage its rows)
@@ -56,34 +60,28 @@ class SlotStages:
 
 
 class BatchStages:
-    """The n stages over `slots` sequences: each stage's weights once, its KV cache
-    [slots, layers, kv_heads, context, head_dim], and each slot's stage outputs of the last
-    cycle (`outbox` [slots, n, d]: stage s + 1's rows this cycle)."""
+    """The n stages over `slots` sequences of units of `width` rows (1: a chain; W: a token
+    tree's): each a SlotStage (its weights once, its KV cache [slots, layers, kv_heads,
+    context, head_dim]), and each slot's stage outputs of the last cycle (`outbox`
+    [slots, n, W, d]: stage s + 1's rows this cycle)."""
 
-    def __init__(self, target, layout, slots: int, context: int):
+    def __init__(self, target, layout, slots: int, context: int, width: int = 1):
         t, n = target, layout.n
         self.target, self.layout, self.n, self.context = t, layout, n, context
-        self.weights = [t.stage_weights(r) for r in layout.stages]
-        self.k = [torch.zeros(slots, len(r), t.num_kv_heads, context, t.head_dim,
-                              dtype=t.dtype, device=t.device) for r in layout.stages]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        self.fmt = UnitFormat(n, width)
+        self.parts = [SlotStage(t, layout, s, slots, context) for s in range(n)]
+        self.k, self.v = [p.k for p in self.parts], [p.v for p in self.parts]
         self.anchor_layers = [[b - layout.stages[s].start - 1 for _, b in
                                layout.anchors_of_stage(s)] for s in range(n)]
-        self.cos, self.sin = t.rope(0, context)
-        self.outbox = torch.zeros(slots, n, t.hidden_size, dtype=t.dtype, device=t.device)
-        self._slot_stages: dict[int, list[Stage]] = {}
+        self.outbox = torch.zeros(slots, n, width, t.hidden_size, dtype=t.dtype,
+                                  device=t.device)
         self._index: dict[tuple, tuple] = {}
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=t.device)
         self.cpu = t.device.type == "cpu"
 
     def slot_stages(self, slot: int) -> list[Stage]:
         """Slot `slot`'s stages (views of the batched caches), for its prompt's prefill."""
-        if slot not in self._slot_stages:
-            self._slot_stages[slot] = [
-                Stage(self.target, s, r, self.context, cuda_graphs=False, max_rollback=self.n,
-                      buffers=(self.k[s][slot], self.v[s][slot]))
-                for s, r in enumerate(self.layout.stages)]
-        return self._slot_stages[slot]
+        return [p.view(slot) for p in self.parts]
 
     def _slot_index(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         """(the slots [R], no drafts [R] of -1: what verify_greedy compares with) on the
@@ -102,13 +100,15 @@ class BatchStages:
         return got[:2]
 
     def run(self, cycles: dict[int, Cycle], judge: bool) -> dict[int, torch.Tensor]:
-        """Every stage's step over one row per slot (cycles: each slot's Cycle, opened); their
+        """Every stage's step over one unit per slot (cycles: each slot's Cycle, opened); their
         rows land where each sequence keeps them (Cycle.keep) -> each slot's verdict [1] (with
         `judge`, a greedy chain: the last stage's argmax; else a stand-in). Stage s reads what
         stage s - 1 made last cycle (`outbox`), so the stages run last to first. On a CPU, where
         reading is free, a stage runs only its live units' rows (`peek`, as LocalStages)."""
-        t, n = self.target, self.n
+        t, n, W = self.target, self.n, self.fmt.width
         slots = sorted(cycles)
+        if not slots:
+            return {}
         units = torch.stack([cycles[b].units for b in slots])       # [R, n, H]
         # a CPU runs a stage only for its live units (reading is free there); a GPU, and the
         # replay check, run every row every cycle: the same work (docs/cycle.md)
@@ -116,20 +116,23 @@ class BatchStages:
         live = peek(units[:, :, LIVE]) if looks else None
         verdicts = dict.fromkeys(slots, self._stand_in)
         for s in reversed(range(n)):
+            part = self.parts[s]
             rows = [r for r in range(len(slots)) if live is None or live[r * n + s]]
+            if self.fmt.tree:  # a dead unit skipped still carries its commit (StageStep.skip)
+                for r in set(range(len(slots))) - set(rows):
+                    part.commit(slots[r], units[r, s])
             if not rows:
                 continue
             run = tuple(slots[r] for r in rows)
             idx, none = self._slot_index(run)
             heads = units[:, s] if len(rows) == len(slots) else units[rows, s]  # [R', H]
-            x = t.embed_tokens(heads[:, FIXED]) if s == 0 else self.outbox[idx, s - 1]
-            outs = batch_stage_step(x, self.weights[s], self.k[s], self.v[s], idx,
-                                    heads[:, POS], self.cos, self.sin)
+            outs = part.run(self.fmt, run, idx, heads,
+                            None if s == 0 else self.outbox[idx, s - 1])
             out = outs[-1]
             for r, b in enumerate(run):
-                cycles[b].keep(s, [outs[i][r:r + 1] for i in self.anchor_layers[s]],
-                               out[r:r + 1])
-            self.outbox[idx, s] = out
+                at = slice(r * W, (r + 1) * W)
+                cycles[b].keep(s, [outs[i][at] for i in self.anchor_layers[s]], out[at])
+            self.outbox[idx, s] = out.view(len(run), W, -1)
             if s == n - 1 and judge:
                 verdict = verify_greedy(out, t.norm.weight, t.rms_eps, t.lm_head.weight, none,
                                         t.norm_offset)[0]
@@ -138,11 +141,11 @@ class BatchStages:
 
 
 class Running:
-    """A sequence in a slot: its Sequence and Cycle, and the cycles it has run."""
+    """A sequence in a slot: its Sequence and Cycle, the cycles launched and those read."""
 
     def __init__(self, slot: int, seq: Sequence, cycle: Cycle):
         self.slot, self.seq, self.cycle = slot, seq, cycle
-        self.cycles = 0
+        self.launched = self.nread = 0
         self.done = False
 
     @property
@@ -161,68 +164,125 @@ class Running:
 class BatchedSPD(SlotPool):
     """Up to `slots` sequences of the engine's target through its n stages at once, each slot
     holding `context` rows (prompt, new tokens and the n + 2 rows in flight). Its memory is
-    allocated once: every stage's KV rows for `slots` x `context`, a drafter cache a slot."""
+    allocated once: every stage's KV rows for `slots` x `context`, a drafter cache a slot.
 
-    def __init__(self, engine, slots: int, context: int):
+    A step launches one cycle of every decoding sequence (`_cycle`: device work only) and
+    reads each sequence's published state `ahead` cycles behind (spd.runtime.driver), so on a
+    GPU the host never waits for the cycle it launched. The cycle is a CycleGraph: one CUDA
+    graph for as long as the same sequences decode together, captured again when one joins or
+    leaves (each sequence's budget, stop ids and sampling settings are constants of its
+    cycle's code, so free slots cannot be bubbles of one graph yet: issue 55 moves them into
+    device state). SPD_REPLAY_CHECK checks on any device that its steady cycles replay."""
+
+    def __init__(self, engine, slots: int, context: int, ahead: int = DEFAULT_AHEAD,
+                 prefill_chunk: int | None = None):
         if engine.n < 2:
             raise SPDError("batched SPD needs n >= 2 stages")
-        if engine.tree_width > 1:
-            raise SPDError("several sequences at once with token trees (tree width > 1) are "
-                           "not supported yet: use tree width 1")
-        super().__init__(engine.target, slots, context)
-        self.engine, self.n = engine, engine.n
-        self.stages = BatchStages(engine.target, engine.layout, slots, context)
+        super().__init__(engine.target, slots, context, prefill_chunk)
+        self.engine, self.n, self.ahead = engine, engine.n, ahead
+        self.width = engine.tree_width
+        self.stages = BatchStages(engine.target, engine.layout, slots, context, self.width)
         lookup = engine.drafter.lookup
         self.drafters = [PDMDrafter(engine.pdm, lookup=lookup) for _ in range(slots)]
+        self.graph: CycleGraph | None = None
+        self._members: tuple[Running, ...] = ()
+        self.graphs = Counter()  # the cycle graphs made: replays, checked cycles, captures
 
     @staticmethod
-    def rows_needed(prompt_len: int, max_new: int, n: int) -> int:
-        """A slot's rows for such a sequence (Sequence's: the rows in flight, then trash)."""
-        return prompt_len + max_new + n + 3
+    def rows_needed(prompt_len: int, max_new: int, n: int, width: int = 1) -> int:
+        """A slot's rows for such a sequence (Sequence's: the rows in flight, a token tree's
+        rows of width `width`, then trash)."""
+        return prompt_len + max_new + n + 3 + ((n + 1) * width if width > 1 else 0)
+
+    def needs(self, prompt_len: int, max_new: int) -> int:
+        return self.rows_needed(prompt_len, max_new, self.n, self.width)
 
     @torch.no_grad()
     def join(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams, rule: StopRule,
              on_token: Callable[[int], None] | None = None) -> Running:
-        """Prefill `ids` [P] into a free slot and choose the first token (emitted); the sequence
-        runs from the next cycle unless that token ended it."""
+        """`ids` [P] into a free slot: its prefill (at once, or a chunk a step) and its first
+        token (emitted); it decodes from the step its prefill ends in, unless that token ended it."""
         slot = self.claim(ids.numel(), max_new)
         seq = Sequence(self.target, self.engine.layout, self.drafters[slot], ids, max_new,
-                       sampling, DecodeStats(mode="spd", n=self.n), on_token, rule)
-        t0 = time.perf_counter()
-        seq.start(self.engine._prefill(self.stages.slot_stages(slot), ids, seq)[-1:], t0)
-        cycle = Cycle(seq, SlotStages(self.n), ahead=0)
-        cycle.begin()
-        self.stages.outbox[slot].zero_()
-        entry = Running(slot, seq, cycle)
-        self.running[slot] = entry
+                       sampling, DecodeStats(mode="spd", n=self.n), on_token, rule,
+                       width=self.width)
+        peeks = self.stages.cpu and not env.replay_check_enabled()
+        entry = Running(slot, seq, Cycle(seq, SlotStages(peeks), ahead=self.ahead))
+        self.admit(entry, self._prefill(entry, ids))
+        return entry
+
+    def _prefill(self, entry: Running, ids: torch.Tensor):
+        """The prompt into the slot's stages a chunk per `next`, then the first token."""
+        seq, stages = entry.seq, self.stages.slot_stages(entry.slot)
+        spent = 0.0
+        for a, b in chunks(ids.numel(), self.prefill_chunk):
+            if a:
+                yield
+            t0 = time.perf_counter()
+            last = self.engine._prefill(stages, ids[a:b], seq, start=a)[-1:]
+            spent += time.perf_counter() - t0
+        seq.start(last, time.perf_counter() - spent)
+        entry.cycle.begin()
+        self.stages.outbox[entry.slot].zero_()
         if seq.done:
             self.leave(entry)
-        return entry
 
     def leave(self, entry: Running) -> None:
         """The sequence stops now (ended, or its client left): its slot is free."""
+        prefilled = entry.slot not in self.prefilling
         if not self.release(entry):
             return
-        entry.cycle.cycles = entry.cycles
-        entry.cycle.finish()
+        if prefilled:
+            entry.cycle.cycles = entry.launched
+            entry.cycle.finish()
         entry.seq.finish()
+
+    def _cycle(self, entries: tuple[Running, ...]) -> None:
+        """One cycle of `entries` (device work: what a graph replays)."""
+        cycles = {e.slot: e.cycle for e in entries}
+        opened = {b: c.open() for b, c in cycles.items()}
+        cycles = {b: c for b, c in cycles.items() if opened[b] is not None}  # (a CPU's skips)
+        judge = self.width == 1 and any(e.seq.sampling.greedy for e in entries)
+        verdicts = self.stages.run(cycles, judge)
+        for b, c in cycles.items():
+            c.close(opened[b], verdicts[b])
+
+    def _graph_of(self, members: tuple[Running, ...]) -> CycleGraph:
+        """The cycle graph of these sequences together (made when they change)."""
+        same = len(members) == len(self._members) and all(
+            a is b for a, b in zip(members, self._members))
+        if self.graph is None or not same:
+            self.graphs.update(figures(self.graph))  # (the one it replaces)
+            dev = torch.device(self.target.device)
+            gens = [e.seq.gen for e in members] if dev.type == "cuda" else []
+            self.graph = CycleGraph(lambda: self._cycle(members), dev, "batched decode cycle",
+                                    generators=gens)
+            self._members = members
+            self.graphs["made"] += 1
+        return self.graph
+
+    def describe(self) -> dict:
+        """How the batch's cycles ran: graphs made and captured, replays, checked cycles."""
+        return dict(self.graphs + figures(self.graph))
 
     @torch.no_grad()
     def step(self) -> list[Running]:
-        """One cycle of every running sequence -> those that ended in it."""
-        if not self.running:
+        """A chunk of each prefill under way, then one cycle of every decoding sequence, and
+        the cycles `ahead` behind read -> the sequences that ended (left) in this step."""
+        self.advance_prefills()
+        members = tuple(self.decoding())
+        if not members:
             return []
-        entries = dict(self.running)
-        opened = {b: e.cycle.open() for b, e in entries.items()}
-        verdicts = self.stages.run({b: e.cycle for b, e in entries.items()},
-                                   judge=any(e.seq.sampling.greedy for e in entries.values()))
+        self._graph_of(members).launch()
+        for e in members:  # (all published before any is read: a reader may raise)
+            e.cycle.published.publish(e.launched, e.cycle.state)
+            e.launched += 1
         ended = []
-        for b, e in entries.items():
-            e.cycle.close(opened[b], verdicts[b])
-            e.cycle.published.publish(e.cycles, e.cycle.state)
-            e.cycle.read(e.cycles)
-            e.cycles += 1
-            if e.seq.done:
-                self.leave(e)
-                ended.append(e)
+        for e in members:
+            while not e.done and e.launched - e.nread > self.ahead:
+                got = e.cycle.read(e.nread)
+                e.nread += 1
+                if got == STOP:
+                    self.leave(e)
+                    ended.append(e)
         return ended

@@ -130,6 +130,14 @@ class CycleGraph:
                                     self.first, trace.ops))
 
 
+def figures(graph: CycleGraph | None) -> Counter:
+    """A graph's replays, checked cycles and whether it was captured (0 / 1), to add up."""
+    if graph is None:
+        return Counter()
+    return Counter(replays=graph.replays, checked=graph.checked,
+                   captured=int(graph.graph is not None))
+
+
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 

@@ -30,11 +30,13 @@ from spd.model.prompt import encode_request_prompt, is_prompt_batch
 from spd.model.target import Stage, TargetModel
 from spd.runtime.ar_decode import ARDecoder
 from spd.runtime.batch_ar import BatchedAR
+from spd.runtime.batch_pipeline import BatchedPipeline
 from spd.runtime.batch_spd import BatchedSPD
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
 from spd.runtime.driver import peek
 from spd.runtime.request import check_prompt
 from spd.runtime.sequence import Sequence, check_tree_width
+from spd.runtime.slots import batch_request
 from spd.runtime.stopping import StopRule
 from spd.runtime.streaming import TextStream
 from spd.runtime.types import DecodeStats, GenerationResult, PhaseTimer, SamplingParams
@@ -118,18 +120,19 @@ class SPDEngine:
             s.cache.truncate(0)
         return self._stages
 
-    def _prefill(self, stages, ids, seq: Sequence | None = None) -> torch.Tensor:
-        """The prompt through every stage as one chunk -> the last stage's output [P, d]; with
-        `seq`, each stage's anchor rows are kept there (the embedding is anchor 0)."""
+    def _prefill(self, stages, ids, seq: Sequence | None = None, start: int = 0) -> torch.Tensor:
+        """The prompt (or its chunk at positions start..) through every stage as one chunk ->
+        the last stage's output [P, d]; with `seq`, each stage's anchor rows are kept there
+        (the embedding is anchor 0)."""
         h = self.target.embed_tokens(ids)
         if seq is not None:
-            seq.anchors[0, :h.shape[0]] = h
+            seq.anchors[0, start:start + h.shape[0]] = h
         for s, st in enumerate(stages):
-            outs, _ = st.run(h, 0)
+            outs, _ = st.run(h, start)
             if seq is not None:
                 first = st.layer_ids.start
-                seq.keep_anchors(s, 0, [outs[b - first - 1]
-                                        for _, b in self.layout.anchors_of_stage(s)])
+                seq.keep_anchors(s, start, [outs[b - first - 1]
+                                            for _, b in self.layout.anchors_of_stage(s)])
             h = outs[-1]
         return h
 
@@ -194,38 +197,51 @@ class SPDEngine:
         stats.new_tokens = len(out)
         return self.build_result(out, stats, rule)
 
+    @torch.no_grad()
+    def generate_pipeline(self, prompt_ids, max_new_tokens: int = 64,
+                          sampling: SamplingParams = SamplingParams(),
+                          on_token: Callable[[int], None] | None = None, *, stop=None,
+                          stop_token_ids=None, max_batch: int | None = None):
+        """The pipeline without speculation on the engine's n stages (spd.runtime.batch_pipeline:
+        one token per sequence every n cycles; several prompts keep the stages busy with each
+        other). Takes what `generate_ar` takes and gives what it gives: the same tokens."""
+        if is_prompt_batch(prompt_ids):
+            return self._generate_batch("pipeline", prompt_ids, max_new_tokens, sampling,
+                                        on_token, stop, stop_token_ids, max_batch)
+        if max_batch is not None:
+            raise SPDError("max_batch applies to several prompts; this is one")
+        tick = None if on_token is None else (lambda _i, tok: on_token(tok))
+        return self._generate_batch("pipeline", [prompt_ids], max_new_tokens, sampling, tick,
+                                    stop, stop_token_ids, 1)[0]
+
     def _generate_batch(self, mode, prompts, max_new_tokens, sampling, on_token, stop,
                         stop_token_ids, max_batch) -> list[GenerationResult]:
-        """Several prompts, continuously batched: mode "ar" (BatchedAR) or "spd" (BatchedSPD)."""
-        prompts = list(prompts)
-        if isinstance(sampling, SamplingParams):
-            sampling = [sampling] * len(prompts)
-        if len(sampling) != len(prompts):
-            raise SPDError(f"sampling: one SamplingParams for all prompts or one each; got "
-                           f"{len(sampling)} for {len(prompts)} prompts")
-        if max_batch is None:
-            max_batch = min(len(prompts), 8)
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
+        """Several prompts, continuously batched: mode "ar" (BatchedAR), "spd" (BatchedSPD) or
+        "pipeline" (BatchedPipeline). An error (one from on_token too) frees every slot."""
+        prompts, sampling, max_batch = batch_request(prompts, sampling, max_batch)
         requests = [self.prepare_request(p, max_new_tokens, stop, stop_token_ids)
                     for p in prompts]
-        kind = BatchedAR if mode == "ar" else BatchedSPD
-        context = max(kind.rows_needed(ids.numel(), max_new, self.n)
+        kind = {"ar": BatchedAR, "spd": BatchedSPD, "pipeline": BatchedPipeline}[mode]
+        width = (self.tree_width,) if mode == "spd" else ()  # (a tree's rows in flight)
+        context = max(kind.rows_needed(ids.numel(), max_new, self.n, *width)
                       for ids, max_new, _ in requests)
         batch = self._batches.get(mode)
         if batch is None or batch.slots < max_batch or batch.context < context:
             self._batches.pop(mode, None)  # (its caches freed before the new ones are made)
-            batch = self._batches[mode] = (BatchedAR(self.target, max_batch, context)
-                                           if mode == "ar" else
-                                           BatchedSPD(self, max_batch, context))
+            batch = self._batches[mode] = kind(self.target if mode == "ar" else self,
+                                               max_batch, context)
         waiting, joined = list(range(len(prompts))), {}
-        while waiting or batch.running:
-            while waiting and len(batch.running) < max_batch:
-                i = waiting.pop(0)
-                ids, max_new, rule = requests[i]
-                tick = None if on_token is None else (lambda tok, i=i: on_token(i, tok))
-                joined[i] = batch.join(ids, max_new, sampling[i], rule, tick)
-            batch.step()
+        try:
+            while waiting or batch.running:
+                while waiting and len(batch.running) < max_batch:
+                    i = waiting.pop(0)
+                    ids, max_new, rule = requests[i]
+                    tick = None if on_token is None else (lambda tok, i=i: on_token(i, tok))
+                    joined[i] = batch.join(ids, max_new, sampling[i], rule, tick)
+                batch.step()
+        finally:  # (an error: the next call finds every slot free)
+            for entry in list(batch.running.values()):
+                batch.leave(entry)
         return [self.build_result(joined[i].out, joined[i].stats, requests[i][2])
                 for i in range(len(prompts))]
 

@@ -1,0 +1,67 @@
+"""One stage of the target over the slots of a batch: its step over one unit of each of several
+sequences (docs/batching.md). The one-process batch (spd.runtime.batch_spd) holds one a stage;
+a stage rank of a distributed batch session (spd.distributed.batch_stage) holds its own."""
+from __future__ import annotations
+
+import torch
+
+from spd.model.target import Stage
+from spd.runtime.unit import CPOS, CSLOT, FIXED, POS, PREFIX, UnitFormat
+from spd_kernels.stage import batch_stage_step, batch_tree_stage_step
+
+
+class SlotStage:
+    """Stage s (the layers layout.stages[s]) over `slots` sequences of `context` rows: its
+    weights, its KV cache k, v [slots, layers, kv_heads, context, head_dim] (allocated once),
+    the RoPE tables, and each slot's `Stage` view of its rows (a prompt's prefill)."""
+
+    def __init__(self, target, layout, s: int, slots: int, context: int):
+        t, r = target, layout.stages[s]
+        self.target, self.layout, self.s, self.layers = t, layout, s, r
+        self.slots, self.context = slots, context
+        self.weights = t.stage_weights(r)
+        self.k = torch.zeros(slots, len(r), t.num_kv_heads, context, t.head_dim, dtype=t.dtype,
+                             device=t.device)
+        self.v = torch.zeros_like(self.k)
+        self.cos, self.sin = t.rope(0, context)
+        self._views: dict[int, Stage] = {}
+
+    def fits(self, slots: int, context: int) -> bool:
+        return self.slots >= slots and self.context >= context
+
+    def view(self, slot: int) -> Stage:
+        """Slot `slot`'s rows as a one-sequence Stage."""
+        if slot not in self._views:
+            self._views[slot] = Stage(self.target, self.s, self.layers, self.context,
+                                      cuda_graphs=False, max_rollback=self.layout.n,
+                                      buffers=(self.k[slot], self.v[slot]))
+        return self._views[slot]
+
+    def commit(self, slot: int, head: torch.Tensor) -> None:
+        """A token tree's row accepted since the unit `head` [H] before: its K/V to its
+        position (what StageStep does, also for a dead unit a CPU skips)."""
+        self.view(slot).commit_rows(head[CPOS:CPOS + 1], head[CSLOT:CSLOT + 1])
+
+    def run(self, fmt: UnitFormat, run: tuple[int, ...], idx: torch.Tensor, heads: torch.Tensor,
+            x: torch.Tensor | None) -> list[torch.Tensor]:
+        """The step over one unit of each slot of `run` (host ints; idx [R] the same on the
+        device): heads [R, H], x [R, W, d] their rows (None: stage 0, which embeds the heads'
+        tokens) -> each layer's output [R * W, d]. A chain's rows attend to their slots
+        (`batch_stage_step`); a token tree's units first commit, then attend within their
+        slots (`batch_tree_stage_step`)."""
+        t = self.target
+        if not fmt.tree:
+            x = t.embed_tokens(heads[:, FIXED]) if x is None else x[:, 0]
+            return batch_stage_step(x, self.weights, self.k, self.v, idx, heads[:, POS],
+                                    self.cos, self.sin)
+        for b, head in zip(run, heads):
+            self.commit(b, head)
+        R, W = len(run), fmt.width
+        x = (t.embed_tokens(heads[:, fmt.tok].reshape(-1)) if x is None else
+             x.reshape(R * W, -1))
+        at = heads[:, POS].view(R, 1).expand(R, W).reshape(-1)
+        mask = heads[:, fmt.mask].view(R, W, fmt.keys).bool()
+        return batch_tree_stage_step(x, self.weights, self.k, self.v, list(run),
+                                     heads[:, fmt.slots], heads[:, PREFIX],
+                                     heads[:, fmt.key_slots], mask,
+                                     self.cos.index_select(0, at), self.sin.index_select(0, at))
