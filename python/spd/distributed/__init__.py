@@ -31,6 +31,8 @@ Modules, each importing only those above it:
   stats       the per-cycle breakdown rank 0 reports
   stage_rank  StageWorker, StageCycles: a stage's prefill and cycles
   draft_rank  DistributedSPDEngine and RemoteStages: rank 0's side of the cycle
+  batch_stage a batch session (several sequences at once): its messages, a stage rank's side
+  batch_draft DistributedBatch, generate_batch: rank 0's side of a batch session
   rank        one rank's whole life (run_rank) and rank-0 jobs
   launch      the local launcher and torchrun entry (imports the rest lazily)
 """

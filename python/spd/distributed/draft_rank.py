@@ -22,6 +22,7 @@ from spd.distributed.messages import (
 from spd.distributed.stage_rank import messages_since, prefill
 from spd.distributed.stats import DistributedDecodeStats, breakdown
 from spd.distributed.transport import Endpoint
+from spd.errors import SPDError
 from spd.model.target import Stage
 from spd.runtime.cycle import Cycle
 from spd.runtime.driver import peek
@@ -127,6 +128,7 @@ class DistributedSPDEngine:
         self.layout = engine.layout
         self.n = engine.n
         self.stage: Stage | None = None  # stage S's, with the draft on it
+        self.session = None  # an open batch session (spd.distributed.batch_draft)
         self._gen = 0
 
     def _request(self, payload: dict) -> int:
@@ -136,6 +138,8 @@ class DistributedSPDEngine:
         return self._gen
 
     def shutdown(self) -> None:
+        if self.session is not None:  # (a batch session left open: its ranks in step first)
+            self.session.close()
         self._request({"op": "shutdown"})
 
     def _local_stage(self, capacity: int) -> Stage | None:
@@ -190,6 +194,25 @@ class DistributedSPDEngine:
             rt.store.delete_key(f"stats/{gen_id}/{r}")
         return out
 
+    def batch(self, slots: int, context: int, *, greedy: bool = True, sampled: bool = True):
+        """A batch session on the stage ranks: up to `slots` sequences of `context` rows at
+        once (spd.distributed.batch_draft.DistributedBatch: join, step, leave, close)."""
+        from spd.distributed.batch_draft import DistributedBatch
+        return DistributedBatch(self, slots, context, greedy=greedy, sampled=sampled)
+
+    @torch.no_grad()
+    def generate_batch(self, prompts, max_new_tokens: int = 64,
+                       sampling: SamplingParams = SamplingParams(),
+                       on_token: Callable[[int, int], None] | None = None, *, stop=None,
+                       stop_token_ids=None, max_batch: int | None = None,
+                       describe: dict | None = None) -> list[GenerationResult]:
+        """Several prompts through the ranks together: SPDEngine.generate's contract for a list
+        of prompts (spd.distributed.batch_draft.generate_batch)."""
+        from spd.distributed.batch_draft import generate_batch
+        return generate_batch(self, prompts, max_new_tokens, sampling, on_token, stop=stop,
+                              stop_token_ids=stop_token_ids, max_batch=max_batch,
+                              describe=describe)
+
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,
                  sampling: SamplingParams = SamplingParams(), drafter=None,
@@ -198,6 +221,8 @@ class DistributedSPDEngine:
         """`SPDEngine.generate`'s contract; `cancel` (an Event), once set, ends the decode at
         its next token as EOS would (the stages stay in step: the server's disconnects)."""
         rt, t, n = self.rt, self.target, self.n
+        if self.session is not None:
+            raise SPDError("a batch session is open on these ranks: close it first")
         ids, max_new, rule = self.engine.prepare_request(prompt_ids, max_new_tokens, stop,
                                                          stop_token_ids)
         rule.cancel = cancel

@@ -8,6 +8,7 @@ from typing import Callable
 
 import torch
 
+from spd.distributed.batch_stage import BatchSession
 from spd.distributed.config import DRAFT_RANK, DistConfig, GenerateRequest, use_placement
 from spd.distributed.draft_rank import DistributedSPDEngine
 from spd.distributed.faults import EXIT_ERROR, EXIT_INPUT, EXIT_INTERRUPTED, EXIT_OK
@@ -159,7 +160,7 @@ def run_rank(rank: int, world: int, config: DistConfig, job: Callable | None, ho
         _drop_unused_layers(target, layout.stages[stage_roles[0] - 1] if stage_roles else range(0))
         rt.init_groups(torch.device(target.device))
         if engine is None:
-            StageWorker(rt.endpoint(), target, layout).serve()
+            StageWorker(rt.endpoint(), target, layout, sessions=BatchSession).serve()
         else:  # (with the draft on a stage, that stage runs inside rank 0's cycle)
             deng = DistributedSPDEngine(rt.endpoint(), engine)
             result = job(deng) if job is not None else None

@@ -19,6 +19,7 @@ from spd.distributed.messages import (
     snap_views,
 )
 from spd.distributed.transport import Endpoint, _td
+from spd.errors import InternalError
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
 from spd.runtime.cycle_graph import CycleGraph
@@ -38,15 +39,19 @@ from spd.runtime.unit import (
 
 
 class StageWorker:
-    """Stage s = role s + 1: its layers and its KV cache, generation after generation."""
+    """Stage s = role s + 1: its layers and its KV cache, generation after generation.
+    `sessions`: what serves a batch session's requests (spd.distributed.batch_stage's
+    BatchSession, given by the rank's set-up: that module builds on this one)."""
 
-    def __init__(self, rt: Endpoint, target, layout: DepthLayout):
+    def __init__(self, rt: Endpoint, target, layout: DepthLayout, sessions=None):
         self.rt, self.target, self.layout = rt, target, layout
+        self.sessions = sessions
         self.s = rt.rank - 1
         self.n = layout.n
         self.first = self.s == 0
         self.last = self.s == self.n - 1
         self.stage: Stage | None = None
+        self.batch_caches = None  # a batch session's slot caches (batch_stage)
         self.prev, self.next = rt.rank - 1, rt.rank + 1
 
     def serve(self) -> None:
@@ -56,6 +61,11 @@ class StageWorker:
             req = wait_request(self.rt, gen)
             if req["op"] == "shutdown":
                 return
+            if req["op"] == "batch":  # several sequences: requests until the session's end
+                if self.sessions is None:
+                    raise InternalError("a batch session on a stage rank set up without them")
+                gen = self.sessions(self, req).serve(gen)
+                continue
             self.run(gen, req)
 
     @torch.no_grad()

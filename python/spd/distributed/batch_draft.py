@@ -1,0 +1,364 @@
+"""Rank 0's side of a batch session: several sequences through the distributed pipeline at once
+(the session, its messages and pauses: spd.distributed.batch_stage). `DistributedBatch` has
+BatchedSPD's join / step / leave (a join waits for the next pause, at most n + ahead + 1
+cycles); `generate_batch` decodes a list of prompts with it."""
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter
+from typing import Callable
+
+import torch
+
+from spd import env
+from spd.distributed.batch_stage import (
+    BatchFormat,
+    batch_snap_bytes,
+    batch_snap_views,
+    session_formats,
+)
+from spd.distributed.faults import inject_fault
+from spd.distributed.messages import SNAP_TAG, UNIT_TAG
+from spd.distributed.stage_rank import dead_unit
+from spd.draft.drafters import PDMDrafter
+from spd.errors import InternalError, SPDError
+from spd.runtime.batch_spd import BatchedSPD, SlotStages
+from spd.runtime.cycle import Cycle
+from spd.runtime.cycle_graph import CycleGraph, figures
+from spd.runtime.driver import STOP
+from spd.runtime.sequence import Sequence
+from spd.runtime.slots import SlotPool, batch_request
+from spd.runtime.stopping import StopRule
+from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
+from spd.runtime.unit import UnitFormat
+
+
+class BatchEntry:
+    """A sequence of the batch: waiting for a slot (`slot` None), then decoding in one."""
+
+    def __init__(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams,
+                 rule: StopRule, on_token, stats: DecodeStats):
+        self.ids, self.max_new, self.sampling = ids, max_new, sampling
+        self.rule, self.on_token, self.stats = rule, on_token, stats
+        self.slot: int | None = None
+        self.seq: Sequence | None = None
+        self.cycle: Cycle | None = None
+        self.launched = self.nread = 0
+        self.joined_at: int | None = None  # the session's cycle it joined before
+        self.done = False
+
+    @property
+    def out(self) -> list[int]:
+        return [] if self.seq is None else self.seq.out
+
+
+class DistributedBatch(SlotPool):
+    """Rank 0's side of a batch session on the stage ranks of `deng` (a DistributedSPDEngine):
+    up to `slots` sequences of at most `context` rows each (module docstring). `join` queues a
+    sequence (it takes a slot at the next pause), `step` runs one cycle of every slot (or, while
+    paused, the joins) and reads each sequence's state `ahead` cycles behind, `leave` frees a
+    slot at once, `close` ends the session (the stage ranks wait for the next request).
+    greedy / sampled: whether greedy and sampled sequences may join (what the last stage sends:
+    a greedy chain's argmax, the output rows)."""
+
+    def __init__(self, deng, slots: int, context: int, *, greedy: bool = True,
+                 sampled: bool = True):
+        if getattr(deng, "session", None) is not None:
+            raise SPDError("a batch session is open on these ranks: close it first")
+        super().__init__(deng.target, slots, context)
+        rt, eng = deng.rt, deng.engine
+        if rt.config.draft_on_stage is not None:
+            raise SPDError("several sequences at once across ranks do not run with the draft "
+                           "on a stage yet")
+        if eng.n < 2:
+            raise SPDError("batched SPD needs n >= 2 stages")
+        self.deng, self.rt, self.engine = deng, rt, eng
+        t, n = deng.target, eng.n
+        self.n, self.ahead, self.width = n, int(rt.config.ahead), eng.tree_width
+        self.margin = n + self.ahead + 1
+        self.greedy, self.sampled = greedy, sampled
+        self.judge = greedy and self.width == 1
+        output = sampled or self.width > 1
+        self.formats = session_formats(eng.layout, output)
+        self.fmt = UnitFormat(n, self.width)
+        self.bfmt = BatchFormat(self.fmt, slots)
+        dev, d = t.device, t.hidden_size
+        self.msg = torch.zeros(self.bfmt.ints, dtype=torch.int64, device=dev)
+        self.ctrl, self.heads, _ = self.bfmt.split(self.msg, d, t.dtype)
+        self.dead = dead_unit(self.fmt, context - 1, context - 1).to(dev)
+        self.heads.copy_(self.dead)
+        self.snaps = {s: torch.zeros(batch_snap_bytes(f.rows, slots, self.width, d, t.dtype),
+                                     dtype=torch.uint8, device=dev)
+                      for s, f in enumerate(self.formats) if f.rows or s == n - 1}
+        self.views = {s: batch_snap_views(buf, slots, self.width, d, t.dtype)
+                      for s, buf in self.snaps.items()}
+        self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=dev)
+        lookup = eng.drafter.lookup
+        self.drafters = [PDMDrafter(eng.pdm, lookup=lookup) for _ in range(slots)]
+        self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
+        self.waiting: list[BatchEntry] = []
+        self.freed_at = [-n] * slots  # the first cycle each slot's bubbles went out in
+        self.launched = 0             # the session's cycles launched
+        self.pause_at: int | None = None
+        self.paused = True            # every rank between cycles (before the first, too)
+        self.closed = False
+        self.pauses = 0
+        self.graph: CycleGraph | None = None
+        self._members: tuple[BatchEntry, ...] = ()
+        self.graphs = Counter()
+        self.stage_stats: list[dict] = []
+        self.fault = rt.fault_here()  # the test hook (DistConfig.fault)
+        deng.session = self
+        deng._request({"op": "batch", "slots": slots, "context": context,
+                       "tree_width": self.width, "judge": self.judge, "output": output,
+                       "ahead": self.ahead})
+
+    def needs(self, prompt_len: int, max_new: int) -> int:
+        return BatchedSPD.rows_needed(prompt_len, max_new, self.n, self.width)
+
+    # --- sequences ---------------------------------------------------------------------------
+    def join(self, ids: torch.Tensor, max_new: int, sampling: SamplingParams, rule: StopRule,
+             on_token: Callable[[int], None] | None = None) -> BatchEntry:
+        """Queue `ids` [P]: it takes a free slot at the next pause (its prefill through the
+        ranks and its first token, emitted then) and decodes from there."""
+        if self.closed:
+            raise InternalError("a join after the batch session ended")
+        self.check_fits(ids.numel(), max_new)
+        if not (self.greedy if sampling.greedy else self.sampled):
+            raise SPDError(f"this batch session takes {'greedy' if self.greedy else 'sampled'} "
+                           "sequences only")
+        entry = BatchEntry(ids, max_new, sampling, rule, on_token,
+                           DecodeStats(mode="spd", n=self.n))
+        self.waiting.append(entry)
+        return entry
+
+    def leave(self, entry: BatchEntry, *, unused: bool = False) -> None:
+        """The sequence stops now (ended, or its client left): its slot sends bubbles from the
+        next cycle (`unused`: it ran no cycle, its slot is as it was)."""
+        if entry.slot is None:
+            if entry in self.waiting:
+                self.waiting.remove(entry)
+                entry.done = True
+            return
+        b = entry.slot
+        if not self.release(entry):
+            return
+        self.heads[b].copy_(self.dead)
+        if not unused:
+            self.freed_at[b] = self.launched
+        entry.cycle.cycles = entry.launched
+        entry.cycle.finish()
+        entry.seq.finish()
+
+    def _usable(self) -> list[int]:
+        """The free slots whose every unit in flight is a bubble (freed n - 1 cycles ago)."""
+        return sorted(b for b in self.free if self.freed_at[b] <= self.launched - (self.n - 1))
+
+    def _place(self, entry: BatchEntry, b: int) -> None:
+        self.free.remove(b)
+        entry.slot, entry.joined_at = b, self.launched
+        entry.seq = Sequence(self.target, self.engine.layout, self.drafters[b], entry.ids,
+                             entry.max_new, entry.sampling, entry.stats, entry.on_token,
+                             entry.rule, width=self.width)
+        entry.cycle = Cycle(entry.seq, SlotStages(self.peeks), ahead=self.ahead)
+        self.running[b] = entry
+
+    def _resume(self) -> list[BatchEntry]:
+        """While paused: the joins the free slots allow (their prefills), then the cycles, when
+        anything decodes -> the sequences that ended at their first token."""
+        ended = []
+        while self.paused:
+            usable = self._usable()
+            joins = []
+            while self.waiting and usable:
+                entry = self.waiting.pop(0)
+                self._place(entry, usable.pop(0))
+                joins.append(entry)
+            decoding = len(self.running) > len(joins)
+            if not joins and not decoding:
+                if not (self.waiting and self.free):
+                    return ended  # idle: the stage ranks wait for the next request
+                # the free slots still have units in flight: bubbles until they have not
+                self.deng._request({"op": "joins", "run": True, "cycle": self.launched,
+                                    "joins": []})
+                self._unpause()
+                return ended
+            self.deng._request({"op": "joins", "run": decoding, "cycle": self.launched,
+                                "joins": [{"slot": e.slot, "prompt_ids": e.ids.tolist(),
+                                           "prompt_len": e.ids.numel()} for e in joins]})
+            lasts = []
+            for e in joins:  # (the messages first: a callback that raises leaves them paired)
+                t0 = time.perf_counter()
+                lasts.append((self.deng._prefill(e.seq, {"prompt_len": e.ids.numel()}, None),
+                              t0))
+            if decoding:
+                self._unpause()  # (the stage ranks run the cycles from here)
+            for i, (e, (last, t0)) in enumerate(zip(joins, lasts)):
+                try:
+                    e.seq.start(last, t0)  # its first token, emitted
+                    e.cycle.begin()
+                except BaseException:
+                    for f in joins[i:]:
+                        self.leave(f, unused=True)
+                    raise
+                if e.seq.done:
+                    self.leave(e, unused=True)
+                    ended.append(e)
+            if not decoding and self.running:
+                self.deng._request({"op": "joins", "run": True, "cycle": self.launched,
+                                    "joins": []})
+                self._unpause()
+        return ended
+
+    def _unpause(self) -> None:
+        self.paused, self.pause_at = False, None
+        self.ctrl.fill_(0)
+
+    def _want_pause(self) -> bool:
+        return self.closed or not self.running or bool(self.waiting and self.free)
+
+    # --- cycles ------------------------------------------------------------------------------
+    def _cycle(self, members: tuple[BatchEntry, ...]) -> None:
+        """One cycle of the session (device work and its messages: what a graph replays)."""
+        rt = self.rt
+        for e in members:
+            self.heads[e.slot].copy_(e.cycle.units[0])
+        works = rt.exchange([(self.msg, 1, UNIT_TAG)],
+                            [(buf, s + 1, SNAP_TAG) for s, buf in self.snaps.items()])
+        opened = {e.slot: e.cycle.open() for e in members}
+        for s, work in zip(self.snaps, works):
+            rt.order(work, s + 1, "batch cycle snap")
+        last_tok = self.views[self.n - 1][0]
+        for e in members:
+            b = e.slot
+            if opened[b] is None:  # (a CPU skips a finished sequence's cycles)
+                continue
+            for s, (_, rows) in self.views.items():
+                f = self.formats[s]
+                e.cycle.keep(s, [rows[b, i] for i in range(len(f.hidden))],
+                             rows[b, -1] if f.with_output else None)
+            verdict = (last_tok[b:b + 1] if self.judge and e.seq.sampling.greedy
+                       else self._stand_in)
+            e.cycle.close(opened[b], verdict)
+        rt.flush_sends(host=False)
+
+    def _graph_of(self, members: tuple[BatchEntry, ...]) -> CycleGraph:
+        same = len(members) == len(self._members) and all(
+            a is b for a, b in zip(members, self._members))
+        if self.graph is None or not same:
+            self.graphs.update(figures(self.graph))
+            dev = torch.device(self.target.device)
+            gens = [e.seq.gen for e in members] if dev.type == "cuda" else []
+            self.graph = CycleGraph(lambda: self._cycle(members), dev,
+                                    "batched distributed cycle", generators=gens,
+                                    capturable=self.rt.backend == "nccl",
+                                    messages=self.rt.messages, thread_local=True)
+            self._members = members
+            self.graphs["made"] += 1
+        return self.graph
+
+    def _read(self, e: BatchEntry, upto: int) -> bool:
+        """Reads e's cycles until `upto` are unread -> whether it ended (and left)."""
+        while not e.done and e.launched - e.nread > upto:
+            got = e.cycle.read(e.nread)
+            e.nread += 1
+            if got == STOP:
+                self.leave(e)
+                return True
+        return False
+
+    @torch.no_grad()
+    def step(self) -> list[BatchEntry]:
+        """While paused, the joins (and the cycles resume when anything decodes); else one
+        cycle of every slot, the cycles `ahead` behind read, and at the pause every cycle
+        read -> the sequences that ended in this step."""
+        ended: list[BatchEntry] = []
+        if self.paused:
+            ended += self._resume()
+            if self.paused:
+                return ended
+        for e in self.decoding():  # (a callback that raised in the last step's reads: the
+            if self._read(e, self.ahead):  # cycles it left unread, before their slots are reused)
+                ended.append(e)
+        members = tuple(self.decoding())
+        if self.fault and self.launched == self.fault["cycle"]:
+            inject_fault(self.fault)
+        self._graph_of(members).launch()
+        self.launched += 1
+        for e in members:
+            e.cycle.published.publish(e.launched, e.cycle.state)
+            e.launched += 1
+        at_pause = self.launched == self.pause_at
+        if at_pause:  # (before any callback: one that raises leaves the session in step)
+            self.paused = True
+            self.pauses += 1
+        for e in members:  # each read `ahead` behind; at the pause, every cycle
+            if self._read(e, 0 if at_pause else self.ahead):
+                ended.append(e)
+        if not self.paused and self.pause_at is None and self._want_pause():
+            self.pause_at = self.launched + self.margin
+            self.ctrl.fill_(self.pause_at)
+        return ended
+
+    def close(self) -> None:
+        """Ends the session: every sequence left, the cycles run to a pause, the stage ranks'
+        figures read; they wait for the next request."""
+        if self.closed:
+            return
+        for entry in list(self.waiting) + list(self.running.values()):
+            self.leave(entry)
+        self.closed = True
+        while not self.paused:
+            self.step()
+        gen = self.deng._request({"op": "end"})
+        self.deng.session = None
+        rt, out = self.rt, []
+        for r in range(1, rt.world):
+            key = f"stats/{gen}/{r}"
+            out.append(json.loads(rt.store.get(key)))
+            rt.store.delete_key(key)
+        self.stage_stats = out
+        self.graphs.update(figures(self.graph))
+        self.graph = None
+
+    def describe(self) -> dict:
+        """The session: cycles, pauses, rank 0's cycle graphs, each stage rank's figures."""
+        return {"slots": self.slots, "cycles": self.launched, "pauses": self.pauses,
+                "graph": dict(self.graphs + figures(self.graph)), "ranks": self.stage_stats}
+
+
+# --- several prompts ---------------------------------------------------------------------------
+def generate_batch(deng, prompts, max_new_tokens: int = 64,
+                   sampling: SamplingParams | list = SamplingParams(),
+                   on_token: Callable[[int, int], None] | None = None, *, stop=None,
+                   stop_token_ids=None, max_batch: int | None = None,
+                   describe: dict | None = None) -> list[GenerationResult]:
+    """`prompts` through the stage ranks together, up to `max_batch` at once (default: all, at
+    most 8): SPDEngine.generate's contract for several prompts (one result each, in order;
+    on_token(i, id) names the prompt). `describe` (a dict) gets the session's figures."""
+    eng = deng.engine
+    prompts, sampling, max_batch = batch_request(prompts, sampling, max_batch)
+    requests = [eng.prepare_request(p, max_new_tokens, stop, stop_token_ids) for p in prompts]
+    if not requests:
+        return []
+    context = max(BatchedSPD.rows_needed(ids.numel(), m, eng.n, eng.tree_width)
+                  for ids, m, _ in requests)
+    batch = DistributedBatch(deng, max_batch, context,
+                             greedy=any(s.greedy for s in sampling),
+                             sampled=not all(s.greedy for s in sampling))
+    try:
+        entries = []
+        for i, (ids, max_new, rule) in enumerate(requests):
+            tick = None if on_token is None else (lambda tok, i=i: on_token(i, tok))
+            entries.append(batch.join(ids, max_new, sampling[i], rule, tick))
+        while batch.running or batch.waiting:
+            batch.step()
+    finally:  # (an error: the ranks still end the session in step)
+        batch.close()
+    if describe is not None:
+        describe.update(batch.describe())
+    return [eng.build_result(e.out, e.stats, rule) for e, (_, _, rule) in zip(entries, requests)]
+
+
+__all__ = ["BatchEntry", "DistributedBatch", "generate_batch"]

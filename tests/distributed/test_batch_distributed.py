@@ -1,0 +1,175 @@
+"""Several sequences through the distributed pipeline at once (spd.distributed.batch_stage,
+batch_draft): local ranks on gloo, tiny targets, n = 2 and 4, chains and a token tree.
+
+Each sequence's result equals its decode alone (tokens, N, K, judged and accepted drafts;
+greedy equal to AR and to the one-process batch, seeded sampling equal to alone), with fewer
+slots than prompts (sequences join at later cycles, in a slot another sequence used), one
+ending at a stop id, every one at its first token, a client leaving mid-decode, and a
+single-sequence request on the same ranks after the sessions. With n = 4 every rank runs under
+SPD_REPLAY_CHECK: each steady cycle is the work one CUDA graph would replay.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import pytest
+import torch
+from conftest import tiny_factory
+
+from spd import SamplingParams, SPDEngine
+from spd.distributed.config import DistConfig
+from spd.distributed.launch import launch_local
+from spd.runtime.batch_spd import BatchedSPD
+
+PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1], [8, 2, 8, 1, 8, 2]]
+SAMPLED = [SamplingParams(temperature=1.0, top_k=8, seed=s) for s in range(len(PROMPTS))]
+SAMPLED[1] = SamplingParams()  # a greedy sequence beside sampled ones
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """The one-process references on one thread, as the ranks run (threads=1): on a loaded
+    machine of few cores torch's threads wait on each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def figures(r) -> tuple:
+    s = r.stats
+    return (r.token_ids, r.finish_reason, s.K, s.N, s.drafts_judged, s.drafts_accepted)
+
+
+def _config(factory, n: int, **kw) -> DistConfig:
+    return DistConfig(n_stages=n, target_factory=factory, lookup=2, fault_timeout=10.0,
+                      op_timeout=60.0, threads=1, **kw)
+
+
+def _engine(factory, n: int, width: int = 1) -> SPDEngine:
+    return SPDEngine(factory(0), n_stages=n, tree_width=width, lookup=2, warn_untrained=False)
+
+
+def _interface(engine, max_new: int) -> dict:
+    """join / step / leave on 2 slots: A joins at once, B some cycles later, C waits for a
+    slot and takes B's when B's client leaves mid-decode."""
+    eng = engine.engine
+    reqs = [eng.prepare_request(p, max_new, None, None) for p in PROMPTS[:3]]
+    context = max(BatchedSPD.rows_needed(ids.numel(), m, eng.n) for ids, m, _ in reqs)
+    batch = engine.batch(2, context)
+    join = lambda i: batch.join(reqs[i][0], reqs[i][1], SamplingParams(), reqs[i][2])  # noqa
+    a = join(0)
+    for _ in range(3):
+        batch.step()
+    b = join(1)
+    while b.slot is None:
+        batch.step()
+    c = join(2)
+    for _ in range(3):
+        batch.step()
+    assert c.slot is None  # (no free slot yet)
+    b_slot, b_out = b.slot, len(b.out)
+    batch.leave(b)
+    while batch.running or batch.waiting:
+        batch.step()
+    batch.close()
+    return {"out": [e.out for e in (a, b, c)], "K": [e.stats.K for e in (a, c)],
+            "joined": [e.joined_at for e in (a, b, c)], "slots": [a.slot, b_slot, c.slot],
+            "b_at_leave": b_out, "session": batch.describe()}
+
+
+def _job(engine, plan: list[tuple[str, dict]]) -> dict:
+    """Rank 0: each (name, generate_batch's arguments) in turn, or "interface" / "single"."""
+    out = {}
+    for name, kw in plan:
+        if name == "interface":
+            out[name] = _interface(engine, **kw)
+        elif name == "single":
+            out[name] = engine.generate(**kw)
+        else:
+            seen: dict[int, list[int]] = {}
+            d: dict = {}
+            res = engine.generate_batch(**kw, describe=d,
+                                        on_token=lambda i, t: seen.setdefault(i, []).append(t))
+            out[name] = (res, seen, d)
+    return out
+
+
+def test_two_stages_each_sequence_equals_its_decode_alone():
+    n, factory = 2, partial(tiny_factory, 5, vocab=32)
+    eng = _engine(factory, n)
+    stop = eng.generate_ar(PROMPTS[2], 12).token_ids[3]
+    greedy = dict(prompts=PROMPTS, max_new_tokens=12, max_batch=3, stop_token_ids=[stop])
+    sampled = dict(prompts=PROMPTS, max_new_tokens=10, sampling=SAMPLED, max_batch=2)
+    ones = dict(prompts=PROMPTS, max_new_tokens=1, max_batch=2)
+    got = launch_local(_config(factory, n), partial(_job, plan=[
+        ("greedy", greedy), ("sampled", sampled), ("ones", ones),
+        ("interface", {"max_new": 16}), ("single", {"prompt_ids": PROMPTS[0],
+                                                    "max_new_tokens": 12})]), timeout=150)
+
+    res, seen, d = got["greedy"]
+    batched = eng.generate(PROMPTS, 12, max_batch=3, stop_token_ids=[stop])  # one process
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        alone = eng.generate(p, 12, stop_token_ids=[stop])
+        assert figures(r) == figures(alone) == figures(batched[i]), i
+        assert r.token_ids == eng.generate_ar(p, 12, stop_token_ids=[stop]).token_ids
+        assert seen[i] == r.token_ids
+    assert res[2].finish_reason == "stop" and len(res[2].token_ids) <= 4
+    assert sum(r.stats.drafts_accepted for r in res) > 0  # accepts (the lookup) and rejections
+    assert sum(r.stats.drafts_judged - r.stats.drafts_accepted for r in res) > 0
+    assert d["pauses"] >= 2 and all(r["cycles"] == d["cycles"] for r in d["ranks"])
+
+    res, _, _ = got["sampled"]
+    for p, s, r in zip(PROMPTS, SAMPLED, res):
+        assert figures(r) == figures(eng.generate(p, 10, s))
+    assert res[0].token_ids != eng.generate_ar(PROMPTS[0], 10).token_ids  # sampling sampled
+
+    res, _, d = got["ones"]
+    assert [r.token_ids for r in res] == [eng.generate(p, 1).token_ids for p in PROMPTS]
+    assert d["cycles"] == 0  # every sequence ended at its join: no cycle ran
+
+    f = got["interface"]
+    a, b, c = (eng.generate(p, 16) for p in PROMPTS[:3])
+    assert f["out"][0] == a.token_ids and f["out"][2] == c.token_ids
+    assert f["K"] == [a.stats.K, c.stats.K]
+    assert f["out"][1] == b.token_ids[:len(f["out"][1])] and len(f["out"][1]) < 16
+    assert f["out"][1][:f["b_at_leave"]] == b.token_ids[:f["b_at_leave"]]
+    j = f["joined"]
+    assert j[0] == 0 < j[1] < j[2]  # joins at different cycles
+    assert f["slots"][2] == f["slots"][1] != f["slots"][0]  # C in the slot B left
+
+    single = got["single"]
+    assert figures(single) == figures(eng.generate(PROMPTS[0], 12))  # the ranks still in step
+
+
+def test_four_stages_under_the_replay_check(monkeypatch):
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")  # (the ranks take it too)
+    n, factory = 4, partial(tiny_factory, 7, vocab=32)
+    eng = _engine(factory, n)
+    greedy = dict(prompts=PROMPTS[:4], max_new_tokens=8, max_batch=3)
+    sampled = dict(prompts=PROMPTS[:4], max_new_tokens=8, sampling=SAMPLED[:4], max_batch=3)
+    got = launch_local(_config(factory, n, ahead=1), partial(_job, plan=[
+        ("greedy", greedy), ("sampled", sampled)]), timeout=150)
+    res, _, d = got["greedy"]
+    for p, r in zip(PROMPTS, res):
+        assert figures(r) == figures(eng.generate(p, 8))
+        assert r.token_ids == eng.generate_ar(p, 8).token_ids
+    assert d["graph"]["checked"] > 0 and all(r["graph"]["checked"] > 0 for r in d["ranks"])
+    assert len(d["ranks"]) == n
+    res, _, d = got["sampled"]
+    for p, s, r in zip(PROMPTS, SAMPLED, res):
+        assert figures(r) == figures(eng.generate(p, 8, s))
+    assert all(r["graph"]["checked"] > 0 for r in d["ranks"])
+
+
+@pytest.mark.parametrize("n,width", [(3, 2)])
+def test_token_trees_each_equal_alone(n, width):
+    factory = partial(tiny_factory, 9, vocab=32)
+    eng = _engine(factory, n, width)
+    kw = dict(prompts=PROMPTS, max_new_tokens=10, sampling=SAMPLED, max_batch=2)
+    got = launch_local(_config(factory, n, tree_width=width), partial(_job, plan=[
+        ("tree", kw)]), timeout=150)
+    res, _, _ = got["tree"]
+    for p, s, r in zip(PROMPTS, SAMPLED, res):
+        assert figures(r) == figures(eng.generate(p, 10, s))
+    assert res[1].token_ids == eng.generate_ar(PROMPTS[1], 10).token_ids
