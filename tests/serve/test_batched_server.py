@@ -1,9 +1,10 @@
-"""`spd serve --max-batch B` (SPD, and `--mode ar`): requests decode together, each in a slot of
-one batched cache. Through the real openai client on a loopback port (a tiny random Llama with the
-default model's tokenizer): concurrent clients each get exactly their serial answer, streaming or
-not, greedy or seeded; a request whose context cannot fit a slot gets a 400 naming it; a client
-that leaves mid-stream frees its slot. Then the worker alone, on a stand-in batched backend: a
-burst of max_queue + B requests is accepted whole and one more gets a 429."""
+"""`spd serve --max-batch B` (SPD, `--mode ar` and `--mode pipeline`): requests decode together,
+each in a slot of one batched cache. Through the real openai client on a loopback port (a tiny
+random Llama with the default model's tokenizer): concurrent clients each get exactly their
+serial answer (the pipeline's: AR's), streaming or not, greedy or seeded; a request whose context
+cannot fit a slot gets a 400 naming it; a client that leaves mid-stream frees its slot. Then the
+worker alone, on a stand-in batched backend: a burst of max_queue + B requests is accepted whole
+and one more gets a 429; the pipeline with one slot."""
 from __future__ import annotations
 
 import http.client
@@ -18,7 +19,6 @@ pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
 from spd import SamplingParams, SPDEngine  # noqa: E402
-from spd.errors import SPDError  # noqa: E402
 from spd.serve.backends import LocalBackend  # noqa: E402
 from spd.serve.jobs import Job  # noqa: E402
 from spd.serve.server import start_background  # noqa: E402
@@ -37,7 +37,7 @@ def tiny_engine(tmp_path_factory):
     return SPDEngine(target, n_stages=2, warn_untrained=False)
 
 
-@pytest.fixture(scope="module", params=["spd", "ar"])
+@pytest.fixture(scope="module", params=["spd", "ar", "pipeline"])
 def served(tiny_engine, request):
     """(server, the serial decode of its mode, client)."""
     backend = LocalBackend(tiny_engine, request.param, max_batch=SLOTS, max_context=CONTEXT)
@@ -45,6 +45,7 @@ def served(tiny_engine, request):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0,
                            timeout=60)
     serial = tiny_engine.generate if request.param == "spd" else tiny_engine.generate_ar
+    assert f"{request.param} n={2 if request.param != 'ar' else 1}" in health(server)["backend"]
     try:
         yield server, serial, client
     finally:
@@ -195,14 +196,27 @@ def test_a_burst_of_max_queue_plus_slots_is_accepted_and_one_more_refused(monkey
     assert worker.counts["served"] == 5 and worker.queued == 0
 
 
-def test_batching_token_trees_is_refused_with_a_reason(tiny_engine):
-    tree = SPDEngine(tiny_engine.target, n_stages=2, warn_untrained=False, tree_width=2)
-    with pytest.raises(SPDError, match="token trees"):
-        LocalBackend(tree, "spd", max_batch=2)
-
-
-def test_serve_defaults_to_eight_slots_where_batching_is_supported(tiny_engine):
+def test_serve_defaults_to_eight_slots_token_trees_included(tiny_engine):
     from spd.cli.serve import default_max_batch
     tree = SPDEngine(tiny_engine.target, n_stages=2, warn_untrained=False, tree_width=2)
     assert default_max_batch(tiny_engine, "spd") == 8
-    assert default_max_batch(tree, "spd") == 1 and default_max_batch(tree, "ar") == 8
+    assert default_max_batch(tree, "spd") == 8 and default_max_batch(tree, "ar") == 8
+    assert default_max_batch(tree, "pipeline") == 8
+    backend = LocalBackend(tree, "spd", max_batch=2, prefill_chunk=4)
+    assert backend.batch.width == 2 and backend.batch.prefill_chunk == 4
+
+
+def test_the_pipeline_with_one_slot_serves_through_its_batch_and_a_cancel_frees_it(tiny_engine):
+    """`--mode pipeline --max-batch 1`: the worker's `generate` runs the job in the batch's one
+    slot (AR's tokens); a job cancelled mid-decode leaves it free for the next."""
+    from spd.serve.backends import DecodeCancelled
+    backend = LocalBackend(tiny_engine, "pipeline", max_batch=1, max_context=CONTEXT)
+    ids = [5, 9, 2, 7]
+    seen = []
+    result = backend.generate(Job("a", ids, 6, SamplingParams()), seen.append)
+    assert result.token_ids == seen == tiny_engine.generate_ar(ids, 6).token_ids
+    job = Job("b", ids, 6, SamplingParams())
+    with pytest.raises(DecodeCancelled):
+        backend.generate(job, lambda tok: job.cancel.set())
+    assert not backend.batch.running and backend.batch.free == [0]
+    assert backend.generate(Job("c", ids, 6, SamplingParams()), lambda _t: None).token_ids == seen

@@ -1,9 +1,9 @@
 """`spd serve --distributed --stages 3` on gloo and the CPU, as a user starts it: two requests in
 a row give exactly the single-process engine's text, a client that leaves mid-stream frees the
-ranks for the next request, and a stage rank that dies fails the request in flight with a 500
-naming it and stops the server (exit status 1, the same message). Without HTTP: rank 0's
-`generate` ends a cancelled decode at its next token and a stop id where the single-process
-engine does, and the next decode is whole.
+ranks for the next request, four clients at once (one batch session) get theirs, and a stage
+rank that dies fails the request in flight with a 500 naming it and stops the server (exit
+status 1, the same message). Without HTTP: rank 0's `generate` ends a cancelled decode at its
+next token and a stop id where the single-process engine does, and the next decode is whole.
 
 Every server is started in its own process group and killed in a finally block."""
 from __future__ import annotations
@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
@@ -115,6 +116,14 @@ def test_two_requests_equal_the_single_process_engine_and_a_disconnect(tiny_dir)
         chunks = list(client.chat.completions.create(model=MODEL, messages=asks[1],
                                                      max_tokens=16, temperature=0, stream=True))
         assert "".join(c.choices[0].delta.content or "" for c in chunks) == refs[1].text
+        # four clients at once share the ranks (a batch session: each its own speculation)
+        many = asks + [[{"role": "user", "content": q}] for q in ("Hi.", "Count to five.")]
+        want = [engine.generate(m, 16).text for m in many]
+        with ThreadPoolExecutor(len(many)) as pool:
+            got = list(pool.map(lambda m: client.chat.completions.create(
+                model=MODEL, messages=m, max_tokens=16, temperature=0)
+                .choices[0].message.content, many))
+        assert got == want
     finally:
         _kill_group(proc)
 

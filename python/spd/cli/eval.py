@@ -87,6 +87,9 @@ def add_eval(sub) -> None:
                         "cost per cycle of the distributed runtime (cycle - F, always-right, "
                         "the device loop where measured) is added to every pipelined cycle "
                         "(default: none charged)")
+    g.add_argument("--batch-sizes", default="1,2,4,8,16",
+                   help="B for the report's batched rows (ar, pp and spd with B sequences at "
+                        "once, projected from costs measured at B rows; docs/batching.md)")
     g.add_argument("--recost", action="store_true",
                    help="measure the cost model again when resuming (every speedup in the "
                         "report is recomputed from it)")
@@ -168,7 +171,8 @@ def _eval_grid(args, sets, stages, temps) -> int:
                     pdm_layers=pdm_layers, datasets=sets,
                     temperatures=temps, max_new_tokens=args.max_new_tokens, seed=args.seed,
                     checkpoint_dirs=args.checkpoint_dir, cost_reps=args.cost_reps,
-                    lookup=check_lookup(args.lookup, default=0))
+                    lookup=check_lookup(args.lookup, default=0),
+                    batch_sizes=parse_ints(args.batch_sizes, "--batch-sizes"))
     for d in args.checkpoint_dir:
         if not Path(d).is_dir():
             raise SPDError(f"--checkpoint-dir {d} is not a folder")

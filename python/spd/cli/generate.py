@@ -62,16 +62,20 @@ def add_generate(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
-def add_engine_args(p) -> None:
-    """The target, its stages and the drafter: the flags `generate` and `serve` share."""
+def add_engine_args(p, modes: tuple[str, ...] = ("spd", "ar")) -> None:
+    """The target, its stages and the drafter: the flags `generate` and `serve` share (`modes`:
+    the --mode choices; `serve` adds "pipeline")."""
     add_model_layout_args(p, "pipeline stages n (1 = autoregressive)")
     p.add_argument("--pdm", default=None,
                    help="PDM checkpoint folder, or \"untrained\" (default: the checkpoint shipped "
                         "for this target and n, else an untrained PDM)")
     p.add_argument("--pdm-layers", type=int_in(1), default=None,
                    help="layers of an untrained PDM (default: L/n - 1 within [1, 4])")
-    p.add_argument("--mode", choices=("spd", "ar"), default="spd",
-                   help="spd (default) or ar: plain autoregressive decoding on the same stages")
+    p.add_argument("--mode", choices=modes, default="spd",
+                   help="spd (default) or ar: plain autoregressive decoding on the same stages"
+                        + ("; pipeline: the n stages without speculation, one token per "
+                           "request per trip through them (docs/batching.md)"
+                           if "pipeline" in modes else ""))
     p.add_argument("--threads", type=int_in(1), default=None,
                    help="torch CPU threads (per rank with --distributed; default: torch's)")
     p.add_argument("--ahead", type=int_in(0), default=DEFAULT_AHEAD, metavar="K",
@@ -222,8 +226,9 @@ def config_from_args(args):
     from spd.model.partition import AUTO, parse_split
     from spd.model.stage_costs import draft_step_cost, file_costs, resolve_split
 
-    if args.mode == "ar":
-        raise SPDError("--mode ar is single-process only: drop --distributed (or torchrun)")
+    if args.mode != "spd":
+        raise SPDError(f"--mode {args.mode} is single-process only: drop --distributed (or "
+                       "torchrun)")
     # --split auto is resolved here, from the model's files: every rank gets the same split
     # (with --draft-on-stage S, stage S also pays an estimated draft step)
     split, on_stage = parse_split(args.split), getattr(args, "draft_on_stage", None)

@@ -31,8 +31,7 @@ def add_serve(sub) -> None:
     p = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (docs/serve.md)",
                        description="Serve /v1/chat/completions, /v1/completions, /v1/models and "
                        "/health on one persistent engine. Requests queue for a decode slot "
-                       "(one with SPD; --max-batch with --mode ar); the output is the target's "
-                       "own.")
+                       "(--max-batch decode together); the output is the target's own.")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000,
@@ -41,17 +40,21 @@ def add_serve(sub) -> None:
                    help="requests that may wait for a decode slot; more get HTTP 429")
     p.add_argument("--max-batch", type=int_in(1), default=None,
                    help="requests decoded at once, each with its own speculation (default 8; "
-                        "1 where batching is not supported yet: token trees, hybrid targets, "
-                        "--distributed; docs/batching.md)")
+                        "1 where batching is not supported yet: hybrid targets, "
+                        "--draft-on-stage; docs/batching.md)")
     p.add_argument("--max-context", type=int_in(2), default=2048,
                    help="rows of context (prompt and new tokens) a batch slot holds; its KV "
                         "memory is allocated at start-up (default 2048)")
+    p.add_argument("--prefill-chunk", type=int_in(1), default=256,
+                   help="a joining prompt is prefilled this many rows a decode step, so the "
+                        "requests already decoding wait one chunk a step, not a whole prompt "
+                        "(default 256; with --max-batch > 1)")
     p.add_argument("--max-tokens", type=int_in(1), default=256,
                    help="new tokens of a request that gives no max_tokens")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients pass (default: the model folder's name, the repo "
                         "id, or SmolLM2-135M-Instruct)")
-    add_engine_args(p)
+    add_engine_args(p, ("spd", "ar", "pipeline"))
     add_log_level_arg(p, "info")
     add_distributed_args(p)
     add_lookup_arg(p)
@@ -86,11 +89,10 @@ DEFAULT_MAX_BATCH = 8
 
 def default_max_batch(engine, mode: str) -> int:
     """8 slots where several requests can decode together; 1 (with a log line) where not yet:
-    token trees and hybrid targets (docs/batching.md)."""
-    if not engine.target.hybrid and (mode == "ar" or engine.tree_width == 1):
+    hybrid targets (docs/batching.md)."""
+    if not engine.target.hybrid:
         return DEFAULT_MAX_BATCH
-    log.info("requests decode one at a time (token trees and hybrid targets are not batched "
-             "yet)")
+    log.info("requests decode one at a time (hybrid targets are not batched yet)")
     return 1
 
 
@@ -125,7 +127,7 @@ def cmd_serve(args) -> int:
         warn_untrained_pdm()
     max_batch = args.max_batch or default_max_batch(engine, args.mode)
     context = min(args.max_context, target.max_context)
-    backend = LocalBackend(engine, args.mode, max_batch, context)
+    backend = LocalBackend(engine, args.mode, max_batch, context, args.prefill_chunk)
     server = Server(backend, **server_opts(args))
     server.start_http()
     _announce(server)
@@ -144,7 +146,11 @@ def serve_job(opts: dict, engine):
     setup_serve_logging(opts.pop("log_level"))
     if getattr(engine.engine, "pdm_source", "") == "untrained":
         warn_untrained_pdm()
-    backend = DistributedBackend(engine)
+    max_batch, context = opts.pop("max_batch"), opts.pop("max_context")
+    if max_batch is None:  # (several at once where the distributed batch runs)
+        max_batch = 1 if engine.rt.config.draft_on_stage is not None else default_max_batch(
+            engine.engine, "spd")
+    backend = DistributedBackend(engine, max_batch, context)
     server = Server(backend, **opts)
     # the watchdog may end this process first (a peer's failure record): answer before leaving
     engine.process.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
@@ -163,11 +169,12 @@ def cmd_serve_distributed(args) -> int:
     from spd.distributed.faults import RankFailedError
     from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 
-    if args.max_batch not in (None, 1):
-        raise SPDError("--max-batch > 1 is one process only so far: the distributed engine "
-                       "decodes one request at a time (docs/batching.md)")
     config = config_from_args(args)
-    job = partial(serve_job, {**server_opts(args), "log_level": args.log_level})
+    if args.max_batch not in (None, 1) and config.draft_on_stage is not None:
+        raise SPDError("--max-batch > 1 does not run with --draft-on-stage yet: the batch "
+                       "needs the draft rank (docs/batching.md)")
+    job = partial(serve_job, {**server_opts(args), "log_level": args.log_level,
+                              "max_batch": args.max_batch, "max_context": args.max_context})
     if under_torchrun():
         return run_torchrun(config, job)
     try:

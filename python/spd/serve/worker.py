@@ -204,6 +204,16 @@ class EngineWorker:
                 try:
                     self.backend.step()
                 except Exception as exc:  # every job in a slot fails with it
+                    if isinstance(exc, self.backend.fatal):  # every job told why; it stops
+                        message = (str(exc) if isinstance(exc, RankFailure)
+                                   else f"{type(exc).__name__}: {exc}")
+                        for job, _, _, _ in self._active.values():
+                            self.counts["failed"] += 1
+                            job.emit(ErrorEvent(500, f"the engine failed: {message}"))
+                            self._release()
+                        self._active.clear()
+                        self._fail(None, message)
+                        break
                     for key, (job, seq, _, _) in list(self._active.items()):
                         self.backend.leave(seq)
                         self._active.pop(key)
