@@ -144,6 +144,9 @@ def test_grid_runs_checks_resumes_and_reports(trained, tmp_path, monkeypatch):
     md = (tmp_path / "report.md").read_text()
     assert "| spd n=2 L_s=1 | 3 |" in md and "| ppsd n=2 | 2 |" in md and "| eagle3 | 1 |" in md
     assert "Skipped:" in md and "## T = 1" in md and "Cost model" in md
+    # the batched rows (spd.evaluation.batched), from pieces measured at the default B
+    assert Costs.from_dict(state["costs"]).covers_batches([1, 2, 4, 8, 16], [2])
+    assert "Batched, B sequences at once (T = 0)" in md and "- spd n=2 L_s=1: " in md
     assert md == markdown(state)
     pytest.importorskip("matplotlib", reason="plots need matplotlib (the test extra has it)")
     for name in ("speedup_vs_n.png", "acceptance_by_position.png"):

@@ -10,6 +10,15 @@ the device where it pays it, the harness times the target's pieces on the curren
 - one forward of a chunk of k+1 tokens (EAGLE-3's verification pass).
 
 All at a fixed context length (a prefilled KV cache), median of `reps` runs after a warm-up.
+
+For the batched rows (issue 54, docs/batching.md; the projections are in
+`spd.evaluation.batched`), the same pieces at R rows, one decode row per sequence, each row at
+the fixed context against its own slot's cache (`spd_kernels.stage.batch_stage_step` over slot
+caches, as the batched runtime and benchmarks/bench_batch_step.py run it, so each row pays its
+own attention): the full forward (embed, every layer, final norm + LM head over the R rows),
+each stage's step and the head, for every R the batched rows need (`batch_rows`). Dense
+targets only (the batched runtime's scope); the slot caches hold random keys and values (what
+they hold does not change the work).
 Draft steps are timed inside each method's own decoding runs (its `draft` phase seconds over its
 draft calls), so every method's drafter is measured as it actually runs. The formulas are in
 `spd.evaluation.methods`; what they share is here (`Costs.cycle`).
@@ -18,7 +27,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -39,13 +48,51 @@ class Costs:
     # str(n) -> the distributed runtime's own seconds per cycle beyond its compute, measured
     # (`runtime_overhead`); empty: none charged
     runtime_s: dict = field(default_factory=dict)
+    # The batched rows (issue 54): B sequences, one decode row each against its own slot at
+    # `context`. Empty: not measured (grids stored before them, hybrid targets).
+    batch_sizes: list = field(default_factory=list)      # the B of the report's batched rows
+    batch_forward_s: dict = field(default_factory=dict)  # str(R) -> full forward of R rows
+    batch_head_s: dict = field(default_factory=dict)     # str(R) -> norm + LM head, R rows
+    batch_stage_s: dict = field(default_factory=dict)    # str(n) -> {str(R): [s per stage]}
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> "Costs":
-        return cls(**d)
+        """From `as_dict`'s dict; an older one, without the later fields, gets their defaults
+        (a field this version does not know is left out)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+    # --- the batched pieces (None: not measured). One row falls back on the one-row
+    # measurements, so a grid stored before the batched rows still has its B = 1 row.
+    def forward_at(self, rows: int) -> float | None:
+        """One full forward over `rows` decode rows (one per sequence)."""
+        got = self.batch_forward_s.get(str(rows))
+        return self.forward_s if got is None and rows == 1 else got
+
+    def head_at(self, rows: int) -> float | None:
+        """The final norm + LM head over `rows` rows."""
+        got = self.batch_head_s.get(str(rows))
+        return self.head_s if got is None and rows == 1 else got
+
+    def stages_at(self, n: int, rows: int) -> list[float] | None:
+        """Each of the n stages' step over `rows` decode rows."""
+        got = self.batch_stage_s.get(str(n), {}).get(str(rows))
+        if got is None and rows == 1:
+            got = self.stage_s.get(str(n))
+        return None if got is None else list(got)
+
+    def covers_batches(self, batch_sizes, stage_counts) -> bool:
+        """Whether every piece the batched rows of `batch_sizes` on `stage_counts` need was
+        measured (`batch_rows`)."""
+        if not set(batch_sizes) <= set(self.batch_sizes):
+            return False
+        ns = list(stage_counts)
+        return all(self.forward_at(r) is not None and self.head_at(r) is not None
+                   and all(self.stages_at(n, r) is not None for n in ns)
+                   for r in batch_rows(batch_sizes, ns))
 
     def slowest_stage(self, n: int, head_on_last: bool = False) -> float:
         """The slowest of the n stage forwards; `head_on_last`: the last stage also runs the
@@ -89,6 +136,24 @@ class Costs:
         the premise (measurement noise, or work moved to an extra device). Where the
         runtime's own cost per cycle was measured (`runtime_s`), it is added."""
         return max(self.balanced(n), *work) + self.runtime_s.get(str(n), 0.0)
+
+
+def pipeline_groups(batch: int, n: int) -> list[int]:
+    """How the batched pipeline without speculation holds `batch` requests on n stages: as
+    min(batch, n) groups, as even as they go (a stage steps one group while the others are at
+    other stages; a group's next token needs its last one, so it waits for its own trip) ->
+    each group's rows, largest first (8 on 3 stages: [3, 3, 2])."""
+    groups = min(batch, n)
+    q, rem = divmod(batch, groups)
+    return [q + 1] * rem + [q] * (groups - rem)
+
+
+def batch_rows(batch_sizes, stage_counts) -> list[int]:
+    """The row counts the batched rows need measured: every B (AR and SPD run one row per
+    sequence a step) and every pipeline group's (`pipeline_groups`)."""
+    rows = set(batch_sizes)
+    rows |= {r for b in batch_sizes for n in stage_counts for r in pipeline_groups(b, n)}
+    return sorted(rows)
 
 
 def runtime_overhead(path, device_type: str) -> dict[str, float]:
@@ -137,12 +202,79 @@ def _interleaved_medians(pieces: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _batch_pieces(target, stage_counts, rows, context: int) -> dict:
+    """The batched pieces at every R in `rows` (the module docstring): {name: callable}, read
+    back by `_store_batches`. One slot cache [max R, layers, kv_heads, context + 1, head_dim]
+    serves every piece: a stage steps its layers' slice of it, row r in slot r at `context`."""
+    from spd_kernels.stage import batch_stage_step
+
+    t = target
+    most = max(rows)
+    gen = torch.Generator().manual_seed(1)
+    shape = (most, t.num_layers, t.num_kv_heads, context + 1, t.head_dim)
+    k = torch.randn(shape, generator=gen).to(device=t.device, dtype=t.dtype)
+    v = torch.randn(shape, generator=gen).to(device=t.device, dtype=t.dtype)
+    cos, sin = t.rope(0, context + 1)
+    tokens = torch.randint(0, t.vocab_size, (most,), generator=gen).to(t.device)
+    hidden = t.embed_tokens(tokens)
+    slots = torch.arange(most, device=t.device)
+    at = torch.full((most,), context, dtype=torch.int64, device=t.device)
+
+    def step(weights, first: int, last: int, r: int, x=None):
+        def run():  # x None: the full forward, from the tokens' embedding to the head
+            h = batch_stage_step(t.embed_tokens(tokens[:r]) if x is None else x[:r], weights,
+                                 k[:, first:last], v[:, first:last], slots[:r], at[:r], cos,
+                                 sin)[-1]
+            return t.logits(h) if x is None else h
+        return run
+
+    full = t.stage_weights(range(t.num_layers))
+    pieces = {}
+    for r in rows:
+        pieces[f"bforward{r}"] = step(full, 0, t.num_layers, r)
+        pieces[f"bhead{r}"] = (lambda r_: lambda: t.logits(hidden[:r_]))(r)
+    for n in sorted(set(stage_counts)):
+        for i, layer_ids in enumerate(DepthLayout.build(t.num_layers, n).stages):
+            w = t.stage_weights(layer_ids)
+            for r in rows:
+                pieces[f"bstage{n}_{i}_{r}"] = step(w, layer_ids.start, layer_ids.stop, r,
+                                                    hidden)
+    return pieces
+
+
+def _store_batches(costs: Costs, med: dict, batch_sizes, stage_counts, rows) -> None:
+    costs.batch_sizes = sorted(set(batch_sizes))
+    costs.batch_forward_s = {str(r): med[f"bforward{r}"] for r in rows}
+    costs.batch_head_s = {str(r): med[f"bhead{r}"] for r in rows}
+    costs.batch_stage_s = {str(n): {str(r): [med[f"bstage{n}_{i}_{r}"] for i in range(n)]
+                                    for r in rows} for n in sorted(set(stage_counts))}
+
+
+@torch.no_grad()
+def measure_batch_costs(target, stage_counts, batch_sizes, context: int = 256,
+                        reps: int = 10, costs: Costs | None = None) -> Costs:
+    """Only the batched pieces (a grid stored before them gains its batched rows): into
+    `costs` (a new Costs when None), replacing its batched fields. A hybrid target: none (the
+    batched runtime is dense only)."""
+    if costs is None:
+        costs = Costs(device=str(target.device), context=context, reps=reps,
+                      num_layers=target.num_layers)
+    if target.hybrid or not batch_sizes:
+        return costs
+    rows = batch_rows(batch_sizes, stage_counts)
+    med = _interleaved_medians(_batch_pieces(target, stage_counts, rows, context), reps)
+    _store_batches(costs, med, batch_sizes, stage_counts, rows)
+    return costs
+
+
 @torch.no_grad()
 def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
-                  reps: int = 10) -> Costs:
-    """Time the target's pieces on its device (see the module docstring)."""
+                  reps: int = 10, batch_sizes=()) -> Costs:
+    """Time the target's pieces on its device (see the module docstring); `batch_sizes`: the B
+    of the batched rows (none: not measured; a hybrid target: none)."""
     costs = Costs(device=str(target.device), context=context, reps=reps,
                   num_layers=target.num_layers)
+    batch_sizes = () if target.hybrid else tuple(batch_sizes)
     capacity = context + max([1, *chunk_rows]) + 1
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, target.vocab_size, (context,), generator=gen).to(target.device)
@@ -176,7 +308,12 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
         stages = prefilled([Stage(target, i, r, capacity) for i, r in enumerate(layout.stages)])
         for i, st in enumerate(stages):
             pieces[f"stage{n}_{i}"] = step(st, hidden)
+    rows = batch_rows(batch_sizes, stage_counts)
+    if batch_sizes:  # timed round-robin with the one-row pieces
+        pieces |= _batch_pieces(target, stage_counts, rows, context)
     med = _interleaved_medians(pieces, reps)
+    if batch_sizes:
+        _store_batches(costs, med, batch_sizes, stage_counts, rows)
     costs.forward_s = med["forward"]
     costs.head_s = med["head"]
     costs.chunk_s = {str(r): med[f"chunk{r}"] for r in chunk_rows}
@@ -185,4 +322,4 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
     return costs
 
 
-__all__ = ["Costs", "measure_costs"]
+__all__ = ["Costs", "batch_rows", "measure_batch_costs", "measure_costs", "pipeline_groups"]

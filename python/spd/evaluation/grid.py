@@ -14,6 +14,11 @@ drafter is recorded as skipped, with the command that trains one.
 `pp` (plain pipeline-parallel decoding on the same n stages) computes exactly what AR computes,
 token for token and forward for forward, so its counts follow from the AR cell (N tokens take
 K = N*n stage cycles) instead of decoding everything again; its cost comes from the cost model.
+
+Batched rows (issue 54): the cost model also times its pieces over R rows for the batch sizes
+`GridSpec.batch_sizes`, and the report projects ar, pp and spd with B sequences at once from
+them (`spd.evaluation.batched`). A grid stored before them gains them when resumed: only the
+batched pieces are measured then.
 """
 from __future__ import annotations
 
@@ -26,7 +31,8 @@ from tqdm import tqdm
 
 from spd.errors import InternalError, SPDError
 from spd.evaluation import methods
-from spd.evaluation.cost_model import Costs, measure_costs, runtime_overhead
+from spd.evaluation.batched import BATCH_SIZES
+from spd.evaluation.cost_model import Costs, measure_batch_costs, measure_costs, runtime_overhead
 from spd.evaluation.evaluate import add_totals, encode_question, first_difference, result_row
 from spd.evaluation.methods import NAMES as METHODS
 from spd.runtime import metrics
@@ -51,6 +57,9 @@ class GridSpec:
     cost_context: int = 256
     cost_reps: int = 10
     lookup: int = 0           # context lookup for spd/ppsd cells (0: the drafters alone)
+    # B of the batched rows (the report's projections; [] none). Not a setting: the cells do
+    # not depend on it, and a resumed grid measures what its batched rows lack
+    batch_sizes: list[int] = field(default_factory=lambda: list(BATCH_SIZES))
 
     def __post_init__(self):
         bad = [m for m in self.methods if m not in METHODS]
@@ -67,6 +76,8 @@ class GridSpec:
             raise SPDError("nothing to evaluate: give --datasets and/or --prompts")
         if self.max_new_tokens < 1:
             raise SPDError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if any(not isinstance(b, int) or b < 1 for b in self.batch_sizes):
+            raise SPDError(f"batch sizes must be whole numbers >= 1, got {self.batch_sizes}")
 
     def settings(self) -> dict:
         """What a resumed run must share with the stored one (cells are comparable)."""
@@ -203,7 +214,17 @@ def run_grid(target, spec: GridSpec, out_dir, progress: bool = True, command: st
     decoders = _Decoders(target, spec)
     if recost or "costs" not in state:
         state["costs"] = measure_costs(target, spec.stages, _cost_chunks(cells, decoders),
-                                       spec.cost_context, spec.cost_reps).as_dict()
+                                       spec.cost_context, spec.cost_reps,
+                                       batch_sizes=spec.batch_sizes).as_dict()
+        _save(out_dir, state)
+    stored = Costs.from_dict(state["costs"])
+    if not target.hybrid and not stored.covers_batches(spec.batch_sizes, spec.stages):
+        # an older grid, or more batch sizes or stages: the batched pieces only (those stored
+        # and those asked for, timed together), the rest kept
+        ns = sorted(set(spec.stages) | {int(n) for n in stored.batch_stage_s})
+        sizes = sorted(set(spec.batch_sizes) | set(stored.batch_sizes))
+        state["costs"] = measure_batch_costs(target, ns, sizes, stored.context,
+                                             stored.reps, stored).as_dict()
         _save(out_dir, state)
     if runtime_from is not None:
         state["costs"]["runtime_s"] = runtime_overhead(runtime_from, target.device.type)

@@ -30,6 +30,10 @@ Each cost is charged where it runs (docs/definitions.md):
 So the adjusted speedup never exceeds S (tests/evaluation/test_grid.py holds it for every
 method, n and temperature).
 
+Batched rows (B sequences at once, issue 54): ar, pp and spd also project their tokens/s over
+all B sequences (`Method.batched`; the formulas, each cost charged where it runs, are in
+`spd.evaluation.batched`).
+
 A `Method` says how the grid lays out its cells (once per device count n, per PDM depth),
 how many devices it occupies, its draft-cost-adjusted speedup over AR on one device, and how to
 build its decoder. The grid and the report branch on these fields, never on the name.
@@ -44,6 +48,7 @@ from spd.baselines import ppsd
 from spd.baselines.eagle import METHOD as EAGLE3
 from spd.draft.pdm import SHIPPED_DIR, find_shipped_pdm
 from spd.errors import SPDError
+from spd.evaluation import batched as batch_rows
 from spd.evaluation.cost_model import Costs
 from spd.model.partition import DepthLayout
 from spd.runtime.engine import SPDEngine
@@ -65,6 +70,10 @@ class Method:
     # decoder -> rows of the full-forward chunks the cost model must time for `adjusted`
     # (Costs.chunk_s; EAGLE-3: its verification pass of k+1 tokens); None: no chunk
     cost_chunks: Callable[[object], list[int]] | None = None
+    # (costs, n, B, S, t_draft, greedy) -> projected tokens/s over B sequences decoding at once
+    # (spd.evaluation.batched; None from it: a piece not measured); None: no batched row (the
+    # method does not run batched)
+    batched: Callable[[Costs, int, int, float, float, bool], float | None] | None = None
 
     def config(self, n: int, pdm_layers: int | None) -> str:
         """The row label of the report for one configuration."""
@@ -157,9 +166,11 @@ def _adjusted_eagle(c: Costs, n, s, draft_s, steps, greedy):
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("ar", staged=False, per_depth=False, measured_for_real=True, devices=lambda n: 1,
-           adjusted=lambda *a: 1.0, build=_build_plain, is_reference=True),
+           adjusted=lambda *a: 1.0, build=_build_plain, is_reference=True,
+           batched=lambda c, n, b, s, d, g: batch_rows.ar_tok_s(c, b)),
     Method("pp", staged=True, per_depth=False, measured_for_real=False, devices=lambda n: n,
-           adjusted=_adjusted_pp, build=_build_plain, derived_from_reference=True),
+           adjusted=_adjusted_pp, build=_build_plain, derived_from_reference=True,
+           batched=lambda c, n, b, s, d, g: batch_rows.pp_tok_s(c, n, b)),
     Method(EAGLE3, staged=False, per_depth=False, measured_for_real=True,
            devices=lambda n: 1, adjusted=_adjusted_eagle, build=_build_eagle,
            cost_chunks=lambda decoder: [decoder.draft_steps + 1]),
@@ -167,7 +178,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            adjusted=_adjusted_ppsd, build=_pdm_builder(ppsd.NAME, ppsd.layout)),
     Method("spd", staged=True, per_depth=True, measured_for_real=False,
            devices=lambda n: n + 1, adjusted=_adjusted_spd,
-           build=_pdm_builder("spd", DepthLayout.build)),
+           build=_pdm_builder("spd", DepthLayout.build), batched=batch_rows.spd_tok_s),
     Method("spd-nd", staged=True, per_depth=True, measured_for_real=False,
            devices=lambda n: n, adjusted=_adjusted_spd_nd,
            build=_pdm_builder("spd", DepthLayout.build)),

@@ -2,14 +2,17 @@
 
 Reads the state `spd.evaluation.grid.run_grid` keeps (`grid.json`). Per method configuration and
 dataset: theoretical speedup, draft-cost-adjusted speedup (cost model, measured on the run's
-device) and, where the run measures something real, the decode tokens/s ratio over AR. Plots:
-speedup against n per method, and acceptance by draft position.
+device) and, where the run measures something real, the decode tokens/s ratio over AR. Then the
+batched rows: ar, pp and spd with B sequences at once, projected from the cost model's pieces
+over B rows (`spd.evaluation.batched`), and where spd (and pp) overtake batched AR and stop.
+Plots: speedup against n per method, and acceptance by draft position.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
 from spd.evaluation import methods
+from spd.evaluation.batched import crossover
 from spd.evaluation.cost_model import Costs
 from spd.evaluation.evaluate import add_totals
 from spd.evaluation.grid import METHODS, derived
@@ -57,8 +60,93 @@ def _config_order(config: str, cell: dict) -> tuple:
     return (METHODS.index(cell["method"]), cell["n"], cell.get("pdm_layers") or 0, config)
 
 
+def batched_rows(state: dict) -> dict:
+    """{temperature: [row]}, one row per configuration that runs batched (Method.batched), the
+    reference (AR) first: {config, method, n, devices, tok_s {B: tokens/s over all B
+    sequences}, per_sequence {B: ...}, vs_ar {B: over batched AR's tokens/s at B}, crossover
+    (batched.crossover of vs_ar; None for AR)}. A piece not measured: None at that B."""
+    costs = Costs.from_dict(state["costs"])
+    sizes = sorted(costs.batch_sizes) or [1]  # a grid stored before them: its B = 1 row
+    out: dict = {}
+    for temp, by_config in _rows_by_config(state).items():
+        rows = []
+        order = sorted(by_config.items(),
+                       key=lambda kv: _config_order(kv[0], next(iter(kv[1].values()))))
+        for config, by_ds in order:
+            cell = by_ds.get(OVERALL)
+            method = methods.get(cell["method"]) if cell else None
+            if method is None or method.batched is None:
+                continue
+            d = cell["derived"]
+            tok = {b: method.batched(costs, cell["n"], b, d["theoretical_speedup"],
+                                     d["draft_ms"] * 1e-3, temp == 0) for b in sizes}
+            rows.append({"config": config, "method": method.name, "n": cell["n"],
+                         "devices": d["devices"], "tok_s": tok,
+                         "per_sequence": {b: None if x is None else x / b
+                                          for b, x in tok.items()},
+                         "reference": method.is_reference})
+        ar = next((r["tok_s"] for r in rows if r["reference"]), {})
+        for r in rows:
+            r["vs_ar"] = {b: None if x is None or not ar.get(b) else x / ar[b]
+                          for b, x in r["tok_s"].items()}
+            r["crossover"] = None if r.pop("reference") else crossover(r["vs_ar"])
+        rows.sort(key=lambda r: not methods.get(r["method"]).is_reference)
+        out[temp] = rows
+    return out
+
+
+def _batched_lines(rows: list[dict], costs: dict, temp: float) -> list[str]:
+    """The batched rows of one temperature: a table of tokens/s over all B sequences (and
+    their ratio over batched AR), one of tokens/s per sequence, and the crossovers."""
+    if not rows:
+        return []
+    sizes = sorted({b for r in rows for b in r["tok_s"]})
+    lines = ["", f"Batched, B sequences at once (T = {temp:g}): projections from the cost model "
+             f"measured on {costs['device']} (each sequence at {costs['context']} tokens of "
+             "context), not decoded batched. Tokens/s over all B sequences (x: over batched AR "
+             "at the same B); spd from its cell's S_theory and draft ms/call above, its B "
+             "draft steps one after another (no batched PDM step is built); pp with its B "
+             "requests in min(B, n) groups. Formulas below.", ""]
+    if not costs.get("batch_sizes"):
+        lines += ["(The batched pieces were not measured in this grid: B = 1 from the one-row "
+                  "pieces. Resuming the grid measures them.)", ""]
+
+    def num(x):
+        return "-" if x is None else f"{x:.1f}"
+    head = "| method | devices |" + "".join(f" B={b} |" for b in sizes)
+    lines += [head, "|" + "---|" * (len(sizes) + 2)]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['devices']} |" + "".join(
+            f" {num(r['tok_s'][b])}" + ("" if r["crossover"] is None or r["vs_ar"][b] is None
+                                        else f" ({r['vs_ar'][b]:.2f}x)") + " |"
+            for b in sizes))
+    lines += ["", "Tokens/s per sequence:", "", head, "|" + "---|" * (len(sizes) + 2)]
+    for r in rows:
+        lines.append(f"| {r['config']} | {r['devices']} |" +
+                     "".join(f" {num(r['per_sequence'][b])} |" for b in sizes))
+    lines += ["", f"Against batched AR, B in {', '.join(map(str, sizes))}:"]
+    for r in rows:
+        x = r["crossover"]
+        if x is None:
+            continue
+        if not x["beats"]:
+            what = "never beats it"
+        else:
+            what = f"overtakes it at B = {x['overtakes_at']}"
+            if x["stops_at"] is None:
+                what += f" and still beats it at B = {sizes[-1]}, the largest given"
+            else:
+                what += (f", stops beating it at B = {x['stops_at']} (the last B that beats "
+                         f"it: {x['last_beating']})")
+                if x["again"]:
+                    what += f"; beats it again at B = {', '.join(map(str, x['again']))}"
+        lines.append(f"- {r['config']}: {what}")
+    return lines
+
+
 def markdown(state: dict) -> str:
     rows = _rows_by_config(state)
+    batched = batched_rows(state)
     datasets = list(state["settings"]["prompts"])
     costs = state["costs"]
     lines = ["# Evaluation grid", ""]
@@ -114,6 +202,7 @@ def markdown(state: dict) -> str:
                 t, d = by_ds[OVERALL]["totals"], by_ds[OVERALL]["derived"]
                 lines.append(f"| {config} | {t['N']} | {t['K']} | {d['alpha']:.3f} | "
                              f"{d['draft_ms']:.2f} | {d['decode_tok_s']:.1f} |")
+        lines += _batched_lines(batched.get(temp, []), costs, temp)
     lines += ["", "## Cost model (measured in this run)", "",
               f"Device {costs['device']}, context {costs['context']} tokens, median of "
               f"{costs['reps']} runs. Full forward {costs['forward_s'] * 1e3:.2f} ms; final norm + "
@@ -124,6 +213,16 @@ def markdown(state: dict) -> str:
     for rows_, s in costs["chunk_s"].items():
         lines.append(f"- forward of a {rows_}-token chunk (EAGLE-3 verification, tree rows): "
                      f"{s * 1e3:.2f} ms")
+    if costs.get("batch_forward_s"):  # the batched rows' pieces
+        bf, bh = costs["batch_forward_s"], costs["batch_head_s"]
+        lines.append("- over R rows, one decode row per sequence against its own slot: full "
+                     "forward " + ", ".join(f"R={r} {x * 1e3:.2f}" for r, x in bf.items())
+                     + " ms; final norm + LM head " + ", ".join(
+                         f"R={r} {x * 1e3:.2f}" for r, x in bh.items()) + " ms")
+        for n, by_rows in costs["batch_stage_s"].items():
+            lines.append(f"- n={n}, stage steps over R rows: " + "; ".join(
+                f"R={r} " + ", ".join(f"{x * 1e3:.2f}" for x in per)
+                for r, per in by_rows.items()) + " ms")
     runtime = costs.get("runtime_s") or {}
     if runtime:  # measured by bench_protocol.py, added to every pipelined cycle
         lines.append("- the distributed runtime's own cost per cycle, measured ("
@@ -148,7 +247,20 @@ def markdown(state: dict) -> str:
               "t_chunk(W) / t_fwd (W rows a stage step, as this device computes them)",
               "- ppsd: S_theory/n * t_fwd / cycle, cycle = (slowest t_i, the last with t_head) "
               "+ t_draft (drafting waits for each step)",
-              "- eagle3: S_theory * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))"]
+              "- eagle3: S_theory * t_fwd / (k * t_draft + max(t_fwd, t_chunk(k+1)))",
+              "",
+              "Batched rows (B sequences at once; x(R): the piece over R rows, one per "
+              "sequence; tokens/s over all B):",
+              "- ar (one device): B / t_fwd(B)",
+              "- pp (n devices): the B requests as g = min(B, n) groups of r_1 >= ... >= r_g "
+              "rows (as even as they go), each a token per trip through the n stages: "
+              "B / max(t_fwd(r_1), sum of t_i(r_1) + t_head(r_1), sum over groups of "
+              "t_fwd(r_j) / n, the most any stage i spends on all groups, sum of t_i(r_j) (the "
+              "last + t_head(r_j)))",
+              "- spd (n + 1 devices): B * S_theory/n / cycle_B, cycle_B = max(t_fwd(B) / n, "
+              "t_i(B) (greedy: the last + t_head(B)), B * t_draft (+ B * t_head under sampling: "
+              "each sequence's draft step and judging on the draft rank, one after another)), "
+              "plus the runtime's measured cost per cycle where given"]
     return "\n".join(lines) + "\n"
 
 
