@@ -11,10 +11,14 @@ last token), time to first token (TTFT, from t = 0: waiting included) and time b
                (`generate` on a list: spd.runtime.batch_spd)
   ar           autoregressive, one request at a time
   ar-batched   autoregressive with continuous batching, all C at once (`generate_ar` on a list)
+  pipeline-batched
+               the pipeline without speculation on the same n stages, all C at once, one token
+               per request per trip through the stages (`generate_pipeline` on a list:
+               spd.runtime.batch_pipeline)
 
-In one process the stages run one after another (SPD's n stages share this machine: SPD's
-figures here are not what n devices give), and the server's HTTP layer is left out. The pipeline
-without speculation batched over requests is not built yet.
+In one process the stages run one after another (SPD's and the pipeline's n stages share this
+machine: their figures here are not what n devices give), and the server's HTTP layer is left
+out (benchmarks/bench_serve.py --clients measures through it).
 
     python benchmarks/bench_clients.py --clients 1,2,4,8,16 --json-out out.json
 """
@@ -24,18 +28,13 @@ import argparse
 import statistics
 import time
 
-from harness import Table, run_meta, write_json
+from harness import Table, percentile, run_meta, write_json
 
 from spd import SPDEngine
 from spd.data.datasets import load_dataset
 from spd.model.loading import load_target
 
-PATHS = ("spd", "spd-batched", "ar", "ar-batched")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+PATHS = ("spd", "spd-batched", "ar", "ar-batched", "pipeline-batched")
 
 
 def serve(engine: SPDEngine, path: str, prompts: list, max_new: int) -> dict:
@@ -43,7 +42,8 @@ def serve(engine: SPDEngine, path: str, prompts: list, max_new: int) -> dict:
     times: list[list[float]] = [[] for _ in prompts]
     t0 = time.perf_counter()
     if path.endswith("-batched"):
-        run = engine.generate if path == "spd-batched" else engine.generate_ar
+        run = {"spd-batched": engine.generate, "ar-batched": engine.generate_ar,
+               "pipeline-batched": engine.generate_pipeline}[path]
         run(prompts, max_new, max_batch=len(prompts),
             on_token=lambda i, _tok: times[i].append(time.perf_counter() - t0))
     else:
@@ -81,7 +81,7 @@ def main() -> None:
     if max(clients) > len(prompts):
         ap.error(f"at most {len(prompts)} clients (the held-out prompts)")
     engine.generate(prompts[0], 4)  # warm-up
-    table = Table([("clients", ">7"), ("path", ">12"), ("total_tok_s", ">9.2f", "tok/s"),
+    table = Table([("clients", ">7"), ("path", ">17"), ("total_tok_s", ">9.2f", "tok/s"),
                    ("per_request_tok_s", ">9.2f", "req tok/s"), ("ttft_p50_s", ">9.2f", "TTFT p50"),
                    ("ttft_max_s", ">9.2f", "TTFT max"), ("tbt_p50_ms", ">9.1f", "TBT p50"),
                    ("tbt_p99_ms", ">9.1f", "TBT p99")])

@@ -18,6 +18,27 @@ With --distributed the first two run again with `--distributed --stages N` (loca
 
     python benchmarks/bench_serve.py --json-out benchmarks/results/2026-12-03-serve-cpu.json
 
+With --clients (instead of the three above): C concurrent clients (openai, streamed chat
+completions, one thread each, all sent at t = 0; held-out prompts, greedy) against one
+`spd serve --max-batch B` process per path, for each C of --clients:
+
+  spd        --mode spd: SPD, each request with its own speculation in the pipeline
+  ar         --mode ar: autoregressive, continuous batching
+  pipeline   --mode pipeline: the pipeline without speculation on the same n stages, one token
+             per request per trip through them
+
+Per C and path: total tokens/s (all completion tokens over the wall time to the last one),
+per-request tokens/s (median of each request's tokens over its time from t = 0 to its last
+token), time to first token (p50 and max, from t = 0: waiting included) and time between tokens
+(p50 and p99 over all requests' gaps between streamed text chunks: one a token, except where the
+server holds text back, e.g. a partial character). Every answer is compared with its serial
+one (each prompt alone, one at a time, on the first path's server; --no-check skips it): a
+mismatch is counted in the row and named, not fatal (on a CPU, batched rows round differently).
+The server's stages run one after another in its one process (docs/batching.md).
+
+    python benchmarks/bench_serve.py --clients 1,2,4,8,16 --paths spd,ar,pipeline \
+        --max-batch 16 --max-new-tokens 64 --json-out benchmarks/results/<date>-serve-clients-cpu.json
+
 CPU figures: the machine may be shared (the load average is in the JSON's meta).
 """
 from __future__ import annotations
@@ -25,14 +46,17 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
-from harness import Table, run_meta, write_json
+from harness import Table, percentile, run_meta, write_json
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = "Explain in detail how a CPU cache works."
@@ -95,14 +119,14 @@ def _stream_once(client, model: str, max_tokens: int) -> dict:
             "server_decode_tok_s": usage.model_extra["spd"]["decode_tok_s"], "new_tokens": n}
 
 
-def served(args, distributed: bool) -> dict:
-    """A `spd serve` process: its start-up, then the second of two requests."""
+@contextmanager
+def spd_server(args, extra: list[str]):
+    """A `spd serve` process (--threads, --stages and `extra`) on a free port, up and answering
+    -> (openai client, model id, start-up seconds); stopped (SIGINT, then SIGKILL) on exit."""
     import openai
     port = _free_port()
     cmd = [sys.executable, "-m", "spd", "serve", "--port", str(port), "--threads",
-           str(args.threads), "--stages", str(args.stages), "--log-level", "warning"]
-    if distributed:
-        cmd += ["--distributed", "--backend", "gloo"]
+           str(args.threads), "--stages", str(args.stages), "--log-level", "warning", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             env=_env(args.threads), cwd=REPO, start_new_session=True)
@@ -117,18 +141,110 @@ def served(args, distributed: bool) -> dict:
                 break
             except openai.APIConnectionError:
                 time.sleep(0.2)
-        startup = time.perf_counter() - t0
-        _stream_once(client, model, args.max_new_tokens)  # the first request
-        row = _stream_once(client, model, args.max_new_tokens)
+        yield client, model, time.perf_counter() - t0
     finally:
-        import signal
         os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def served(args, distributed: bool) -> dict:
+    """A `spd serve` process: its start-up, then the second of two requests."""
+    with spd_server(args, ["--distributed", "--backend", "gloo"] if distributed else []) as (
+            client, model, startup):
+        _stream_once(client, model, args.max_new_tokens)  # the first request
+        row = _stream_once(client, model, args.max_new_tokens)
     return {"setup": "server, 2nd request", "startup_s": startup, **row}
+
+
+# --- C concurrent clients against one server per path -------------------------------------------
+CLIENT_PATHS = ("spd", "ar", "pipeline")
+
+
+def _health(client) -> dict:
+    """The server's /health (its backend described there)."""
+    import json
+    import urllib.request
+    url = str(client.base_url).rstrip("/").removesuffix("/v1") + "/health"
+    with urllib.request.urlopen(url, timeout=30) as resp:
+        return json.loads(resp.read())
+
+
+def _client(client, model: str, messages: list, max_tokens: int, t0: float) -> dict:
+    """One streamed greedy chat request: its text, completion tokens and the time (s from t0)
+    of each streamed text chunk."""
+    times, text, usage = [], "", None
+    for chunk in client.chat.completions.create(
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}):
+        if chunk.choices and chunk.choices[0].delta.content:
+            times.append(time.perf_counter() - t0)
+            text += chunk.choices[0].delta.content
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return {"text": text, "tokens": usage.completion_tokens, "times": times}
+
+
+def clients_at_once(client, model: str, chats: list, max_tokens: int,
+                    serial: list[str] | None) -> dict:
+    """Every chat from its own thread at t = 0 -> the row's figures (and its mismatches with
+    `serial`, each chat's answer alone)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(chats)) as pool:
+        got = list(pool.map(lambda m: _client(client, model, m, max_tokens, t0), chats))
+    wall = max(g["times"][-1] for g in got if g["times"])
+    tokens = sum(g["tokens"] for g in got)
+    gaps = [b - a for g in got for a, b in zip(g["times"], g["times"][1:])]
+    firsts = [g["times"][0] for g in got if g["times"]]
+    wrong = None if serial is None else [i for i, g in enumerate(got) if g["text"] != serial[i]]
+    return dict(total_tok_s=tokens / wall, wall_s=wall, tokens=tokens,
+                per_request_tok_s=statistics.median(g["tokens"] / g["times"][-1]
+                                                    for g in got if g["times"]),
+                ttft_p50_s=percentile(firsts, 0.5), ttft_max_s=max(firsts),
+                tbt_p50_ms=1e3 * percentile(gaps, 0.5) if gaps else None,
+                tbt_p99_ms=1e3 * percentile(gaps, 0.99) if gaps else None,
+                mismatches=None if wrong is None else len(wrong), mismatched=wrong)
+
+
+def concurrent_clients(args, clients: list[int], paths: list[str]) -> list[dict]:
+    """Per path one server (`--mode path --max-batch B`), warmed by one request, then C clients
+    at once for each C; the serial answers come first, from the first path's server."""
+    from spd.data.datasets import load_dataset
+    questions = load_dataset("heldout")
+    if max(clients) > len(questions):
+        sys.exit(f"--clients: at most {len(questions)} (the held-out prompts)")
+    chats = [[{"role": "user", "content": q["turns"][0]}] for q in questions[:max(clients)]]
+    table = Table([("clients", ">7"), ("path", ">9"), ("total_tok_s", ">9.2f", "tok/s"),
+                   ("per_request_tok_s", ">10.2f", "req tok/s"),
+                   ("ttft_p50_s", ">9.2f", "TTFT p50"), ("ttft_max_s", ">9.2f", "TTFT max"),
+                   ("tbt_p50_ms", ">9.1f", "TBT p50"), ("tbt_p99_ms", ">9.1f", "TBT p99"),
+                   ("mismatches", ">6", "diff")])
+    print(f"CPU, server --threads {args.threads}, n={args.stages}, --max-batch "
+          f"{args.max_batch}, default model, {args.max_new_tokens} new tokens, greedy; "
+          f"ms for TBT, s for TTFT")
+    table.print_header()
+    rows, serial = [], None
+    for path in paths:
+        extra = ["--mode", path, "--max-batch", str(args.max_batch), "--max-context",
+                 str(args.max_context), "--max-queue", str(max(16, max(clients)))]
+        with spd_server(args, extra) as (client, model, startup):
+            backend = _health(client)["backend"]
+            _client(client, model, chats[0], 4, time.perf_counter())  # warm-up
+            if serial is None and args.check:
+                serial = [_client(client, model, m, args.max_new_tokens,
+                                  time.perf_counter())["text"] for m in chats]
+            for c in clients:
+                row = dict(clients=c, path=path, backend=backend, startup_s=startup,
+                           **clients_at_once(client, model, chats[:c], args.max_new_tokens,
+                                             serial))
+                rows.append(row)
+                table.print(row)
+                if row["mismatched"]:
+                    print(f"  differs from its serial answer: prompts {row['mismatched']}")
+    return rows
 
 
 def overhead(args) -> list[dict]:
@@ -206,8 +322,32 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--distributed", action="store_true",
                     help="also the fresh launch and the server with --distributed (gloo)")
+    ap.add_argument("--clients", default=None, metavar="C,...",
+                    help="instead of the above: C concurrent clients per path, e.g. 1,2,4,8,16")
+    ap.add_argument("--paths", default=",".join(CLIENT_PATHS),
+                    help=f"with --clients: the servers' --mode, some of "
+                         f"{','.join(CLIENT_PATHS)}")
+    ap.add_argument("--max-batch", type=int, default=16, help="with --clients: --max-batch")
+    ap.add_argument("--max-context", type=int, default=512,
+                    help="with --clients: the server's --max-context (rows a slot holds)")
+    ap.add_argument("--no-check", dest="check", action="store_false",
+                    help="with --clients: no serial answers to compare with")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
+
+    if args.clients is not None:
+        clients = [int(c) for c in args.clients.split(",")]
+        paths = args.paths.split(",")
+        if any(c < 1 for c in clients) or any(p not in CLIENT_PATHS for p in paths):
+            ap.error(f"--clients: positive integers; --paths: some of "
+                     f"{', '.join(CLIENT_PATHS)}")
+        rows = concurrent_clients(args, clients, paths)
+        if args.json_out:
+            write_json(args.json_out, run_meta(
+                "cpu", model="SmolLM2-135M-Instruct", prompts="heldout", stages=args.stages,
+                threads=args.threads, max_batch=args.max_batch, max_context=args.max_context,
+                max_new_tokens=args.max_new_tokens, paths=paths, clients=clients), rows=rows)
+        return
 
     rows = []
     for distributed in ((False, True) if args.distributed else (False,)):

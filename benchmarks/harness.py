@@ -96,6 +96,12 @@ def run_meta(device="cpu", **extra) -> dict:
                 command="python " + " ".join(sys.argv)) | extra
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (0 <= q <= 1), the nearest of them (no interpolation)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
 def write_json(path, meta: dict, **payload) -> Path:
     """{"meta": meta, **payload} to `path` (folders made); prints where it went."""
     path = Path(path)
