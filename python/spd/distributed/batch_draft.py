@@ -27,7 +27,7 @@ from spd.runtime.batch_spd import BatchedSPD, SlotStages
 from spd.runtime.cycle import Cycle
 from spd.runtime.cycle_graph import CycleGraph, figures
 from spd.runtime.driver import STOP
-from spd.runtime.sequence import Sequence
+from spd.runtime.sequence import Sequence, slot_buffers
 from spd.runtime.slots import SlotPool, batch_request
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
@@ -96,6 +96,7 @@ class DistributedBatch(SlotPool):
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=dev)
         lookup = eng.drafter.lookup
         self.drafters = [PDMDrafter(eng.pdm, lookup=lookup) for _ in range(slots)]
+        self.buffers = [slot_buffers(t, eng.layout, context) for _ in range(slots)]
         self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.waiting: list[BatchEntry] = []
         self.freed_at = [-n] * slots  # the first cycle each slot's bubbles went out in
@@ -160,7 +161,7 @@ class DistributedBatch(SlotPool):
         entry.slot, entry.joined_at = b, self.launched
         entry.seq = Sequence(self.target, self.engine.layout, self.drafters[b], entry.ids,
                              entry.max_new, entry.sampling, entry.stats, entry.on_token,
-                             entry.rule, width=self.width)
+                             entry.rule, width=self.width, buffers=self.buffers[b])
         entry.cycle = Cycle(entry.seq, SlotStages(self.peeks), ahead=self.ahead)
         self.running[b] = entry
 

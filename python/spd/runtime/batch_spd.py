@@ -30,7 +30,7 @@ from spd.model.target import Stage
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
 from spd.runtime.cycle_graph import CycleGraph, figures
 from spd.runtime.driver import STOP, peek
-from spd.runtime.sequence import Sequence
+from spd.runtime.sequence import Sequence, slot_buffers
 from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
@@ -184,6 +184,9 @@ class BatchedSPD(SlotPool):
         self.stages = BatchStages(engine.target, engine.layout, slots, context, self.width)
         lookup = engine.drafter.lookup
         self.drafters = [PDMDrafter(engine.pdm, lookup=lookup) for _ in range(slots)]
+        # each slot's sequence buffers (tokens, anchors, final) for its `context` rows, once
+        self.buffers = [slot_buffers(engine.target, engine.layout, context)
+                        for _ in range(slots)]
         self.graph: CycleGraph | None = None
         self._members: tuple[Running, ...] = ()
         self.graphs = Counter()  # the cycle graphs made: replays, checked cycles, captures
@@ -205,7 +208,7 @@ class BatchedSPD(SlotPool):
         slot = self.claim(ids.numel(), max_new)
         seq = Sequence(self.target, self.engine.layout, self.drafters[slot], ids, max_new,
                        sampling, DecodeStats(mode="spd", n=self.n), on_token, rule,
-                       width=self.width)
+                       width=self.width, buffers=self.buffers[slot])
         peeks = self.stages.cpu and not env.replay_check_enabled()
         entry = Running(slot, seq, Cycle(seq, SlotStages(peeks), ahead=self.ahead))
         self.admit(entry, self._prefill(entry, ids))

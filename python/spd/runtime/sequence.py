@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
@@ -33,16 +33,28 @@ def check_tree_width(width) -> int:
     return width
 
 
+def slot_buffers(target: TargetModel, layout: DepthLayout, rows: int) -> tuple:
+    """A sequence's buffers for up to `rows` rows (module docstring): (tokens [rows] int64,
+    anchors [m, rows, d], final [rows, d])."""
+    t = target
+    return (torch.zeros(rows, dtype=torch.int64, device=t.device),
+            torch.zeros(len(layout.anchors), rows, t.hidden_size, device=t.device,
+                        dtype=t.dtype),
+            torch.zeros(rows, t.hidden_size, device=t.device, dtype=t.dtype))
+
+
 class Sequence:
     """One sequence's SPD decode. Construct it after `check_prompt`; prefill the prompt through
     the stages (their anchor rows into `anchors[:, :prompt_len]`, `keep_anchors`), `start`, run
     the cycles (spd.runtime.cycle), then `finish`. width: candidate rows per position (1: a
-    chain; > 1: a token tree, which needs a PDM drafter and a dense target)."""
+    chain; > 1: a token tree, which needs a PDM drafter and a dense target). `buffers`: a
+    batch slot's (tokens, anchors, final) allocated once for its most rows (`slot_buffers`);
+    this sequence uses their first rows (else its own are made)."""
 
     def __init__(self, target: TargetModel, layout: DepthLayout, drafter, ids: torch.Tensor,
                  max_new: int, sampling: SamplingParams, stats: DecodeStats,
                  on_token: Callable[[int], None] | None = None, stop: StopRule | None = None,
-                 width: int = 1):
+                 width: int = 1, buffers: tuple | None = None):
         t, n = target, layout.n
         self.target, self.layout, self.n = target, layout, n
         self.width = check_tree_width(width)
@@ -58,12 +70,18 @@ class Sequence:
         self.buffer_rows = self.capacity + tree_rows + 1
         self.trash = self.buffer_rows - 1
         drafter.begin(self.buffer_rows, t.vocab_size)
-        dev = t.device
-        self.tokens = torch.zeros(self.buffer_rows, dtype=torch.int64, device=dev)
+        dev, rows = t.device, self.buffer_rows
+        if buffers is None:
+            buffers = slot_buffers(t, layout, rows)
+        else:
+            if buffers[0].shape[0] < rows:
+                raise InternalError("a slot's buffers are smaller than its sequence",
+                                    rows=rows, slot_rows=buffers[0].shape[0])
+            buffers = (buffers[0][:rows], buffers[1][:, :rows], buffers[2][:rows])
+            for b in buffers:
+                b.zero_()  # (the slot's last sequence's rows gone)
+        self.tokens, self.anchors, self.final = buffers
         self.tokens[:self.prompt_len] = ids
-        self.anchors = torch.zeros(len(layout.anchors), self.buffer_rows, t.hidden_size,
-                                   device=dev, dtype=t.dtype)
-        self.final = torch.zeros(self.buffer_rows, t.hidden_size, device=dev, dtype=t.dtype)
         # the anchor slots each stage produces (layout.anchors_of_stage), in slot order
         self.stage_slots = [[j for j, _ in layout.anchors_of_stage(s)] for s in range(n)]
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
