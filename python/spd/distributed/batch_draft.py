@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections import Counter
 from typing import Callable
 
 import torch
@@ -25,7 +24,7 @@ from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.runtime.batch_spd import BatchedSPD, SlotStages
 from spd.runtime.cycle import Cycle
-from spd.runtime.cycle_graph import CycleGraph, figures
+from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP
 from spd.runtime.sequence import Sequence, slot_buffers
 from spd.runtime.slots import SlotPool, batch_request
@@ -105,9 +104,9 @@ class DistributedBatch(SlotPool):
         self.paused = True            # every rank between cycles (before the first, too)
         self.closed = False
         self.pauses = 0
-        self.graph: CycleGraph | None = None
-        self._members: tuple[BatchEntry, ...] = ()
-        self.graphs = Counter()
+        self.graphs = MemberGraphs(t.device, "batched distributed cycle",
+                                   capturable=rt.backend == "nccl", messages=rt.messages,
+                                   thread_local=True)
         self.stage_stats: list[dict] = []
         self.fault = rt.fault_here()  # the test hook (DistConfig.fault)
         deng.session = self
@@ -244,21 +243,6 @@ class DistributedBatch(SlotPool):
             e.cycle.close(opened[b], verdict)
         rt.flush_sends(host=False)
 
-    def _graph_of(self, members: tuple[BatchEntry, ...]) -> CycleGraph:
-        same = len(members) == len(self._members) and all(
-            a is b for a, b in zip(members, self._members))
-        if self.graph is None or not same:
-            self.graphs.update(figures(self.graph))
-            dev = torch.device(self.target.device)
-            gens = [e.seq.gen for e in members] if dev.type == "cuda" else []
-            self.graph = CycleGraph(lambda: self._cycle(members), dev,
-                                    "batched distributed cycle", generators=gens,
-                                    capturable=self.rt.backend == "nccl",
-                                    messages=self.rt.messages, thread_local=True)
-            self._members = members
-            self.graphs["made"] += 1
-        return self.graph
-
     def _read(self, e: BatchEntry, upto: int) -> bool:
         """Reads e's cycles until `upto` are unread -> whether it ended (and left)."""
         while not e.done and e.launched - e.nread > upto:
@@ -285,7 +269,7 @@ class DistributedBatch(SlotPool):
         members = tuple(self.decoding())
         if self.fault and self.launched == self.fault["cycle"]:
             inject_fault(self.fault)
-        self._graph_of(members).launch()
+        self.graphs.launch(members, self._cycle)
         self.launched += 1
         for e in members:
             e.cycle.published.publish(e.launched, e.cycle.state)
@@ -320,13 +304,12 @@ class DistributedBatch(SlotPool):
             out.append(json.loads(rt.store.get(key)))
             rt.store.delete_key(key)
         self.stage_stats = out
-        self.graphs.update(figures(self.graph))
-        self.graph = None
+        self.graphs.close()
 
     def describe(self) -> dict:
         """The session: cycles, pauses, rank 0's cycle graphs, each stage rank's figures."""
         return {"slots": self.slots, "cycles": self.launched, "pauses": self.pauses,
-                "graph": dict(self.graphs + figures(self.graph)), "ranks": self.stage_stats}
+                "graph": self.graphs.describe(), "ranks": self.stage_stats}
 
 
 # --- several prompts ---------------------------------------------------------------------------

@@ -18,7 +18,6 @@ batch is issue 55's).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Callable
 
 import torch
@@ -28,7 +27,7 @@ from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.model.target import Stage
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
-from spd.runtime.cycle_graph import CycleGraph, figures
+from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP, peek
 from spd.runtime.sequence import Sequence, slot_buffers
 from spd.runtime.slot_stage import SlotStage
@@ -187,9 +186,7 @@ class BatchedSPD(SlotPool):
         # each slot's sequence buffers (tokens, anchors, final) for its `context` rows, once
         self.buffers = [slot_buffers(engine.target, engine.layout, context)
                         for _ in range(slots)]
-        self.graph: CycleGraph | None = None
-        self._members: tuple[Running, ...] = ()
-        self.graphs = Counter()  # the cycle graphs made: replays, checked cycles, captures
+        self.graphs = MemberGraphs(engine.target.device, "batched decode cycle")
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int, width: int = 1) -> int:
@@ -250,23 +247,9 @@ class BatchedSPD(SlotPool):
         for b, c in cycles.items():
             c.close(opened[b], verdicts[b])
 
-    def _graph_of(self, members: tuple[Running, ...]) -> CycleGraph:
-        """The cycle graph of these sequences together (made when they change)."""
-        same = len(members) == len(self._members) and all(
-            a is b for a, b in zip(members, self._members))
-        if self.graph is None or not same:
-            self.graphs.update(figures(self.graph))  # (the one it replaces)
-            dev = torch.device(self.target.device)
-            gens = [e.seq.gen for e in members] if dev.type == "cuda" else []
-            self.graph = CycleGraph(lambda: self._cycle(members), dev, "batched decode cycle",
-                                    generators=gens)
-            self._members = members
-            self.graphs["made"] += 1
-        return self.graph
-
     def describe(self) -> dict:
         """How the batch's cycles ran: graphs made and captured, replays, checked cycles."""
-        return dict(self.graphs + figures(self.graph))
+        return self.graphs.describe()
 
     @torch.no_grad()
     def step(self) -> list[Running]:
@@ -276,7 +259,7 @@ class BatchedSPD(SlotPool):
         members = tuple(self.decoding())
         if not members:
             return []
-        self._graph_of(members).launch()
+        self.graphs.launch(members, self._cycle)
         for e in members:  # (all published before any is read: a reader may raise)
             e.cycle.published.publish(e.launched, e.cycle.state)
             e.launched += 1

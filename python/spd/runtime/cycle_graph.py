@@ -138,6 +138,39 @@ def figures(graph: CycleGraph | None) -> Counter:
                    captured=int(graph.graph is not None))
 
 
+class MemberGraphs:
+    """A batch's cycle as one CycleGraph for as long as the same members (sequences, each with
+    `.seq.gen`) decode together, a new one when they change; `kwargs` go to each CycleGraph.
+    `describe`: the graphs made, captured, their replays and checked cycles, added up."""
+
+    def __init__(self, device, what: str, **kwargs):
+        self.device, self.what, self.kwargs = torch.device(device), what, kwargs
+        self.graph: CycleGraph | None = None
+        self.members: tuple = ()
+        self.totals = Counter()
+
+    def launch(self, members: tuple, cycle: Callable[[tuple], None]) -> None:
+        """One cycle(members), through the graph of these members."""
+        same = len(members) == len(self.members) and all(
+            a is b for a, b in zip(members, self.members))
+        if self.graph is None or not same:
+            self.close()
+            gens = [e.seq.gen for e in members] if self.device.type == "cuda" else []
+            self.graph = CycleGraph(lambda: cycle(members), self.device, self.what,
+                                    generators=gens, **self.kwargs)
+            self.members = members
+            self.totals["made"] += 1
+        self.graph.launch()
+
+    def close(self) -> None:
+        """The current graph's figures into the totals; it is dropped."""
+        self.totals.update(figures(self.graph))
+        self.graph, self.members = None, ()
+
+    def describe(self) -> dict:
+        return dict(self.totals + figures(self.graph))
+
+
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
