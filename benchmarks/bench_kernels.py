@@ -109,8 +109,10 @@ MODELS = {
     "qwen3-8b": Shape("qwen3-8b", 4096, 151936, 36, 32, 8, 128, 12288, True),
 }
 # the dispatcher's ops (rejection_sample is timed through rejection_sample_logits; the DeltaNet
-# ops by bench_deltanet.py), then the step
-UNBENCHED_OPS = ("rejection_sample", "gated_delta_step", "conv_ring_step")
+# ops by bench_deltanet.py; the cycle's control ops, a few scalars a sequence, inside the cycle
+# by bench_cycle.py and counted by probe_cycle_launches.py), then the step
+UNBENCHED_OPS = ("rejection_sample", "gated_delta_step", "conv_ring_step", "cycle_open",
+                 "cycle_candidate", "cycle_commit")
 OPS = [op for op in dispatch.ops() if op not in UNBENCHED_OPS] + ["pdm_step"]
 N_STAGES = 8          # pipeline depth the shapes assume (9 in-flight rows, staircase types)
 N_ANCHORS = 5

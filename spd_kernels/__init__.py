@@ -14,6 +14,7 @@ from spd_kernels.attention import cache_attention
 from spd_kernels.attention.slots import slot_attention
 from spd_kernels.attention.tree import tree_attention
 from spd_kernels.checks import SPDInputError
+from spd_kernels.control import cycle_candidate, cycle_commit, cycle_open
 from spd_kernels.deltanet import conv_ring_step, gated_delta_step
 from spd_kernels.dispatch import SPDBackendError, use_backend
 from spd_kernels.features import anchor_projection
@@ -37,6 +38,9 @@ __all__ = [
     "anchor_projection",
     "cache_attention",
     "conv_ring_step",
+    "cycle_candidate",
+    "cycle_commit",
+    "cycle_open",
     "filtered_probs",
     "fused_linear",
     "fused_swiglu",

@@ -16,16 +16,16 @@ How it counts, and why that is what a GPU launches:
 - Every Triton launch (`kernel[grid](...)`: the interpreter's InterpretedFunction.run) counts
   one, and while it runs nothing else is counted (the interpreter copies tensors around).
 - Every torch op outside a Triton launch that would run a CUDA kernel counts one: an aten op
-  seen by a TorchDispatchMode, except views (their result aliases an input: no kernel),
-  allocations (`empty*`: no kernel), and host reads of CPU values (`_local_scalar_dense`: the
-  argument checks read `start` only when it is on the CPU; on a GPU they do not, and the graph
-  capture would refuse it).
+  seen by a TorchDispatchMode (benchmarks/probe_cycle_launches.py's LaunchCount), except views
+  (their result aliases an input: no kernel), allocations (`empty*`, `resize_`: no kernel),
+  and host reads of CPU values (`_local_scalar_dense`: the argument checks read `start` only
+  when it is on the CPU; on a GPU they do not, and the graph capture would refuse it).
 The position is an int64 tensor, as in the graph.
 """
 import pytest
 import torch
-from conftest import needs_triton_interpreter
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from conftest import bench_module, needs_triton_interpreter
+from torch.utils._python_dispatch import _disable_current_modes
 
 from spd_kernels import dispatch, use_backend
 from spd_kernels.qkv_rope import pack_qkv
@@ -48,23 +48,6 @@ LAUNCHES_PER_LAYER = 10
 STAGE_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
 
 
-class _Count(TorchDispatchMode):
-    """Aten ops that would launch a CUDA kernel (see the module's docstring)."""
-    FREE = ("empty", "empty_strided", "empty_like", "_local_scalar_dense")
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        schema = func._schema
-        view = any(r.alias_info is not None and not r.alias_info.is_write
-                   for r in schema.returns)
-        if not view and func.overloadpacket.__name__ not in self.FREE:
-            self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.fixture
 def counted(monkeypatch):
     """(launches, torch ops) lists filled while the GPU's plans are in force."""
@@ -72,7 +55,7 @@ def counted(monkeypatch):
 
     from spd_kernels.attention import triton_kernel as attn
     from spd_kernels.linear import triton_kernel as lin
-    launches, mode = [], _Count()
+    launches, mode = [], bench_module("probe_cycle_launches").LaunchCount()
     run = InterpretedFunction.run
 
     def counting_run(self, *args, **kwargs):

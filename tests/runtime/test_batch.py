@@ -233,7 +233,8 @@ def test_a_batched_cycle_is_the_work_one_graph_replays(engine, monkeypatch):
     assert got["checked"] >= 10 and got["made"] >= 4 and got.get("captured", 0) == 0, got
     # a sequence's buffers are its slot's, allocated once with the batch
     for e in entries:
-        for mine, slots in zip((e.seq.tokens, e.seq.anchors, e.seq.final), batch.buffers[e.slot]):
+        slot = (batch.tokens[e.slot], batch.anchors[e.slot], batch.final[e.slot])
+        for mine, slots in zip((e.seq.tokens, e.seq.anchors, e.seq.final), slot):
             assert mine.data_ptr() == slots.data_ptr()
 
 

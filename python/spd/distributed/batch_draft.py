@@ -22,8 +22,10 @@ from spd.distributed.messages import SNAP_TAG, UNIT_TAG
 from spd.distributed.stage_rank import dead_unit
 from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
-from spd.runtime.batch_spd import BatchedSPD, SlotStages
-from spd.runtime.cycle import Cycle
+from spd.runtime.batch_spd import BatchedSPD, SlotSets, SlotStages
+from spd.runtime.chain_batch import ChainBatch
+from spd.runtime.control import ChainControl
+from spd.runtime.cycle import Cycle, end_margin
 from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP
 from spd.runtime.sequence import Sequence, slot_buffers
@@ -52,6 +54,45 @@ class BatchEntry:
         return [] if self.seq is None else self.seq.out
 
 
+class SessionStages:
+    """The stage ranks as a batch's stages (BatchStages' interface): `begin` sends every slot's
+    stage-0 unit (a free slot's: a bubble) in one message and posts the receives of every
+    stage's snap; `run` waits for them and keeps each sequence's rows where they live, a greedy
+    chain's verdicts at their slots."""
+
+    def __init__(self, batch: DistributedBatch):
+        self.batch = batch
+        self.slot_sets = SlotSets(batch.target.device)
+        self.works: list = []
+
+    def begin(self, cycles: dict[int, Cycle]) -> None:
+        b = self.batch
+        for slot, c in cycles.items():
+            b.heads[slot].copy_(c.units[0])
+        self.works = b.rt.exchange([(b.msg, 1, UNIT_TAG)],
+                                   [(buf, s + 1, SNAP_TAG) for s, buf in b.snaps.items()])
+
+    def run(self, cycles: dict[int, Cycle], judge: bool,
+            into: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+        """-> each slot's verdict [1] (a greedy chain's: the last stage's argmax, also at its
+        slot of `into` [slots]; else a stand-in)."""
+        b, rt = self.batch, self.batch.rt
+        for s, work in zip(b.snaps, self.works):
+            rt.order(work, s + 1, "batch cycle snap")
+        last_tok = b.views[b.n - 1][0]
+        for slot, c in cycles.items():
+            for s, (_, rows) in b.views.items():
+                f = b.formats[s]
+                c.keep(s, [rows[slot, i] for i in range(len(f.hidden))],
+                       rows[slot, -1] if f.with_output else None)
+        judge = judge and b.judge
+        if judge and into is not None:
+            into.copy_(last_tok.view(-1))
+        rt.flush_sends(host=False)
+        return {slot: last_tok[slot:slot + 1] if judge and c.seq.sampling.greedy
+                else b._stand_in for slot, c in cycles.items()}
+
+
 class DistributedBatch(SlotPool):
     """Rank 0's side of a batch session on the stage ranks of `deng` (a DistributedSPDEngine):
     up to `slots` sequences of at most `context` rows each (module docstring). `join` queues a
@@ -75,7 +116,7 @@ class DistributedBatch(SlotPool):
         self.deng, self.rt, self.engine = deng, rt, eng
         t, n = deng.target, eng.n
         self.n, self.ahead, self.width = n, int(rt.config.ahead), eng.tree_width
-        self.margin = n + self.ahead + 1
+        self.margin = end_margin(n, self.ahead)
         self.greedy, self.sampled = greedy, sampled
         self.judge = greedy and self.width == 1
         output = sampled or self.width > 1
@@ -95,7 +136,12 @@ class DistributedBatch(SlotPool):
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=dev)
         lookup = eng.drafter.lookup
         self.drafters = [PDMDrafter(eng.pdm, lookup=lookup) for _ in range(slots)]
-        self.buffers = [slot_buffers(t, eng.layout, context) for _ in range(slots)]
+        self.tokens, self.anchors, self.final = slot_buffers(t, eng.layout, context, slots)
+        self.stages = SessionStages(self)
+        self.control = None
+        if self.width == 1:  # a chain's control: three ops over every slot (ChainBatch)
+            self.control = ChainControl(slots, n, self.anchors.shape[1], d, dev, t.dtype)
+            self.chains = ChainBatch(self, lookup)
         self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.waiting: list[BatchEntry] = []
         self.freed_at = [-n] * slots  # the first cycle each slot's bubbles went out in
@@ -145,6 +191,8 @@ class DistributedBatch(SlotPool):
         if not self.release(entry):
             return
         self.heads[b].copy_(self.dead)
+        if self.control is not None:
+            self.control.free(b)
         if not unused:
             self.freed_at[b] = self.launched
         entry.cycle.cycles = entry.launched
@@ -160,8 +208,10 @@ class DistributedBatch(SlotPool):
         entry.slot, entry.joined_at = b, self.launched
         entry.seq = Sequence(self.target, self.engine.layout, self.drafters[b], entry.ids,
                              entry.max_new, entry.sampling, entry.stats, entry.on_token,
-                             entry.rule, width=self.width, buffers=self.buffers[b])
-        entry.cycle = Cycle(entry.seq, SlotStages(self.peeks), ahead=self.ahead)
+                             entry.rule, width=self.width,
+                             buffers=(self.tokens[b], self.anchors[b], self.final[b]))
+        entry.cycle = Cycle(entry.seq, SlotStages(self.peeks), ahead=self.ahead,
+                            control=self.control, slot=b)
         self.running[b] = entry
 
     def _resume(self) -> list[BatchEntry]:
@@ -220,28 +270,18 @@ class DistributedBatch(SlotPool):
 
     # --- cycles ------------------------------------------------------------------------------
     def _cycle(self, members: tuple[BatchEntry, ...]) -> None:
-        """One cycle of the session (device work and its messages: what a graph replays)."""
-        rt = self.rt
-        for e in members:
-            self.heads[e.slot].copy_(e.cycle.units[0])
-        works = rt.exchange([(self.msg, 1, UNIT_TAG)],
-                            [(buf, s + 1, SNAP_TAG) for s, buf in self.snaps.items()])
-        opened = {e.slot: e.cycle.open() for e in members}
-        for s, work in zip(self.snaps, works):
-            rt.order(work, s + 1, "batch cycle snap")
-        last_tok = self.views[self.n - 1][0]
-        for e in members:
-            b = e.slot
-            if opened[b] is None:  # (a CPU skips a finished sequence's cycles)
-                continue
-            for s, (_, rows) in self.views.items():
-                f = self.formats[s]
-                e.cycle.keep(s, [rows[b, i] for i in range(len(f.hidden))],
-                             rows[b, -1] if f.with_output else None)
-            verdict = (last_tok[b:b + 1] if self.judge and e.seq.sampling.greedy
-                       else self._stand_in)
-            e.cycle.close(opened[b], verdict)
-        rt.flush_sends(host=False)
+        """One cycle of the session (device work and its messages: what a graph replays):
+        a chain's through ChainBatch (its control once over every slot), a tree's sequence by
+        sequence."""
+        if self.control is not None:
+            return self.chains.cycle(members)
+        cycles = {e.slot: e.cycle for e in members}
+        self.stages.begin(cycles)
+        opened = {b: c.open() for b, c in cycles.items()}
+        cycles = {b: c for b, c in cycles.items() if opened[b] is not None}  # (a CPU's skips)
+        verdicts = self.stages.run(cycles, self.judge)
+        for b, c in cycles.items():
+            c.close(opened[b], verdicts[b])
 
     def _read(self, e: BatchEntry, upto: int) -> bool:
         """Reads e's cycles until `upto` are unread -> whether it ended (and left)."""
@@ -271,8 +311,11 @@ class DistributedBatch(SlotPool):
             inject_fault(self.fault)
         self.graphs.launch(members, self._cycle)
         self.launched += 1
+        if self.control is not None:  # (every slot's state in one copy)
+            self.chains.publish(members)
         for e in members:
-            e.cycle.published.publish(e.launched, e.cycle.state)
+            if self.control is None:
+                e.cycle.published.publish(e.launched, e.cycle.state)
             e.launched += 1
         at_pause = self.launched == self.pause_at
         if at_pause:  # (before any callback: one that raises leaves the session in step)

@@ -148,7 +148,8 @@ class StageCycles:
         if not worker.first:  # cycle 0's unit: a dead one past the first token's position
             head = split_message(self.inbox, fmt, self.d, self.dtype)[0]
             head.copy_(dead_unit(fmt, int(req["prompt_len"]) + s, int(req["capacity"]) - 1))
-        self.end = torch.zeros(1, dtype=torch.int64, device=dev)  # the `end` cycle c received
+        # the `end` cycle c received: in the header it sends on (copied from the one it ran)
+        self.end = split_message(self.outbox, fmt, self.d, self.dtype)[0][END:END + 1]
         self.ends = Published(self.ahead + 1, 1, dev)  # each cycle's `end`, for the host
         self.peek = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.graph = CycleGraph(lambda: self.cycle(last=False), dev, f"stage {s}'s cycle",
@@ -165,7 +166,6 @@ class StageCycles:
             head, x = self.inbox, None
         else:
             head, x = split_message(self.inbox, self.fmt, self.d, self.dtype)
-        self.end.copy_(head[END:END + 1])
         out_head, out_rows = split_message(self.outbox, self.fmt, self.d, self.dtype)
         out_head.copy_(head)
         t0 = time.perf_counter()

@@ -80,28 +80,10 @@ class NgramLookup:
 def propose_on_device(tokens, committed, newest, min_len: int, max_len: int = MAX_LEN):
     """`NgramLookup.propose` as fixed-shape device work (spd.runtime.drafting): tokens [C]
     int64, positions < `committed` (0-d int64) committed, then those in flight up to `newest`
-    (0-d int64) -> (token, match length), 0-d int64 each; length 0: no match. An earlier
-    occurrence of the last k tokens ends at j with a committed successor (j + 1 < committed);
-    the latest one wins, and the longest k in [min_len, max_len] that the context holds (the
-    last max_len committed tokens and those in flight)."""
-    import torch
-
-    C, dev = tokens.shape[0], tokens.device
-    j = torch.arange(C, device=dev).view(C, 1)  # where an earlier occurrence ends
-    i = torch.arange(max_len, device=dev)       # how far back from the end
-    at = (j - i).clamp(min=0)
-    back = (newest - i).clamp(min=0)
-    # run[j, k - 1]: the k tokens ending at j equal the k ending at newest
-    run = (tokens[at] == tokens[back]).cumprod(1).bool()
-    k = i + 1
-    ok = run & (j + 1 < committed) & (j >= k - 1)
-    last = torch.where(ok, j, -1).amax(0)  # [max_len]: the latest end for each k
-    held = torch.clamp(committed, max=max_len) + newest + 1 - committed  # the context's length
-    usable = (last >= 0) & (k >= min_len) & (k <= held)
-    length = torch.where(usable, k, 0).amax()
-    end = last.index_select(0, (length - 1).clamp(min=0).view(1))
-    token = tokens.index_select(0, (end + 1).clamp(max=C - 1)).view(())
-    return token, length
+    (0-d int64) -> (token, match length), 0-d int64 each; length 0: no match
+    (spd_kernels.control.lookup_proposal, which a chain's cycle_open runs in its kernel)."""
+    from spd_kernels.control import lookup_proposal
+    return lookup_proposal(tokens, committed, newest, min_len, max_len)
 
 
 __all__ = ["DEFAULT_MIN_LEN", "MAX_LEN", "TRUST", "NgramLookup", "propose_on_device"]

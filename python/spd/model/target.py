@@ -23,7 +23,7 @@ from spd.model.hybrid import (
 )
 from spd.model.hybrid_layout import arrange_layer_, attention_dims, hf_rows, sample_hf_layout
 from spd.model.layers import pack_layer_
-from spd_kernels import verify_greedy
+from spd_kernels import fused_linear, verify_greedy
 from spd_kernels.hybrid_stage import hybrid_stage_step
 from spd_kernels.stage import LayerWeights, StageWeights, stage_step, tree_stage_step
 
@@ -148,6 +148,19 @@ class TargetModel:
     @torch.no_grad()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
+
+    @torch.no_grad()
+    def judge_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`logits` of final rows hidden [R, d] -> [R, V] as one op (the final norm fused into
+        the LM head's product: spd_kernels.fused_linear), in the model's dtype: the samplers
+        compute in float32 from it, as from `logits`. Where the target's norm or head does not
+        allow it (a hybrid target's offset norm, a head with a bias or quantised weights):
+        `logits`."""
+        head = self.lm_head
+        if (self.hybrid or type(head) is not torch.nn.Linear or head.bias is not None
+                or getattr(self.norm, "weight", None) is None):
+            return self.logits(hidden)
+        return fused_linear(hidden, head.weight, norm_weight=self.norm.weight, eps=self.rms_eps)
 
     def fingerprint(self) -> str:
         """Short hash of the architecture and a sample of weights: identifies the target.

@@ -26,6 +26,8 @@ from spd import env
 from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.model.target import Stage
+from spd.runtime.chain_batch import ChainBatch
+from spd.runtime.control import ChainControl
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
 from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP, peek
@@ -58,6 +60,28 @@ class SlotStages:
         raise InternalError("a batch slot's stages run over the whole batch")
 
 
+class SlotSets:
+    """Sets of slots as device tensors, each made once: (the slots [R], no drafts [R] of -1:
+    what verify_greedy compares with). A steady cycle makes no tensor of a Python value."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.made: dict[tuple, tuple] = {}
+
+    def __call__(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        got = self.made.get(slots)
+        if got is None:
+            if len(self.made) >= 256:  # (on a CPU, the live rows' sets: a few patterns)
+                self.made.clear()
+            # (on a GPU from pinned memory, without blocking: the host copy stays cached
+            # beside it, alive until the copy has run)
+            host = torch.tensor(slots, pin_memory=self.device.type == "cuda")
+            got = self.made[slots] = (host.to(self.device, non_blocking=True),
+                                      torch.full((len(slots),), -1, dtype=torch.int64,
+                                                 device=self.device), host)
+        return got[:2]
+
+
 class BatchStages:
     """The n stages over `slots` sequences of units of `width` rows (1: a chain; W: a token
     tree's): each a SlotStage (its weights once, its KV cache [slots, layers, kv_heads,
@@ -74,7 +98,7 @@ class BatchStages:
                                layout.anchors_of_stage(s)] for s in range(n)]
         self.outbox = torch.zeros(slots, n, width, t.hidden_size, dtype=t.dtype,
                                   device=t.device)
-        self._index: dict[tuple, tuple] = {}
+        self.slot_sets = SlotSets(t.device)
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=t.device)
         self.cpu = t.device.type == "cpu"
 
@@ -82,26 +106,15 @@ class BatchStages:
         """Slot `slot`'s stages (views of the batched caches), for its prompt's prefill."""
         return [p.view(slot) for p in self.parts]
 
-    def _slot_index(self, slots: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the slots [R], no drafts [R] of -1: what verify_greedy compares with) on the
-        device, made once per set of slots: no tensor of a Python value in a steady cycle."""
-        got = self._index.get(slots)
-        if got is None:
-            if len(self._index) >= 256:  # (on a CPU, the live rows' sets: a few patterns)
-                self._index.clear()
-            dev = torch.device(self.target.device)
-            # (on a GPU from pinned memory, without blocking: the host copy stays cached
-            # beside it, alive until the copy has run)
-            host = torch.tensor(slots, pin_memory=dev.type == "cuda")
-            got = self._index[slots] = (host.to(dev, non_blocking=True),
-                                        torch.full((len(slots),), -1, dtype=torch.int64,
-                                                   device=dev), host)
-        return got[:2]
+    def begin(self, cycles: dict[int, Cycle]) -> None:
+        pass  # (in one process nothing travels before the stage steps)
 
-    def run(self, cycles: dict[int, Cycle], judge: bool) -> dict[int, torch.Tensor]:
+    def run(self, cycles: dict[int, Cycle], judge: bool,
+            into: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
         """Every stage's step over one unit per slot (cycles: each slot's Cycle, opened); their
         rows land where each sequence keeps them (Cycle.keep) -> each slot's verdict [1] (with
-        `judge`, a greedy chain: the last stage's argmax; else a stand-in). Stage s reads what
+        `judge`, a greedy chain: the last stage's argmax, also at its slot of `into` [slots];
+        else a stand-in). Stage s reads what
         stage s - 1 made last cycle (`outbox`), so the stages run last to first. On a CPU, where
         reading is free, a stage runs only its live units' rows (`peek`, as LocalStages)."""
         t, n, W = self.target, self.n, self.fmt.width
@@ -123,7 +136,7 @@ class BatchStages:
             if not rows:
                 continue
             run = tuple(slots[r] for r in rows)
-            idx, none = self._slot_index(run)
+            idx, none = self.slot_sets(run)
             heads = units[:, s] if len(rows) == len(slots) else units[rows, s]  # [R', H]
             outs = part.run(self.fmt, run, idx, heads,
                             None if s == 0 else self.outbox[idx, s - 1])
@@ -136,6 +149,8 @@ class BatchStages:
                 verdict = verify_greedy(out, t.norm.weight, t.rms_eps, t.lm_head.weight, none,
                                         t.norm_offset)[0]
                 verdicts.update({b: verdict[r:r + 1] for r, b in enumerate(run)})
+                if into is not None:
+                    into.index_copy_(0, idx, verdict)
         return verdicts
 
 
@@ -183,10 +198,15 @@ class BatchedSPD(SlotPool):
         self.stages = BatchStages(engine.target, engine.layout, slots, context, self.width)
         lookup = engine.drafter.lookup
         self.drafters = [PDMDrafter(engine.pdm, lookup=lookup) for _ in range(slots)]
-        # each slot's sequence buffers (tokens, anchors, final) for its `context` rows, once
-        self.buffers = [slot_buffers(engine.target, engine.layout, context)
-                        for _ in range(slots)]
-        self.graphs = MemberGraphs(engine.target.device, "batched decode cycle")
+        # every slot's sequence buffers (tokens, anchors, final) for its `context` rows, once
+        t = engine.target
+        self.tokens, self.anchors, self.final = slot_buffers(t, engine.layout, context, slots)
+        self.graphs = MemberGraphs(t.device, "batched decode cycle")
+        self.control = None
+        if self.width == 1:  # a chain's control: three ops over every slot (ChainBatch)
+            self.control = ChainControl(slots, self.n, self.anchors.shape[1], t.hidden_size,
+                                        t.device, t.dtype)
+            self.chains = ChainBatch(self, lookup)
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int, width: int = 1) -> int:
@@ -205,9 +225,11 @@ class BatchedSPD(SlotPool):
         slot = self.claim(ids.numel(), max_new)
         seq = Sequence(self.target, self.engine.layout, self.drafters[slot], ids, max_new,
                        sampling, DecodeStats(mode="spd", n=self.n), on_token, rule,
-                       width=self.width, buffers=self.buffers[slot])
+                       width=self.width, buffers=(self.tokens[slot], self.anchors[slot],
+                                                  self.final[slot]))
         peeks = self.stages.cpu and not env.replay_check_enabled()
-        entry = Running(slot, seq, Cycle(seq, SlotStages(peeks), ahead=self.ahead))
+        entry = Running(slot, seq, Cycle(seq, SlotStages(peeks), ahead=self.ahead,
+                                         control=self.control, slot=slot))
         self.admit(entry, self._prefill(entry, ids))
         return entry
 
@@ -232,6 +254,8 @@ class BatchedSPD(SlotPool):
         prefilled = entry.slot not in self.prefilling
         if not self.release(entry):
             return
+        if self.control is not None:
+            self.control.free(entry.slot)
         if prefilled:
             entry.cycle.cycles = entry.launched
             entry.cycle.finish()
@@ -239,6 +263,8 @@ class BatchedSPD(SlotPool):
 
     def _cycle(self, entries: tuple[Running, ...]) -> None:
         """One cycle of `entries` (device work: what a graph replays)."""
+        if self.control is not None:
+            return self.chains.cycle(entries)
         cycles = {e.slot: e.cycle for e in entries}
         opened = {b: c.open() for b, c in cycles.items()}
         cycles = {b: c for b, c in cycles.items() if opened[b] is not None}  # (a CPU's skips)
@@ -251,6 +277,18 @@ class BatchedSPD(SlotPool):
         """How the batch's cycles ran: graphs made and captured, replays, checked cycles."""
         return self.graphs.describe()
 
+    def launch_cycle(self, members: tuple[Running, ...]) -> None:
+        """One cycle of `members` through their graph, and its state published: every slot's
+        control rows in one copy (a chain's), or each sequence's (a tree's); all before any is
+        read, as a reader may raise."""
+        self.graphs.launch(members, self._cycle)
+        if self.control is not None:
+            self.chains.publish(members)
+        for e in members:
+            if self.control is None:
+                e.cycle.published.publish(e.launched, e.cycle.state)
+            e.launched += 1
+
     @torch.no_grad()
     def step(self) -> list[Running]:
         """A chunk of each prefill under way, then one cycle of every decoding sequence, and
@@ -259,10 +297,7 @@ class BatchedSPD(SlotPool):
         members = tuple(self.decoding())
         if not members:
             return []
-        self.graphs.launch(members, self._cycle)
-        for e in members:  # (all published before any is read: a reader may raise)
-            e.cycle.published.publish(e.launched, e.cycle.state)
-            e.launched += 1
+        self.launch_cycle(members)
         ended = []
         for e in members:
             while not e.done and e.launched - e.nread > self.ahead:

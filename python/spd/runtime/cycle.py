@@ -29,8 +29,14 @@ README, "How a cycle works", as fixed-shape device work whose outcome is data:
           nothing (`done` gates every update). On a CPU, where reading is free, a cycle looks
           at its units before the stages run and skips the dead ones (`Pipeline.peek`).
 
-Draws: the decode's generator gives W + 2 uniforms every cycle (the draft's, then the
-verifier's: two for a chain, W + 1 for a tree), judged or not, in every runtime.
+Draws: a sampled decode's generator gives W + 2 uniforms every cycle (the draft's, then the
+verifier's: two for a chain, W + 1 for a tree), judged or not, in every runtime; a greedy one
+reads none and draws none.
+
+A chain's control is three ops over a batch (spd_kernels.control: cycle_open lays the cycle
+out, cycle_candidate picks what enters and what is judged, cycle_commit judges and commits);
+its rows are its slot's of a ChainControl (spd.runtime.control), a batch of one when it decodes
+alone. A token tree's control is still the torch code here.
 """
 from __future__ import annotations
 
@@ -39,19 +45,42 @@ from contextlib import nullcontext
 
 import torch
 
+from spd.draft.lookup import TRUST
 from spd.errors import InternalError
+from spd.runtime.control import ChainControl
 from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.drafting import Drafting, Lanes
 from spd.runtime.driver import STOP, Published, drive, peek
 from spd.runtime.unit import LIVE, POS, UnitFormat
 from spd.runtime.verdict import vocab_ids
 from spd_kernels import rejection_sample_logits, tree_rejection_sample
+from spd_kernels.control import (
+    C_TOK,
+    COMMITTED,
+    CYCLE,
+    DONE,
+    EMITTED,
+    END_CYCLE,
+    LOOKUP_ACCEPTED,
+    LOOKUP_JUDGED,
+    NEWEST,
+    STAGE_ROWS,
+    TOKEN,
+    K,
+    N,
+    cycle_candidate,
+    cycle_commit,
+    cycle_open,
+)
+from spd_kernels.control import STATE as FIELDS
 
-FIELDS = ("committed", "newest", "done", "K", "N", "stage_rows", "emitted", "token", "cycle",
-          "end", "lookup_judged", "lookup_accepted")
-(COMMITTED, NEWEST, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN, CYCLE, END_CYCLE, LOOKUP_JUDGED,
- LOOKUP_ACCEPTED) = range(len(FIELDS))
 DEFAULT_AHEAD = 2
+
+
+def end_margin(n: int, ahead: int) -> int:
+    """The cycles from the one that ends a decode to the end cycle every rank stops at: n +
+    ahead + 1 (Cycle's docstring)."""
+    return n + ahead + 1
 
 
 class Roles:
@@ -97,19 +126,33 @@ class Cycle:
     learns it s cycles after stage 0, and reads it `ahead` cycles after that: it knows the end
     before it launches the last cycle, which sends nothing on)."""
 
-    def __init__(self, seq, stages, ahead: int = DEFAULT_AHEAD):
+    def __init__(self, seq, stages, ahead: int = DEFAULT_AHEAD,
+                 control: ChainControl | None = None, slot: int = 0):
+        """control: a batch's ChainControl whose slot `slot` this chain's rows are (None: a
+        batch of one of its own). A token tree keeps its control state here."""
         if ahead < 0:
             raise InternalError("a negative number of cycles ahead", ahead=ahead)
         n, W, dev = seq.n, seq.width, seq.device
         self.seq, self.stages, self.n, self.W, self.ahead = seq, stages, n, W, ahead
         self.tree, self.R = W > 1, n + 1
-        self.margin = n + ahead + 1
+        self.margin = end_margin(n, ahead)
         self.fmt = UnitFormat(n, W)
         self.launching = 0  # the cycle being launched
-        self.state = torch.zeros(len(FIELDS) + 2 * (n + 1), dtype=torch.int64, device=dev)
+        self.ctl, self.at = None, slice(slot, slot + 1)
+        if self.tree:
+            self.state = torch.zeros(len(FIELDS) + 2 * (n + 1), dtype=torch.int64, device=dev)
+            self.units = torch.zeros(n, self.fmt.size, dtype=torch.int64, device=dev)
+            self.lanes = Lanes(n, W, dev)
+        else:
+            if control is None:
+                m, _, d = seq.anchors.shape
+                control = ChainControl(1, n, m, d, dev, seq.anchors.dtype)
+            self.ctl = control
+            control.take(slot, seq)
+            rows = control.rows(slot)
+            self.state, self.units = rows["state"], rows["units"]
+            self.lanes = Lanes(n, W, dev, chain=rows["lanes"])
         self.by_position = self.state[len(FIELDS):].view(n + 1, 2)
-        self.units = torch.zeros(n, self.fmt.size, dtype=torch.int64, device=dev)
-        self.lanes = Lanes(n, W, dev)
         self.drafting = Drafting(seq, self.lanes)
         self.lane_ids = torch.arange(W, device=dev)
         self.first_lane = self.lane_ids == 0
@@ -119,10 +162,13 @@ class Cycle:
         self.steps_back = self.steps.view(-1, 1, 1).expand(n - 1, W, 1).contiguous()
         self.stop_ids = torch.tensor(sorted(seq.stop.stop_ids) or [-1], dtype=torch.int64,
                                      device=dev)
-        self.q_ring: torch.Tensor | None = None  # a sampled chain's q by position mod n + 1
-        self.q_ids: torch.Tensor | None = None
+        self.q_ids: torch.Tensor | None = None  # a sampled chain's q columns' target ids
+        # (the draws of a greedy decode are never read: it takes none)
+        self.no_draws = (torch.zeros(W + 2, device=dev) if seq.sampling.greedy else None)
         self.rows = torch.zeros(n, W, dtype=torch.int64, device=dev)  # where unit rows land
         self.trash = torch.tensor(seq.trash, device=dev)  # (made once: no Python value a cycle)
+        if not self.tree:
+            self._chain_buffers(rows["rows"])
         self.published = Published(ahead + 1, self.state.numel(), dev)
         self.roles = Roles(dev, 1 + len(stages.local))
         # a CPU skips a finished decode's cycles (no peers wait for them)
@@ -136,6 +182,17 @@ class Cycle:
         self.draft_s = 0.0  # the draft step's host time (a CPU's: where it runs as called)
         self.read_at: list[float] = []  # when the host read each cycle's state
         self.done_at: float | None = None  # when the host read the cycle that ended the decode
+
+    def _chain_buffers(self, rows: torch.Tensor) -> None:
+        """A chain's control runs as spd_kernels.control's ops over its slot of the control's
+        batch (`self.ctl`, rows `self.at`); rows [n, 1]: where its units' rows land."""
+        seq, dev = self.seq, self.seq.device
+        self.rows = rows
+        self.trust = torch.tensor(TRUST, device=dev) if seq.lookup_min else None
+        self.embed_weight = seq.target.embed.weight
+        if not isinstance(seq.target.embed, torch.nn.Embedding):
+            raise InternalError("the cycle embeds entering tokens as rows of an nn.Embedding",
+                                embedding=type(seq.target.embed).__name__)
 
     # --- units -----------------------------------------------------------------------------------
     def slot(self, position: torch.Tensor, lane) -> torch.Tensor:
@@ -233,11 +290,13 @@ class Cycle:
         if self.skip_done and peek(st[DONE])[0]:
             st[EMITTED].fill_(0)
             return None
+        if not self.tree:
+            return self._open_chain()
         live = st[DONE] == 0
         committed, newest = st[COMMITTED].clone(), st[NEWEST].clone()
         start = committed - 1
         final = start - st[EMITTED]  # the last cycle's start (drafting: the window)
-        u = torch.rand(self.W + 2, generator=seq.gen, device=st.device)
+        u = self.draws()
         ulive = (self.units[:, LIVE] == 1) & live
         occ = torch.where(ulive, self.units[:, POS], -1)   # the position at each depth
         full = occ[n - 1] >= 0
@@ -248,45 +307,107 @@ class Cycle:
         t0 = time.perf_counter()
         if not seq.post_step:
             with self.roles.on(0):
-                children = self.drafting.draft(newest, start, final, occ, 0, u[0], committed)
+                children = self.drafting.draft(newest, start, final, occ, 0, committed)
             self.draft_s += time.perf_counter() - t0
         return children, u, live, committed, newest, start, final, occ, full
+
+    def draws(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """This cycle's uniforms [W + 2] from the decode's generator (module docstring), into
+        `out` where given (a batch's row); a greedy decode reads none, and draws none."""
+        seq = self.seq
+        if self.no_draws is not None:
+            return self.no_draws
+        return torch.rand(self.W + 2, generator=seq.gen, device=seq.device, out=out)
+
+    def _open_chain(self):
+        seq, ctl, at = self.seq, self.ctl, self.at
+        u = self.draws()
+        cycle_open(ctl.state[at], ctl.units[at], ctl.consts[at], seq.tokens.view(1, -1),
+                   seq.anchors.unsqueeze(0), seq.type_of_depth, ctl.plan[at], ctl.window[at],
+                   int(seq.post_step))
+        self.stages.begin(self)
+        self.roles.fork()
+        draft = None
+        if not seq.post_step:
+            t0 = time.perf_counter()
+            with self.roles.on(0):
+                draft = self.drafting.chain(ctl.plan[at], ctl.window[at], u[0])
+            self.draft_s += time.perf_counter() - t0
+        return draft, u
+
+    def _close_chain(self, opened, verdict: torch.Tensor) -> None:
+        """A chain's cycle after its stage steps: the candidate, the judgement, the commit."""
+        draft, u = opened
+        seq, s, ctl, at = self.seq, self.seq.sampling, self.ctl, self.at
+        self.roles.join(*(() if draft is None else (draft.token, draft.q, draft.p)), verdict)
+        if seq.post_step:  # features one stage deeper: after this cycle's steps
+            t0 = time.perf_counter()
+            draft = self.drafting.chain(ctl.plan[at], None, u[0])
+            self.draft_s += time.perf_counter() - t0
+        q, ring_ids = self.keep_q(draft)
+        cycle_candidate(ctl.plan[at], [t[at] for t in ctl.lanes], draft.token.view(1),
+                        ctl.cand[at], None if draft.p is None else draft.p.view(1), self.trust,
+                        None if q is None else q.view(1, -1), ring_ids,
+                        *((None, None) if q is None else (ctl.q_ring[at], ctl.q_judged[at])),
+                        *((None, None) if s.greedy else (seq.final.unsqueeze(0),
+                                                         ctl.judged_hidden[at])))
+        accepted = None
+        if not s.greedy:
+            verdict, accepted = self.judge_sampled(ctl.judged_hidden[at], ctl.q_judged[at],
+                                                   ctl.cand[at, C_TOK], u[1:3].view(1, 2))
+        cycle_commit(ctl.state[at], ctl.units[at], ctl.consts[at], ctl.plan[at], ctl.cand[at],
+                     [t[at] for t in ctl.lanes], seq.tokens.view(1, -1),
+                     seq.anchors[0].unsqueeze(0), self.embed_weight, ctl.stops[at],
+                     verdict.view(1), accepted, self.margin)
+
+    def keep_q(self, draft):
+        """(q, the target ids of its columns for the ring, or None) of a sampled chain's draft;
+        the first one fixes the ring's size: every target id with the context lookup (its
+        one-hot proposals), else the drafter's columns."""
+        if draft.q is None:
+            return None, None
+        seq = self.seq
+        ring_ids = draft.q_ids if seq.lookup_min else None
+        self.ctl.ring(seq.target.vocab_size if ring_ids is not None else draft.q.numel())
+        if self.q_ids is None and not seq.lookup_min:
+            self.q_ids = draft.q_ids
+        return draft.q, ring_ids
+
+    def judge_sampled(self, hidden, q, cand, u):
+        """Rejection sampling of rows: hidden [R, d] the final rows before the judged
+        positions, q [R, Vr] their draft distributions, cand [R] the candidates, u [R, 2] the
+        draws -> (the committed tokens [R], accepted [R])."""
+        s = self.seq.sampling
+        logits = self.seq.target.judge_logits(hidden)  # [R, V]
+        ids = self.q_ids if self.q_ids is not None else vocab_ids(logits.shape[-1],
+                                                                  logits.device)
+        return rejection_sample_logits(logits, q, ids, cand, u, temperature=s.temperature,
+                                       top_k=s.top_k, top_p=s.top_p)
 
     def close(self, opened, verdict: torch.Tensor) -> None:
         """The cycle after its stage steps (`verdict`: a greedy chain's argmax of the last
         stage): the roles joined, a post-step draft, the judgement and the commit."""
+        if not self.tree:
+            return self._close_chain(opened, verdict)
         children, u, live, committed, newest, start, final, occ, full = opened
         seq = self.seq
         made = () if children is None else (children.tok, children.q, children.score)
         self.roles.join(*made, verdict)
         if seq.post_step:  # features one stage deeper: after this cycle's steps
             t0 = time.perf_counter()
-            children = self.drafting.draft(newest, start, final, occ, 1, u[0], committed)
+            children = self.drafting.draft(newest, start, final, occ, 1, committed)
             self.draft_s += time.perf_counter() - t0
-        self._commit(children, verdict, u, live, committed, newest, full)
+        self._commit(children, u, live, committed, newest, full)
 
-    def _judge(self, c_tok, c_alive, verdict, start, rj, u):
-        """(committed token, accepted, lane) of the judged position's candidates c_tok [W]
-        (live where c_alive), from the final state of `start` (or, a greedy chain, the last
-        stage's argmax `verdict`)."""
+    def _judge(self, c_tok, c_alive, start, u):
+        """A token tree's (committed token, accepted, lane) of the judged position's candidates
+        c_tok [W] (live where c_alive), from the final state of `start`."""
         seq, s = self.seq, self.seq.sampling
-        zero = self.drafting.zero
-        if s.greedy and not self.tree:
-            target = verdict.view(())
-        else:
-            logits = seq.target.logits(seq.final.index_select(0, start.view(1)))  # [1, V]
-            if s.greedy:
-                target = logits[0].argmax()
+        logits = seq.target.logits(seq.final.index_select(0, start.view(1)))  # [1, V]
         if s.greedy:
+            target = logits[0].argmax()
             match = c_alive & (c_tok == target)
             return target, match.any(), match.to(torch.int64).argmax()
-        if not self.tree:
-            ids = self.q_ids if self.q_ids is not None else vocab_ids(logits.shape[-1],
-                                                                      logits.device)
-            tok, ok = rejection_sample_logits(
-                logits, self.q_ring.index_select(0, rj), ids, c_tok[:1], u[1:3].view(1, 2),
-                temperature=s.temperature, top_k=s.top_k, top_p=s.top_p)
-            return tok.view(()), ok.view(()), zero
         # live rows first, in lane order (the order of their scores); a judged position's rows
         # share one parent, so their tokens differ, but a cycle that judges nothing (filling,
         # past the end) may see stale rows: a repeated token is padding there
@@ -298,19 +419,14 @@ class Cycle:
                                            s.top_p)
         return tok.view(()), (which >= 0).view(()), order.index_select(0, which.clamp(min=0))
 
-    def _commit(self, ch, verdict, u, live, committed, newest, full) -> None:
-        """Judge, commit, and lay out the next cycle: the unit that enters stage 0, the lanes,
-        the counts and the state."""
+    def _commit(self, ch, u, live, committed, newest, full) -> None:
+        """A token tree's judgement and commit, and the next cycle's layout: the unit that
+        enters stage 0, the lanes, the counts and the state (a chain's: cycle_commit)."""
         seq, L, st, n, W = self.seq, self.lanes, self.state, self.n, self.W
         trash = seq.trash
         start, j = committed - 1, committed
         rj = (j % self.R).view(1)
         count = newest - start + 1
-        if ch.q is not None:  # a sampled chain: q waits for its judgement by position
-            if self.q_ring is None:  # the first draft fixes q's size (one allocation)
-                self.q_ring = torch.zeros(self.R, ch.q.numel(), device=ch.q.device)
-                self.q_ids = ch.q_ids
-            self.q_ring.index_copy_(0, ((newest + 1) % self.R).view(1), ch.q.view(1, -1))
         # 3. the judged position's candidates: its rows in flight, or after a gap this cycle's
         #    children (known before they enter)
         in_flight = j <= newest
@@ -318,7 +434,7 @@ class Cycle:
         c_alive = torch.where(in_flight, L.alive.index_select(0, rj).view(W), ch.alive)
         c_look = torch.where(in_flight, L.look.index_select(0, rj).view(W), ch.look)
         fill = torch.where(in_flight, L.fill.index_select(0, rj).view(()), count)
-        token, ok, lane = self._judge(c_tok, c_alive, verdict, start, rj, u)
+        token, ok, lane = self._judge(c_tok, c_alive, start, u)
         full = full & live
         ok = ok & full
         rejected = full & ~ok
@@ -327,24 +443,21 @@ class Cycle:
         ended = full & ((token == self.stop_ids).any() | (made + 1 >= seq.max_new))
         going = live & ~ended
         # 4. what survives an accepted row: its descendants, up to `keep`
-        keep = torch.where(acc_in, j, newest) if self.tree else newest
-        child_ok = ch.alive
-        if self.tree:
-            chosen = self.lane_ids == lane
-            L.alive.index_copy_(0, rj, torch.where(acc_in, chosen, L.alive.index_select(0, rj)
-                                                   .view(W)).view(1, W))
-            L.clane.index_copy_(0, rj, torch.where(acc_in, lane, L.clane.index_select(0, rj)
-                                                   .view(())).view(1))
-            # the rows at j + 1 .. j + n - 1 whose ancestor at j is the accepted row live on
-            later = j + self.steps
-            rl = later % self.R
-            descends = L.anc.index_select(0, rl).gather(2, self.steps_back).view(n - 1, W) == lane
-            kept = L.alive.index_select(0, rl) & descends & (later <= newest).view(-1, 1)
-            L.alive.index_copy_(0, rl, torch.where(acc_in, kept, L.alive.index_select(0, rl)))
-            keep = torch.where(acc_in, torch.where(kept.any(1), later, j).amax(), newest)
-            leaf = torch.where(newest == j, chosen, kept.index_select(
-                0, (newest - j - 1).clamp(min=0).view(1)).view(W))
-            child_ok = child_ok & torch.where(acc_in, leaf.index_select(0, ch.par), True)
+        chosen = self.lane_ids == lane
+        L.alive.index_copy_(0, rj, torch.where(acc_in, chosen, L.alive.index_select(0, rj)
+                                               .view(W)).view(1, W))
+        L.clane.index_copy_(0, rj, torch.where(acc_in, lane, L.clane.index_select(0, rj)
+                                               .view(())).view(1))
+        # the rows at j + 1 .. j + n - 1 whose ancestor at j is the accepted row live on
+        later = j + self.steps
+        rl = later % self.R
+        descends = L.anc.index_select(0, rl).gather(2, self.steps_back).view(n - 1, W) == lane
+        kept = L.alive.index_select(0, rl) & descends & (later <= newest).view(-1, 1)
+        L.alive.index_copy_(0, rl, torch.where(acc_in, kept, L.alive.index_select(0, rl)))
+        keep = torch.where(acc_in, torch.where(kept.any(1), later, j).amax(), newest)
+        leaf = torch.where(newest == j, chosen, kept.index_select(
+            0, (newest - j - 1).clamp(min=0).view(1)).view(W))
+        child_ok = ch.alive & torch.where(acc_in, leaf.index_select(0, ch.par), True)
         draft_in = going & (~full | (acc_in & (keep == newest))) & child_ok.any()
         commit_in = going & (rejected | acc_gap)
         enters = draft_in | commit_in
@@ -355,18 +468,15 @@ class Cycle:
         e_alive = torch.where(commit_in, self.first_lane, child_ok) & enters
         L.write(enter, e_tok, e_alive, ch.look & ~commit_in, count,
                 (ch.par, torch.where(commit_in, 0.0, ch.score), torch.where(commit_in, 0, -1),
-                 torch.where(commit_in, 0, ch.anc)) if self.tree else None)
+                 torch.where(commit_in, 0, ch.anc)))
         # the buffers: the committed token at its position, the entering rows' tokens and
-        # embeddings where they live; a tree's accepted row moves to its position
+        # embeddings where they live; the accepted row moves to its position
         seq.tokens.index_copy_(0, torch.where(full, j, trash).view(1), token.view(1))
-        if self.tree:
-            e_rows = torch.where(e_alive, torch.where(commit_in & self.first_lane, enter,
-                                                      self.slot(enter, self.lane_ids)), trash)
-            src = self.slot(j, lane).view(1)
-            seq.anchors.index_copy_(1, torch.where(acc_in, j, trash).view(1),
-                                    seq.anchors.index_select(1, src))
-        else:
-            e_rows = torch.where(enters, enter, trash).view(1)
+        e_rows = torch.where(e_alive, torch.where(commit_in & self.first_lane, enter,
+                                                  self.slot(enter, self.lane_ids)), trash)
+        src = self.slot(j, lane).view(1)
+        seq.anchors.index_copy_(1, torch.where(acc_in, j, trash).view(1),
+                                seq.anchors.index_select(1, src))
         seq.tokens.index_copy_(0, e_rows, e_tok)
         seq.anchors[0].index_copy_(0, e_rows, seq.target.embed_tokens(e_tok))
         # the counts: the judged draft by draft position, the lookup's, N, K, the stage rows
@@ -386,11 +496,11 @@ class Cycle:
             token, cycle, end]))
         # the next cycle's units: the one entering stage 0, then each stage's moved one on
         # (those past the last surviving position, or all after a rejection, die)
-        anc = ch.anc[:, :n] if self.tree else None  # each child's lane k positions back
         prefix = torch.where(commit_in, j, committed + full)
-        cpos = torch.where(acc_in, j, trash) if self.tree else self.trash
-        cslot = torch.where(acc_in, self.slot(j, lane), trash) if self.tree else self.trash
-        head = self.make_unit(enter, enters, commit_in, e_tok, e_alive, prefix, cpos, cslot, anc)
+        cpos = torch.where(acc_in, j, trash)
+        cslot = torch.where(acc_in, self.slot(j, lane), trash)
+        head = self.make_unit(enter, enters, commit_in, e_tok, e_alive, prefix, cpos, cslot,
+                              ch.anc[:, :n])
         bound = torch.where(rejected, -1, torch.where(acc_in, keep, newest))
         moved = self.units[:-1].clone()
         moved[:, LIVE] = ((moved[:, LIVE] == 1) & (moved[:, POS] <= bound) & ~done).to(

@@ -26,6 +26,7 @@ import torch
 
 from spd.draft.lookup import TRUST, propose_on_device
 from spd_kernels import filtered_probs
+from spd_kernels.control import P_CHILD, P_LAST, P_W0, plan_window
 
 
 @dataclass
@@ -49,9 +50,14 @@ class Lanes:
     [n + 1] the committed lane (-1: not committed); fill [n + 1] the tokens in flight when the
     position was drafted (its draft position)."""
 
-    def __init__(self, n: int, width: int, device):
+    def __init__(self, n: int, width: int, device, chain=None):
         R, W = n + 1, width
         self.n, self.R, self.W = n, R, W
+        if chain is not None:  # a chain's (tok, alive, look, fill [R]): a batch's rows
+            tok, alive, look, fill = chain
+            self.tok, self.alive, self.look = tok.view(R, 1), alive.view(R, 1), look.view(R, 1)
+            self.fill = fill
+            return
         self.tok = torch.zeros(R, W, dtype=torch.int64, device=device)
         self.par = torch.zeros(R, W, dtype=torch.int64, device=device)
         self.score = torch.zeros(R, W, dtype=torch.float32, device=device)
@@ -92,13 +98,9 @@ class Drafting:
         # [k, l, k']: how far back offset k' lies from offset k (0 past it: masked anyway)
         back = (self.offsets.view(-1, 1) - self.offsets.view(1, -1)).clamp(min=0)
         self.back = back.view(n + 1, 1, n + 1).expand(n + 1, W, n + 1).contiguous()
-        self.vocab_ids = torch.arange(seq.target.vocab_size, device=dev)
         # constants a cycle reads (made here once: a cycle makes no tensor of a Python value)
-        self.no = torch.zeros((), dtype=torch.bool, device=dev)
         self.zero = torch.zeros((), dtype=torch.int64, device=dev)
         self.no_score = torch.tensor(float("-inf"), device=dev)
-        self.chain_rows = (torch.zeros(1, dtype=torch.int64, device=dev),  # par, score, alive
-                           torch.zeros(1, device=dev), torch.ones(1, dtype=torch.bool, device=dev))
 
     def window(self, newest, start, final, occ, extra: int):
         """(positions [n + 1], w0 [1], last [1]: the newest's offset, types [n + 1]) of this
@@ -112,34 +114,22 @@ class Drafting:
         types = seq.type_of_depth[(depth + extra).clamp(max=n)]
         return pos, w0, newest - w0, types
 
-    def draft(self, newest, start, final, occ, extra: int, uniform, committed) -> Children:
+    def draft(self, newest, start, final, occ, extra: int, committed) -> Children:
+        """A token tree's children of the newest position."""
         pos, w0, last, types = self.window(newest, start, final, occ, extra)
-        if self.tree:
-            return self._tree(pos, w0, last, types, start, committed, newest)
-        return self._chain(pos, w0, last, types, newest, committed, uniform)
+        return self._tree(pos, w0, last, types, start, committed, newest)
 
     # --- a chain ---------------------------------------------------------------------------------
-    def _chain(self, pos, w0, last, types, newest, committed, uniform) -> Children:
-        seq = self.seq
-        window = seq.anchors.index_select(1, pos)
-        d = seq.drafter.draft(window, types, w0, newest + 1, seq.sampling, uniform, last)
-        token, q, q_ids = d.token.view(()), d.q, d.q_ids
-        used = self.no
-        if seq.lookup_min:
-            found, length = propose_on_device(seq.tokens, committed, newest, seq.lookup_min)
-            used = length > 0
-            if d.p is not None:  # the gate: the lookup's token where the PDM is less sure
-                used = used & (d.p < self.trust.index_select(0, length.view(1)).view(()))
-            if q is not None:  # one-hot on the lookup's token, over every target id (one shape
-                # every cycle: the token may be outside the drafter's columns)
-                ids = self.vocab_ids
-                if q_ids is not None:
-                    q = torch.zeros(ids.shape[0], dtype=q.dtype, device=q.device).index_copy_(
-                        0, q_ids, q)
-                q, q_ids = torch.where(used, (ids == found).to(q.dtype), q), None
-            token = torch.where(used, found, token)
-        par, score, alive = self.chain_rows
-        return Children(token.view(1), par, score, alive, used.view(1), q, q_ids)
+    def chain(self, plan, window, uniform):
+        """The drafter's guess (spd.draft.drafters.Draft) for the newest position's child, from
+        spd_kernels.cycle_open's plan [1, P] and window [1, m, n + 1, d] (None: post-step
+        features, read now). The context lookup's proposal and its gate are the candidate's
+        (spd_kernels.cycle_candidate)."""
+        seq, p = self.seq, plan[0]
+        pos, types = plan_window(p, self.n)
+        window = seq.anchors.index_select(1, pos) if window is None else window[0]
+        return seq.drafter.draft(window, types, p[P_W0:P_W0 + 1], p[P_CHILD], seq.sampling,
+                                 uniform, p[P_LAST:P_LAST + 1])
 
     # --- a token tree ----------------------------------------------------------------------------
     def _ancestors(self, pos, start):

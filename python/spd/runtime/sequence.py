@@ -33,14 +33,16 @@ def check_tree_width(width) -> int:
     return width
 
 
-def slot_buffers(target: TargetModel, layout: DepthLayout, rows: int) -> tuple:
+def slot_buffers(target: TargetModel, layout: DepthLayout, rows: int,
+                 slots: int | None = None) -> tuple:
     """A sequence's buffers for up to `rows` rows (module docstring): (tokens [rows] int64,
-    anchors [m, rows, d], final [rows, d])."""
-    t = target
-    return (torch.zeros(rows, dtype=torch.int64, device=t.device),
-            torch.zeros(len(layout.anchors), rows, t.hidden_size, device=t.device,
+    anchors [m, rows, d], final [rows, d]); with `slots`, those of that many sequences, the
+    slot first ([slots, ...] each: slot b's are [b])."""
+    t, first = target, () if slots is None else (slots,)
+    return (torch.zeros(*first, rows, dtype=torch.int64, device=t.device),
+            torch.zeros(*first, len(layout.anchors), rows, t.hidden_size, device=t.device,
                         dtype=t.dtype),
-            torch.zeros(rows, t.hidden_size, device=t.device, dtype=t.dtype))
+            torch.zeros(*first, rows, t.hidden_size, device=t.device, dtype=t.dtype))
 
 
 class Sequence:

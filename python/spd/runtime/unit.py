@@ -30,9 +30,9 @@ import torch
 
 from spd.model.partition import DepthLayout
 from spd.model.target import Stage
+from spd_kernels.control import CPOS, CSLOT, END, LIVE, POS, PREFIX, UNIT  # noqa: F401
 
-POS, END, LIVE, PREFIX, CPOS, CSLOT = range(6)
-FIXED = 6
+FIXED = len(UNIT)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,142 @@
+"""A batch of token chains' cycle: the control as three ops over every slot at once.
+
+Each sequence's Cycle (spd.runtime.cycle) holds views of its slot's rows of the batch's
+ChainControl (spd.runtime.control), and one sequence's cycle runs its three control ops over a
+batch of one. Here a batch's cycle runs each of them once over all the slots:
+
+  1. cycle_open over every slot (the plans, the windows), then each sequence's draws (a sampled
+     one's; a greedy one takes none) and its drafter's step on the drafter's stream;
+  2. every stage once over one unit a sequence (BatchStages.run), a greedy verdict landing at
+     its slot;
+  3. cycle_candidate over every slot, each sampled group (sequences of one temperature, top-k,
+     top-p) judged by one rejection sampling over its rows, and cycle_commit over every slot.
+
+A free slot is a finished sequence: the ops run over it and change nothing another reads. The
+host reads every slot's state from one copy a step, each sequence its row (`publish`).
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+from spd.draft.lookup import TRUST
+from spd.runtime.cycle import Roles, end_margin
+from spd.runtime.driver import Published
+from spd_kernels.control import C_TOK, cycle_candidate, cycle_commit, cycle_open
+
+
+class SlotReader:
+    """A sequence's row of the batch's published states (its Cycle's `published`): its cycle
+    c is the batch's step `first` + c."""
+
+    def __init__(self, batch: ChainBatch, slot: int, first: int):
+        self.batch, self.slot, self.first = batch, slot, first
+
+    def read(self, c: int) -> list[int]:
+        S = self.batch.control.state.shape[1]
+        got = self.batch.published.read(self.first + c)
+        return got[self.slot * S:(self.slot + 1) * S]
+
+
+class ChainBatch:
+    """The fused cycle of a BatchedSPD's chains (module docstring)."""
+
+    def __init__(self, batch, lookup: int):
+        self.batch, self.control = batch, batch.control
+        t, dev = batch.target, torch.device(batch.target.device)
+        ctl = self.control
+        self.lookup = lookup
+        self.trust = torch.tensor(TRUST, device=dev) if lookup else None
+        layout, n = batch.engine.layout, batch.n
+        self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
+                                          device=dev)
+        self.embed_weight = t.embed.weight
+        self.roles = Roles(dev, 1)
+        self.margin = end_margin(n, batch.ahead)
+        # stand-ins at the rows of slots with no draft this cycle (made once)
+        self.no_token = torch.zeros((), dtype=torch.int64, device=dev)
+        self.no_gate = torch.tensor(float("-inf"), device=dev)
+        self._no_q: torch.Tensor | None = None
+        self.published = Published(batch.ahead + 1, ctl.state.numel(), dev)
+        self.steps = 0
+
+    def cycle(self, entries) -> None:
+        """One cycle of `entries` (the Running sequences decoding): device work only."""
+        b_, ctl = self.batch, self.control
+        cycles = {e.slot: e.cycle for e in entries}
+        b_.stages.begin(cycles)  # (across ranks: the units out, the snaps' receives posted)
+        draws = {b: c.draws(ctl.draws[b]) for b, c in cycles.items()}
+        cycle_open(ctl.state, ctl.units, ctl.consts, b_.tokens, b_.anchors, self.type_of_depth,
+                   ctl.plan, ctl.window)
+        self.roles.fork()
+        drafts = {}
+        with self.roles.on(0):
+            for b, c in cycles.items():
+                t0 = time.perf_counter()
+                drafts[b] = c.drafting.chain(ctl.plan[b:b + 1], ctl.window[b:b + 1],
+                                             draws[b][0])
+                c.draft_s += time.perf_counter() - t0
+        greedy = any(c.seq.sampling.greedy for c in cycles.values())
+        b_.stages.run(cycles, greedy, into=ctl.verdict)
+        self.roles.join(*(x for d in drafts.values() for x in (d.token, d.q, d.p)))
+        slots = range(ctl.slots)
+        draft = torch.stack([drafts[b].token.view(()) if b in drafts else self.no_token
+                             for b in slots])
+        p = None  # (a drafter without the gate's confidence: -inf, which the gate passes)
+        if self.lookup and any(d.p is not None for d in drafts.values()):
+            p = torch.stack([drafts[b].p.view(()).float() if b in drafts and drafts[b].p
+                             is not None else self.no_gate for b in slots])
+        sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
+        q = ring_ids = None
+        if sampled:
+            for b in sampled:
+                q_b, ring_ids = cycles[b].keep_q(drafts[b])
+            q = torch.stack([drafts[b].q if b in sampled else self._stand_in_q(q_b)
+                             for b in slots])
+        cycle_candidate(ctl.plan, ctl.lanes, draft, ctl.cand, p, self.trust, q, ring_ids,
+                        *((ctl.q_ring, ctl.q_judged) if sampled else (None, None)),
+                        *((b_.final, ctl.judged_hidden) if sampled else (None, None)))
+        verdict, accepted = ctl.verdict, None
+        if sampled:
+            verdict, accepted = self._judge(cycles, sampled, draws)
+        cycle_commit(ctl.state, ctl.units, ctl.consts, ctl.plan, ctl.cand, ctl.lanes, b_.tokens,
+                     b_.anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
+                     accepted.view(-1) if accepted is not None else None, self.margin)
+
+    def _stand_in_q(self, like: torch.Tensor) -> torch.Tensor:
+        if self._no_q is None or self._no_q.shape != like.shape:  # (a distribution: see
+            self._no_q = torch.ones_like(like).div_(like.numel())  # ChainControl.ring)
+        return self._no_q
+
+    def _judge(self, cycles, sampled: list[int], draws):
+        """Rejection sampling of the sampled sequences -> (verdict, accepted) [slots] for
+        cycle_commit. Every slot one sampled group (one temperature, top-k and top-p): one
+        sampling over every slot's row (a free slot's rows are judged and never read). Else each
+        group over its rows, the tokens and verdicts at their slots."""
+        ctl = self.control
+        groups = defaultdict(list)
+        for b in sampled:
+            s = cycles[b].seq.sampling
+            groups[(s.temperature, s.top_k, s.top_p)].append(b)
+        judge = cycles[sampled[0]].judge_sampled
+        if len(groups) == 1 and len(sampled) == len(cycles):
+            return judge(ctl.judged_hidden, ctl.q_judged, ctl.cand[:, C_TOK], ctl.draws[:, 1:3])
+        for group in groups.values():
+            idx = self.batch.stages.slot_sets(tuple(group))[0]  # (made once a set)
+            tok, ok = cycles[group[0]].judge_sampled(
+                ctl.judged_hidden.index_select(0, idx), ctl.q_judged.index_select(0, idx),
+                ctl.cand[:, C_TOK].index_select(0, idx), ctl.draws[:, 1:3].index_select(0, idx))
+            ctl.verdict.index_copy_(0, idx, tok.view(-1))
+            ctl.accepted.index_copy_(0, idx, ok.view(-1))
+        return ctl.verdict, ctl.accepted
+
+    def publish(self, members) -> None:
+        """Every slot's state after this step, in one copy; a member that launches its first
+        cycle now reads its row from this step on."""
+        for e in members:
+            if e.launched == 0:
+                e.cycle.published = SlotReader(self, e.slot, self.steps)
+        self.published.publish(self.steps, self.control.state.view(-1))
+        self.steps += 1
