@@ -131,7 +131,7 @@ def _candidate(b, plan, n, backend, sampled: str | None, gate: bool):
     return cand, ring, judged, hidden
 
 
-@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("n", [1, 4])
 @pytest.mark.parametrize("sampled", [None, "as_is", "ids"])
 @pytest.mark.parametrize("gate", [False, True])
 def test_candidate_matches_the_reference(n, sampled, gate):
@@ -237,17 +237,14 @@ def _decode(prompts, sampling, lookup: int, backend: str):
 
 
 @pytest.mark.skipif(TRITON_DEVICE != "cpu", reason="compares CPU decodes (the interpreter)")
-@pytest.mark.parametrize("batch", [1, 3])
-def test_decodes_on_the_kernels_equal_those_on_the_references(batch):
-    """One sequence (sampled) and a batch (greedy and sampled together), with the context
-    lookup on a prompt that repeats: the same tokens, N, K, judged and accepted drafts. (Each
-    branch without the lookup: the kernels' tests above.)"""
-    lookup = 2
+def test_decodes_on_the_kernels_equal_those_on_the_references():
+    """A batch (greedy and sampled sequences together, with the context lookup on a prompt
+    that repeats) on the kernels and on the references: the same tokens, N, K, judged and
+    accepted drafts. (One sequence runs the same ops over a batch of one.)"""
+    batch, lookup = 3, 2
     from spd import SamplingParams
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6] * 2, [2, 7, 1, 8, 2, 8], [1, 1, 2, 3, 5, 8, 13]][:batch]
     sampling = [SamplingParams(), SamplingParams(temperature=0.9, seed=4),
                 SamplingParams(temperature=1.0, top_k=5, seed=2)][:batch]
-    if batch == 1:
-        sampling = [SamplingParams(temperature=0.9, seed=4)]
     want = _decode(prompts, sampling, lookup, "reference")
     assert _decode(prompts, sampling, lookup, "triton") == want

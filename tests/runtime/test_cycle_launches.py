@@ -26,7 +26,7 @@ def target():
 
 @pytest.mark.parametrize("kind,lookup", [("greedy", 0), ("greedy", 2), ("sampled", 2)])
 def test_one_sequence(target, kind, lookup):
-    ops = probe.count_one(kind, 4, 1, lookup, target=target)
+    ops = probe.count_one(kind, 4, 1, lookup, tokens=16, target=target)
     assert len(ops) <= LIMIT, Counter(ops)
     assert CONTROL <= set(ops)  # (the count saw the cycle's control)
 
@@ -34,7 +34,7 @@ def test_one_sequence(target, kind, lookup):
 @pytest.mark.parametrize("batch", [1, 8])
 def test_a_greedy_batch(target, batch):
     """The control's ops run once over every slot: the count does not grow with the batch."""
-    ops = probe.count_batch("greedy", batch, 4, 1, target=target)
+    ops = probe.count_batch("greedy", batch, 4, 1, tokens=16, target=target)
     assert len(ops) <= LIMIT, Counter(ops)
     assert CONTROL <= set(ops)
 
@@ -48,5 +48,5 @@ def _counting_factory(rank: int):
 def test_every_stage_rank():
     """n = 3 stage ranks, sampled (the last stage sends its rows back): each rank's cycle
     outside its stage step and its messages."""
-    for s, ops in enumerate(probe.count_stage_ranks("sampled", 3, 1, factory=_counting_factory)):
+    for s, ops in enumerate(probe.count_stage_ranks("sampled", 3, 1, tokens=14, factory=_counting_factory)):
         assert 0 < len(ops) <= LIMIT, (s, Counter(ops))

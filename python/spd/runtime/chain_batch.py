@@ -63,12 +63,18 @@ class ChainBatch:
         self.steps = 0
 
     def cycle(self, entries) -> None:
-        """One cycle of `entries` (the Running sequences decoding): device work only."""
-        b_, ctl = self.batch, self.control
+        """One cycle of `entries` (the Running sequences decoding): device work only. The ops
+        run over the slots up to the last one decoding (`k`: slots are taken lowest first, so
+        a batch with few sequences pays for few rows; what a graph records is the same work
+        every cycle of its members)."""
+        b_ = self.batch
         cycles = {e.slot: e.cycle for e in entries}
+        k = max(cycles, default=0) + 1
+        ctl = self.control.first(k)
+        tokens, anchors, final = b_.tokens[:k], b_.anchors[:k], b_.final[:k]
         b_.stages.begin(cycles)  # (across ranks: the units out, the snaps' receives posted)
         draws = {b: c.draws(ctl.draws[b]) for b, c in cycles.items()}
-        cycle_open(ctl.state, ctl.units, ctl.consts, b_.tokens, b_.anchors, self.type_of_depth,
+        cycle_open(ctl.state, ctl.units, ctl.consts, tokens, anchors, self.type_of_depth,
                    ctl.plan, ctl.window)
         self.roles.fork()
         drafts = {}
@@ -79,9 +85,9 @@ class ChainBatch:
                                              draws[b][0])
                 c.draft_s += time.perf_counter() - t0
         greedy = any(c.seq.sampling.greedy for c in cycles.values())
-        b_.stages.run(cycles, greedy, into=ctl.verdict)
+        b_.stages.run(cycles, greedy, into=self.control.verdict)
         self.roles.join(*(x for d in drafts.values() for x in (d.token, d.q, d.p)))
-        slots = range(ctl.slots)
+        slots = range(k)
         draft = torch.stack([drafts[b].token.view(()) if b in drafts else self.no_token
                              for b in slots])
         p = None  # (a drafter without the gate's confidence: -inf, which the gate passes)
@@ -93,16 +99,17 @@ class ChainBatch:
         if sampled:
             for b in sampled:
                 q_b, ring_ids = cycles[b].keep_q(drafts[b])
+            ctl = self.control.first(k)  # (the first sampled draft made the q ring)
             q = torch.stack([drafts[b].q if b in sampled else self._stand_in_q(q_b)
                              for b in slots])
         cycle_candidate(ctl.plan, ctl.lanes, draft, ctl.cand, p, self.trust, q, ring_ids,
                         *((ctl.q_ring, ctl.q_judged) if sampled else (None, None)),
-                        *((b_.final, ctl.judged_hidden) if sampled else (None, None)))
+                        *((final, ctl.judged_hidden) if sampled else (None, None)))
         verdict, accepted = ctl.verdict, None
         if sampled:
-            verdict, accepted = self._judge(cycles, sampled, draws)
-        cycle_commit(ctl.state, ctl.units, ctl.consts, ctl.plan, ctl.cand, ctl.lanes, b_.tokens,
-                     b_.anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
+            verdict, accepted = self._judge(ctl, cycles, sampled)
+        cycle_commit(ctl.state, ctl.units, ctl.consts, ctl.plan, ctl.cand, ctl.lanes, tokens,
+                     anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
                      accepted.view(-1) if accepted is not None else None, self.margin)
 
     def _stand_in_q(self, like: torch.Tensor) -> torch.Tensor:
@@ -110,12 +117,12 @@ class ChainBatch:
             self._no_q = torch.ones_like(like).div_(like.numel())  # ChainControl.ring)
         return self._no_q
 
-    def _judge(self, cycles, sampled: list[int], draws):
-        """Rejection sampling of the sampled sequences -> (verdict, accepted) [slots] for
-        cycle_commit. Every slot one sampled group (one temperature, top-k and top-p): one
-        sampling over every slot's row (a free slot's rows are judged and never read). Else each
-        group over its rows, the tokens and verdicts at their slots."""
-        ctl = self.control
+    def _judge(self, ctl, cycles, sampled: list[int]):
+        """Rejection sampling of the sampled sequences -> (verdict, accepted) [k] for
+        cycle_commit (ctl: the control's first k slots). Every slot decoding in one sampled
+        group (one temperature, top-k and top-p): one sampling over all k rows (a free slot's
+        rows are judged and never read). Else each group over its rows, the tokens and verdicts
+        at their slots."""
         groups = defaultdict(list)
         for b in sampled:
             s = cycles[b].seq.sampling

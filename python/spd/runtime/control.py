@@ -78,6 +78,18 @@ class ChainControl:
         if stop:
             self.stops[slot, :len(stop)] = torch.tensor(stop)
 
+    def first(self, k: int) -> ChainControl:
+        """The first k slots' rows (views), as a control of k slots."""
+        part = object.__new__(ChainControl)
+        part.__dict__.update(self.__dict__)
+        part.slots = k
+        for name in ("state", "units", "plan", "cand", "consts", "stops", "window",
+                     "judged_hidden", "draws", "verdict", "accepted", "q_ring", "q_judged"):
+            t = getattr(self, name)
+            setattr(part, name, None if t is None else t[:k])
+        part.lanes = [t[:k] for t in self.lanes]
+        return part
+
     def free(self, slot: int) -> None:
         """The slot's sequence left (ended, or told to): it is finished on the device too."""
         self.state[slot, DONE].fill_(1)
