@@ -8,80 +8,54 @@ reference's order.
 """
 from __future__ import annotations
 
-from spd_kernels import dispatch
+from spd_kernels import control, dispatch
 from spd_kernels._triton import HAS_TRITON, INTERPRET, next_pow2, tl, triton
-from spd_kernels.control import (
-    C_ALIVE,
-    C_CHILD,
-    C_CHILD_LOOK,
-    C_FILL,
-    C_LOOK,
-    C_TOK,
-    CAND,
-    COMMITTED,
-    CYCLE,
-    DONE,
-    EMITTED,
-    END_CYCLE,
-    GREEDY,
-    LIVE,
-    LOOKUP_ACCEPTED,
-    LOOKUP_JUDGED,
-    LOOKUP_MAX,
-    LOOKUP_MIN,
-    MAX_NEW,
-    NEWEST,
-    P_CHILD,
-    P_COMMITTED,
-    P_FINAL,
-    P_FOUND,
-    P_FULL,
-    P_LAST,
-    P_LENGTH,
-    P_LIVE,
-    P_NEWEST,
-    P_W0,
-    PLAN,
-    POS,
-    STAGE_ROWS,
-    STATE,
-    TOKEN,
-    TRASH,
-    K,
-    N,
-)
+from spd_kernels.control import CAND, LOOKUP_MAX, PLAN, STATE
 
 ROW_BLOCK = 1024 if not INTERPRET else 4096  # elements a row copy moves per step
 
 if HAS_TRITON:
+    # the fields' indices as constants (a compiled kernel reads no other global)
+    (COMMITTED, NEWEST, DONE, K, N, STAGE_ROWS, EMITTED, TOKEN, CYCLE, END_CYCLE,
+     LOOKUP_JUDGED, LOOKUP_ACCEPTED) = map(tl.constexpr, (
+         control.COMMITTED, control.NEWEST, control.DONE, control.K, control.N,
+         control.STAGE_ROWS, control.EMITTED, control.TOKEN, control.CYCLE, control.END_CYCLE,
+         control.LOOKUP_JUDGED, control.LOOKUP_ACCEPTED))
+    POS, LIVE = map(tl.constexpr, (control.POS, control.LIVE))
+    TRASH, MAX_NEW, LOOKUP_MIN, GREEDY = map(tl.constexpr, (
+        control.TRASH, control.MAX_NEW, control.LOOKUP_MIN, control.GREEDY))
+    (P_COMMITTED, P_NEWEST, P_LIVE, P_FULL, P_FINAL, P_W0, P_LAST, P_CHILD, P_FOUND,
+     P_LENGTH) = map(tl.constexpr, (
+         control.P_COMMITTED, control.P_NEWEST, control.P_LIVE, control.P_FULL, control.P_FINAL,
+         control.P_W0, control.P_LAST, control.P_CHILD, control.P_FOUND, control.P_LENGTH))
+    C_CHILD, C_CHILD_LOOK, C_TOK, C_ALIVE, C_LOOK, C_FILL = map(tl.constexpr, (
+        control.C_CHILD, control.C_CHILD_LOOK, control.C_TOK, control.C_ALIVE, control.C_LOOK,
+        control.C_FILL))
 
     @triton.jit
     def _open_kernel(state, s_b, units, u_b, u_n, consts, c_b, tokens, t_b, C, anchors, a_b,
                      a_m, a_c, window, w_b, w_m, w_k, d, tod, plan, p_b,
                      NS: tl.constexpr, EXTRA: tl.constexpr, MAXL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BLOCK_D: tl.constexpr, F_COMMITTED: tl.constexpr, F_NEWEST: tl.constexpr,
-                     F_DONE: tl.constexpr, F_EMITTED: tl.constexpr, U_POS: tl.constexpr,
-                     U_LIVE: tl.constexpr, K_TRASH: tl.constexpr, K_LMIN: tl.constexpr,
-                     HEAD: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HEAD: tl.constexpr):
         """Program (b, 0): sequence b's plan; program (b, 1 + r): row r of its window."""
         b = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
         st = state + b * s_b
-        committed = tl.load(st + F_COMMITTED)
-        newest = tl.load(st + F_NEWEST)
+        committed = tl.load(st + COMMITTED)
+        newest = tl.load(st + NEWEST)
         start = committed - 1
-        final = start - tl.load(st + F_EMITTED)
+        final = start - tl.load(st + EMITTED)
         w0 = tl.maximum(tl.maximum(newest - NS, final), 0)
         if which == 0:
-            live = tl.load(st + F_DONE) == 0
-            trash = tl.load(consts + b * c_b + K_TRASH)
-            lmin = tl.load(consts + b * c_b + K_LMIN)
+            live = tl.load(st + DONE) == 0
+            trash = tl.load(consts + b * c_b + TRASH)
+            lmin = tl.load(consts + b * c_b + LOOKUP_MIN)
             k = tl.arange(0, BLOCK_N)
             kin = k < NS
             ub = units + b * u_b + k * u_n
-            upos = tl.load(ub + U_POS, mask=kin, other=0)
-            ulive = (tl.load(ub + U_LIVE, mask=kin, other=0) == 1) & live & kin
+            upos = tl.load(ub + POS, mask=kin, other=0)
+            ulive = (tl.load(ub + LIVE, mask=kin, other=0) == 1) & live & kin
             occ = tl.where(ulive, upos, -1)
             full = tl.sum(tl.where(k == NS - 1, occ, 0), axis=0) >= 0
             pl = plan + b * p_b
@@ -127,11 +101,11 @@ if HAS_TRITON:
             tl.store(pl + P_CHILD, newest + 1)
             tl.store(pl + P_FOUND, tl.where(on, found, 0))
             tl.store(pl + P_LENGTH, tl.where(on, length, 0))
-        else:
+        else:  # (names of their own: a name both branches set must be of one type)
             r = which - 1
             m = r // (NS + 1)
-            pos = w0 + r % (NS + 1)
-            src = anchors + b * a_b + m * a_m + pos * a_c
+            r_pos = w0 + r % (NS + 1)
+            src = anchors + b * a_b + m * a_m + r_pos * a_c
             dst = window + b * w_b + m * w_m + (r % (NS + 1)) * w_k
             for c0 in range(0, d, BLOCK_D):
                 cols = c0 + tl.arange(0, BLOCK_D)
@@ -193,6 +167,22 @@ if HAS_TRITON:
                 cols = c0 + tl.arange(0, BLOCK)
                 tl.store(hidden + b * h_b + cols, tl.load(src + cols, mask=cols < d),
                          mask=cols < d)
+
+    @triton.jit
+    def commit_state(st, committed, full, new_newest, done, live, made, rows, token, cycle,
+                     end):
+        """A commit's state fields (spd_kernels.control.STATE) at st: a chain's and a token
+        tree's (spd_kernels.tree_control_triton)."""
+        tl.store(st + COMMITTED, committed + full.to(tl.int64))
+        tl.store(st + NEWEST, new_newest)
+        tl.store(st + DONE, done.to(tl.int64))
+        tl.store(st + K, tl.load(st + K) + live.to(tl.int64))
+        tl.store(st + N, made)
+        tl.store(st + STAGE_ROWS, tl.load(st + STAGE_ROWS) + tl.where(live, rows, 0))
+        tl.store(st + EMITTED, full.to(tl.int64))
+        tl.store(st + TOKEN, token)
+        tl.store(st + CYCLE, cycle)
+        tl.store(st + END_CYCLE, end)
 
     @triton.jit
     def _commit_kernel(state, s_b, units, u_b, u_n, consts, c_b, plan, p_b, cand, ca_b,
@@ -270,16 +260,7 @@ if HAS_TRITON:
         k = tl.arange(0, BLOCK_N)
         rows = tl.sum(((tl.load(pl + HEAD + k, mask=k < NS, other=0) != trash)
                        & (k < NS)).to(tl.int64), axis=0)
-        tl.store(st + COMMITTED, committed + full.to(tl.int64))
-        tl.store(st + NEWEST, new_newest)
-        tl.store(st + DONE, done.to(tl.int64))
-        tl.store(st + K, tl.load(st + K) + live.to(tl.int64))
-        tl.store(st + N, made)
-        tl.store(st + STAGE_ROWS, tl.load(st + STAGE_ROWS) + tl.where(live, rows, 0))
-        tl.store(st + EMITTED, full.to(tl.int64))
-        tl.store(st + TOKEN, token)
-        tl.store(st + CYCLE, cycle)
-        tl.store(st + END_CYCLE, end)
+        commit_state(st, committed, full, new_newest, done, live, made, rows, token, cycle, end)
         # the units: each moves a stage on (dead past the bound), the entering one at stage 0
         ub = units + b * u_b
         h = tl.arange(0, BLOCK_H)
@@ -325,9 +306,7 @@ def cycle_open_triton(state, units, consts, tokens, anchors, type_of_depth, plan
         anchors.stride(2), window, window.stride(0), window.stride(1), window.stride(2), d,
         type_of_depth, plan, plan.stride(0), NS=n, EXTRA=extra, MAXL=LOOKUP_MAX,
         BLOCK_N=next_pow2(n + 1), BLOCK_L=next_pow2(LOOKUP_MAX),
-        BLOCK_C=min(next_pow2(C), 256), BLOCK_D=min(next_pow2(d), ROW_BLOCK),
-        F_COMMITTED=COMMITTED, F_NEWEST=NEWEST, F_DONE=DONE, F_EMITTED=EMITTED, U_POS=POS,
-        U_LIVE=LIVE, K_TRASH=TRASH, K_LMIN=LOOKUP_MIN, HEAD=len(PLAN))
+        BLOCK_C=min(next_pow2(C), 256), BLOCK_D=min(next_pow2(d), ROW_BLOCK), HEAD=len(PLAN))
 
 
 def _candidate_supports(plan, lanes, draft, cand, draft_p, trust, q, q_ids, q_ring, q_judged,

@@ -305,6 +305,114 @@ def _variants():
                          R_PAD="constexpr", BLOCK_N="constexpr", PDL="constexpr"),
                     dict(SWIGLU=swiglu, RESIDUAL=res, QUANT=quant, DT=1, R_PAD=16, BLOCK_N=64,
                          PDL=tag == "residual")))
+    out += _control_variants()
+    return out
+
+
+def _control_variants():
+    """The decode cycle's control kernels (spd_kernels.control_triton, a chain's, and
+    spd_kernels.tree_control_triton, a token tree's), as their launchers call them: n = 4 stages,
+    a tree W = 1 and W = 4 rows a position (k = W children a leaf), fp32 and bf16 anchors (and
+    embeddings, final features), the optional inputs off (their pointers the launcher's int64
+    dummy) and on. Bool tensors are *u1, Python ints i32."""
+    from spd_kernels import control, control_triton, tree_control, tree_control_triton
+    from spd_kernels._triton import next_pow2
+    ptr = lambda t: f"*{t}"
+    i32, i64, u1, f32 = "i32", "*i64", "*u1", "*fp32"
+    cx = "constexpr"
+    n, C, d, T, L = 4, 4096, 2048, 4, control.LOOKUP_MAX
+    block_d = min(next_pow2(d), control_triton.ROW_BLOCK)
+    out = []
+    # a chain: cycle_open (post-step drafting: extra), cycle_candidate, cycle_commit
+    for dt, extra in (("fp32", 0), ("bf16", 1)):
+        out.append((f"control._open_kernel[{dt}-n{n}-extra{extra}]", control_triton._open_kernel,
+                    dict(state=i64, s_b=i32, units=i64, u_b=i32, u_n=i32, consts=i64, c_b=i32,
+                         tokens=i64, t_b=i32, C=i32, anchors=ptr(dt), a_b=i32, a_m=i32,
+                         a_c=i32, window=ptr(dt), w_b=i32, w_m=i32, w_k=i32, d=i32, tod=i64,
+                         plan=i64, p_b=i32, NS=cx, EXTRA=cx, MAXL=cx, BLOCK_N=cx, BLOCK_L=cx,
+                         BLOCK_C=cx, BLOCK_D=cx, HEAD=cx),
+                    dict(NS=n, EXTRA=extra, MAXL=L, BLOCK_N=next_pow2(n + 1),
+                         BLOCK_L=next_pow2(L), BLOCK_C=min(next_pow2(C), 256), BLOCK_D=block_d,
+                         HEAD=len(control.PLAN))))
+    for tag, dt, has_p, has_q, has_ids, has_final in (
+            ("greedy", None, False, False, False, False),
+            ("gate-q-final-fp32", "fp32", True, True, False, True),
+            ("gate-q-ids-final-bf16", "bf16", True, True, True, True)):
+        out.append((f"control._candidate_kernel[{tag}]", control_triton._candidate_kernel,
+                    dict(plan=i64, p_b=i32, draft=i64, draft_p=f32 if has_p else i64,
+                         trust=f32 if has_p else i64, l_tok=i64, l_alive=u1, l_look=u1,
+                         l_fill=i64, l_b=i32, cand=i64, c_b=i32, q=f32 if has_q else i64,
+                         q_b=i32, q_ids=i64, Vq=i32, ring=f32 if has_q else i64, r_b=i32,
+                         r_r=i32, Vr=i32, judged=f32 if has_q else i64, j_b=i32,
+                         final=ptr(dt) if has_final else i64, f_b=i32, f_c=i32,
+                         hidden=ptr(dt) if has_final else i64, h_b=i32, d=i32, NS=cx,
+                         HAS_P=cx, HAS_Q=cx, HAS_IDS=cx, HAS_FINAL=cx, BLOCK=cx),
+                    dict(NS=n, HAS_P=has_p, HAS_Q=has_q, HAS_IDS=has_ids, HAS_FINAL=has_final,
+                         BLOCK=control_triton.ROW_BLOCK)))
+    H = len(control.UNIT) + 1
+    for dt, has_acc in (("fp32", False), ("bf16", True)):
+        out.append((f"control._commit_kernel[{dt}-{'sampled' if has_acc else 'greedy'}]",
+                    control_triton._commit_kernel,
+                    dict(state=i64, s_b=i32, units=i64, u_b=i32, u_n=i32, consts=i64, c_b=i32,
+                         plan=i64, p_b=i32, cand=i64, ca_b=i32, l_tok=i64, l_alive=u1,
+                         l_look=u1, l_fill=i64, l_b=i32, tokens=i64, t_b=i32, emb=ptr(dt),
+                         e_b=i32, e_c=i32, weight=ptr(dt), w_v=i32, d=i32, stops=i64,
+                         st_b=i32, T=i32, verdict=i64, accepted=u1 if has_acc else i64,
+                         margin=i32, NS=cx, H=cx, HAS_ACC=cx, BLOCK_N=cx, BLOCK_H=cx,
+                         BLOCK_T=cx, BLOCK_D=cx, HEAD=cx, FIELDS=cx),
+                    dict(NS=n, H=H, HAS_ACC=has_acc, BLOCK_N=next_pow2(n), BLOCK_H=next_pow2(H),
+                         BLOCK_T=next_pow2(T), BLOCK_D=block_d, HEAD=len(control.PLAN),
+                         FIELDS=len(control.STATE))))
+    # a token tree: tree_open, tree_children, tree_commit
+    for W, dt, extra in ((1, "fp32", 0), (4, "bf16", 1)):
+        RW = (n + 1) * W
+        out.append((f"tree_control._open_kernel[{dt}-n{n}-W{W}-extra{extra}]",
+                    tree_control_triton._open_kernel,
+                    dict(state=i64, s_b=i32, units=i64, u_b=i32, u_n=i32, consts=i64, c_b=i32,
+                         l_tok=i64, l_alive=u1, l_score=f32, l_b=i32, l_anc=i64, la_b=i32,
+                         l_clane=i64, lc_b=i32, tokens=i64, t_b=i32, C=i32, anchors=ptr(dt),
+                         a_b=i32, a_m=i32, a_c=i32, window=ptr(dt), w_b=i32, w_m=i32, w_k=i32,
+                         d=i32, tod=i64, tplan=i64, p_b=i32, mask=u1, m_b=i32, m_r=i32,
+                         NS=cx, W=cx, EXTRA=cx, MAXL=cx, BLOCK_N=cx,
+                         BLOCK_W=cx, BLOCK_RW=cx, BLOCK_L=cx, BLOCK_C=cx, BLOCK_D=cx, HEAD=cx),
+                    dict(NS=n, W=W, EXTRA=extra, MAXL=L, BLOCK_N=next_pow2(n + 1),
+                         BLOCK_W=next_pow2(W), BLOCK_RW=next_pow2(RW), BLOCK_L=next_pow2(L),
+                         BLOCK_C=min(next_pow2(C), 256), BLOCK_D=block_d,
+                         HEAD=len(tree_control.TPLAN))))
+    for W, dt in ((1, None), (4, "bf16")):
+        kc = W
+        out.append((f"tree_control._children_kernel[n{n}-W{W}-k{kc}"
+                    f"{'-final-' + dt if dt else ''}]", tree_control_triton._children_kernel,
+                    dict(tplan=i64, p_b=i32, l_tok=i64, l_alive=u1, l_look=u1, l_score=f32,
+                         l_b=i32, l_anc=i64, la_b=i32, l_fill=i64, lf_b=i32, top=f32,
+                         tp_b=i32, tp_w=i32, top_ids=i64, ti_b=i32, ti_w=i32, pmax=f32,
+                         pm_b=i32, trust=f32, log_trust=f32, kids=i64, k_b=i32, k_w=i32,
+                         kid_score=f32, ks_b=i32, judge=i64, j_b=i32,
+                         final=ptr(dt) if dt else i64, f_b=i32, f_c=i32,
+                         hidden=ptr(dt) if dt else i64, h_b=i32, d=i32, NS=cx, W=cx, KC=cx,
+                         HAS_FINAL=cx, BLOCK_W=cx, BLOCK_S=cx, BLOCK_R=cx, BLOCK=cx),
+                    dict(NS=n, W=W, KC=kc, HAS_FINAL=dt is not None, BLOCK_W=next_pow2(W),
+                         BLOCK_S=next_pow2(1 + W * kc), BLOCK_R=next_pow2(n + 1),
+                         BLOCK=control_triton.ROW_BLOCK)))
+    for W, dt, has_acc in ((1, "fp32", False), (4, "bf16", True)):
+        H = tree_control.tree_unit_size(n, W)
+        out.append((f"tree_control._commit_kernel[{dt}-n{n}-W{W}-"
+                    f"{'sampled' if has_acc else 'greedy'}]", tree_control_triton._commit_kernel,
+                    dict(state=i64, s_b=i32, units=i64, u_b=i32, u_n=i32, consts=i64, c_b=i32,
+                         tplan=i64, p_b=i32, kids=i64, k_b=i32, k_w=i32, kid_score=f32,
+                         ks_b=i32, judge=i64, j_b=i32, l_tok=i64, l_par=i64, l_score=f32,
+                         l_alive=u1, l_look=u1, l_b=i32, l_anc=i64, la_b=i32, l_clane=i64,
+                         l_fill=i64, lc_b=i32, tokens=i64, t_b=i32, anchors=ptr(dt), a_b=i32,
+                         a_m=i32, a_c=i32, m=i32, weight=ptr(dt), w_v=i32, d=i32, stops=i64,
+                         st_b=i32, T=i32, verdict=i64, accepted=i64, margin=i32,
+                         NS=cx, W=cx, H=cx, HAS_ACC=cx, BLOCK_N=cx, BLOCK_W=cx, BLOCK_R=cx,
+                         BLOCK_NW=cx, BLOCK_H=cx, BLOCK_T=cx, BLOCK_D=cx, HEAD=cx, FIELDS=cx,
+                         UH=cx),
+                    dict(NS=n, W=W, H=H, HAS_ACC=has_acc, BLOCK_N=next_pow2(n + 1),
+                         BLOCK_W=next_pow2(W), BLOCK_R=next_pow2(n + 1),
+                         BLOCK_NW=next_pow2(n * W), BLOCK_H=next_pow2(H),
+                         BLOCK_T=next_pow2(T), BLOCK_D=block_d, HEAD=len(tree_control.TPLAN),
+                         FIELDS=len(control.STATE), UH=len(control.UNIT))))
     return out
 
 
