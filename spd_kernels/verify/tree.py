@@ -39,7 +39,13 @@ residual and nothing is divided by zero.
 Returns (token [1] int64, accepted [1] int64): accepted is the index i of the accepted candidate,
 or -1 when every candidate was rejected and the token was drawn from the residual.
 
-Backends: reference (plain torch, fp32) | triton (spd_kernels.verify.triton_tree: one program;
+Batched form (a batch of token trees, one judged position a row, one launch): target_logits
+[B, V], candidates [B, k], uniforms [B, k + 1] -> (token [B], accepted [B]) int64, row b exactly
+what the 1-D call on row b gives; the sampling parameters are shared by the rows. The host checks
+(ids in [-1, V), distinct real candidates) apply to each row.
+
+Backends: reference (plain torch, fp32; the batched form loops over the rows) | triton
+(spd_kernels.verify.triton_tree: one program a row, rows read through their strides;
 p's statistics and the top-k / top-p thresholds as in rejection_sample_logits' one-program
 kernel, then the candidate masses, N, the accept tests and the residual walk). The Triton kernel
 computes p as exp(x - max) / z and sums in its own order, so it agrees with the reference except
@@ -57,28 +63,45 @@ from spd_kernels.verify import _BELOW_ONE, _check_uniforms
 
 
 def _check_tree(target_logits, candidates, uniforms, temperature, top_k, top_p):
-    check_tensor("target_logits", target_logits, dim=1, floating=True)
+    check_tensor("target_logits", target_logits, floating=True)
+    dims = target_logits.dim()
+    if dims not in (1, 2):
+        raise SPDInputError(f"target_logits must have 1 dimension [V] or 2 [B, V], got shape "
+                            f"{tuple(target_logits.shape)}")
     dev = target_logits.device
-    check_tensor("candidates", candidates, dim=1, device=dev)
+    check_tensor("candidates", candidates, dim=dims, device=dev)
     check_integer("candidates", candidates)
-    check_tensor("uniforms", uniforms, dim=1, floating=True, device=dev)
+    check_tensor("uniforms", uniforms, dim=dims, floating=True, device=dev)
     check_sampling_params(temperature, top_k, top_p)
     if temperature == 0.0:
         raise SPDInputError("temperature must be > 0 for tree_rejection_sample (greedy "
                             "verification is verify_greedy's job)")
-    vocab, k = target_logits.shape[0], candidates.shape[0]
+    vocab, k = target_logits.shape[-1], candidates.shape[-1]
     if vocab == 0:
         raise SPDInputError("target_logits is empty: the vocabulary must hold at least 1 token")
-    if uniforms.shape[0] != k + 1:
+    if dims == 2:
+        rows = target_logits.shape[0]
+        for name, t in (("candidates", candidates), ("uniforms", uniforms)):
+            if t.shape[0] != rows:
+                raise SPDInputError(f"{name} must have B = {rows} rows (target_logits' batch), "
+                                    f"got shape {tuple(t.shape)}")
+    if uniforms.shape[-1] != k + 1:
         raise SPDInputError(f"uniforms must hold k + 1 = {k + 1} values (one per candidate and "
-                            f"one for the residual draw), got {uniforms.shape[0]}")
-    # Values are read on the host only for CPU tensors (never a device synchronisation).
-    if candidates.device.type == "cpu" and k:
-        real = candidates[candidates != -1]
-        if real.numel() and (int(real.min()) < 0 or int(real.max()) >= vocab):
-            raise SPDInputError(f"candidates must be target ids in [0, {vocab}) or -1 (padding)")
-        if int(torch.unique(real).numel()) != real.numel():
-            raise SPDInputError("candidates must be distinct (apart from -1 padding)")
+                            f"one for the residual draw), got {uniforms.shape[-1]}")
+    # Values are read on the host only for CPU tensors (never a device synchronisation); each
+    # row on its own (a repeat across rows is fine).
+    if candidates.device.type == "cpu" and candidates.numel():
+        cand = candidates.reshape(-1, k).long()
+        bad = (cand < -1) | (cand >= vocab)
+        if bool(bad.any()):
+            row = f" (row {int(bad.any(1).nonzero()[0])})" if dims == 2 else ""
+            raise SPDInputError(f"candidates must be target ids in [0, {vocab}) or -1 "
+                                f"(padding){row}")
+        srt = cand.sort(dim=1).values
+        dup = (srt[:, 1:] == srt[:, :-1]) & (srt[:, 1:] != -1)
+        if bool(dup.any()):
+            row = f" (row {int(dup.any(1).nonzero()[0])})" if dims == 2 else ""
+            raise SPDInputError(f"candidates must be distinct (apart from -1 padding){row}")
     if uniforms.device.type == "cpu":
         _check_uniforms(uniforms)
 
@@ -99,6 +122,8 @@ def tree_rejection_sample(target_logits: torch.Tensor, candidates: torch.Tensor,
                           backend: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [V], candidates [k] (int64 or int32; -1 = padding), uniforms [k + 1] in
     [0, 1) -> (token [1] int64, accepted [1] int64: the accepted candidate's index or -1).
+    Batched: target_logits [B, V], candidates [B, k], uniforms [B, k + 1] -> (token [B],
+    accepted [B]), row b what the 1-D call on row b gives (one launch; shared parameters).
 
     Checks the candidates in order against p = filtered_probs(target_logits, temperature, top_k,
     top_p) and its residuals, each as a point-mass draft (see the module docstring); the token is
@@ -111,13 +136,26 @@ def tree_rejection_sample(target_logits: torch.Tensor, candidates: torch.Tensor,
 
 @tree_rejection_sample.register_fake
 def _(target_logits, candidates, uniforms, temperature=1.0, top_k=0, top_p=1.0):
-    one = target_logits.new_empty(1, dtype=torch.int64)
+    rows = target_logits.shape[0] if target_logits.dim() == 2 else 1
+    one = target_logits.new_empty(rows, dtype=torch.int64)
     return one, torch.empty_like(one)
 
 
 @dispatch.register("tree_rejection_sample", "reference")
 def tree_rejection_sample_reference(target_logits, candidates, uniforms, temperature=1.0,
                                     top_k=0, top_p=1.0):
+    if target_logits.dim() == 2:  # the batched form: each row as the 1-D call on it
+        if target_logits.shape[0] == 0:
+            none = torch.empty(0, dtype=torch.int64, device=target_logits.device)
+            return none, none.clone()
+        outs = [_reference_row(x, c, u, temperature, top_k, top_p)
+                for x, c, u in zip(target_logits, candidates, uniforms)]
+        return torch.cat([t for t, _ in outs]), torch.cat([a for _, a in outs])
+    return _reference_row(target_logits, candidates, uniforms, temperature, top_k, top_p)
+
+
+def _reference_row(target_logits, candidates, uniforms, temperature, top_k, top_p):
+    """One row: target_logits [V], candidates [k], uniforms [k + 1] -> ([1], [1])."""
     # Exactness, by induction from the last step back: the procedure started at candidate i
     # with residual r_i outputs x with probability r_i(x). At i = k it draws from r_k. At i:
     # P(x) = [x = c_i] r_i(c_i) + (1 - r_i(c_i)) r_{i+1}(x), and for x != c_i

@@ -4,7 +4,8 @@ exactly as p = filtered_probs(logits, temperature, top_k, top_p).
 
 Against a float64 simulation of the sequential procedure written here, on hand-made edge cases,
 statistically (chi-square against p; significance 1e-3 per case with fixed seeds, so a run is
-deterministic), and the Triton kernel against the reference.
+deterministic), and the Triton kernel against the reference; the batched form ([B, V] rows, one
+launch) against the 1-D call on each row.
 """
 import math
 
@@ -203,7 +204,8 @@ def test_output_is_distributed_as_p(case):
 # --- bad input -------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,msg", [
-    (dict(logits=torch.randn(1, 6)), "target_logits must have 1 dimensions"),
+    (dict(logits=torch.randn(1, 1, 6)), r"target_logits must have 1 dimension \[V\] or 2"),
+    (dict(logits=torch.randn(1, 6)), "candidates must have 2 dimensions"),  # batched: [B, k]
     (dict(logits=torch.arange(6)), "target_logits must be a floating-point"),
     (dict(logits=torch.randn(0), cand=torch.tensor([], dtype=torch.int64), u=torch.rand(1)),
      "target_logits is empty"),
@@ -243,6 +245,106 @@ def test_int32_candidates_are_taken():
     u = torch.tensor([0.41, 0.49, 0.5])
     a = tree_rejection_sample(LOGITS4, torch.tensor([3, 2], dtype=torch.int32), u)
     assert (int(a[0]), int(a[1])) == (2, 1)
+
+
+# --- the batched form: [B, V], [B, k], [B, k + 1] -> [B], [B] -------------------------------------
+
+def batch_case(B, V, k, seed, device="cpu"):
+    """Logits [B, V] (a row slice of a wider tensor), candidates [B, k]: distinct ids per row
+    (even rows: the likeliest tokens, shuffled, so often accepted), some -1, row 1 all padding;
+    uniforms [B, k + 1], row 2 rejecting all it can."""
+    g = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, V + 5, generator=g) * 3)[:, :V]
+    order = logits.argsort(dim=1, descending=True)
+    cand = torch.stack([order[b, torch.randperm(k + 1, generator=g)[:k]] if b % 2 == 0
+                        else torch.randperm(V, generator=g)[:k] for b in range(B)])
+    cand[torch.rand(B, k, generator=g) < 0.25] = -1
+    if B > 1:
+        cand[1] = -1
+    u = torch.rand(B, k + 1, generator=g)
+    if B > 2:
+        u[2, :k] = BELOW_ONE
+    return logits.to(device), cand.to(device), u.to(device)
+
+
+BATCH_PARAMS = [(1.0, 0, 1.0), (0.7, 5, 1.0), (0.9, 0, 0.8)]
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("B,V,k", [(1, 30, 3), (3, 50, 4), (5, 24, 1), (3, 17, 0)])
+def test_batched_equals_the_rows(backend, B, V, k):
+    device = "cpu" if backend == "reference" else TRITON_DEVICE
+    for i, (temperature, top_k, top_p) in enumerate(BATCH_PARAMS):
+        logits, cand, u = batch_case(B, V, k, seed=10 * B + k + i, device=device)
+        with poisoned_outputs("ab"[i % 2]):
+            tok, acc = tree_rejection_sample(logits, cand, u, temperature, top_k, top_p,
+                                             backend=backend)
+        assert tok.shape == (B,) and acc.shape == (B,)
+        assert tok.dtype == torch.int64 and acc.dtype == torch.int64
+        rows = [tree_rejection_sample(logits[b], cand[b], u[b], temperature, top_k, top_p,
+                                      backend=backend) for b in range(B)]
+        assert torch.equal(tok, torch.cat([t for t, _ in rows])), (tok, rows)
+        assert torch.equal(acc, torch.cat([a for _, a in rows])), (acc, rows)
+        if backend == "triton":
+            ref = tree_rejection_sample_reference(logits, cand, u, temperature, top_k, top_p)
+            assert torch.equal(tok, ref[0]) and torch.equal(acc, ref[1])
+
+
+@needs_triton
+def test_batched_triton_takes_half_logits_int32_candidates_float64_uniforms():
+    logits, cand, u = batch_case(3, 40, 3, seed=4, device=TRITON_DEVICE)
+    logits, cand, u = logits.half(), cand.int(), u.double()
+    tok, acc = tree_rejection_sample(logits, cand, u, 0.8, 0, 0.9, backend="triton")
+    ref = tree_rejection_sample(logits, cand, u, 0.8, 0, 0.9, backend="reference")
+    assert torch.equal(tok, ref[0]) and torch.equal(acc, ref[1])
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+def test_batched_empty_batch(backend):
+    device = "cpu" if backend == "reference" else TRITON_DEVICE
+    logits, cand, u = torch.randn(0, 6), torch.zeros(0, 2, dtype=torch.int64), torch.rand(0, 3)
+    tok, acc = tree_rejection_sample(logits.to(device), cand.to(device), u.to(device),
+                                     backend=backend)
+    assert tok.shape == (0,) and acc.shape == (0,) and tok.dtype == acc.dtype == torch.int64
+
+
+@pytest.mark.parametrize("change,msg", [
+    (dict(cand=torch.tensor([[1, 2], [3, 4], [0, 5]])), "candidates must have B = 2 rows"),
+    (dict(cand=torch.tensor([1, 2])), "candidates must have 2 dimensions"),
+    (dict(u=torch.rand(3, 3)), "uniforms must have B = 2 rows"),
+    (dict(u=torch.rand(1, 3)), "uniforms must have B = 2 rows"),
+    (dict(u=torch.rand(3)), "uniforms must have 2 dimensions"),
+    (dict(u=torch.rand(2, 4)), r"uniforms must hold k \+ 1 = 3 values"),
+    (dict(u=torch.tensor([[0.5, 0.1, 0.2], [0.3, 1.0, 0.2]])), r"uniforms must lie in \[0, 1\)"),
+    (dict(logits=torch.randn(2, 0)), "target_logits is empty"),
+    (dict(cand=torch.tensor([[1, 2], [0, 6]])),
+     r"candidates must be target ids in \[0, 6\) or -1 \(padding\) \(row 1\)"),
+    (dict(cand=torch.tensor([[-2, 1], [0, 3]])), r"target ids in \[0, 6\).* \(row 0\)"),
+    (dict(cand=torch.tensor([[1, 2], [4, 4]])), r"candidates must be distinct .*\(row 1\)"),
+    (dict(cand=torch.tensor([[1, 2], [1, 2]])), None),     # a repeat across rows is fine
+    (dict(cand=torch.tensor([[-1, -1], [5, -1]])), None),  # padding may repeat
+    (dict(cand=torch.tensor([[1, 2], [3, 4]], device="meta")), "candidates is on meta"),
+])
+def test_batched_bad_shapes_name_the_argument(change, msg):
+    args = dict(logits=torch.randn(2, 6), cand=torch.tensor([[1, 2], [3, -1]]),
+                u=torch.rand(2, 3))
+    args.update(change)
+    run = lambda: tree_rejection_sample(args["logits"], args["cand"], args["u"])
+    if msg is None:
+        tok, acc = run()
+        assert tok.shape == (2,) and acc.shape == (2,)
+        return
+    with pytest.raises(SPDInputError, match=msg):
+        run()
+
+
+def test_batched_library_op():
+    logits, cand, u = batch_case(3, 20, 2, seed=9)
+    a = torch.ops.spd.tree_rejection_sample(logits, cand, u, 0.8, 5, 0.9)
+    b = tree_rejection_sample_reference(logits, cand, u, 0.8, 5, 0.9)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[0].shape == (3,)
+    torch.library.opcheck(torch.ops.spd.tree_rejection_sample.default,
+                          (logits, cand, u, 0.8, 5, 0.9))
 
 
 # --- torch.library -------------------------------------------------------------------------------
