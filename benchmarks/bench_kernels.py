@@ -112,7 +112,7 @@ MODELS = {
 # ops by bench_deltanet.py; the cycle's control ops, a few scalars a sequence, inside the cycle
 # by bench_cycle.py and counted by probe_cycle_launches.py), then the step
 UNBENCHED_OPS = ("rejection_sample", "gated_delta_step", "conv_ring_step", "cycle_open",
-                 "cycle_candidate", "cycle_commit")
+                 "cycle_candidate", "cycle_commit", "tree_open", "tree_children", "tree_commit")
 OPS = [op for op in dispatch.ops() if op not in UNBENCHED_OPS] + ["pdm_step"]
 N_STAGES = 8          # pipeline depth the shapes assume (9 in-flight rows, staircase types)
 N_ANCHORS = 5

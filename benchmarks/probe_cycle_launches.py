@@ -9,8 +9,9 @@ path. This probe counts them on the CPU from a dispatch trace (a TorchDispatchMo
   - a call of an spd_kernels op counts one (spd_kernels.opdef.called_as_ops: the dispatch
     mode sees the op, not its CPU reference's torch ops);
   - left out: the stage steps (LocalStages.run, BatchStages.run; on a stage rank
-    StageStep.run), the draft step (the drafter's `draft` / `tree_logits`: the PDM step, on
-    its own stream beside the stages) and a stage rank's messages (Endpoint.exchange, order,
+    StageStep.run), the draft step (the drafter's `draft` / `tree_top`: the PDM step and its
+    pick, a chain's token or a tree's top children of each leaf, on its own stream beside the
+    stages) and a stage rank's messages (Endpoint.exchange, order,
     flush_sends). The publish copy of each cycle's state to the host counts.
 It decodes a tiny random target (the counts do not depend on its size) with the engine's own
 PDM drafter, and reports the steady cycles' count (every cycle after the first two: the eager
@@ -87,6 +88,7 @@ def _steps_left_out():
     return [(LocalStages, "run", _uncounted), (BatchStages, "run", _uncounted),
             (RemoteStages, "run", _uncounted), (StageStep, "run", _uncounted),
             (PDMDrafter, "draft", _uncounted), (PDMDrafter, "tree_logits", _uncounted),
+            (PDMDrafter, "tree_top", _uncounted),
             (Endpoint, "exchange", _uncounted), (Endpoint, "order", _uncounted),
             (Endpoint, "flush_sends", _uncounted)]
 
@@ -213,7 +215,7 @@ def main() -> None:
     rows = []
     for width in (1, 3):
         for kind in ("greedy", "sampled"):
-            for lookup in ((0, 2) if width == 1 else (0,)):
+            for lookup in (0, 2):
                 ops = count_one(kind, args.n, width, lookup, target=target)
                 rows.append(dict(where="rank 0", batch=1, width=width, kind=kind,
                                  lookup=lookup, launches=len(ops), ops=Counter(ops)))

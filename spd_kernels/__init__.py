@@ -24,6 +24,7 @@ from spd_kernels.pdm import pdm_step
 from spd_kernels.qkv_rope import qkv_rope_append
 from spd_kernels.sampling import filtered_probs, sample_from_probs
 from spd_kernels.stage import stage_step
+from spd_kernels.tree_control import tree_children, tree_commit, tree_open
 from spd_kernels.verify import rejection_sample, rejection_sample_logits, verify_greedy
 from spd_kernels.verify.tree import tree_rejection_sample
 
@@ -52,6 +53,9 @@ __all__ = [
     "sample_from_probs",
     "slot_attention",
     "stage_step",
+    "tree_children",
+    "tree_commit",
+    "tree_open",
     "tree_attention",
     "tree_rejection_sample",
     "truncate_kv_",

@@ -22,7 +22,7 @@ Terms (the runtime's: spd.runtime.cycle, spd.runtime.unit, spd.runtime.drafting)
   cand    int64 [B, 6]: what `cycle_candidate` picks (`CAND`): the child that enters if any,
           whether the lookup proposed it, and the judged position's candidate.
 
-The ops take a chain (one row a position); a token tree still runs the runtime's torch code.
+The ops take a chain (one row a position); a token tree's are spd_kernels.tree_control's.
 """
 from __future__ import annotations
 
@@ -116,13 +116,17 @@ def _check_batch(state, units, consts):
         raise SPDInputError(f"units must hold a chain's header [{len(UNIT) + 1}] (one token a "
                             f"unit; a token tree's units are not taken), got "
                             f"{units.shape[2]} fields")
+    _check_state(state, consts, B, n, dev)
+    return B, n, dev
+
+
+def _check_state(state, consts, B, n, dev):
     if state.shape[1] != state_size(n):
         raise SPDInputError(f"state must be [B, {state_size(n)}] for n = {n}, got "
                             f"{tuple(state.shape)}")
     check_tensor("consts", consts, dim=2, dtype=torch.int64, device=dev)
     if tuple(consts.shape) != (B, len(CONST)):
         raise SPDInputError(f"consts must be [{B}, {len(CONST)}], got {tuple(consts.shape)}")
-    return B, n, dev
 
 
 def _check_rows(name, x, B, dev, dtype=None, dim=2, floating=False):

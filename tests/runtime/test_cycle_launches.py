@@ -2,10 +2,9 @@
 
 benchmarks/probe_cycle_launches.py counts them from a dispatch trace (views and allocations left
 out, an spd_kernels op counted once, the publish copy counted): on a GPU each is a dependent
-launch on the cycle's critical path. A chain's cycle, alone or in a batch, greedy or sampled,
-and every stage rank's must stay within LIMIT. Token trees (their control is still torch code)
-and a sampled batch (one draw a sequence, from its own generator) are counted by the probe, not
-bounded here.
+launch on the cycle's critical path. A chain's or a token tree's cycle, greedy or sampled, a
+chain's batch, and every stage rank's must stay within LIMIT. A sampled batch (one draw a
+sequence, from its own generator) is counted by the probe, not bounded here.
 """
 from __future__ import annotations
 
@@ -17,6 +16,7 @@ from conftest import bench_module
 probe = bench_module("probe_cycle_launches")
 LIMIT = 8
 CONTROL = {"spd.cycle_open.default", "spd.cycle_candidate.default", "spd.cycle_commit.default"}
+TREE = {"spd.tree_open.default", "spd.tree_children.default", "spd.tree_commit.default"}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,13 @@ def test_one_sequence(target, kind, lookup):
     ops = probe.count_one(kind, 4, 1, lookup, tokens=16, target=target)
     assert len(ops) <= LIMIT, Counter(ops)
     assert CONTROL <= set(ops)  # (the count saw the cycle's control)
+
+
+@pytest.mark.parametrize("kind,lookup", [("greedy", 0), ("sampled", 2)])
+def test_one_tree(target, kind, lookup):
+    ops = probe.count_one(kind, 4, 3, lookup, tokens=16, target=target)
+    assert len(ops) <= LIMIT, Counter(ops)
+    assert TREE <= set(ops)
 
 
 @pytest.mark.parametrize("batch", [1, 8])

@@ -24,13 +24,14 @@ from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.runtime.batch_spd import BatchedSPD, SlotSets, SlotStages
 from spd.runtime.chain_batch import ChainBatch
-from spd.runtime.control import ChainControl
+from spd.runtime.control import ChainControl, TreeControl
 from spd.runtime.cycle import Cycle, end_margin
 from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP
 from spd.runtime.sequence import Sequence, slot_buffers
 from spd.runtime.slots import SlotPool, batch_request
 from spd.runtime.stopping import StopRule
+from spd.runtime.tree_batch import TreeBatch
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
 from spd.runtime.unit import UnitFormat
 
@@ -138,10 +139,14 @@ class DistributedBatch(SlotPool):
         self.drafters = [PDMDrafter(eng.pdm, lookup=lookup) for _ in range(slots)]
         self.tokens, self.anchors, self.final = slot_buffers(t, eng.layout, context, slots)
         self.stages = SessionStages(self)
-        self.control = None
-        if self.width == 1:  # a chain's control: three ops over every slot (ChainBatch)
-            self.control = ChainControl(slots, n, self.anchors.shape[1], d, dev, t.dtype)
-            self.chains = ChainBatch(self, lookup)
+        # the control: three ops over every slot (ChainBatch, TreeBatch)
+        m = self.anchors.shape[1]
+        if self.width == 1:
+            self.control = ChainControl(slots, n, m, d, dev, t.dtype)
+            self.fused = ChainBatch(self, lookup)
+        else:
+            self.control = TreeControl(slots, n, self.width, m, d, dev, t.dtype)
+            self.fused = TreeBatch(self, lookup)
         self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.waiting: list[BatchEntry] = []
         self.freed_at = [-n] * slots  # the first cycle each slot's bubbles went out in
@@ -191,8 +196,7 @@ class DistributedBatch(SlotPool):
         if not self.release(entry):
             return
         self.heads[b].copy_(self.dead)
-        if self.control is not None:
-            self.control.free(b)
+        self.control.free(b)
         if not unused:
             self.freed_at[b] = self.launched
         entry.cycle.cycles = entry.launched
@@ -270,18 +274,9 @@ class DistributedBatch(SlotPool):
 
     # --- cycles ------------------------------------------------------------------------------
     def _cycle(self, members: tuple[BatchEntry, ...]) -> None:
-        """One cycle of the session (device work and its messages: what a graph replays):
-        a chain's through ChainBatch (its control once over every slot), a tree's sequence by
-        sequence."""
-        if self.control is not None:
-            return self.chains.cycle(members)
-        cycles = {e.slot: e.cycle for e in members}
-        self.stages.begin(cycles)
-        opened = {b: c.open() for b, c in cycles.items()}
-        cycles = {b: c for b, c in cycles.items() if opened[b] is not None}  # (a CPU's skips)
-        verdicts = self.stages.run(cycles, self.judge)
-        for b, c in cycles.items():
-            c.close(opened[b], verdicts[b])
+        """One cycle of the session (device work and its messages: what a graph replays),
+        the control once over every slot (ChainBatch, TreeBatch)."""
+        self.fused.cycle(members)
 
     def _read(self, e: BatchEntry, upto: int) -> bool:
         """Reads e's cycles until `upto` are unread -> whether it ended (and left)."""
@@ -311,11 +306,8 @@ class DistributedBatch(SlotPool):
             inject_fault(self.fault)
         self.graphs.launch(members, self._cycle)
         self.launched += 1
-        if self.control is not None:  # (every slot's state in one copy)
-            self.chains.publish(members)
+        self.fused.publish(members)  # (every slot's state in one copy)
         for e in members:
-            if self.control is None:
-                e.cycle.published.publish(e.launched, e.cycle.state)
             e.launched += 1
         at_pause = self.launched == self.pause_at
         if at_pause:  # (before any callback: one that raises leaves the session in step)

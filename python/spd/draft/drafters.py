@@ -103,6 +103,30 @@ class PDMDrafter:
         return self.pdm.tree_step(self.pdm.features(anchors, types), positions, slots,
                                   prefix_len, tree_mask, leaves, self.cache)
 
+    def tree_top_k(self, k: int) -> int:
+        """The children a leaf `tree_top` gives for k asked: k, or the draft vocabulary where
+        smaller."""
+        return min(k, self.pdm.draft_to_target.shape[0])
+
+    def tree_top(self, anchors, types, positions, slots, prefix_len, tree_mask, leaves,
+                 sampling, out) -> None:
+        """A token tree's draft step (`tree_logits`' arguments): each leaf's k most probable
+        children into out = (log-probabilities [W, k] float32, descending; their draft
+        columns and target ids [W, k] int64; each leaf's top probability [W] float32), k =
+        tree_top_k(...) (a control slot's rows: spd.runtime.control.TreeControl). The
+        probabilities are the sampling's (filtered_probs; greedy: the softmax)."""
+        top, cols, ids, pmax = out
+        logits = self.tree_logits(anchors, types, positions, slots, prefix_len, tree_mask,
+                                  leaves)
+        if sampling.greedy:
+            logp = torch.log_softmax(logits.float(), dim=-1)
+        else:
+            logp = filtered_probs(logits, sampling.temperature, sampling.top_k,
+                                  sampling.top_p).log()
+        torch.topk(logp, top.shape[1], dim=-1, out=(top, cols))
+        torch.index_select(self.pdm.draft_to_target, 0, cols.view(-1), out=ids.view(-1))
+        torch.exp(top[:, 0], out=pmax)
+
     def draft(self, anchors, types, start, position, sampling, uniform, last=None) -> Draft:
         """The guess for `position` (0-d int64) from rows anchors [m, R, d] with types [R] at
         positions start.. ([1] int64), read at row `last` ([1] int64; None: the last row);

@@ -21,6 +21,8 @@ target's). The index holds committed tokens only: they never roll back.
 """
 from __future__ import annotations
 
+import torch
+
 DEFAULT_MIN_LEN = 2   # shortest match used (0 turns lookup off); the gate decides below
 MAX_LEN = 6           # longest match tried: the longest one wins (most specific)
 
@@ -77,6 +79,13 @@ class NgramLookup:
         return TRUST[min(match_len, len(TRUST) - 1)]
 
 
+def trust_tables(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(TRUST, its logs), float32 [MAX_LEN + 1] each on `device`: the gate's tables that the
+    cycle's control ops read (spd_kernels.control, spd_kernels.tree_control)."""
+    trust = torch.tensor(TRUST, device=device)
+    return trust, trust.log()
+
+
 def propose_on_device(tokens, committed, newest, min_len: int, max_len: int = MAX_LEN):
     """`NgramLookup.propose` as fixed-shape device work (spd.runtime.drafting): tokens [C]
     int64, positions < `committed` (0-d int64) committed, then those in flight up to `newest`
@@ -86,4 +95,5 @@ def propose_on_device(tokens, committed, newest, min_len: int, max_len: int = MA
     return lookup_proposal(tokens, committed, newest, min_len, max_len)
 
 
-__all__ = ["DEFAULT_MIN_LEN", "MAX_LEN", "TRUST", "NgramLookup", "propose_on_device"]
+__all__ = ["DEFAULT_MIN_LEN", "MAX_LEN", "TRUST", "NgramLookup", "propose_on_device",
+           "trust_tables"]

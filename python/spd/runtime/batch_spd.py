@@ -4,16 +4,17 @@ Terms (docs/batching.md):
   slot     one of `slots` places a sequence decodes in: its rows of every stage's batched KV
            cache ([slots, layers, kv_heads, context, head_dim] a stage), its own drafter (its
            PDM cache) and its own `Cycle` (state, units, lanes, sampling generator).
-  cycle    of the batch: every running sequence's cycle opened (its pre-step draft), each
-           stage's step run once over one unit per sequence (`batch_stage_step`: the weight
-           reads shared), every cycle closed (judged and committed), then each one's state read. A
-           sequence's speculation is its own: a rejection refills only its pipeline.
+  cycle    of the batch: the control's open once over every slot, each sequence's draft
+           step, each stage's step run once over one unit per sequence (`batch_stage_step`:
+           the weight reads shared), the control's judgement and commit once over every slot
+           (spd.runtime.chain_batch, spd.runtime.tree_batch), then every slot's state read in
+           one copy. A sequence's speculation is its own: a rejection refills only its
+           pipeline.
 
 A sequence joins between cycles (its prompt's prefill into its slot through that slot's views of
 the stages, at once or a chunk a step, then its first token) and leaves at its end or when told,
 freeing its slot. Token chains and trees (W rows a unit: `batch_tree_stage_step`), dense
-targets, one process; each sequence's control and draft step are its own (their fusion over the
-batch is issue 55's).
+targets, one process; each sequence's draft step is its own.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from spd.draft.drafters import PDMDrafter
 from spd.errors import InternalError, SPDError
 from spd.model.target import Stage
 from spd.runtime.chain_batch import ChainBatch
-from spd.runtime.control import ChainControl
+from spd.runtime.control import ChainControl, TreeControl
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
 from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP, peek
@@ -35,6 +36,7 @@ from spd.runtime.sequence import Sequence, slot_buffers
 from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
+from spd.runtime.tree_batch import TreeBatch
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.unit import LIVE, UnitFormat
 from spd_kernels import verify_greedy
@@ -202,11 +204,14 @@ class BatchedSPD(SlotPool):
         t = engine.target
         self.tokens, self.anchors, self.final = slot_buffers(t, engine.layout, context, slots)
         self.graphs = MemberGraphs(t.device, "batched decode cycle")
-        self.control = None
-        if self.width == 1:  # a chain's control: three ops over every slot (ChainBatch)
-            self.control = ChainControl(slots, self.n, self.anchors.shape[1], t.hidden_size,
-                                        t.device, t.dtype)
-            self.chains = ChainBatch(self, lookup)
+        # the control: three ops over every slot (ChainBatch, TreeBatch)
+        m, d = self.anchors.shape[1], t.hidden_size
+        if self.width == 1:
+            self.control = ChainControl(slots, self.n, m, d, t.device, t.dtype)
+            self.fused = ChainBatch(self, lookup)
+        else:
+            self.control = TreeControl(slots, self.n, self.width, m, d, t.device, t.dtype)
+            self.fused = TreeBatch(self, lookup)
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int, width: int = 1) -> int:
@@ -254,24 +259,16 @@ class BatchedSPD(SlotPool):
         prefilled = entry.slot not in self.prefilling
         if not self.release(entry):
             return
-        if self.control is not None:
-            self.control.free(entry.slot)
+        self.control.free(entry.slot)
         if prefilled:
             entry.cycle.cycles = entry.launched
             entry.cycle.finish()
         entry.seq.finish()
 
     def _cycle(self, entries: tuple[Running, ...]) -> None:
-        """One cycle of `entries` (device work: what a graph replays)."""
-        if self.control is not None:
-            return self.chains.cycle(entries)
-        cycles = {e.slot: e.cycle for e in entries}
-        opened = {b: c.open() for b, c in cycles.items()}
-        cycles = {b: c for b, c in cycles.items() if opened[b] is not None}  # (a CPU's skips)
-        judge = self.width == 1 and any(e.seq.sampling.greedy for e in entries)
-        verdicts = self.stages.run(cycles, judge)
-        for b, c in cycles.items():
-            c.close(opened[b], verdicts[b])
+        """One cycle of `entries` (device work: what a graph replays), the control once over
+        every slot (ChainBatch, TreeBatch)."""
+        self.fused.cycle(entries)
 
     def describe(self) -> dict:
         """How the batch's cycles ran: graphs made and captured, replays, checked cycles."""
@@ -279,14 +276,10 @@ class BatchedSPD(SlotPool):
 
     def launch_cycle(self, members: tuple[Running, ...]) -> None:
         """One cycle of `members` through their graph, and its state published: every slot's
-        control rows in one copy (a chain's), or each sequence's (a tree's); all before any is
-        read, as a reader may raise."""
+        control rows in one copy, before any is read, as a reader may raise."""
         self.graphs.launch(members, self._cycle)
-        if self.control is not None:
-            self.chains.publish(members)
+        self.fused.publish(members)
         for e in members:
-            if self.control is None:
-                e.cycle.published.publish(e.launched, e.cycle.state)
             e.launched += 1
 
     @torch.no_grad()

@@ -21,7 +21,7 @@ from collections import defaultdict
 
 import torch
 
-from spd.draft.lookup import TRUST
+from spd.draft.lookup import trust_tables
 from spd.runtime.cycle import Roles, end_margin
 from spd.runtime.driver import Published
 from spd_kernels.control import C_TOK, cycle_candidate, cycle_commit, cycle_open
@@ -48,7 +48,7 @@ class ChainBatch:
         t, dev = batch.target, torch.device(batch.target.device)
         ctl = self.control
         self.lookup = lookup
-        self.trust = torch.tensor(TRUST, device=dev) if lookup else None
+        self.trust = trust_tables(dev)[0] if lookup else None
         layout, n = batch.engine.layout, batch.n
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=dev)

@@ -33,10 +33,13 @@ Draws: a sampled decode's generator gives W + 2 uniforms every cycle (the draft'
 verifier's: two for a chain, W + 1 for a tree), judged or not, in every runtime; a greedy one
 reads none and draws none.
 
-A chain's control is three ops over a batch (spd_kernels.control: cycle_open lays the cycle
-out, cycle_candidate picks what enters and what is judged, cycle_commit judges and commits);
-its rows are its slot's of a ChainControl (spd.runtime.control), a batch of one when it decodes
-alone. A token tree's control is still the torch code here.
+The control is three ops over a batch: a chain's spd_kernels.control (cycle_open lays the
+cycle out, cycle_candidate picks what enters and what is judged, cycle_commit judges and
+commits), a token tree's spd_kernels.tree_control (tree_open, tree_children after the draft
+step's top children, tree_commit). Between them only the judge runs: the target's logits of the
+judged row and a verdict (a greedy chain's comes from its last stage). A sequence's rows are
+its slot's of a ChainControl or TreeControl (spd.runtime.control), a batch of one when it
+decodes alone.
 """
 from __future__ import annotations
 
@@ -45,19 +48,18 @@ from contextlib import nullcontext
 
 import torch
 
-from spd.draft.lookup import TRUST
+from spd.draft.lookup import trust_tables
 from spd.errors import InternalError
-from spd.runtime.control import ChainControl
+from spd.runtime.control import ChainControl, Control, TreeControl
 from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.drafting import Drafting, Lanes
 from spd.runtime.driver import STOP, Published, drive, peek
-from spd.runtime.unit import LIVE, POS, UnitFormat
+from spd.runtime.unit import UnitFormat
 from spd.runtime.verdict import vocab_ids
-from spd_kernels import rejection_sample_logits, tree_rejection_sample
+from spd_kernels import rejection_sample_logits, tree_rejection_sample, verify_greedy
 from spd_kernels.control import (
     C_TOK,
     COMMITTED,
-    CYCLE,
     DONE,
     EMITTED,
     END_CYCLE,
@@ -73,6 +75,7 @@ from spd_kernels.control import (
     cycle_open,
 )
 from spd_kernels.control import STATE as FIELDS
+from spd_kernels.tree_control import judge_fields, tree_children, tree_commit, tree_open, tree_unit
 
 DEFAULT_AHEAD = 2
 
@@ -127,9 +130,9 @@ class Cycle:
     before it launches the last cycle, which sends nothing on)."""
 
     def __init__(self, seq, stages, ahead: int = DEFAULT_AHEAD,
-                 control: ChainControl | None = None, slot: int = 0):
-        """control: a batch's ChainControl whose slot `slot` this chain's rows are (None: a
-        batch of one of its own). A token tree keeps its control state here."""
+                 control: Control | None = None, slot: int = 0):
+        """control: a batch's ChainControl (a chain) or TreeControl (a token tree) whose slot
+        `slot` this sequence's rows are (None: a batch of one of its own)."""
         if ahead < 0:
             raise InternalError("a negative number of cycles ahead", ahead=ahead)
         n, W, dev = seq.n, seq.width, seq.device
@@ -138,37 +141,30 @@ class Cycle:
         self.margin = end_margin(n, ahead)
         self.fmt = UnitFormat(n, W)
         self.launching = 0  # the cycle being launched
-        self.ctl, self.at = None, slice(slot, slot + 1)
-        if self.tree:
-            self.state = torch.zeros(len(FIELDS) + 2 * (n + 1), dtype=torch.int64, device=dev)
-            self.units = torch.zeros(n, self.fmt.size, dtype=torch.int64, device=dev)
-            self.lanes = Lanes(n, W, dev)
-        else:
-            if control is None:
-                m, _, d = seq.anchors.shape
-                control = ChainControl(1, n, m, d, dev, seq.anchors.dtype)
-            self.ctl = control
-            control.take(slot, seq)
-            rows = control.rows(slot)
-            self.state, self.units = rows["state"], rows["units"]
-            self.lanes = Lanes(n, W, dev, chain=rows["lanes"])
+        if control is None:
+            m, _, d = seq.anchors.shape
+            control = (TreeControl(1, n, W, m, d, dev, seq.anchors.dtype) if self.tree
+                       else ChainControl(1, n, m, d, dev, seq.anchors.dtype))
+        self.ctl, self.at = control, slice(slot, slot + 1)
+        control.take(slot, seq)
+        rows = control.rows(slot)
+        self.state, self.units = rows["state"], rows["units"]
+        self.rows = rows["rows"]  # [n, W]: where each stage's unit rows land (the open writes)
+        self.lanes = Lanes(n, W, rows["lanes"])
         self.by_position = self.state[len(FIELDS):].view(n + 1, 2)
-        self.drafting = Drafting(seq, self.lanes)
-        self.lane_ids = torch.arange(W, device=dev)
-        self.first_lane = self.lane_ids == 0
-        self.earlier = self.lane_ids.view(1, -1) < self.lane_ids.view(-1, 1)  # [i, j]: j < i
-        self.key_back = torch.arange(n, device=dev)  # a unit's keys: k positions back
-        self.steps = torch.arange(1, n, device=dev)  # the positions after a judged one
-        self.steps_back = self.steps.view(-1, 1, 1).expand(n - 1, W, 1).contiguous()
-        self.stop_ids = torch.tensor(sorted(seq.stop.stop_ids) or [-1], dtype=torch.int64,
-                                     device=dev)
+        self.drafting = Drafting(seq)
         self.q_ids: torch.Tensor | None = None  # a sampled chain's q columns' target ids
         # (the draws of a greedy decode are never read: it takes none)
         self.no_draws = (torch.zeros(W + 2, device=dev) if seq.sampling.greedy else None)
-        self.rows = torch.zeros(n, W, dtype=torch.int64, device=dev)  # where unit rows land
-        self.trash = torch.tensor(seq.trash, device=dev)  # (made once: no Python value a cycle)
-        if not self.tree:
-            self._chain_buffers(rows["rows"])
+        # the context lookup's trust by match length, and its logs (a tree's children take
+        # them whether it looks up or not)
+        self.trust, self.log_trust = (trust_tables(dev) if seq.lookup_min or self.tree
+                                      else (None, None))
+        self.no_draft = torch.zeros(1, dtype=torch.int64, device=dev)  # greedy tree's judge
+        self.embed_weight = seq.target.embed.weight
+        if not isinstance(seq.target.embed, torch.nn.Embedding):
+            raise InternalError("the cycle embeds entering tokens as rows of an nn.Embedding",
+                                embedding=type(seq.target.embed).__name__)
         self.published = Published(ahead + 1, self.state.numel(), dev)
         self.roles = Roles(dev, 1 + len(stages.local))
         # a CPU skips a finished decode's cycles (no peers wait for them)
@@ -183,65 +179,17 @@ class Cycle:
         self.read_at: list[float] = []  # when the host read each cycle's state
         self.done_at: float | None = None  # when the host read the cycle that ended the decode
 
-    def _chain_buffers(self, rows: torch.Tensor) -> None:
-        """A chain's control runs as spd_kernels.control's ops over its slot of the control's
-        batch (`self.ctl`, rows `self.at`); rows [n, 1]: where its units' rows land."""
-        seq, dev = self.seq, self.seq.device
-        self.rows = rows
-        self.trust = torch.tensor(TRUST, device=dev) if seq.lookup_min else None
-        self.embed_weight = seq.target.embed.weight
-        if not isinstance(seq.target.embed, torch.nn.Embedding):
-            raise InternalError("the cycle embeds entering tokens as rows of an nn.Embedding",
-                                embedding=type(seq.target.embed).__name__)
-
-    # --- units -----------------------------------------------------------------------------------
-    def slot(self, position: torch.Tensor, lane) -> torch.Tensor:
-        """The buffer row (and K/V slot) of an uncommitted tree row."""
-        return self.seq.capacity + (position % self.R) * self.W + lane
-
-    def make_unit(self, pos, live, committed_unit, tok, alive, prefix, cpos, cslot,
-                  anc=None) -> torch.Tensor:
-        """A unit header [H] (spd.runtime.unit) of device values: its position (0-d), whether
-        it is live and committed (one row at its position: the first token, a correction),
-        the rows' tokens and liveness [W], the committed prefix (0-d), the commit it carries
-        (0-d each) and, for a tree's children, anc [W, n]: each row's lane k positions back."""
-        seq = self.seq
-        trash = seq.trash
-        end = self.state[END_CYCLE:END_CYCLE + 1]
-        head = [pos.view(1), end, live.view(1).to(torch.int64), prefix.view(1), cpos.view(1),
-                cslot.view(1), tok.view(-1)]
+    # --- units ---------------------------------------------------------------------------------
+    def _first_unit(self, pos, live, tok, alive, prefix) -> torch.Tensor:
+        """A unit header [H] (spd.runtime.unit) of `begin`: at pos, live or not, committed (the
+        first token at its position), rows tok and alive [W], the committed prefix (0-d each
+        but tok and alive); it carries no commit."""
+        trash = torch.tensor(self.seq.trash, device=self.seq.device)
+        end = self.state[END_CYCLE]
         if self.tree:
-            at_pos = committed_unit & self.first_lane
-            slots = torch.where(alive, torch.where(at_pos, pos, self.slot(pos, self.lane_ids)),
-                                trash)
-            back = pos - self.key_back                                   # [n]
-            valid = (back >= prefix) & ~committed_unit
-            keys = torch.where(valid.view(-1, 1), self.slot(back.view(-1, 1), self.lane_ids),
-                               trash)
-            keys = torch.where((self.key_back == 0).view(-1, 1) & at_pos, pos, keys)
-            own = (self.key_back == 0).view(1, -1, 1) & (self.lane_ids.view(-1, 1, 1)
-                                                         == self.lane_ids.view(1, 1, -1))
-            mask = own
-            if anc is not None:
-                mask = mask | (valid.view(1, -1, 1)
-                               & (anc.view(self.W, self.n, 1) == self.lane_ids))
-            mask = mask & alive.view(-1, 1, 1)
-            head += [slots, keys.view(-1), mask.view(-1).to(torch.int64)]
-        return torch.cat(head)
-
-    def unit_rows(self, units: torch.Tensor, live: torch.Tensor,
-                  committed: torch.Tensor) -> torch.Tensor:
-        """[n, W] where each stage's unit rows keep what the stages make of them: a live row's
-        buffer row (a tree row committed since its unit was sent: its position), else trash."""
-        pos, trash = units[:, POS], self.seq.trash
-        if not self.tree:
-            return torch.where(live, pos, trash).view(self.n, 1)
-        r = pos % self.R
-        alive = self.lanes.alive.index_select(0, r) & live.view(-1, 1)
-        at_pos = ((pos < committed).view(-1, 1)
-                  & (self.lane_ids == self.lanes.clane.index_select(0, r).view(-1, 1)))
-        slot = self.slot(pos.view(-1, 1), self.lane_ids)
-        return torch.where(alive, torch.where(at_pos, pos.view(-1, 1), slot), trash)
+            return tree_unit(pos, end, live, live, tok, alive, prefix, trash, trash, trash,
+                             self.seq.capacity, self.n)
+        return torch.stack([pos, end, live.long(), prefix, trash, trash, tok[0]])
 
     def keep(self, s: int, anchors, out: torch.Tensor) -> None:
         """Stage s's rows this cycle (anchors: its anchor rows, each [W, d], in slot order; out:
@@ -257,22 +205,21 @@ class Cycle:
     def begin(self) -> None:
         """After `Sequence.start`: the first token is the only unit in flight (stage 0's);
         stage s > 0 runs a dead unit at P + s in cycle 0 (rewritten before anything reads it)."""
-        seq, st, dev = self.seq, self.state, self.seq.device
+        seq, st, dev, W = self.seq, self.state, self.seq.device, self.W
         P = seq.prompt_len
         st[COMMITTED].fill_(P + 1)
         st[NEWEST].fill_(P)
         st[DONE].fill_(int(seq.done))
         one = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731 (set-up)
-        first = seq.tokens[P:P + 1].expand(self.W)
-        trash = one(seq.trash)
-        self.units[0] = self.make_unit(one(P), one(1).bool(), one(1).bool(), first,
-                                       self.first_lane, one(P), trash, trash)
+        first = seq.tokens[P:P + 1].expand(W)
+        lane0 = torch.arange(W, device=dev) == 0
+        self.units[0] = self._first_unit(one(P), one(1).bool(), first, lane0, one(P))
         for s in range(1, self.n):
-            self.units[s] = self.make_unit(one(P + s), one(0).bool(), one(0).bool(), first,
-                                           self.first_lane & False, one(P + 1), trash, trash)
-        self.lanes.write(one(P), first, self.first_lane, self.first_lane & False, one(1),
-                         (torch.zeros_like(first), torch.zeros(self.W, device=dev), one(0),
-                          torch.zeros(self.W, self.R, dtype=torch.int64, device=dev))
+            self.units[s] = self._first_unit(one(P + s), one(0).bool(), first, lane0 & False,
+                                             one(P + 1))
+        self.lanes.write(one(P), first, lane0, lane0 & False, one(1),
+                         (torch.zeros_like(first), torch.zeros(W, device=dev), one(0),
+                          torch.zeros(W, self.R, dtype=torch.int64, device=dev))
                          if self.tree else None)
 
     def cycle(self) -> None:
@@ -286,30 +233,10 @@ class Cycle:
         needs after them, or None for a finished decode's cycle that a CPU skips. A batch of
         sequences (spd.runtime.batch_spd) opens each, runs every stage once over all of them,
         and closes each."""
-        seq, n, st = self.seq, self.n, self.state
-        if self.skip_done and peek(st[DONE])[0]:
-            st[EMITTED].fill_(0)
+        if self.skip_done and peek(self.state[DONE])[0]:
+            self.state[EMITTED].fill_(0)
             return None
-        if not self.tree:
-            return self._open_chain()
-        live = st[DONE] == 0
-        committed, newest = st[COMMITTED].clone(), st[NEWEST].clone()
-        start = committed - 1
-        final = start - st[EMITTED]  # the last cycle's start (drafting: the window)
-        u = self.draws()
-        ulive = (self.units[:, LIVE] == 1) & live
-        occ = torch.where(ulive, self.units[:, POS], -1)   # the position at each depth
-        full = occ[n - 1] >= 0
-        self.rows = self.unit_rows(self.units, ulive, committed)
-        self.stages.begin(self)
-        self.roles.fork()
-        children = None
-        t0 = time.perf_counter()
-        if not seq.post_step:
-            with self.roles.on(0):
-                children = self.drafting.draft(newest, start, final, occ, 0, committed)
-            self.draft_s += time.perf_counter() - t0
-        return children, u, live, committed, newest, start, final, occ, full
+        return self._open_tree() if self.tree else self._open_chain()
 
     def draws(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """This cycle's uniforms [W + 2] from the decode's generator (module docstring), into
@@ -387,125 +314,60 @@ class Cycle:
     def close(self, opened, verdict: torch.Tensor) -> None:
         """The cycle after its stage steps (`verdict`: a greedy chain's argmax of the last
         stage): the roles joined, a post-step draft, the judgement and the commit."""
-        if not self.tree:
-            return self._close_chain(opened, verdict)
-        children, u, live, committed, newest, start, final, occ, full = opened
-        seq = self.seq
-        made = () if children is None else (children.tok, children.q, children.score)
-        self.roles.join(*made, verdict)
+        if self.tree:
+            return self._close_tree(opened, verdict)
+        return self._close_chain(opened, verdict)
+
+    # --- a token tree ----------------------------------------------------------------------------
+    def _open_tree(self):
+        seq, ctl, at = self.seq, self.ctl, self.at
+        u = self.draws()
+        tree_open(ctl.state[at], ctl.units[at], ctl.consts[at], [t[at] for t in ctl.lanes],
+                  seq.tokens.view(1, -1), seq.anchors.unsqueeze(0), seq.type_of_depth,
+                  ctl.tplan[at], ctl.mask[at], ctl.window[at], int(seq.post_step))
+        self.stages.begin(self)
+        self.roles.fork()
+        ctl.tops(seq.drafter.tree_top_k(self.W))
+        if not seq.post_step:
+            t0 = time.perf_counter()
+            with self.roles.on(0):
+                self.drafting.tree(ctl.tplan[at], ctl.mask[at], ctl.window[at],
+                                   ctl.top_rows(self.at.start))
+            self.draft_s += time.perf_counter() - t0
+        return u
+
+    def _close_tree(self, opened, verdict: torch.Tensor) -> None:
+        """A token tree's cycle after its stage steps: the children and the judged
+        candidates, the judgement, the commit."""
+        u = opened
+        seq, ctl, at = self.seq, self.ctl, self.at
+        self.roles.join(verdict)
         if seq.post_step:  # features one stage deeper: after this cycle's steps
             t0 = time.perf_counter()
-            children = self.drafting.draft(newest, start, final, occ, 1, committed)
+            self.drafting.tree(ctl.tplan[at], ctl.mask[at], None, ctl.top_rows(at.start))
             self.draft_s += time.perf_counter() - t0
-        self._commit(children, u, live, committed, newest, full)
+        lanes = [t[at] for t in ctl.lanes]
+        tree_children(ctl.tplan[at], lanes, ctl.top[at], ctl.top_ids[at], ctl.pmax[at],
+                      self.trust, self.log_trust, ctl.kids[at], ctl.kid_score[at],
+                      ctl.judge[at], seq.final.unsqueeze(0), ctl.judged_hidden[at])
+        verdict, accepted = self._judge_tree(u)
+        tree_commit(ctl.state[at], ctl.units[at], ctl.consts[at], ctl.tplan[at], ctl.kids[at],
+                    ctl.kid_score[at], ctl.judge[at], lanes, seq.tokens.view(1, -1),
+                    seq.anchors.unsqueeze(0), self.embed_weight, ctl.stops[at], verdict,
+                    accepted, margin=self.margin)
 
-    def _judge(self, c_tok, c_alive, start, u):
-        """A token tree's (committed token, accepted, lane) of the judged position's candidates
-        c_tok [W] (live where c_alive), from the final state of `start`."""
-        seq, s = self.seq, self.seq.sampling
-        logits = seq.target.logits(seq.final.index_select(0, start.view(1)))  # [1, V]
+    def _judge_tree(self, u):
+        """(the target's token [1], the accepted candidate's index [1] or None: greedy) for
+        the judged position, from the final row before it (tree_children copied it)."""
+        s, t = self.seq.sampling, self.seq.target
+        hidden = self.ctl.judged_hidden[self.at]                            # [1, d]
         if s.greedy:
-            target = logits[0].argmax()
-            match = c_alive & (c_tok == target)
-            return target, match.any(), match.to(torch.int64).argmax()
-        # live rows first, in lane order (the order of their scores); a judged position's rows
-        # share one parent, so their tokens differ, but a cycle that judges nothing (filling,
-        # past the end) may see stale rows: a repeated token is padding there
-        order = torch.sort((~c_alive).to(torch.int64), stable=True).indices
-        tok, live = c_tok.index_select(0, order), c_alive.index_select(0, order)
-        seen = ((tok.view(-1, 1) == tok.view(1, -1)) & live.view(1, -1) & self.earlier).any(1)
-        cands = torch.where(live & ~seen, tok, -1)
-        tok, which = tree_rejection_sample(logits[0], cands, u[1:], s.temperature, s.top_k,
-                                           s.top_p)
-        return tok.view(()), (which >= 0).view(()), order.index_select(0, which.clamp(min=0))
-
-    def _commit(self, ch, u, live, committed, newest, full) -> None:
-        """A token tree's judgement and commit, and the next cycle's layout: the unit that
-        enters stage 0, the lanes, the counts and the state (a chain's: cycle_commit)."""
-        seq, L, st, n, W = self.seq, self.lanes, self.state, self.n, self.W
-        trash = seq.trash
-        start, j = committed - 1, committed
-        rj = (j % self.R).view(1)
-        count = newest - start + 1
-        # 3. the judged position's candidates: its rows in flight, or after a gap this cycle's
-        #    children (known before they enter)
-        in_flight = j <= newest
-        c_tok = torch.where(in_flight, L.tok.index_select(0, rj).view(W), ch.tok)
-        c_alive = torch.where(in_flight, L.alive.index_select(0, rj).view(W), ch.alive)
-        c_look = torch.where(in_flight, L.look.index_select(0, rj).view(W), ch.look)
-        fill = torch.where(in_flight, L.fill.index_select(0, rj).view(()), count)
-        token, ok, lane = self._judge(c_tok, c_alive, start, u)
-        full = full & live
-        ok = ok & full
-        rejected = full & ~ok
-        acc_in, acc_gap = ok & in_flight, ok & ~in_flight
-        made = st[N] + full
-        ended = full & ((token == self.stop_ids).any() | (made + 1 >= seq.max_new))
-        going = live & ~ended
-        # 4. what survives an accepted row: its descendants, up to `keep`
-        chosen = self.lane_ids == lane
-        L.alive.index_copy_(0, rj, torch.where(acc_in, chosen, L.alive.index_select(0, rj)
-                                               .view(W)).view(1, W))
-        L.clane.index_copy_(0, rj, torch.where(acc_in, lane, L.clane.index_select(0, rj)
-                                               .view(())).view(1))
-        # the rows at j + 1 .. j + n - 1 whose ancestor at j is the accepted row live on
-        later = j + self.steps
-        rl = later % self.R
-        descends = L.anc.index_select(0, rl).gather(2, self.steps_back).view(n - 1, W) == lane
-        kept = L.alive.index_select(0, rl) & descends & (later <= newest).view(-1, 1)
-        L.alive.index_copy_(0, rl, torch.where(acc_in, kept, L.alive.index_select(0, rl)))
-        keep = torch.where(acc_in, torch.where(kept.any(1), later, j).amax(), newest)
-        leaf = torch.where(newest == j, chosen, kept.index_select(
-            0, (newest - j - 1).clamp(min=0).view(1)).view(W))
-        child_ok = ch.alive & torch.where(acc_in, leaf.index_select(0, ch.par), True)
-        draft_in = going & (~full | (acc_in & (keep == newest))) & child_ok.any()
-        commit_in = going & (rejected | acc_gap)
-        enters = draft_in | commit_in
-        new_newest = torch.where(draft_in, newest + 1,
-                                 torch.where(commit_in, j, torch.where(acc_in, keep, newest)))
-        enter = torch.where(commit_in, j, torch.where(draft_in, newest + 1, new_newest + 1))
-        e_tok = torch.where(commit_in, torch.where(self.first_lane, token, 0), ch.tok)
-        e_alive = torch.where(commit_in, self.first_lane, child_ok) & enters
-        L.write(enter, e_tok, e_alive, ch.look & ~commit_in, count,
-                (ch.par, torch.where(commit_in, 0.0, ch.score), torch.where(commit_in, 0, -1),
-                 torch.where(commit_in, 0, ch.anc)))
-        # the buffers: the committed token at its position, the entering rows' tokens and
-        # embeddings where they live; the accepted row moves to its position
-        seq.tokens.index_copy_(0, torch.where(full, j, trash).view(1), token.view(1))
-        e_rows = torch.where(e_alive, torch.where(commit_in & self.first_lane, enter,
-                                                  self.slot(enter, self.lane_ids)), trash)
-        src = self.slot(j, lane).view(1)
-        seq.anchors.index_copy_(1, torch.where(acc_in, j, trash).view(1),
-                                seq.anchors.index_select(1, src))
-        seq.tokens.index_copy_(0, e_rows, e_tok)
-        seq.anchors[0].index_copy_(0, e_rows, seq.target.embed_tokens(e_tok))
-        # the counts: the judged draft by draft position, the lookup's, N, K, the stage rows
-        self.by_position.index_add_(0, fill.view(1),
-                                    torch.stack([full, ok]).view(1, 2).to(torch.int64))
-        if seq.lookup_min:
-            looked = torch.where(ok, c_look.index_select(0, lane.view(1)).view(()),
-                                 (c_look & c_alive).any()) & full
-            st[LOOKUP_JUDGED] += looked
-            st[LOOKUP_ACCEPTED] += looked & ok
-        done = ~live | ended
-        cycle = st[CYCLE] + 1
-        end = torch.where((st[END_CYCLE] == 0) & ended, cycle + self.margin, st[END_CYCLE])
-        rows = st[STAGE_ROWS] + torch.where(live, (self.rows != trash).sum(), 0)
-        st[:LOOKUP_JUDGED].copy_(torch.stack([  # (FIELDS' order)
-            committed + full, new_newest, done.long(), st[K] + live, made, rows, full.long(),
-            token, cycle, end]))
-        # the next cycle's units: the one entering stage 0, then each stage's moved one on
-        # (those past the last surviving position, or all after a rejection, die)
-        prefix = torch.where(commit_in, j, committed + full)
-        cpos = torch.where(acc_in, j, trash)
-        cslot = torch.where(acc_in, self.slot(j, lane), trash)
-        head = self.make_unit(enter, enters, commit_in, e_tok, e_alive, prefix, cpos, cslot,
-                              ch.anc[:, :n])
-        bound = torch.where(rejected, -1, torch.where(acc_in, keep, newest))
-        moved = self.units[:-1].clone()
-        moved[:, LIVE] = ((moved[:, LIVE] == 1) & (moved[:, POS] <= bound) & ~done).to(
-            torch.int64)
-        self.units.copy_(torch.cat([head.view(1, -1), moved]))
+            token, _ = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight,
+                                     self.no_draft, t.norm_offset)
+            return token, None
+        cands = judge_fields(self.ctl.judge[self.at], self.W)["cands"]      # [1, W]
+        return tree_rejection_sample(t.judge_logits(hidden), cands, u[1:].view(1, -1),
+                                     s.temperature, s.top_k, s.top_p)
 
     # --- the host's side -------------------------------------------------------------------------
     def launch(self, cycle: int, end: int | None = None) -> None:

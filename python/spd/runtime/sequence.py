@@ -60,7 +60,7 @@ class Sequence:
         t, n = target, layout.n
         self.target, self.layout, self.n = target, layout, n
         self.width = check_tree_width(width)
-        if self.width > 1 and getattr(drafter, "tree_logits", None) is None:
+        if self.width > 1 and getattr(drafter, "tree_top", None) is None:
             raise SPDError("tree drafting needs the PDM drafter (it reads the PDM's logits)")
         self.drafter, self.sampling, self.stats, self.on_token = drafter, sampling, stats, on_token
         stats.tree_width = self.width

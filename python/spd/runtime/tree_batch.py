@@ -1,0 +1,99 @@
+"""A batch of token trees' cycle: the control as three ops over every slot at once.
+
+The token tree's twin of spd.runtime.chain_batch (read that first): each sequence's Cycle holds
+views of its slot's rows of the batch's TreeControl (spd.runtime.control), and a batch's cycle
+runs each control op once over all the slots:
+
+  1. tree_open over every slot (the plans, masks and windows), then each sequence's draws (a
+     sampled one's) and its draft step (PDMDrafter.tree_top) on the drafter's stream, into its
+     slot's rows of the top children;
+  2. every stage once over one unit a sequence (BatchStages.run);
+  3. tree_children over every slot, the judge (greedy: the target's argmax of every slot's
+     judged row in one verify_greedy; sampled: one LM head over the sampled rows and each
+     one's recursive rejection), and tree_commit over every slot.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+from spd.draft.lookup import trust_tables
+from spd.runtime.chain_batch import ChainBatch
+from spd_kernels import tree_rejection_sample, verify_greedy
+from spd_kernels.tree_control import judge_fields, tree_children, tree_commit, tree_open
+
+
+class TreeBatch(ChainBatch):
+    """The fused cycle of a batch's token trees (module docstring)."""
+
+    def __init__(self, batch, lookup: int):
+        super().__init__(batch, lookup)
+        self.trust, self.log_trust = trust_tables(self.control.device)
+        self.W = self.control.W
+
+    def cycle(self, entries) -> None:
+        """One cycle of `entries` (the Running sequences decoding): device work only, over the
+        slots up to the last one decoding (ChainBatch.cycle)."""
+        b_ = self.batch
+        cycles = {e.slot: e.cycle for e in entries}
+        k = max(cycles, default=0) + 1
+        self.control.tops(b_.drafters[0].tree_top_k(self.W))  # (every slot's: one PDM)
+        ctl = self.control.first(k)
+        tokens, anchors, final = b_.tokens[:k], b_.anchors[:k], b_.final[:k]
+        b_.stages.begin(cycles)
+        for b, c in cycles.items():
+            c.draws(ctl.draws[b])
+        tree_open(ctl.state, ctl.units, ctl.consts, ctl.lanes, tokens, anchors,
+                  self.type_of_depth, ctl.tplan, ctl.mask, ctl.window)
+        self.roles.fork()
+        with self.roles.on(0):
+            for b, c in cycles.items():
+                t0 = time.perf_counter()
+                c.drafting.tree(ctl.tplan[b:b + 1], ctl.mask[b:b + 1], ctl.window[b:b + 1],
+                                ctl.top_rows(b))
+                c.draft_s += time.perf_counter() - t0
+        b_.stages.run(cycles, False)
+        self.roles.join()
+        tree_children(ctl.tplan, ctl.lanes, ctl.top, ctl.top_ids, ctl.pmax, self.trust,
+                      self.log_trust, ctl.kids, ctl.kid_score, ctl.judge, final,
+                      ctl.judged_hidden)
+        verdict, accepted = self._judge_trees(ctl, cycles)
+        tree_commit(ctl.state, ctl.units, ctl.consts, ctl.tplan, ctl.kids, ctl.kid_score,
+                    ctl.judge, ctl.lanes, tokens, anchors, self.embed_weight, ctl.stops, verdict,
+                    accepted, self.margin)
+
+    def _judge_trees(self, ctl, cycles):
+        """(verdict [k], accepted [k] or None) for tree_commit: greedy, every slot's judged
+        row's argmax in one op (a sampled or free slot's is never read); sampled, the recursive
+        rejection of each sampled group's rows (one temperature, top-k and top-p) in one op,
+        over every slot where one group decodes alone (a free slot's rows: padding, never
+        read)."""
+        t = self.batch.target
+        sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
+        verdict = ctl.verdict
+        if not sampled or len(sampled) < len(cycles):
+            verdict, _ = verify_greedy(ctl.judged_hidden, t.norm.weight, t.rms_eps,
+                                       t.lm_head.weight, ctl.no_drafts, t.norm_offset)
+            if not sampled:
+                return verdict, None
+            ctl.verdict.copy_(verdict)
+        groups = defaultdict(list)
+        for b in sampled:
+            s = cycles[b].seq.sampling
+            groups[(s.temperature, s.top_k, s.top_p)].append(b)
+        cands, u = judge_fields(ctl.judge, self.W)["cands"], ctl.draws[:, 1:]
+        if len(groups) == 1 and len(sampled) == len(cycles):
+            (temperature, top_k, top_p), = groups
+            return tree_rejection_sample(t.judge_logits(ctl.judged_hidden), cands, u,
+                                         temperature, top_k, top_p)
+        for (temperature, top_k, top_p), group in groups.items():
+            idx = self.batch.stages.slot_sets(tuple(group))[0]  # (made once a set)
+            tok, which = tree_rejection_sample(
+                t.judge_logits(ctl.judged_hidden.index_select(0, idx)),
+                cands.index_select(0, idx), u.index_select(0, idx), temperature, top_k, top_p)
+            ctl.verdict.index_copy_(0, idx, tok)
+            ctl.accepted.index_copy_(0, idx, which)
+        return ctl.verdict, ctl.accepted
+
+
+__all__ = ["TreeBatch"]
