@@ -185,6 +185,23 @@ if HAS_TRITON:
         tl.store(st + END_CYCLE, end)
 
     @triton.jit
+    def shift_units(ub, u_n, bound, done, NS: tl.constexpr, H: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr):
+        """A commit's units at ub [NS, H] (rows u_n apart): each of stages 0 .. NS - 2 moves a
+        stage on, dead past position `bound` or when the sequence is `done`; stage 0's row is
+        then the caller's to write (a chain's and a token tree's commit)."""
+        k = tl.arange(0, BLOCK_N)
+        h = tl.arange(0, BLOCK_H)
+        grid = (k[:, None] < NS - 1) & (h[None, :] < H)
+        cur = tl.load(ub + k[:, None] * u_n + h[None, :], mask=grid, other=0)
+        upos = tl.sum(tl.where(h[None, :] == POS, cur, 0), axis=1)
+        alive = (tl.sum(tl.where(h[None, :] == LIVE, cur, 0), axis=1) == 1) & (upos <= bound) \
+            & (done == 0)
+        cur = tl.where(h[None, :] == LIVE, alive.to(tl.int64)[:, None], cur)
+        tl.debug_barrier()
+        tl.store(ub + (k[:, None] + 1) * u_n + h[None, :], cur, mask=grid)
+
+    @triton.jit
     def _commit_kernel(state, s_b, units, u_b, u_n, consts, c_b, plan, p_b, cand, ca_b,
                        l_tok, l_alive, l_look, l_fill, l_b, tokens, t_b, emb, e_b, e_c,
                        weight, w_v, d, stops, st_b, T, verdict, accepted, margin,
@@ -264,15 +281,7 @@ if HAS_TRITON:
         # the units: each moves a stage on (dead past the bound), the entering one at stage 0
         ub = units + b * u_b
         h = tl.arange(0, BLOCK_H)
-        grid = (k[:, None] < NS - 1) & (h[None, :] < H)
-        cur = tl.load(ub + k[:, None] * u_n + h[None, :], mask=grid, other=0)
-        upos = tl.sum(tl.where(h[None, :] == POS, cur, 0), axis=1)
-        bound = tl.where(rejected, -1, newest)
-        alive = (tl.sum(tl.where(h[None, :] == LIVE, cur, 0), axis=1) == 1) & (upos <= bound) \
-            & (done == 0)
-        cur = tl.where(h[None, :] == LIVE, alive.to(tl.int64)[:, None], cur)
-        tl.debug_barrier()
-        tl.store(ub + (k[:, None] + 1) * u_n + h[None, :], cur, mask=grid)
+        shift_units(ub, u_n, tl.where(rejected, -1, newest), done, NS, H, BLOCK_N, BLOCK_H)
         head = tl.where(h == 0, enter, tl.where(h == 1, end, tl.where(
             h == 2, enters.to(tl.int64), tl.where(h == 3, tl.where(commit_in, j, committed
                                                                     + full.to(tl.int64)),

@@ -48,6 +48,7 @@ if HAS_TRITON:
         K,
         N,
         commit_state,
+        shift_units,
     )
     END, PREFIX, CPOS, CSLOT = map(tl.constexpr, (
         control.END, control.PREFIX, control.CPOS, control.CSLOT))
@@ -487,16 +488,8 @@ if HAS_TRITON:
         commit_state(st, committed, full, new_newest, done, live, made, rows, token, cycle, end)
         # the units: each moves a stage on (dead past the bound), the entering one at stage 0
         ub = units + b * u_b
-        h = tl.arange(0, BLOCK_H)
-        grid_u = (s[:, None] < NS - 1) & (h[None, :] < H)
-        cur = tl.load(ub + s[:, None] * u_n + h[None, :], mask=grid_u, other=0)
-        upos = tl.sum(tl.where(h[None, :] == POS, cur, 0), axis=1)
-        bound = tl.where(rejected, -1, tl.where(acc_in, keep, newest))
-        ulive = (tl.sum(tl.where(h[None, :] == LIVE, cur, 0), axis=1) == 1) & (upos <= bound) \
-            & (done == 0)
-        cur = tl.where(h[None, :] == LIVE, ulive.to(tl.int64)[:, None], cur)
-        tl.debug_barrier()
-        tl.store(ub + (s[:, None] + 1) * u_n + h[None, :], cur, mask=grid_u)
+        shift_units(ub, u_n, tl.where(rejected, -1, tl.where(acc_in, keep, newest)), done, NS,
+                    H, BLOCK_N, BLOCK_H)
         # the entering unit (spd_kernels.tree_control.tree_unit): header, tokens, slots, the
         # keys [NS, W] k positions back, the mask [W, NS W]
         prefix = tl.where(commit_in, j, committed + full.to(tl.int64))
