@@ -31,7 +31,7 @@ class SlotReader:
     """A sequence's row of the batch's published states (its Cycle's `published`): its cycle
     c is the batch's step `first` + c."""
 
-    def __init__(self, batch: ChainBatch, slot: int, first: int):
+    def __init__(self, batch: FusedBatch, slot: int, first: int):
         self.batch, self.slot, self.first = batch, slot, first
 
     def read(self, c: int) -> list[int]:
@@ -40,27 +40,55 @@ class SlotReader:
         return got[self.slot * S:(self.slot + 1) * S]
 
 
-class ChainBatch:
-    """The fused cycle of a BatchedSPD's chains (module docstring)."""
+class FusedBatch:
+    """What a batch's fused cycle keeps, chain or tree (ChainBatch, and TreeBatch in
+    spd.runtime.tree_batch): the batch and its control, the feature type of each depth, the
+    embedding the commit reads, the drafter's role, the end margin and the published states."""
 
-    def __init__(self, batch, lookup: int):
+    def __init__(self, batch):
         self.batch, self.control = batch, batch.control
         t, dev = batch.target, torch.device(batch.target.device)
-        ctl = self.control
-        self.lookup = lookup
-        self.trust = trust_tables(dev)[0] if lookup else None
         layout, n = batch.engine.layout, batch.n
+        self.device = dev
         self.type_of_depth = torch.tensor([layout.agg_type(k) for k in range(n + 1)],
                                           device=dev)
         self.embed_weight = t.embed.weight
         self.roles = Roles(dev, 1)
         self.margin = end_margin(n, batch.ahead)
+        self.published = Published(batch.ahead + 1, self.control.state.numel(), dev)
+        self.steps = 0
+
+    def publish(self, members) -> None:
+        """Every slot's state after this step, in one copy; a member that launches its first
+        cycle now reads its row from this step on."""
+        for e in members:
+            if e.launched == 0:
+                e.cycle.published = SlotReader(self, e.slot, self.steps)
+        self.published.publish(self.steps, self.control.state.view(-1))
+        self.steps += 1
+
+    @staticmethod
+    def sampling_groups(cycles, sampled: list[int]) -> dict[tuple, list[int]]:
+        """The sampled slots by (temperature, top-k, top-p): each group is judged in one op."""
+        groups = defaultdict(list)
+        for b in sampled:
+            s = cycles[b].seq.sampling
+            groups[(s.temperature, s.top_k, s.top_p)].append(b)
+        return groups
+
+
+class ChainBatch(FusedBatch):
+    """The fused cycle of a BatchedSPD's chains (module docstring)."""
+
+    def __init__(self, batch, lookup: int):
+        super().__init__(batch)
+        dev = self.device
+        self.lookup = lookup
+        self.trust = trust_tables(dev)[0] if lookup else None
         # stand-ins at the rows of slots with no draft this cycle (made once)
         self.no_token = torch.zeros((), dtype=torch.int64, device=dev)
         self.no_gate = torch.tensor(float("-inf"), device=dev)
         self._no_q: torch.Tensor | None = None
-        self.published = Published(batch.ahead + 1, ctl.state.numel(), dev)
-        self.steps = 0
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only. The ops
@@ -123,10 +151,7 @@ class ChainBatch:
         group (one temperature, top-k and top-p): one sampling over all k rows (a free slot's
         rows are judged and never read). Else each group over its rows, the tokens and verdicts
         at their slots."""
-        groups = defaultdict(list)
-        for b in sampled:
-            s = cycles[b].seq.sampling
-            groups[(s.temperature, s.top_k, s.top_p)].append(b)
+        groups = self.sampling_groups(cycles, sampled)
         judge = cycles[sampled[0]].judge_sampled
         if len(groups) == 1 and len(sampled) == len(cycles):
             return judge(ctl.judged_hidden, ctl.q_judged, ctl.cand[:, C_TOK], ctl.draws[:, 1:3])
@@ -138,12 +163,3 @@ class ChainBatch:
             ctl.verdict.index_copy_(0, idx, tok.view(-1))
             ctl.accepted.index_copy_(0, idx, ok.view(-1))
         return ctl.verdict, ctl.accepted
-
-    def publish(self, members) -> None:
-        """Every slot's state after this step, in one copy; a member that launches its first
-        cycle now reads its row from this step on."""
-        for e in members:
-            if e.launched == 0:
-                e.cycle.published = SlotReader(self, e.slot, self.steps)
-        self.published.publish(self.steps, self.control.state.view(-1))
-        self.steps += 1

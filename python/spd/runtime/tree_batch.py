@@ -15,25 +15,26 @@ runs each control op once over all the slots:
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 
 from spd.draft.lookup import trust_tables
-from spd.runtime.chain_batch import ChainBatch
+from spd.runtime.chain_batch import FusedBatch
 from spd_kernels import tree_rejection_sample, verify_greedy
 from spd_kernels.tree_control import judge_fields, tree_children, tree_commit, tree_open
 
 
-class TreeBatch(ChainBatch):
+class TreeBatch(FusedBatch):
     """The fused cycle of a batch's token trees (module docstring)."""
 
     def __init__(self, batch, lookup: int):
-        super().__init__(batch, lookup)
-        self.trust, self.log_trust = trust_tables(self.control.device)
+        """lookup: the context lookup's shortest match (each slot's constants carry it; the
+        children always take the trust tables)."""
+        super().__init__(batch)
+        self.trust, self.log_trust = trust_tables(self.device)
         self.W = self.control.W
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only, over the
-        slots up to the last one decoding (ChainBatch.cycle)."""
+        slots up to the last one decoding (spd.runtime.chain_batch.ChainBatch.cycle)."""
         b_ = self.batch
         cycles = {e.slot: e.cycle for e in entries}
         k = max(cycles, default=0) + 1
@@ -77,10 +78,7 @@ class TreeBatch(ChainBatch):
             if not sampled:
                 return verdict, None
             ctl.verdict.copy_(verdict)
-        groups = defaultdict(list)
-        for b in sampled:
-            s = cycles[b].seq.sampling
-            groups[(s.temperature, s.top_k, s.top_p)].append(b)
+        groups = self.sampling_groups(cycles, sampled)
         cands, u = judge_fields(ctl.judge, self.W)["cands"], ctl.draws[:, 1:]
         if len(groups) == 1 and len(sampled) == len(cycles):
             (temperature, top_k, top_p), = groups
