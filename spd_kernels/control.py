@@ -15,8 +15,10 @@ Terms (the runtime's: spd.runtime.cycle, spd.runtime.unit, spd.runtime.drafting)
   lanes   the rows in flight by position mod R (R = n + 1): tok [B, R] int64, alive [B, R]
           bool, look [B, R] bool (the context lookup proposed it), fill [B, R] int64 (its draft
           position).
-  consts  int64 [B, 4]: each sequence's `CONST` (trash row, token budget, lookup's shortest
-          match: 0 off, greedy: 1 / sampled: 0).
+  consts  int64 [B, 5]: each sequence's `CONST` (trash row, token budget, lookup's shortest
+          match: 0 off, greedy: 1 / sampled: 0, the key of its draws: spd_kernels.philox).
+  draws   float32 [B, D]: each sequence's uniforms this cycle, Philox of its key at offsets
+          cycle * D + j (spd_kernels.philox), written by the op that lays the cycle out.
   plan    int64 [B, P]: what `cycle_open` lays out (`PLAN`, then rows [n]: where each stage's
           unit rows land, window positions [n + 1] and their feature types [n + 1]).
   cand    int64 [B, 6]: what `cycle_candidate` picks (`CAND`): the child that enters if any,
@@ -31,6 +33,7 @@ import torch
 from spd_kernels import dispatch
 from spd_kernels.checks import SPDInputError, check_tensor
 from spd_kernels.opdef import op
+from spd_kernels.philox import philox_uniform
 
 # the cycle's state fields (spd.runtime.cycle), then by_position [n + 1, 2]
 STATE = ("committed", "newest", "done", "K", "N", "stage_rows", "emitted", "token", "cycle",
@@ -41,8 +44,8 @@ STATE = ("committed", "newest", "done", "K", "N", "stage_rows", "emitted", "toke
 UNIT = ("position", "end", "live", "prefix", "commit_position", "commit_slot")
 POS, END, LIVE, PREFIX, CPOS, CSLOT = range(len(UNIT))
 # per-sequence constants
-CONST = ("trash", "max_new", "lookup_min", "greedy")
-TRASH, MAX_NEW, LOOKUP_MIN, GREEDY = range(len(CONST))
+CONST = ("trash", "max_new", "lookup_min", "greedy", "key")
+TRASH, MAX_NEW, LOOKUP_MIN, GREEDY, KEY = range(len(CONST))
 # cycle_open's plan, then rows [n], window positions [n + 1], window types [n + 1]
 PLAN = ("committed", "newest", "live", "full", "final", "w0", "last", "child", "found", "length")
 (P_COMMITTED, P_NEWEST, P_LIVE, P_FULL, P_FINAL, P_W0, P_LAST, P_CHILD, P_FOUND,
@@ -129,6 +132,22 @@ def _check_state(state, consts, B, n, dev):
         raise SPDInputError(f"consts must be [{B}, {len(CONST)}], got {tuple(consts.shape)}")
 
 
+def check_draws(draws, B, dev):
+    """draws [B, D] float32 (D >= 1), or None."""
+    if draws is not None:
+        _check_rows("draws", draws, B, dev, torch.float32)
+        if draws.shape[1] < 1:
+            raise SPDInputError(f"draws must be [{B}, D] with D >= 1, got {tuple(draws.shape)}")
+
+
+def draw_reference(state, consts, draws) -> None:
+    """Each sequence's uniforms this cycle into draws [B, D] (module docstring): Philox of its
+    key at cycle * D + j."""
+    D = draws.shape[1]
+    offset = state[:, CYCLE:CYCLE + 1] * D + torch.arange(D, device=state.device)
+    draws.copy_(philox_uniform(consts[:, KEY], offset))
+
+
 def _check_rows(name, x, B, dev, dtype=None, dim=2, floating=False):
     check_tensor(name, x, dim=dim, dtype=dtype, device=dev, floating=floating)
     if x.shape[0] != B:
@@ -157,17 +176,18 @@ def _check_lanes(lanes, B, n, dev):
 # cycle_open: the cycle's layout before its stage and draft steps
 # ------------------------------------------------------------------------------------------------
 
-@op("cycle_open", mutates=("plan", "window"))
+@op("cycle_open", mutates=("plan", "window", "draws"))
 def cycle_open(state: torch.Tensor, units: torch.Tensor, consts: torch.Tensor,
                tokens: torch.Tensor, anchors: torch.Tensor, type_of_depth: torch.Tensor,
-               plan: torch.Tensor, window: torch.Tensor, extra: int = 0, *,
-               backend: str | None = None) -> None:
+               plan: torch.Tensor, window: torch.Tensor, extra: int = 0,
+               draws: torch.Tensor | None = None, *, backend: str | None = None) -> None:
     """Lay out a cycle of B chains (module docstring). state [B, S], units [B, n, H],
-    consts [B, 4], tokens [B, C] int64, anchors [B, m, C, d]: each sequence's buffers;
+    consts [B, 5], tokens [B, C] int64, anchors [B, m, C, d]: each sequence's buffers;
     type_of_depth [n + 1] int64: the feature type of a row at each depth. Writes plan [B, P]
     and window [B, m, n + 1, d] (the anchors of the drafter's window; nothing where `extra`:
-    post-step features, read after the stage steps). extra: 1 when the drafter reads features
-    one stage deeper (post-step drafting)."""
+    post-step features, read after the stage steps), and given draws [B, D] float32, every
+    sequence's uniforms this cycle. extra: 1 when the drafter reads features one stage deeper
+    (post-step drafting)."""
     B, n, dev = _check_batch(state, units, consts)
     _check_rows("tokens", tokens, B, dev, torch.int64)
     _check_rows("anchors", anchors, B, dev, dim=4, floating=True)
@@ -185,18 +205,21 @@ def cycle_open(state: torch.Tensor, units: torch.Tensor, consts: torch.Tensor,
                             f"{list(window.shape)} {window.dtype}")
     if extra not in (0, 1):
         raise SPDInputError(f"extra must be 0 or 1, got {extra!r}")
+    check_draws(draws, B, dev)
     dispatch.call("cycle_open", dev, state, units, consts, tokens, anchors, type_of_depth, plan,
-                  window, extra, backend=backend)
+                  window, extra, draws, backend=backend)
 
 
 @cycle_open.register_fake
-def _(state, units, consts, tokens, anchors, type_of_depth, plan, window, extra=0):
+def _(state, units, consts, tokens, anchors, type_of_depth, plan, window, extra=0, draws=None):
     return None
 
 
 @dispatch.register("cycle_open", "reference")
 def cycle_open_reference(state, units, consts, tokens, anchors, type_of_depth, plan, window,
-                         extra):
+                         extra, draws):
+    if draws is not None:
+        draw_reference(state, consts, draws)
     n = units.shape[1]
     offsets = torch.arange(n + 1, device=state.device)
     stage_ids = torch.arange(n, device=state.device)

@@ -22,8 +22,8 @@ if HAS_TRITON:
          control.STAGE_ROWS, control.EMITTED, control.TOKEN, control.CYCLE, control.END_CYCLE,
          control.LOOKUP_JUDGED, control.LOOKUP_ACCEPTED))
     POS, LIVE = map(tl.constexpr, (control.POS, control.LIVE))
-    TRASH, MAX_NEW, LOOKUP_MIN, GREEDY = map(tl.constexpr, (
-        control.TRASH, control.MAX_NEW, control.LOOKUP_MIN, control.GREEDY))
+    TRASH, MAX_NEW, LOOKUP_MIN, GREEDY, KEY = map(tl.constexpr, (
+        control.TRASH, control.MAX_NEW, control.LOOKUP_MIN, control.GREEDY, control.KEY))
     (P_COMMITTED, P_NEWEST, P_LIVE, P_FULL, P_FINAL, P_W0, P_LAST, P_CHILD, P_FOUND,
      P_LENGTH) = map(tl.constexpr, (
          control.P_COMMITTED, control.P_NEWEST, control.P_LIVE, control.P_FULL, control.P_FINAL,
@@ -33,11 +33,20 @@ if HAS_TRITON:
         control.C_FILL))
 
     @triton.jit
+    def draw_uniforms(draws, dr_b, D, b, st, key, BLOCK: tl.constexpr):
+        """Sequence b's D uniforms this cycle (spd_kernels.philox): Triton's Philox of its key
+        at cycle * D + j."""
+        j = tl.arange(0, BLOCK).to(tl.int64)
+        u = tl.rand(key, tl.load(st + CYCLE) * D + j)
+        tl.store(draws + b * dr_b + j, u, mask=j < D)
+
+    @triton.jit
     def _open_kernel(state, s_b, units, u_b, u_n, consts, c_b, tokens, t_b, C, anchors, a_b,
-                     a_m, a_c, window, w_b, w_m, w_k, d, tod, plan, p_b,
+                     a_m, a_c, window, w_b, w_m, w_k, d, tod, plan, p_b, draws, dr_b, D,
                      NS: tl.constexpr, EXTRA: tl.constexpr, MAXL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HEAD: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HEAD: tl.constexpr, HAS_DRAWS: tl.constexpr,
+                     BLOCK_DR: tl.constexpr):
         """Program (b, 0): sequence b's plan; program (b, 1 + r): row r of its window."""
         b = tl.program_id(0).to(tl.int64)
         which = tl.program_id(1)
@@ -101,6 +110,8 @@ if HAS_TRITON:
             tl.store(pl + P_CHILD, newest + 1)
             tl.store(pl + P_FOUND, tl.where(on, found, 0))
             tl.store(pl + P_LENGTH, tl.where(on, length, 0))
+            if HAS_DRAWS:
+                draw_uniforms(draws, dr_b, D, b, st, tl.load(consts + b * c_b + KEY), BLOCK_DR)
         else:  # (names of their own: a name both branches set must be of one type)
             r = which - 1
             m = r // (NS + 1)
@@ -297,15 +308,21 @@ def _contiguous_rows(**tensors):
     return None
 
 
-def _open_supports(state, units, consts, tokens, anchors, type_of_depth, plan, window, extra):
+def _open_supports(state, units, consts, tokens, anchors, type_of_depth, plan, window, extra,
+                   draws):
     return _contiguous_rows(state=state, units=units, consts=consts, tokens=tokens,
                             anchors=anchors, type_of_depth=type_of_depth, plan=plan,
-                            window=window)
+                            window=window, draws=draws)
+
+
+def draw_args(draws, plan) -> tuple:
+    """The open kernels' draw arguments (draws, its row stride, D; plan: a stand-in pointer)."""
+    return (plan, 0, 1) if draws is None else (draws, draws.stride(0), draws.shape[1])
 
 
 @dispatch.register("cycle_open", "triton", supports=_open_supports)
 def cycle_open_triton(state, units, consts, tokens, anchors, type_of_depth, plan, window,
-                      extra):
+                      extra, draws):
     B, n = units.shape[:2]
     m, C, d = anchors.shape[1:]
     rows = 0 if extra else m * (n + 1)
@@ -313,9 +330,10 @@ def cycle_open_triton(state, units, consts, tokens, anchors, type_of_depth, plan
         state, state.stride(0), units, units.stride(0), units.stride(1), consts, consts.stride(0),
         tokens, tokens.stride(0), C, anchors, anchors.stride(0), anchors.stride(1),
         anchors.stride(2), window, window.stride(0), window.stride(1), window.stride(2), d,
-        type_of_depth, plan, plan.stride(0), NS=n, EXTRA=extra, MAXL=LOOKUP_MAX,
-        BLOCK_N=next_pow2(n + 1), BLOCK_L=next_pow2(LOOKUP_MAX),
-        BLOCK_C=min(next_pow2(C), 256), BLOCK_D=min(next_pow2(d), ROW_BLOCK), HEAD=len(PLAN))
+        type_of_depth, plan, plan.stride(0), *draw_args(draws, plan), NS=n, EXTRA=extra,
+        MAXL=LOOKUP_MAX, BLOCK_N=next_pow2(n + 1), BLOCK_L=next_pow2(LOOKUP_MAX),
+        BLOCK_C=min(next_pow2(C), 256), BLOCK_D=min(next_pow2(d), ROW_BLOCK), HEAD=len(PLAN),
+        HAS_DRAWS=draws is not None, BLOCK_DR=next_pow2(1 if draws is None else draws.shape[1]))
 
 
 def _candidate_supports(plan, lanes, draft, cand, draft_p, trust, q, q_ids, q_ring, q_judged,

@@ -324,16 +324,18 @@ def _control_variants():
     block_d = min(next_pow2(d), control_triton.ROW_BLOCK)
     out = []
     # a chain: cycle_open (post-step drafting: extra), cycle_candidate, cycle_commit
-    for dt, extra in (("fp32", 0), ("bf16", 1)):
-        out.append((f"control._open_kernel[{dt}-n{n}-extra{extra}]", control_triton._open_kernel,
+    draw_sig = dict(draws=f32, dr_b=i32, D=i32, HAS_DRAWS=cx, BLOCK_DR=cx)
+    for dt, extra, draws in (("fp32", 0, True), ("bf16", 1, False)):
+        out.append((f"control._open_kernel[{dt}-n{n}-extra{extra}{'-draws' * draws}]",
+                    control_triton._open_kernel,
                     dict(state=i64, s_b=i32, units=i64, u_b=i32, u_n=i32, consts=i64, c_b=i32,
                          tokens=i64, t_b=i32, C=i32, anchors=ptr(dt), a_b=i32, a_m=i32,
                          a_c=i32, window=ptr(dt), w_b=i32, w_m=i32, w_k=i32, d=i32, tod=i64,
-                         plan=i64, p_b=i32, NS=cx, EXTRA=cx, MAXL=cx, BLOCK_N=cx, BLOCK_L=cx,
-                         BLOCK_C=cx, BLOCK_D=cx, HEAD=cx),
+                         plan=i64, p_b=i32, **draw_sig, NS=cx, EXTRA=cx, MAXL=cx, BLOCK_N=cx,
+                         BLOCK_L=cx, BLOCK_C=cx, BLOCK_D=cx, HEAD=cx),
                     dict(NS=n, EXTRA=extra, MAXL=L, BLOCK_N=next_pow2(n + 1),
                          BLOCK_L=next_pow2(L), BLOCK_C=min(next_pow2(C), 256), BLOCK_D=block_d,
-                         HEAD=len(control.PLAN))))
+                         HEAD=len(control.PLAN), HAS_DRAWS=draws, BLOCK_DR=4)))
     for tag, dt, has_p, has_q, has_ids, has_final in (
             ("greedy", None, False, False, False, False),
             ("gate-q-final-fp32", "fp32", True, True, False, True),
@@ -373,12 +375,13 @@ def _control_variants():
                          l_clane=i64, lc_b=i32, tokens=i64, t_b=i32, C=i32, anchors=ptr(dt),
                          a_b=i32, a_m=i32, a_c=i32, window=ptr(dt), w_b=i32, w_m=i32, w_k=i32,
                          d=i32, tod=i64, tplan=i64, p_b=i32, mask=u1, m_b=i32, m_r=i32,
-                         NS=cx, W=cx, EXTRA=cx, MAXL=cx, BLOCK_N=cx,
+                         **draw_sig, NS=cx, W=cx, EXTRA=cx, MAXL=cx, BLOCK_N=cx,
                          BLOCK_W=cx, BLOCK_RW=cx, BLOCK_L=cx, BLOCK_C=cx, BLOCK_D=cx, HEAD=cx),
                     dict(NS=n, W=W, EXTRA=extra, MAXL=L, BLOCK_N=next_pow2(n + 1),
                          BLOCK_W=next_pow2(W), BLOCK_RW=next_pow2(RW), BLOCK_L=next_pow2(L),
                          BLOCK_C=min(next_pow2(C), 256), BLOCK_D=block_d,
-                         HEAD=len(tree_control.TPLAN))))
+                         HEAD=len(tree_control.TPLAN), HAS_DRAWS=True,
+                         BLOCK_DR=next_pow2(W + 2))))
     for W, dt in ((1, None), (4, "bf16")):
         kc = W
         out.append((f"tree_control._children_kernel[n{n}-W{W}-k{kc}"

@@ -60,6 +60,8 @@ from spd_kernels.control import (
     N,
     _check_rows,
     _check_state,
+    check_draws,
+    draw_reference,
     lookup_proposal,
 )
 from spd_kernels.opdef import op
@@ -222,20 +224,20 @@ def _width(lanes) -> int:
 # tree_open: the cycle's layout before its stage and draft steps
 # ------------------------------------------------------------------------------------------------
 
-@op("tree_open", mutates=("tplan", "mask", "window"))
+@op("tree_open", mutates=("tplan", "mask", "window", "draws"))
 def tree_open(state: torch.Tensor, units: torch.Tensor, consts: torch.Tensor,
               lanes: list[torch.Tensor], tokens: torch.Tensor, anchors: torch.Tensor,
               type_of_depth: torch.Tensor, tplan: torch.Tensor, mask: torch.Tensor,
-              window: torch.Tensor, extra: int = 0, *,
+              window: torch.Tensor, extra: int = 0, draws: torch.Tensor | None = None, *,
               backend: str | None = None) -> None:
     """Lay out a cycle of B token trees (module docstring). state [B, S], units [B, n, H],
-    consts [B, 4], lanes (LANES, [B, R, W] ...), tokens [B, C] int64, anchors [B, m, C, d]:
+    consts [B, 5], lanes (LANES, [B, R, W] ...), tokens [B, C] int64, anchors [B, m, C, d]:
     each sequence's buffers; type_of_depth [n + 1] int64. Writes tplan [B, TP], mask
-    [B, R W, R W] bool and window [B, m, R W, d] (the window's anchors; nothing where `extra`:
-    post-step features, read after the stage steps). extra: 1 when the drafter reads features
-    one stage deeper. The context
-    lookup (consts' lookup_min > 0) matches the committed tokens and the branch of the best
-    leaf (tplan's found, length)."""
+    [B, R W, R W] bool, window [B, m, R W, d] (the window's anchors; nothing where `extra`:
+    post-step features, read after the stage steps) and, given draws [B, D] float32, every
+    sequence's uniforms this cycle (spd_kernels.control's). extra: 1 when the drafter reads
+    features one stage deeper. The context lookup (consts' lookup_min > 0) matches the
+    committed tokens and the branch of the best leaf (tplan's found, length)."""
     W = _width(lanes)
     B, n, dev = _check_tree_batch(state, units, consts, W)
     _check_tree_lanes(list(lanes), B, n, W, dev)
@@ -260,19 +262,22 @@ def tree_open(state: torch.Tensor, units: torch.Tensor, consts: torch.Tensor,
                             f"{list(window.shape)} {window.dtype}")
     if extra not in (0, 1):
         raise SPDInputError(f"extra must be 0 or 1, got {extra!r}")
+    check_draws(draws, B, dev)
     dispatch.call("tree_open", dev, state, units, consts, list(lanes), tokens, anchors,
-                  type_of_depth, tplan, mask, window, extra, backend=backend)
+                  type_of_depth, tplan, mask, window, extra, draws, backend=backend)
 
 
 @tree_open.register_fake
 def _(state, units, consts, lanes, tokens, anchors, type_of_depth, tplan, mask, window,
-      extra=0):
+      extra=0, draws=None):
     return None
 
 
 @dispatch.register("tree_open", "reference")
 def tree_open_reference(state, units, consts, lanes, tokens, anchors, type_of_depth, tplan,
-                        mask, window, extra):
+                        mask, window, extra, draws):
+    if draws is not None:
+        draw_reference(state, consts, draws)
     n, W, dev = units.shape[1], lanes[0].shape[2], state.device
     R = n + 1
     L_tok, _, _, L_alive, _, L_anc, L_clane, _ = lanes

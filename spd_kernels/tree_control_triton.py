@@ -21,6 +21,7 @@ from __future__ import annotations
 from spd_kernels import control, dispatch, tree_control
 from spd_kernels._triton import HAS_TRITON, INTERPRET, next_pow2, tl, triton
 from spd_kernels.control import LOOKUP_MAX, STATE, UNIT
+from spd_kernels.control_triton import draw_args
 from spd_kernels.tree_control import KID, TPLAN
 
 ROW_BLOCK = 1024 if not INTERPRET else 4096  # elements a row copy moves per step
@@ -35,6 +36,7 @@ if HAS_TRITON:
         EMITTED,
         END_CYCLE,
         GREEDY,
+        KEY,
         LIVE,
         LOOKUP_ACCEPTED,
         LOOKUP_JUDGED,
@@ -48,6 +50,7 @@ if HAS_TRITON:
         K,
         N,
         commit_state,
+        draw_uniforms,
         shift_units,
     )
     END, PREFIX, CPOS, CSLOT = map(tl.constexpr, (
@@ -82,11 +85,12 @@ if HAS_TRITON:
     @triton.jit
     def _open_kernel(state, s_b, units, u_b, u_n, consts, c_b, l_tok, l_alive, l_score, l_b,
                      l_anc, la_b, l_clane, lc_b, tokens, t_b, C, anchors, a_b, a_m, a_c,
-                     window, w_b, w_m, w_k, d, tod, tplan, p_b, mask, m_b, m_r,
+                     window, w_b, w_m, w_k, d, tod, tplan, p_b, mask, m_b, m_r, draws, dr_b, D,
                      NS: tl.constexpr, W: tl.constexpr, EXTRA: tl.constexpr,
                      MAXL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                      BLOCK_RW: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
-                     BLOCK_D: tl.constexpr, HEAD: tl.constexpr):
+                     BLOCK_D: tl.constexpr, HEAD: tl.constexpr, HAS_DRAWS: tl.constexpr,
+                     BLOCK_DR: tl.constexpr):
         """Program (b, 0): sequence b's tplan and mask; program (b, 1 + r): row r of its
         window's anchors."""
         R: tl.constexpr = NS + 1
@@ -208,6 +212,8 @@ if HAS_TRITON:
             tl.store(pl + T_BEST, best)
             tl.store(pl + T_FOUND, tl.where(on, found, 0))
             tl.store(pl + T_LENGTH, tl.where(on, length, 0))
+            if HAS_DRAWS:
+                draw_uniforms(draws, dr_b, D, b, st, tl.load(consts + b * c_b + KEY), BLOCK_DR)
         else:  # (names of their own: a name both branches set must be of one type)
             row = (which - 1) % RW
             r_m = (which - 1) // RW
@@ -552,17 +558,17 @@ def _lanes_layout(lanes):
 
 
 def _open_supports(state, units, consts, lanes, tokens, anchors, type_of_depth, tplan, mask,
-                   window, extra):
+                   window, extra, draws):
     if not _rows_contiguous(mask):
         return "mask's rows must be contiguous for the Triton kernel"
     return _lanes_layout(lanes) or _contiguous_rows(
         state=state, units=units, consts=consts, tokens=tokens, anchors=anchors,
-        type_of_depth=type_of_depth, tplan=tplan, window=window)
+        type_of_depth=type_of_depth, tplan=tplan, window=window, draws=draws)
 
 
 @dispatch.register("tree_open", "triton", supports=_open_supports)
 def tree_open_triton(state, units, consts, lanes, tokens, anchors, type_of_depth, tplan, mask,
-                     window, extra):
+                     window, extra, draws):
     B, n = units.shape[:2]
     W = lanes[0].shape[2]
     m, C, d = anchors.shape[1:]
@@ -574,10 +580,11 @@ def tree_open_triton(state, units, consts, lanes, tokens, anchors, type_of_depth
         tok, alive, score, tok.stride(0), anc, anc.stride(0), clane, clane.stride(0), tokens,
         tokens.stride(0), C, anchors, anchors.stride(0), anchors.stride(1), anchors.stride(2),
         window, window.stride(0), window.stride(1), window.stride(2), d, type_of_depth, tplan,
-        tplan.stride(0), mask, mask.stride(0), mask.stride(1), NS=n, W=W,
-        EXTRA=extra, MAXL=LOOKUP_MAX, BLOCK_N=next_pow2(n + 1), BLOCK_W=next_pow2(W),
+        tplan.stride(0), mask, mask.stride(0), mask.stride(1), *draw_args(draws, tplan), NS=n,
+        W=W, EXTRA=extra, MAXL=LOOKUP_MAX, BLOCK_N=next_pow2(n + 1), BLOCK_W=next_pow2(W),
         BLOCK_RW=next_pow2(RW), BLOCK_L=next_pow2(LOOKUP_MAX), BLOCK_C=min(next_pow2(C), 256),
-        BLOCK_D=min(next_pow2(d), ROW_BLOCK), HEAD=len(TPLAN))
+        BLOCK_D=min(next_pow2(d), ROW_BLOCK), HEAD=len(TPLAN), HAS_DRAWS=draws is not None,
+        BLOCK_DR=next_pow2(1 if draws is None else draws.shape[1]))
 
 
 def _children_supports(tplan, lanes, top, top_ids, pmax, trust, log_trust, kids, kid_score,

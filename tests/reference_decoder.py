@@ -23,6 +23,7 @@ from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats
 from spd.runtime.verdict import pick, vocab_ids
 from spd_kernels import filtered_probs, rejection_sample_logits, tree_rejection_sample
+from spd_kernels.philox import philox_uniform, seed_key
 
 
 @dataclass
@@ -78,6 +79,7 @@ class ReferenceDecoder:
         self.stages = [Stage(t, s, r, rows, max_rollback=n) for s, r in
                        enumerate(self.layout.stages)]
         self.gen = torch.Generator(dev).manual_seed(sampling.seed)
+        self.key = torch.tensor([seed_key(sampling.seed)])
         self.stats = DecodeStats(mode="reference", n=n, tree_width=W)
         self.lookup = (NgramLookup(self.drafter.lookup) if getattr(self.drafter, "lookup", 0)
                        else None)
@@ -118,7 +120,9 @@ class ReferenceDecoder:
         n, W = self.n, self.W
         self.stats.K += 1
         self.cycle += 1  # (units entering now run from the next cycle on)
-        u = torch.rand(W + 2, generator=self.gen, device=self.gen.device)
+        # the cycle's uniforms: Philox of the seed, counted by the cycle (spd_kernels.philox)
+        at = (self.cycle - 1) * (W + 2) + torch.arange(W + 2)
+        u = philox_uniform(self.key, at.view(1, -1))[0].to(self.gen.device)
         start, newest = min(self.depth), max(self.depth)
         count = newest - start + 1
         # 1. the draft of newest + 1 from pre-step features, beside 2. every stage

@@ -36,6 +36,7 @@ import torch
 from spd_kernels import dispatch
 from spd_kernels.checks import SPDInputError, check_integer, check_tensor, check_values_enabled
 from spd_kernels.opdef import op
+from spd_kernels.philox import philox_words, to_uniform
 from spd_kernels.sampling import check_sampling_params, filtered_probs, sample_from_probs
 
 # ------------------------------------------------------------------------------------------------
@@ -304,17 +305,14 @@ def _check_rejection_logits(target_logits, draft_probs, draft_to_target, draft_t
 
 
 def _philox_uniforms_reference(rows, device, philox_seed, philox_offset):
-    """Uniforms for the reference when only a seed/offset pair is given (host sync; the stream
-    differs from the kernels' Philox: bit-for-bit comparisons go through `uniforms`). Row r
-    draws from (seed, offset + r) alone, the kernels' contract: row r of a batch is what a
-    one-row call at offset + r draws."""
-    seed, off = int(philox_seed.reshape(-1)[0]), int(philox_offset.reshape(-1)[0])
-    out = torch.empty(rows, 2)
-    for r in range(rows):
-        gen = torch.Generator().manual_seed((seed * 0x9E3779B97F4A7C15 + off + r) % (1 << 63))
-        out[r] = torch.rand(2, generator=gen)
+    """Uniforms [rows, 2] for the reference when only a seed/offset pair is given: the kernels'
+    stream bit for bit (row r: the first two words of Philox(seed, offset + r), as Triton's
+    tl.randint4x gives them: spd_kernels.philox), so a row of a batch is what a one-row call at
+    offset + r draws. Advances the offset by `rows`."""
+    at = philox_offset.reshape(1).to(device) + torch.arange(rows, device=device)
+    c0, c1, _, _ = philox_words(philox_seed.reshape(1).to(device), at)
     philox_offset.add_(rows)
-    return out.to(device)
+    return torch.stack([to_uniform(c0), to_uniform(c1)], 1)
 
 
 # Largest float32 below 1: float64 uniforms round to float32, and one just below 1 would round to

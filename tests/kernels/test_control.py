@@ -17,8 +17,10 @@ from spd_kernels.control import (
     CAND,
     COMMITTED,
     CONST,
+    CYCLE,
     DONE,
     EMITTED,
+    KEY,
     LIVE,
     LOOKUP_MAX,
     NEWEST,
@@ -32,6 +34,7 @@ from spd_kernels.control import (
     plan_size,
     state_size,
 )
+from spd_kernels.philox import philox_uniform
 from spd_kernels.testing import TRITON_DEVICE
 
 C, M, D, V, VQ = 48, 3, 24, 40, 24
@@ -54,8 +57,10 @@ def _batch(n: int, B: int, seed: int, dev):
     units[:, :, POS] = state[:, NEWEST].view(B, 1) - torch.arange(n) + ints(-1, 2, B, n)
     units[:, :, LIVE] = ints(0, 2, B, n)
     units[:, :, -1] = ints(0, V, B, n)
+    state[:, CYCLE] = ints(0, 2**40, B)  # (draw offsets past 2**32: Philox's high word)
+    keys = ints(-2**63, 2**63 - 1, B)    # (the seed's 64 bits: negative keys too)
     consts = torch.stack([torch.full((B,), C - 1), committed + ints(-3, 4, B),
-                          ints(0, 2, B) * 2, ints(0, 2, B)], 1)  # (greedy and sampled mixed)
+                          ints(0, 2, B) * 2, ints(0, 2, B), keys], 1)  # (greedy, sampled)
     # a short alphabet or a period in some rows, so the lookup finds matches of every length
     kind = ints(0, 3, B, 1)
     tokens = torch.where(kind == 0, ints(0, V, B, C), ints(0, 3, B, C))
@@ -73,14 +78,15 @@ def _poison(x: torch.Tensor) -> torch.Tensor:
     return x.fill_(float("nan") if x.is_floating_point() else -(2 ** 40))
 
 
-def _open(b, n, backend, extra=0):
-    dev = b["state"].device
-    plan = _poison(torch.empty(b["state"].shape[0], plan_size(n), dtype=torch.int64,
-                               device=dev))
-    window = _poison(torch.empty(b["state"].shape[0], M, n + 1, D, device=dev))
+def _open(b, n, backend, extra=0, draw: int = 0):
+    """cycle_open's (plan, window, draws: [B, draw] uniforms, or None where draw is 0)."""
+    dev, B = b["state"].device, b["state"].shape[0]
+    plan = _poison(torch.empty(B, plan_size(n), dtype=torch.int64, device=dev))
+    window = _poison(torch.empty(B, M, n + 1, D, device=dev))
+    draws = _poison(torch.empty(B, draw, device=dev)) if draw else None
     cycle_open(b["state"], b["units"], b["consts"], b["tokens"], b["anchors"], b["tod"], plan,
-               window, extra, backend=backend)
-    return plan, window
+               window, extra, draws, backend=backend)
+    return plan, window, draws
 
 
 pytestmark = needs_triton
@@ -91,13 +97,18 @@ pytestmark = needs_triton
 def test_open_matches_the_reference(n, extra):
     for seed in range(6):
         b = _batch(n, 5, seed, TRITON_DEVICE)
-        want = _open(b, n, "reference", extra)
-        got = _open(b, n, "triton", extra)
+        draw = (seed % 3) * (n + 1)  # (none, or a chain's or a tree's count of uniforms)
+        want = _open(b, n, "reference", extra, draw)
+        got = _open(b, n, "triton", extra, draw)
         assert torch.equal(got[0], want[0]), (seed, got[0], want[0])
         if extra:  # post-step features: no window written
             assert got[1].isnan().all() and want[1].isnan().all()
         else:
             assert torch.equal(got[1], want[1])
+        if draw:  # every slot's, greedy or not: Philox of its key at cycle * D + j
+            at = b["state"][:, CYCLE:CYCLE + 1] * draw + torch.arange(draw, device=TRITON_DEVICE)
+            assert torch.equal(want[2], philox_uniform(b["consts"][:, KEY], at))
+            assert torch.equal(got[2], want[2])
 
 
 def test_open_finds_lookups_of_several_lengths():
@@ -204,6 +215,12 @@ def test_checks_name_what_is_wrong():
     with pytest.raises(SPDInputError, match="window must be"):
         cycle_open(b["state"], b["units"], b["consts"], b["tokens"], b["anchors"], b["tod"],
                    plan, window[:, :, :2])
+    for draws, what in ((torch.zeros(2, 3, dtype=torch.float64), "draws"),
+                        (torch.zeros(3, 3), "draws must have the batch's 2"),
+                        (torch.zeros(2, 0), "D >= 1")):
+        with pytest.raises(SPDInputError, match=what):
+            cycle_open(b["state"], b["units"], b["consts"], b["tokens"], b["anchors"],
+                       b["tod"], plan, window, 0, draws)
     cand = torch.zeros(2, len(CAND), dtype=torch.int64)
     with pytest.raises(SPDInputError, match="trust"):
         cycle_candidate(plan, b["lanes"], torch.zeros(2, dtype=torch.int64), cand,

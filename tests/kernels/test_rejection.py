@@ -157,6 +157,23 @@ def test_philox_kernel_follows_target_distribution(case):
         check_philox_distribution(case, "triton", "cuda", 200000, 0.8, 10, 0.95)
 
 
+@needs_triton
+def test_philox_draws_equal_the_reference():
+    """Given a seed and an offset, the kernel draws Philox(seed, offset + r) for row r and the
+    reference draws the same stream (spd_kernels.philox): the same tokens and acceptances, the
+    offset advanced alike (past 2**32: the counter's high word)."""
+    logits, q, d2t, tok, _ = logits_case(32, 120, 60, seed=5, device=TRITON_DEVICE)
+    got = {}
+    for backend in ("reference", "triton"):
+        offset = torch.tensor([2**32 - 7], device=TRITON_DEVICE)
+        out = rejection_sample_logits(logits, q, d2t, tok, temperature=0.9,
+                                      philox_seed=torch.tensor([-7], device=TRITON_DEVICE),
+                                      philox_offset=offset, backend=backend)
+        got[backend] = (out[0].tolist(), out[1].tolist(), int(offset))
+    assert got["triton"] == got["reference"]
+    assert 0 < sum(got["triton"][1]) < 32  # (accepted and rejected rows both)
+
+
 # --- the CUDA kernel (csrc/kernels/sampling.cu) in the host emulation (CPU) ---------------------------------
 
 @needs_simt

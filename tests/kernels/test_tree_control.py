@@ -25,8 +25,10 @@ from spd_kernels import SPDInputError, dispatch
 from spd_kernels.control import (
     COMMITTED,
     CONST,
+    CYCLE,
     DONE,
     GREEDY,
+    KEY,
     LOOKUP_JUDGED,
     MAX_NEW,
     NEWEST,
@@ -35,6 +37,7 @@ from spd_kernels.control import (
     N,
     state_size,
 )
+from spd_kernels.philox import philox_uniform, seed_key
 from spd_kernels.testing import TRITON_DEVICE
 from spd_kernels.tree_control import (
     KID,
@@ -75,13 +78,14 @@ def _poison(x: torch.Tensor, which: int) -> torch.Tensor:
 
 
 def _copy(xs):
-    return [[y.clone() for y in x] if isinstance(x, list) else x.clone() for x in xs]
+    return [[y.clone() for y in x] if isinstance(x, list) else None if x is None else x.clone()
+            for x in xs]
 
 
 def _assert_same(got, want, what):
     for i, (x, y) in enumerate(zip(got, want)):
         for xi, yi in zip(*((x, y) if isinstance(x, list) else ([x], [y]))):
-            assert torch.equal(xi, yi), (what, i, xi, yi)
+            assert (xi is None and yi is None) or torch.equal(xi, yi), (what, i, xi, yi)
 
 
 class _Decodes:
@@ -162,8 +166,9 @@ class _Decodes:
         self.tokens[b, P] = first
         self.anchors[b] = torch.randn(M, self.C, D, generator=self.g).to(dev)
         self.state[b, COMMITTED], self.state[b, NEWEST] = P + 1, P
+        key = seed_key((b + 1) * 0x9E3779B97F4A7C15 % 2**64)  # (all 64 bits: a draw's key)
         self.consts[b] = torch.tensor([self.C - 1, self.ints(3, 15), self.ints(0, 3),
-                                       self.ints(0, 2)])
+                                       self.ints(0, 2), key])
         self.stops[b] = torch.where(self.rand(T) < 0.3, self.ints(0, V, T), -1)
         one = lambda v: torch.tensor(v, device=dev)  # noqa: E731
         trash = one(self.C - 1)
@@ -192,13 +197,17 @@ class _Decodes:
                                         device=self.dev), which)
             mask = _poison(torch.empty(B, RW, RW, dtype=torch.bool, device=self.dev), which)
             window = _poison(torch.empty(B, M, RW, D, device=self.dev), which)
-            tree_open(*args, tplan, mask, window, extra, backend=backend)
+            draws = _poison(torch.empty(B, self.W + 2, device=self.dev), which)
+            tree_open(*args, tplan, mask, window, extra, draws, backend=backend)
             _assert_same(args, before, f"tree_open's inputs ({backend})")
-            out.append([tplan, mask, window])
+            out.append([tplan, mask, draws, window])
         got, want = out[0], out[-1]
+        at = self.state[:, CYCLE:CYCLE + 1] * (self.W + 2) + torch.arange(self.W + 2,
+                                                                          device=self.dev)
+        assert torch.equal(want[2], philox_uniform(self.consts[:, KEY], at))
         if extra:  # post-step features: no window written
-            assert (got[2] == 1e30).all() and (want[2] == 1e30 * len(out)).all()
-            got, want = got[:2], want[:2]
+            assert (got[3] == 1e30).all() and (want[3] == 1e30 * len(out)).all()
+            got, want = got[:3], want[:3]
         _assert_same(got, want, "tree_open")
         return out[-1][:2]
 
@@ -375,7 +384,8 @@ def _args(n=2, W=2, B=2, dev="cpu"):
                      tokens=d.tokens, anchors=d.anchors, type_of_depth=d.tod,
                      tplan=torch.zeros(B, tplan_size(n, W), **i64),
                      mask=torch.zeros(B, RW, RW, dtype=torch.bool, device=dev),
-                     window=torch.zeros(B, M, RW, D, device=dev))
+                     window=torch.zeros(B, M, RW, D, device=dev),
+                     draws=torch.zeros(B, W + 2, device=dev))
     out = dict(kids=torch.zeros(B, W, len(KID) + n + 1, **i64),
                kid_score=torch.zeros(B, W, device=dev),
                judge=torch.zeros(B, judge_size(W), **i64))
@@ -398,8 +408,10 @@ def _lanes_with(lanes, i, x):
 BAD = [  # (op, argument, the bad value made from the good ones, what the error says)
     ("open", "state", lambda a: a["state"][:, :-1], "state must be"),
     ("open", "units", lambda a: a["units"][:, :, :-1], "units must be"),
-    ("open", "consts", lambda a: a["consts"][:, :2], r"consts must be \[2, 4\]"),
+    ("open", "consts", lambda a: a["consts"][:, :2], rf"consts must be \[2, {len(CONST)}\]"),
     ("open", "lanes", lambda a: a["lanes"][:-1], "lanes must be"),
+    ("open", "draws", lambda a: a["draws"].double(), "draws"),
+    ("open", "draws", lambda a: a["draws"][:1], "draws must have the batch's 2"),
     ("open", "lanes", lambda a: _lanes_with(a["lanes"], 2, a["lanes"][2].double()),
      "lanes.score"),
     ("open", "lanes", lambda a: _lanes_with(a["lanes"], 5, a["lanes"][5][..., :-1]),

@@ -114,8 +114,9 @@ def test_sampled_tokens_follow_target_with_quantised_drafter():
         pdm.lm_head.weight.mul_(30.0)
     eng = SPDEngine(t, n_stages=n, pdm=pdm, lookup=0, draft_weights="int8")
     outputs, accepted, judged = [], 0, 0
-    for seed in range(400):
-        res = eng.generate(prompt, 8, SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed))
+    seeded = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed) for seed in range(400)]
+    # (eight at a time: each exactly its decode alone, tests/runtime/test_batch.py)
+    for res in eng.generate([prompt] * len(seeded), 8, seeded, max_batch=8):
         outputs.append(res.token_ids)
         accepted += res.stats.drafts_accepted
         judged += res.stats.drafts_judged

@@ -21,6 +21,7 @@ import torch
 from conftest import make_tiny_target
 
 from spd import SamplingParams, SPDEngine
+from spd.draft.drafters import PDMDrafter
 from spd.draft.pdm import PipelineDraftModule
 from spd_kernels import filtered_probs
 from spd_kernels.testing import chi2_pvalue as chi2_test
@@ -74,7 +75,7 @@ def conditional_pvalue(target, sp: SamplingParams, prompt, runs: list[list[int]]
     # Post-step drafting (an ablation: features one stage deeper, drafted after the stages)
     # judges through the same verifier; its greedy losslessness is test_engine_tiny's
 ])
-def test_sampled_tokens_follow_target(n, sp, lookup, post_step):
+def test_sampled_tokens_follow_target(n, sp, lookup, post_step, monkeypatch):
     prompt = PROMPT + PROMPT[:3] if lookup else PROMPT
     t = make_tiny_target(seed=21, vocab=V, layers=3, head_scale=3.0)
     draft_vocab = torch.tensor([0, 2, 3, 5, 6, 8, 9, 11])
@@ -90,13 +91,14 @@ def test_sampled_tokens_follow_target(n, sp, lookup, post_step):
         # a confidence drawn at random, independent of the target, keeps the output exact and
         # makes both sides of the gate occur: 1-token matches win about half the time, longer
         # ones always.
-        real_draft, gen = eng.drafter.draft, torch.Generator().manual_seed(5)
+        # (every drafter's: a batch's slots each have their own)
+        real_draft, gen = PDMDrafter.draft, torch.Generator().manual_seed(5)
 
-        def draft(*args):
-            d = real_draft(*args)
+        def draft(self, *args):
+            d = real_draft(self, *args)
             d.p = 0.26 * torch.rand((), generator=gen)
             return d
-        eng.drafter.draft = draft
+        monkeypatch.setattr(PDMDrafter, "draft", draft)
     joint12, marg3 = exact_first_tokens(t, sp, prompt)
     runs = 2000
     c12 = torch.zeros(V * V, dtype=torch.int64)
@@ -104,10 +106,8 @@ def test_sampled_tokens_follow_target(n, sp, lookup, post_step):
     outputs = []
     accepted = judged = lookup_accepted = lookup_judged = 0
     seeded = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed) for seed in range(runs)]
-    if lookup:  # (the patched drafter is the one-sequence engine's)
-        results = [eng.generate(prompt, LENGTH, s) for s in seeded]
-    else:  # eight at a time, each exactly its decode alone (tests/runtime/test_batch.py): faster
-        results = eng.generate([prompt] * runs, LENGTH, seeded, max_batch=8)
+    # eight at a time, each exactly its decode alone (tests/runtime/test_batch.py): faster
+    results = eng.generate([prompt] * runs, LENGTH, seeded, max_batch=8)
     for res in results:
         a, b, c = res.token_ids[:3]
         c12[a * V + b] += 1

@@ -4,8 +4,9 @@ Each sequence's Cycle (spd.runtime.cycle) holds views of its slot's rows of the 
 ChainControl (spd.runtime.control), and one sequence's cycle runs its three control ops over a
 batch of one. Here a batch's cycle runs each of them once over all the slots:
 
-  1. cycle_open over every slot (the plans, the windows), then each sequence's draws (a sampled
-     one's; a greedy one takes none) and its drafter's step on the drafter's stream;
+  1. cycle_open over every slot (the plans, the windows, and where a sequence samples, every
+     slot's draws: spd_kernels.philox), then each sequence's drafter's step on the drafter's
+     stream;
   2. every stage once over one unit a sequence (BatchStages.run), a greedy verdict landing at
      its slot;
   3. cycle_candidate over every slot, each sampled group (sequences of one temperature, top-k,
@@ -101,16 +102,16 @@ class ChainBatch(FusedBatch):
         ctl = self.control.first(k)
         tokens, anchors, final = b_.tokens[:k], b_.anchors[:k], b_.final[:k]
         b_.stages.begin(cycles)  # (across ranks: the units out, the snaps' receives posted)
-        draws = {b: c.draws(ctl.draws[b]) for b, c in cycles.items()}
+        sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
         cycle_open(ctl.state, ctl.units, ctl.consts, tokens, anchors, self.type_of_depth,
-                   ctl.plan, ctl.window)
+                   ctl.plan, ctl.window, 0, ctl.draws if sampled else None)
         self.roles.fork()
         drafts = {}
         with self.roles.on(0):
             for b, c in cycles.items():
                 t0 = time.perf_counter()
                 drafts[b] = c.drafting.chain(ctl.plan[b:b + 1], ctl.window[b:b + 1],
-                                             draws[b][0])
+                                             ctl.draws[b, 0])
                 c.draft_s += time.perf_counter() - t0
         greedy = any(c.seq.sampling.greedy for c in cycles.values())
         b_.stages.run(cycles, greedy, into=self.control.verdict)
@@ -122,7 +123,6 @@ class ChainBatch(FusedBatch):
         if self.lookup and any(d.p is not None for d in drafts.values()):
             p = torch.stack([drafts[b].p.view(()).float() if b in drafts and drafts[b].p
                              is not None else self.no_gate for b in slots])
-        sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
         q = ring_ids = None
         if sampled:
             for b in sampled:

@@ -8,8 +8,9 @@ three ops once over all its slots, a free slot a finished sequence (`done`: noth
 changes a thing another reads).
 
 Per slot: state [S] and units [n, H] int64, lanes (tok, alive, look, fill [R]), the plan and
-the candidate the ops pass on, the constants (trash row, budget, lookup, greedy) and the stop
-ids [T] (-1 pads), the window of anchors the drafter reads [m, n + 1, d]; for sampling the q
+the candidate the ops pass on, the constants (trash row, budget, lookup, greedy, the draws'
+key) and the stop ids [T] (-1 pads), the window of anchors the drafter reads [m, n + 1, d],
+the cycle's uniforms [W + 2] (the open draws them: spd_kernels.philox); for sampling the q
 ring [R, Vr], the judged q [Vr] and the judged final row [d] (made at the first sampled draft,
 when q's size is known).
 
@@ -30,6 +31,7 @@ from spd_kernels.control import (
     plan_size,
     state_size,
 )
+from spd_kernels.philox import seed_key
 from spd_kernels.tree_control import (
     KID,
     judge_size,
@@ -68,7 +70,8 @@ class Control:
             t[slot].zero_()
         self.state[slot, DONE].fill_(1)
         self.consts[slot] = torch.tensor([seq.trash, seq.max_new, seq.lookup_min,
-                                          int(seq.sampling.greedy)])
+                                          int(seq.sampling.greedy),
+                                          seed_key(seq.sampling.seed)])
         stop = sorted(seq.stop.stop_ids)
         if len(stop) > self.stops.shape[1]:  # (a new table: the next cycle is captured anew)
             grown = torch.full((self.slots, len(stop)), -1, dtype=torch.int64,
@@ -98,7 +101,7 @@ class Control:
 class ChainControl(Control):
     """The control rows of `slots` chains of n stages; anchors [m, ., d] of `dtype` (module
     docstring)."""
-    cleared = ("plan", "cand")
+    cleared = ("plan", "cand", "draws")
 
     def __init__(self, slots: int, n: int, m: int, d: int, device, dtype):
         super().__init__(slots, n, d, len(UNIT) + 1, device, dtype)
@@ -135,7 +138,7 @@ class ChainControl(Control):
 class TreeControl(Control):
     """The control rows of `slots` token trees of n stages and W rows a position; anchors
     [m, ., d] of `dtype` (module docstring; spd_kernels.tree_control's terms)."""
-    cleared = ("tplan", "kids", "kid_score", "judge")
+    cleared = ("tplan", "kids", "kid_score", "judge", "draws")
 
     def __init__(self, slots: int, n: int, W: int, m: int, d: int, device, dtype):
         super().__init__(slots, n, d, tree_unit_size(n, W), device, dtype)

@@ -29,9 +29,11 @@ README, "How a cycle works", as fixed-shape device work whose outcome is data:
           nothing (`done` gates every update). On a CPU, where reading is free, a cycle looks
           at its units before the stages run and skips the dead ones (`Pipeline.peek`).
 
-Draws: a sampled decode's generator gives W + 2 uniforms every cycle (the draft's, then the
-verifier's: two for a chain, W + 1 for a tree), judged or not, in every runtime; a greedy one
-reads none and draws none.
+Draws: a sampled decode takes W + 2 uniforms every cycle (the draft's, then the verifier's:
+two for a chain, W + 1 for a tree), judged or not, in every runtime: Philox of its seed at
+cycle * (W + 2) + j (spd_kernels.philox), drawn by the op that opens the cycle, so that a
+sequence draws the same alone and in any batch, with no generator a graph must track. A greedy
+one draws none.
 
 The control is three ops over a batch: a chain's spd_kernels.control (cycle_open lays the
 cycle out, cycle_candidate picks what enters and what is judged, cycle_commit judges and
@@ -60,6 +62,7 @@ from spd_kernels import rejection_sample_logits, tree_rejection_sample, verify_g
 from spd_kernels.control import (
     C_TOK,
     COMMITTED,
+    CYCLE,
     DONE,
     EMITTED,
     END_CYCLE,
@@ -154,8 +157,6 @@ class Cycle:
         self.by_position = self.state[len(FIELDS):].view(n + 1, 2)
         self.drafting = Drafting(seq)
         self.q_ids: torch.Tensor | None = None  # a sampled chain's q columns' target ids
-        # (the draws of a greedy decode are never read: it takes none)
-        self.no_draws = (torch.zeros(W + 2, device=dev) if seq.sampling.greedy else None)
         # the context lookup's trust by match length, and its logs (a tree's children take
         # them whether it looks up or not)
         self.trust, self.log_trust = (trust_tables(dev) if seq.lookup_min or self.tree
@@ -170,9 +171,8 @@ class Cycle:
         # a CPU skips a finished decode's cycles (no peers wait for them)
         self.skip_done = stages.peek and not stages.lockstep
         self.graph = CycleGraph(self.cycle, dev, "decode cycle", replayable=stages.replayable,
-                                capturable=stages.capturable,
-                                generators=(seq.gen,) if dev.type == "cuda" else (),
-                                messages=stages.messages, thread_local=stages.lockstep)
+                                capturable=stages.capturable, messages=stages.messages,
+                                thread_local=stages.lockstep)
         self.cycles = 0
         self.counted: list[int] | None = None  # the counts of the last cycle read
         self.draft_s = 0.0  # the draft step's host time (a CPU's: where it runs as called)
@@ -210,6 +210,7 @@ class Cycle:
         st[COMMITTED].fill_(P + 1)
         st[NEWEST].fill_(P)
         st[DONE].fill_(int(seq.done))
+        st[CYCLE].fill_(0)  # (a batch's commits counted its slot's cycles while it prefilled)
         one = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731 (set-up)
         first = seq.tokens[P:P + 1].expand(W)
         lane0 = torch.arange(W, device=dev) == 0
@@ -238,20 +239,17 @@ class Cycle:
             return None
         return self._open_tree() if self.tree else self._open_chain()
 
-    def draws(self, out: torch.Tensor | None = None) -> torch.Tensor:
-        """This cycle's uniforms [W + 2] from the decode's generator (module docstring), into
-        `out` where given (a batch's row); a greedy decode reads none, and draws none."""
-        seq = self.seq
-        if self.no_draws is not None:
-            return self.no_draws
-        return torch.rand(self.W + 2, generator=seq.gen, device=seq.device, out=out)
+    def draws(self) -> torch.Tensor | None:
+        """Where the open writes this cycle's uniforms: the slot's row [1, W + 2] (module
+        docstring); None for a greedy decode, which draws none (its row stays zero)."""
+        return None if self.seq.sampling.greedy else self.ctl.draws[self.at]
 
     def _open_chain(self):
         seq, ctl, at = self.seq, self.ctl, self.at
-        u = self.draws()
         cycle_open(ctl.state[at], ctl.units[at], ctl.consts[at], seq.tokens.view(1, -1),
                    seq.anchors.unsqueeze(0), seq.type_of_depth, ctl.plan[at], ctl.window[at],
-                   int(seq.post_step))
+                   int(seq.post_step), self.draws())
+        u = ctl.draws[at.start]
         self.stages.begin(self)
         self.roles.fork()
         draft = None
@@ -321,10 +319,10 @@ class Cycle:
     # --- a token tree ----------------------------------------------------------------------------
     def _open_tree(self):
         seq, ctl, at = self.seq, self.ctl, self.at
-        u = self.draws()
         tree_open(ctl.state[at], ctl.units[at], ctl.consts[at], [t[at] for t in ctl.lanes],
                   seq.tokens.view(1, -1), seq.anchors.unsqueeze(0), seq.type_of_depth,
-                  ctl.tplan[at], ctl.mask[at], ctl.window[at], int(seq.post_step))
+                  ctl.tplan[at], ctl.mask[at], ctl.window[at], int(seq.post_step), self.draws())
+        u = ctl.draws[at.start]
         self.stages.begin(self)
         self.roles.fork()
         ctl.tops(seq.drafter.tree_top_k(self.W))

@@ -139,8 +139,8 @@ def figures(graph: CycleGraph | None) -> Counter:
 
 
 class MemberGraphs:
-    """A batch's cycle as one CycleGraph for as long as the same members (sequences, each with
-    `.seq.gen`) decode together, a new one when they change; `kwargs` go to each CycleGraph.
+    """A batch's cycle as one CycleGraph for as long as the same members (sequences) decode
+    together, a new one when they change; `kwargs` go to each CycleGraph.
     `describe`: the graphs made, captured, their replays and checked cycles, added up."""
 
     def __init__(self, device, what: str, **kwargs):
@@ -155,9 +155,8 @@ class MemberGraphs:
             a is b for a, b in zip(members, self.members))
         if self.graph is None or not same:
             self.close()
-            gens = [e.seq.gen for e in members] if self.device.type == "cuda" else []
             self.graph = CycleGraph(lambda: cycle(members), self.device, self.what,
-                                    generators=gens, **self.kwargs)
+                                    **self.kwargs)
             self.members = members
             self.totals["made"] += 1
         self.graph.launch()

@@ -4,9 +4,9 @@ The token tree's twin of spd.runtime.chain_batch (read that first): each sequenc
 views of its slot's rows of the batch's TreeControl (spd.runtime.control), and a batch's cycle
 runs each control op once over all the slots:
 
-  1. tree_open over every slot (the plans, masks and windows), then each sequence's draws (a
-     sampled one's) and its draft step (PDMDrafter.tree_top) on the drafter's stream, into its
-     slot's rows of the top children;
+  1. tree_open over every slot (the plans, masks and windows, and where a sequence samples,
+     every slot's draws), then each sequence's draft step (PDMDrafter.tree_top) on the
+     drafter's stream, into its slot's rows of the top children;
   2. every stage once over one unit a sequence (BatchStages.run);
   3. tree_children over every slot, the judge (greedy: the target's argmax of every slot's
      judged row in one verify_greedy; sampled: one LM head over the sampled rows and each
@@ -42,10 +42,10 @@ class TreeBatch(FusedBatch):
         ctl = self.control.first(k)
         tokens, anchors, final = b_.tokens[:k], b_.anchors[:k], b_.final[:k]
         b_.stages.begin(cycles)
-        for b, c in cycles.items():
-            c.draws(ctl.draws[b])
+        sampled = any(not c.seq.sampling.greedy for c in cycles.values())
         tree_open(ctl.state, ctl.units, ctl.consts, ctl.lanes, tokens, anchors,
-                  self.type_of_depth, ctl.tplan, ctl.mask, ctl.window)
+                  self.type_of_depth, ctl.tplan, ctl.mask, ctl.window, 0,
+                  ctl.draws if sampled else None)
         self.roles.fork()
         with self.roles.on(0):
             for b, c in cycles.items():
