@@ -19,7 +19,9 @@ warm-up a graph capture follows).
 
     python benchmarks/probe_cycle_launches.py [--json-out PATH]
 
-Prints a table (rank 0: one sequence and a batch; each stage rank) and writes JSON. Device: CPU.
+Prints a table (rank 0: one sequence and a batch, greedy, sampled, or "mixed": greedy sequences
+and sampled ones of two temperatures, three judge groups; each stage rank) and writes JSON.
+Device: CPU.
 """
 from __future__ import annotations
 
@@ -123,8 +125,14 @@ def _target():
     return make_tiny_target(seed=3, vocab=32, layers=4)
 
 
-def _sampling(kind: str):
+def _sampling(kind: str, count: int = 0):
+    """greedy, sampled (one temperature and top-k), or for `count` sequences "mixed": greedy
+    ones and sampled ones of two temperatures in turn (three judge groups)."""
     from spd import SamplingParams
+    if kind == "mixed":
+        kinds = [SamplingParams(), SamplingParams(temperature=1.0, top_k=20, seed=1),
+                 SamplingParams(temperature=0.7, seed=2)]
+        return [kinds[i % 3] for i in range(count)]
     return SamplingParams() if kind == "greedy" else SamplingParams(temperature=1.0, top_k=20,
                                                                     seed=1)
 
@@ -155,7 +163,7 @@ def count_batch(kind: str, batch: int, n: int = 4, width: int = 1, tokens: int =
     per_cycle: list = []
     prompts = [PROMPT[i % 5:] + [i % 7] for i in range(batch)]
     with patched(*_steps_left_out(), (BatchedSPD, "launch_cycle", _counting(per_cycle))):
-        engine.generate(prompts, tokens, _sampling(kind), max_batch=batch)
+        engine.generate(prompts, tokens, _sampling(kind, batch), max_batch=batch)
     return steady(per_cycle)
 
 
@@ -219,6 +227,7 @@ def main() -> None:
                 ops = count_one(kind, args.n, width, lookup, target=target)
                 rows.append(dict(where="rank 0", batch=1, width=width, kind=kind,
                                  lookup=lookup, launches=len(ops), ops=Counter(ops)))
+        for kind in ("greedy", "sampled", "mixed"):
             ops = count_batch(kind, args.batch, args.n, width, target=target)
             rows.append(dict(where="rank 0", batch=args.batch, width=width, kind=kind, lookup=0,
                              launches=len(ops), ops=Counter(ops)))

@@ -26,7 +26,7 @@ from spd.runtime.engine import SPDEngine
 from spd.runtime.request import check_prompt
 from spd.runtime.types import DecodeStats, GenerationResult, PhaseTimer, SamplingParams
 from spd.runtime.verdict import pick
-from spd_kernels import filtered_probs, rejection_sample, sample_from_probs, verify_greedy
+from spd_kernels import filtered_probs, rejection_sample, sample_from_probs
 from spd_kernels.verify import scatter_draft_probs
 
 
@@ -104,8 +104,7 @@ class EagleDecoder:
         if sampling.greedy:
             # The last row judges nothing: its draft slot is a placeholder.
             cand = torch.tensor(drafts + [0], dtype=torch.int64, device=dev)
-            best, ok = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight, cand,
-                                     t.norm_offset)
+            best, ok = t.verify_greedy(hidden, cand)
             ok = ok[:k].tolist()
             a = ok.index(False) if False in ok else k
             return a, int(best[a])

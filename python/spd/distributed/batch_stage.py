@@ -56,7 +56,6 @@ from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.driver import Published, peek
 from spd.runtime.slot_stage import SlotStage
 from spd.runtime.unit import LIVE, UnitFormat
-from spd_kernels import verify_greedy
 
 CTRL = 1  # int64 fields in front of a batch unit message: the pause cycle (0: none set)
 
@@ -243,8 +242,7 @@ class BatchStageCycles:
                     if none is None:  # (made once per row count: no Python value a cycle)
                         none = self._none[R] = torch.full((R,), -1, dtype=torch.int64,
                                                           device=out.device)
-                    verdict = verify_greedy(out, t.norm.weight, t.rms_eps, t.lm_head.weight,
-                                            none, t.norm_offset)[0]
+                    verdict = t.verify_greedy(out, none)[0]
                     tok.index_copy_(0, idx, verdict)
         self.forward_s.append(time.perf_counter() - t0)
         sends = [] if self.snap is None else [(self.snap, DRAFT_RANK, SNAP_TAG)]

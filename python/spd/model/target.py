@@ -162,6 +162,14 @@ class TargetModel:
             return self.logits(hidden)
         return fused_linear(hidden, head.weight, norm_weight=self.norm.weight, eps=self.rms_eps)
 
+    @torch.no_grad()
+    def verify_greedy(self, hidden: torch.Tensor, draft: torch.Tensor):
+        """The target's greedy judgement of final rows hidden [R, d]: (argmax token [R] int64,
+        whether each equals draft [R] int64; -1: no draft), the final norm, LM head and argmax
+        fused in one op (spd_kernels.verify_greedy)."""
+        return verify_greedy(hidden, self.norm.weight, self.rms_eps, self.lm_head.weight, draft,
+                             self.norm_offset)
+
     def fingerprint(self) -> str:
         """Short hash of the architecture and a sample of weights: identifies the target.
 
@@ -304,9 +312,7 @@ class Stage:
         return outs, self._verify(outs[-1], draft)
 
     def _verify(self, last: torch.Tensor, draft: torch.Tensor):
-        t = self.target
-        return verify_greedy(last, t.norm.weight, t.rms_eps, t.lm_head.weight, draft,
-                             t.norm_offset)
+        return self.target.verify_greedy(last, draft)
 
     @torch.no_grad()
     def run(self, hidden: torch.Tensor, position, draft: torch.Tensor | None = None):

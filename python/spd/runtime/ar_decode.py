@@ -19,7 +19,6 @@ from spd.model.target import Stage, TargetModel
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import SamplingParams
 from spd.runtime.verdict import pick
-from spd_kernels import verify_greedy
 
 
 class ARDecoder:
@@ -39,8 +38,7 @@ class ARDecoder:
         """hidden [1, d] -> greedy: the target's token [1] int64; sampling: logits [V] fp32."""
         t = self.t
         if self.sampling.greedy:
-            return verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight,
-                                 self._no_draft, t.norm_offset)[0]
+            return t.verify_greedy(hidden, self._no_draft)[0]
         return t.logits(hidden)[0]
 
     def _device_step(self, token: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,6 @@ from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
-from spd_kernels import verify_greedy
 from spd_kernels.stage import batch_stage_step, stage_step
 
 
@@ -84,8 +83,7 @@ class TokenBatch(SlotPool):
         if greedy:
             rows = torch.tensor(greedy, device=dev)
             none = torch.full((len(greedy),), -1, dtype=torch.int64, device=dev)
-            picked = verify_greedy(h.index_select(0, rows), t.norm.weight, t.rms_eps,
-                                   t.lm_head.weight, none, t.norm_offset)[0]
+            picked = t.verify_greedy(h.index_select(0, rows), none)[0]
             for i, tok in zip(greedy, picked.tolist()):
                 chosen[i] = tok
         for i, s in enumerate(seqs):

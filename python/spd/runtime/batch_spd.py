@@ -39,7 +39,6 @@ from spd.runtime.stopping import StopRule
 from spd.runtime.tree_batch import TreeBatch
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.unit import LIVE, UnitFormat
-from spd_kernels import verify_greedy
 
 
 class SlotStages:
@@ -148,8 +147,7 @@ class BatchStages:
                 cycles[b].keep(s, [outs[i][at] for i in self.anchor_layers[s]], out[at])
             self.outbox[idx, s] = out.view(len(run), W, -1)
             if s == n - 1 and judge:
-                verdict = verify_greedy(out, t.norm.weight, t.rms_eps, t.lm_head.weight, none,
-                                        t.norm_offset)[0]
+                verdict = t.verify_greedy(out, none)[0]
                 verdicts.update({b: verdict[r:r + 1] for r, b in enumerate(run)})
                 if into is not None:
                     into.index_copy_(0, idx, verdict)

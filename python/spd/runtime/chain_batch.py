@@ -58,6 +58,7 @@ class FusedBatch:
         self.margin = end_margin(n, batch.ahead)
         self.published = Published(batch.ahead + 1, self.control.state.numel(), dev)
         self.steps = 0
+        self._masks: dict[tuple, torch.Tensor] = {}  # (a sampling group's slots, k) -> [k]
 
     def publish(self, members) -> None:
         """Every slot's state after this step, in one copy; a member that launches its first
@@ -67,6 +68,19 @@ class FusedBatch:
                 e.cycle.published = SlotReader(self, e.slot, self.steps)
         self.published.publish(self.steps, self.control.state.view(-1))
         self.steps += 1
+
+    def merge_group(self, ctl, group: list[int], verdict, accepted) -> None:
+        """A sampling group's judgement of every slot (verdict and accepted [k]) into ctl's
+        at the group's slots: one select each (the group's mask made once a set and k)."""
+        k = ctl.verdict.shape[0]
+        mask = self._masks.get((tuple(group), k))
+        if mask is None:
+            idx = self.batch.stages.slot_sets(tuple(group))[0]  # (made once a set)
+            mask = torch.zeros(k, dtype=torch.bool, device=self.device).index_fill_(0, idx, True)
+            self._masks[(tuple(group), k)] = mask
+        torch.where(mask, verdict.view(-1), ctl.verdict, out=ctl.verdict)
+        torch.where(mask, accepted.view(-1).to(ctl.accepted.dtype), ctl.accepted,
+                    out=ctl.accepted)
 
     @staticmethod
     def sampling_groups(cycles, sampled: list[int]) -> dict[tuple, list[int]]:
@@ -147,19 +161,15 @@ class ChainBatch(FusedBatch):
 
     def _judge(self, ctl, cycles, sampled: list[int]):
         """Rejection sampling of the sampled sequences -> (verdict, accepted) [k] for
-        cycle_commit (ctl: the control's first k slots). Every slot decoding in one sampled
-        group (one temperature, top-k and top-p): one sampling over all k rows (a free slot's
-        rows are judged and never read). Else each group over its rows, the tokens and verdicts
-        at their slots."""
+        cycle_commit (ctl: the control's first k slots), over every slot's rows (a free or
+        greedy slot's are judged and never read): the target's logits once, then one sampling
+        a group (one temperature, top-k and top-p), merged at its slots
+        (FusedBatch.merge_group)."""
         groups = self.sampling_groups(cycles, sampled)
-        judge = cycles[sampled[0]].judge_sampled
+        logits = self.batch.target.judge_logits(ctl.judged_hidden)
+        args = (ctl.q_judged, ctl.cand[:, C_TOK], ctl.draws[:, 1:3])
         if len(groups) == 1 and len(sampled) == len(cycles):
-            return judge(ctl.judged_hidden, ctl.q_judged, ctl.cand[:, C_TOK], ctl.draws[:, 1:3])
+            return cycles[sampled[0]].reject(logits, *args)
         for group in groups.values():
-            idx = self.batch.stages.slot_sets(tuple(group))[0]  # (made once a set)
-            tok, ok = cycles[group[0]].judge_sampled(
-                ctl.judged_hidden.index_select(0, idx), ctl.q_judged.index_select(0, idx),
-                ctl.cand[:, C_TOK].index_select(0, idx), ctl.draws[:, 1:3].index_select(0, idx))
-            ctl.verdict.index_copy_(0, idx, tok.view(-1))
-            ctl.accepted.index_copy_(0, idx, ok.view(-1))
+            self.merge_group(ctl, group, *cycles[group[0]].reject(logits, *args))
         return ctl.verdict, ctl.accepted

@@ -58,7 +58,7 @@ from spd.runtime.drafting import Drafting, Lanes
 from spd.runtime.driver import STOP, Published, drive, peek
 from spd.runtime.unit import UnitFormat
 from spd.runtime.verdict import vocab_ids
-from spd_kernels import rejection_sample_logits, tree_rejection_sample, verify_greedy
+from spd_kernels import rejection_sample_logits, tree_rejection_sample
 from spd_kernels.control import (
     C_TOK,
     COMMITTED,
@@ -302,8 +302,12 @@ class Cycle:
         """Rejection sampling of rows: hidden [R, d] the final rows before the judged
         positions, q [R, Vr] their draft distributions, cand [R] the candidates, u [R, 2] the
         draws -> (the committed tokens [R], accepted [R])."""
+        return self.reject(self.seq.target.judge_logits(hidden), q, cand, u)
+
+    def reject(self, logits, q, cand, u):
+        """`judge_sampled` from the target's logits [R, V] of the judged rows, with this
+        sequence's sampling."""
         s = self.seq.sampling
-        logits = self.seq.target.judge_logits(hidden)  # [R, V]
         ids = self.q_ids if self.q_ids is not None else vocab_ids(logits.shape[-1],
                                                                   logits.device)
         return rejection_sample_logits(logits, q, ids, cand, u, temperature=s.temperature,
@@ -360,8 +364,7 @@ class Cycle:
         s, t = self.seq.sampling, self.seq.target
         hidden = self.ctl.judged_hidden[self.at]                            # [1, d]
         if s.greedy:
-            token, _ = verify_greedy(hidden, t.norm.weight, t.rms_eps, t.lm_head.weight,
-                                     self.no_draft, t.norm_offset)
+            token, _ = t.verify_greedy(hidden, self.no_draft)
             return token, None
         cands = judge_fields(self.ctl.judge[self.at], self.W)["cands"]      # [1, W]
         return tree_rejection_sample(t.judge_logits(hidden), cands, u[1:].view(1, -1),

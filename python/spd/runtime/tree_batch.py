@@ -18,7 +18,7 @@ import time
 
 from spd.draft.lookup import trust_tables
 from spd.runtime.chain_batch import FusedBatch
-from spd_kernels import tree_rejection_sample, verify_greedy
+from spd_kernels import tree_rejection_sample
 from spd_kernels.tree_control import judge_fields, tree_children, tree_commit, tree_open
 
 
@@ -65,32 +65,27 @@ class TreeBatch(FusedBatch):
 
     def _judge_trees(self, ctl, cycles):
         """(verdict [k], accepted [k] or None) for tree_commit: greedy, every slot's judged
-        row's argmax in one op (a sampled or free slot's is never read); sampled, the recursive
-        rejection of each sampled group's rows (one temperature, top-k and top-p) in one op,
-        over every slot where one group decodes alone (a free slot's rows: padding, never
-        read)."""
+        row's argmax in one op (a sampled or free slot's is never read); sampled, the target's
+        logits of every slot's row once, then the recursive rejection of every row by each
+        sampling group (one temperature, top-k and top-p) in one op, merged at the group's
+        slots (FusedBatch.merge_group; a free slot's rows: padding, never read)."""
         t = self.batch.target
         sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
         verdict = ctl.verdict
         if not sampled or len(sampled) < len(cycles):
-            verdict, _ = verify_greedy(ctl.judged_hidden, t.norm.weight, t.rms_eps,
-                                       t.lm_head.weight, ctl.no_drafts, t.norm_offset)
+            verdict, _ = t.verify_greedy(ctl.judged_hidden, ctl.no_drafts)
             if not sampled:
                 return verdict, None
             ctl.verdict.copy_(verdict)
         groups = self.sampling_groups(cycles, sampled)
         cands, u = judge_fields(ctl.judge, self.W)["cands"], ctl.draws[:, 1:]
+        logits = t.judge_logits(ctl.judged_hidden)  # (every slot's rows, once)
         if len(groups) == 1 and len(sampled) == len(cycles):
             (temperature, top_k, top_p), = groups
-            return tree_rejection_sample(t.judge_logits(ctl.judged_hidden), cands, u,
-                                         temperature, top_k, top_p)
+            return tree_rejection_sample(logits, cands, u, temperature, top_k, top_p)
         for (temperature, top_k, top_p), group in groups.items():
-            idx = self.batch.stages.slot_sets(tuple(group))[0]  # (made once a set)
-            tok, which = tree_rejection_sample(
-                t.judge_logits(ctl.judged_hidden.index_select(0, idx)),
-                cands.index_select(0, idx), u.index_select(0, idx), temperature, top_k, top_p)
-            ctl.verdict.index_copy_(0, idx, tok)
-            ctl.accepted.index_copy_(0, idx, which)
+            self.merge_group(ctl, group, *tree_rejection_sample(logits, cands, u, temperature,
+                                                                top_k, top_p))
         return ctl.verdict, ctl.accepted
 
 
