@@ -18,10 +18,15 @@ import torch
 from spd_kernels.linear import fused_linear
 from spd_kernels.qkv_rope import back_to_back
 from spd_kernels.quant import quantize_weight
-from spd_kernels.stage import LayerWeights, decoder_layer, tree_decoder_layer
+from spd_kernels.stage import (
+    LayerWeights,
+    batch_decoder_layer,
+    decoder_layer,
+    tree_decoder_layer,
+)
 
-__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_step", "pdm_tree_step", "quantize_group",
-           "quantize_pdm_weights"]
+__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_batch_step", "pdm_step",
+           "pdm_tree_step", "quantize_group", "quantize_pdm_weights"]
 
 # the dispatched ops the step runs (benchmarks time the step against them)
 STEP_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
@@ -95,6 +100,29 @@ def pdm_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
     row = x[-1:] if last is None else x.index_select(0, last)
     return fused_linear(row, weights.lm_head, norm_weight=weights.final_norm, eps=weights.eps,
                         weight_scale=weights.lm_head_scale, backend=backend)[0].float()
+
+
+def pdm_batch_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, last: torch.Tensor, *,
+                   backend: str | None = None) -> torch.Tensor:
+    """`pdm_step` for the windows of several sequences at once: features [T, hidden], row r of
+    slot slots[r] ([T] int64) at position positions[r] ([T] int64) of k_cache/v_cache [B,
+    layers, kv_heads, S, head_dim] (slot b's one-sequence cache is k_cache[b]); cos/sin the full
+    RoPE tables; last [U] int64 the rows whose logits are returned -> draft logits [U, Vd]
+    (fp32). The linear layers run over every row at once (the weight reads shared); each row
+    writes its key and value at its slot and position, then attends to its slot's keys up to
+    its position (spd_kernels.stage.batch_decoder_layer): a window computes what `pdm_step`
+    computes of it alone. Positions stay on the device."""
+    cos_rows, sin_rows = cos.index_select(0, positions), sin.index_select(0, positions)
+    x = features
+    for i, lw in enumerate(weights.layers):
+        x = batch_decoder_layer(x, lw, k_cache[:, i], v_cache[:, i], slots, positions, cos_rows,
+                                sin_rows, weights.num_heads, weights.num_kv_heads, weights.eps,
+                                backend=backend)
+    return fused_linear(x.index_select(0, last), weights.lm_head,
+                        norm_weight=weights.final_norm, eps=weights.eps,
+                        weight_scale=weights.lm_head_scale, backend=backend).float()
 
 
 def pdm_tree_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,

@@ -16,7 +16,7 @@ from spd_kernels import (
     qkv_rope_append,
     use_backend,
 )
-from spd_kernels.pdm import LayerWeights, PDMWeights
+from spd_kernels.pdm import LayerWeights, PDMWeights, pdm_batch_step
 from spd_kernels.qkv_rope import qkv_supports
 from spd_kernels.testing import (
     TRITON_DEVICE,
@@ -392,3 +392,39 @@ def test_gpu_pdm_step_captured_once_replays_at_any_position(qkv, attention, line
         torch.testing.assert_close(logits, want, rtol=0.05, atol=0.1)
         torch.testing.assert_close(k[:, :, pos:pos + T].float(), kr[:, :, pos:pos + T].float(),
                                    rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_pdm_batch_step_equals_each_window_alone(backend):
+    """pdm_batch_step over the windows of three slots (different lengths held, windows that
+    overlap their held rows: a crop and recompute, as a cycle's) against pdm_step over each
+    window in its own cache: the same logits (to fp32 rounding: the rows share the linear
+    layers) and the same keys and values written, nothing outside the windows touched."""
+    if backend == "triton" and TRITON_DEVICE != "cpu":
+        pytest.skip(TRITON_SKIP_REASON)
+    pdm = tiny_pdm(seed=8)
+    c = pdm.config
+    g = torch.Generator().manual_seed(3)
+    weights = PDMWeights.from_pdm(pdm)
+    S, R = 24, 4
+    cos, sin = rope_table(c.head_dim, S, c.rope_theta)
+    k = torch.randn(3, c.num_layers, c.num_kv_heads, S, c.head_dim, generator=g)
+    v = torch.randn(k.shape, generator=g)
+    alone_k, alone_v = k.clone(), v.clone()
+    starts, lasts = [0, 7, 15], [3, 1, 2]  # (a row past `last` is computed, never read)
+    feats = torch.randn(3 * R, c.hidden_size, generator=g)
+    want = torch.stack([
+        pdm_step(feats[b * R:(b + 1) * R], weights, alone_k[b], alone_v[b],
+                 torch.tensor([s]), cos, sin, last=torch.tensor([lasts[b]]), backend=backend)
+        for b, s in enumerate(starts)])
+    slots = torch.arange(3).repeat_interleave(R)
+    positions = torch.cat([torch.arange(s, s + R) for s in starts])
+    last = torch.tensor(lasts) + torch.arange(3) * R
+    with poisoned_outputs("b"):
+        got = pdm_batch_step(feats, weights, k, v, slots, positions, cos, sin, last,
+                             backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for b, s in enumerate(starts):  # the windows' rows written alike, the rest untouched
+        torch.testing.assert_close(k[b, :, :, :s + R], alone_k[b, :, :, :s + R])
+        torch.testing.assert_close(v[b, :, :, :s + R], alone_v[b, :, :, :s + R])
+        assert torch.equal(k[b, :, :, s + R:], alone_k[b, :, :, s + R:])

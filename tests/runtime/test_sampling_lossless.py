@@ -91,14 +91,14 @@ def test_sampled_tokens_follow_target(n, sp, lookup, post_step, monkeypatch):
         # a confidence drawn at random, independent of the target, keeps the output exact and
         # makes both sides of the gate occur: 1-token matches win about half the time, longer
         # ones always.
-        # (every drafter's: a batch's slots each have their own)
-        real_draft, gen = PDMDrafter.draft, torch.Generator().manual_seed(5)
+        # (every drafter's pick from its logits: a batch's slots each have their own)
+        real_pick, gen = PDMDrafter.pick, torch.Generator().manual_seed(5)
 
-        def draft(self, *args):
-            d = real_draft(self, *args)
+        def pick(self, *args):
+            d = real_pick(self, *args)
             d.p = 0.26 * torch.rand((), generator=gen)
             return d
-        monkeypatch.setattr(PDMDrafter, "draft", draft)
+        monkeypatch.setattr(PDMDrafter, "pick", pick)
     joint12, marg3 = exact_first_tokens(t, sp, prompt)
     runs = 2000
     c12 = torch.zeros(V * V, dtype=torch.int64)

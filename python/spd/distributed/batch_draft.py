@@ -20,7 +20,7 @@ from spd.distributed.batch_stage import (
 from spd.distributed.faults import inject_fault
 from spd.distributed.messages import SNAP_TAG, UNIT_TAG
 from spd.distributed.stage_rank import dead_unit
-from spd.draft.drafters import PDMDrafter
+from spd.draft.drafters import slot_drafters
 from spd.errors import InternalError, SPDError
 from spd.runtime.batch_spd import BatchedSPD, SlotSets, SlotStages
 from spd.runtime.chain_batch import ChainBatch
@@ -136,7 +136,7 @@ class DistributedBatch(SlotPool):
                       for s, buf in self.snaps.items()}
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=dev)
         lookup = eng.drafter.lookup
-        self.drafters = [PDMDrafter(eng.pdm, lookup=lookup) for _ in range(slots)]
+        self.drafters, self.draft_caches = slot_drafters(eng.pdm, slots, context, lookup)
         self.tokens, self.anchors, self.final = slot_buffers(t, eng.layout, context, slots)
         self.stages = SessionStages(self)
         # the control: three ops over every slot (ChainBatch, TreeBatch)

@@ -50,12 +50,14 @@ class PDMDrafter:
     the context lookup's token in its place when the text repeats itself (spd.draft.lookup); 0: off."""
     name = "pdm"
 
-    def __init__(self, pdm, cuda_graphs: bool = True, lookup: int = 0):
+    def __init__(self, pdm, cuda_graphs: bool = True, lookup: int = 0, cache=None):
+        """cache: the KVCache to draft in (a batch's slot: PDM.slot_caches), where it has room
+        (else one of its own is made at `begin`)."""
         if not 0 <= lookup <= MAX_LEN:
             raise SPDError(f"lookup is a match length in [0, {MAX_LEN}] (0: off), got {lookup}")
         self.pdm = pdm
         self.lookup = lookup
-        self.cache = None
+        self.cache = cache
         self.post_step = pdm.config.features == "post-step"
         self.cuda_graphs = cuda_graphs
         self.graphs = None  # spd.draft.graphs.PDMStepGraphs on a GPU: the draft step as replays
@@ -131,7 +133,12 @@ class PDMDrafter:
         """The guess for `position` (0-d int64) from rows anchors [m, R, d] with types [R] at
         positions start.. ([1] int64), read at row `last` ([1] int64; None: the last row);
         uniform: a 0-d tensor (sampling's draw). Nothing is read on the host."""
-        logits = self.draft_logits(anchors, types, start, last)
+        return self.pick(self.draft_logits(anchors, types, start, last), sampling, uniform)
+
+    def pick(self, logits: torch.Tensor, sampling, uniform) -> Draft:
+        """The guess from the draft logits [Vd]: greedy, their argmax; sampled, a draw from the
+        filtered distribution with `uniform` (0-d) by inverse CDF. Its target id, and the PDM's
+        confidence where the lookup's gate needs it."""
         d2t = self.pdm.draft_to_target
         # the PDM's confidence for the context lookup's gate (at temperature 1 whatever the
         # sampling: the gate's hit rates were measured that way)
@@ -141,6 +148,15 @@ class PDMDrafter:
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         idx = sample_from_probs(q, to_device(uniform, q.device))
         return Draft(target_id(d2t, idx), q.float(), p, q_ids=d2t)
+
+
+def slot_drafters(pdm, slots: int, capacity: int, lookup: int = 0):
+    """A batch's drafters, one a slot, each drafting in its rows of one pair of slot caches
+    (PipelineDraftModule.slot_caches: what a batched draft step, `batch_step`, writes) ->
+    (the drafters, (k, v)). No graphs of their own: the batch's cycle is the graph."""
+    k, v, caches = pdm.slot_caches(slots, capacity)
+    return ([PDMDrafter(pdm, cuda_graphs=False, lookup=lookup, cache=c) for c in caches],
+            (k, v))
 
 
 class ReferenceDrafter:

@@ -32,7 +32,7 @@ from spd.errors import SPDError
 from spd.model.layers import RMSNorm, decoder_layer_step, pack_layer_, rope_table
 from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
-from spd_kernels.pdm import PDMWeights, pdm_tree_step, quantize_group
+from spd_kernels.pdm import PDMWeights, pdm_batch_step, pdm_tree_step, quantize_group
 from spd_kernels.qkv_rope import back_to_back
 from spd_kernels.quant import KINDS as QUANT_KINDS
 
@@ -217,12 +217,21 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         return load_weights(cls(config), folder, target)
 
     # --- inference ------------------------------------------------------------------------
-    def new_cache(self, capacity: int, poison: bool = False):
+    def new_cache(self, capacity: int, poison: bool = False, buffers=None):
         from spd.model.cache import KVCache
         w = self.lm_head.weight
         c = self.config
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, capacity, w.device, w.dtype,
-                       poison_on_truncate=poison)
+                       poison_on_truncate=poison, buffers=buffers)
+
+    def slot_caches(self, slots: int, capacity: int):
+        """The caches of `slots` sequences in two tensors, k and v [slots, layers, kv_heads,
+        capacity, head_dim] (what `batch_step` writes), and each slot's KVCache over its rows
+        -> (k, v, [KVCache] a slot)."""
+        c, w = self.config, self.lm_head.weight
+        shape = (slots, c.num_layers, c.num_kv_heads, capacity, c.head_dim)
+        k, v = (torch.zeros(shape, device=w.device, dtype=w.dtype) for _ in range(2))
+        return k, v, [self.new_cache(capacity, buffers=(k[b], v[b])) for b in range(slots)]
 
     def features(self, anchors: torch.Tensor, types: torch.Tensor, *,
                  quantized: bool = True) -> torch.Tensor:
@@ -292,6 +301,17 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
             cache.reserve(start, rows)
         return pdm_step(features, self.kernel_weights(), cache.k, cache.v, start, cos, sin,
                         last=last)
+
+    @torch.no_grad()
+    def batch_step(self, features: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   slots: torch.Tensor, positions: torch.Tensor,
+                   last: torch.Tensor) -> torch.Tensor:
+        """`step` over the windows of several sequences (spd_kernels.pdm_batch_step): features
+        [T, hidden], row r of slot slots[r] at positions[r] ([T] int64 each) of the slot caches
+        k, v (`slot_caches`) -> draft logits [U, Vd] of the rows `last` ([U] int64)."""
+        cos, sin = self._rope_for(k.shape[3], features)
+        return pdm_batch_step(features, self.kernel_weights(), k, v, slots, positions, cos, sin,
+                              last)
 
     @torch.no_grad()
     def tree_step(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

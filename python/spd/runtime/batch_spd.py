@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 
 from spd import env
-from spd.draft.drafters import PDMDrafter
+from spd.draft.drafters import slot_drafters
 from spd.errors import InternalError, SPDError
 from spd.model.target import Stage
 from spd.runtime.chain_batch import ChainBatch
@@ -197,7 +197,8 @@ class BatchedSPD(SlotPool):
         self.width = engine.tree_width
         self.stages = BatchStages(engine.target, engine.layout, slots, context, self.width)
         lookup = engine.drafter.lookup
-        self.drafters = [PDMDrafter(engine.pdm, lookup=lookup) for _ in range(slots)]
+        # a drafter a slot, their caches one pair of tensors (the chains' draft step batched)
+        self.drafters, self.draft_caches = slot_drafters(engine.pdm, slots, context, lookup)
         # every slot's sequence buffers (tokens, anchors, final) for its `context` rows, once
         t = engine.target
         self.tokens, self.anchors, self.final = slot_buffers(t, engine.layout, context, slots)

@@ -5,8 +5,8 @@ ChainControl (spd.runtime.control), and one sequence's cycle runs its three cont
 batch of one. Here a batch's cycle runs each of them once over all the slots:
 
   1. cycle_open over every slot (the plans, the windows, and where a sequence samples, every
-     slot's draws: spd_kernels.philox), then each sequence's drafter's step on the drafter's
-     stream;
+     slot's draws: spd_kernels.philox), then on the drafter's stream one PDM step over every
+     decoding sequence's window (in the batch's slot caches) and each one's pick;
   2. every stage once over one unit a sequence (BatchStages.run), a greedy verdict landing at
      its slot;
   3. cycle_candidate over every slot, each sampled group (sequences of one temperature, top-k,
@@ -22,10 +22,18 @@ from collections import defaultdict
 
 import torch
 
+from spd.draft.drafters import PDMDrafter
 from spd.draft.lookup import trust_tables
 from spd.runtime.cycle import Roles, end_margin
 from spd.runtime.driver import Published
-from spd_kernels.control import C_TOK, cycle_candidate, cycle_commit, cycle_open
+from spd_kernels.control import (
+    C_TOK,
+    P_LAST,
+    cycle_candidate,
+    cycle_commit,
+    cycle_open,
+    plan_window,
+)
 
 
 class SlotReader:
@@ -104,6 +112,7 @@ class ChainBatch(FusedBatch):
         self.no_token = torch.zeros((), dtype=torch.int64, device=dev)
         self.no_gate = torch.tensor(float("-inf"), device=dev)
         self._no_q: torch.Tensor | None = None
+        self._window_rows: dict[tuple, tuple] = {}  # (slots, R) -> (rows' slots, window starts)
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only. The ops
@@ -120,13 +129,8 @@ class ChainBatch(FusedBatch):
         cycle_open(ctl.state, ctl.units, ctl.consts, tokens, anchors, self.type_of_depth,
                    ctl.plan, ctl.window, 0, ctl.draws if sampled else None)
         self.roles.fork()
-        drafts = {}
         with self.roles.on(0):
-            for b, c in cycles.items():
-                t0 = time.perf_counter()
-                drafts[b] = c.drafting.chain(ctl.plan[b:b + 1], ctl.window[b:b + 1],
-                                             ctl.draws[b, 0])
-                c.draft_s += time.perf_counter() - t0
+            drafts = self._draft(ctl, cycles)
         greedy = any(c.seq.sampling.greedy for c in cycles.values())
         b_.stages.run(cycles, greedy, into=self.control.verdict)
         self.roles.join(*(x for d in drafts.values() for x in (d.token, d.q, d.p)))
@@ -153,6 +157,54 @@ class ChainBatch(FusedBatch):
         cycle_commit(ctl.state, ctl.units, ctl.consts, ctl.plan, ctl.cand, ctl.lanes, tokens,
                      anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
                      accepted.view(-1) if accepted is not None else None, self.margin)
+
+    def _draft(self, ctl, cycles) -> dict:
+        """Each decoding sequence's draft (spd.draft.drafters.Draft): the PDM over every
+        window at once, in the batch's slot caches (PipelineDraftModule.batch_step: the weight
+        reads shared, as the stages share theirs), then each sequence's pick from its row of
+        the logits with its sampling and draw. The step's host time is shared among them."""
+        b_, run = self.batch, tuple(sorted(cycles))
+        if not all(self._in_slot_cache(b, cycles[b].seq.drafter) for b in run):
+            return self._draft_each(ctl, cycles)
+        t0 = time.perf_counter()
+        n, R, U = b_.n, b_.n + 1, len(run)
+        idx = b_.stages.slot_sets(run)[0]  # (made once a set)
+        plan, window = ctl.plan, ctl.window
+        if U < plan.shape[0]:  # (free slots among the first k: only the decoding ones' windows)
+            plan, window = plan.index_select(0, idx), window.index_select(0, idx)
+        pos, types = plan_window(plan, n)                           # [U, R] each
+        m, d = window.shape[1], window.shape[3]
+        pdm = b_.drafters[run[0]].pdm
+        features = pdm.features(window.transpose(0, 1).reshape(m, U * R, d), types.reshape(-1))
+        rows = self._window_rows.get((run, R))
+        if rows is None:  # (each row's slot, and where each window starts: made once a set)
+            if len(self._window_rows) >= 256:  # (as SlotSets: a few patterns a batch)
+                self._window_rows.clear()
+            rows = self._window_rows[(run, R)] = (idx.repeat_interleave(R),
+                                                  torch.arange(U, device=self.device) * R)
+        logits = pdm.batch_step(features, *b_.draft_caches, rows[0], pos.reshape(-1),
+                                plan[:, P_LAST] + rows[1])                    # [U, Vd]
+        drafts = {b: cycles[b].seq.drafter.pick(logits[r], cycles[b].seq.sampling,
+                                                ctl.draws[b, 0]) for r, b in enumerate(run)}
+        for c in cycles.values():
+            c.draft_s += (time.perf_counter() - t0) / U
+        return drafts
+
+    def _in_slot_cache(self, slot: int, drafter) -> bool:
+        """Whether `drafter` is a plain PDM drafter drafting in the batch's slot cache of
+        `slot` (one of its own, or one with its own draft step, drafts alone)."""
+        k = self.batch.draft_caches[0]
+        return (type(drafter).draft is PDMDrafter.draft and drafter.cache is not None
+                and drafter.cache.k.data_ptr() == k[slot].data_ptr())
+
+    def _draft_each(self, ctl, cycles) -> dict:
+        """Each sequence's draft step on its own (its drafter's `draft`)."""
+        drafts = {}
+        for b, c in cycles.items():
+            t0 = time.perf_counter()
+            drafts[b] = c.drafting.chain(ctl.plan[b:b + 1], ctl.window[b:b + 1], ctl.draws[b, 0])
+            c.draft_s += time.perf_counter() - t0
+        return drafts
 
     def _stand_in_q(self, like: torch.Tensor) -> torch.Tensor:
         if self._no_q is None or self._no_q.shape != like.shape:  # (a distribution: see
