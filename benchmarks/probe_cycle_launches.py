@@ -11,8 +11,9 @@ path. This probe counts them on the CPU from a dispatch trace (a TorchDispatchMo
   - left out: the stage steps (LocalStages.run, BatchStages.run; on a stage rank
     StageStep.run), the draft step (the drafter's `draft` / `tree_top`: the PDM step and its
     pick, a chain's token or a tree's top children of each leaf, on its own stream beside the
-    stages) and a stage rank's messages (Endpoint.exchange, order,
-    flush_sends). The publish copy of each cycle's state to the host counts.
+    stages; a chain batch's one PDM step over every window and its picks, ChainBatch._draft)
+    and a stage rank's messages (Endpoint.exchange, order, flush_sends). The publish copy of
+    each cycle's state to the host counts.
 It decodes a tiny random target (the counts do not depend on its size) with the engine's own
 PDM drafter, and reports the steady cycles' count (every cycle after the first two: the eager
 warm-up a graph capture follows).
@@ -85,12 +86,13 @@ def _steps_left_out():
     from spd.distributed.transport import Endpoint
     from spd.draft.drafters import PDMDrafter
     from spd.runtime.batch_spd import BatchStages
+    from spd.runtime.chain_batch import ChainBatch
     from spd.runtime.engine import LocalStages
     from spd.runtime.unit import StageStep
     return [(LocalStages, "run", _uncounted), (BatchStages, "run", _uncounted),
             (RemoteStages, "run", _uncounted), (StageStep, "run", _uncounted),
             (PDMDrafter, "draft", _uncounted), (PDMDrafter, "tree_logits", _uncounted),
-            (PDMDrafter, "tree_top", _uncounted),
+            (PDMDrafter, "tree_top", _uncounted), (ChainBatch, "_draft", _uncounted),
             (Endpoint, "exchange", _uncounted), (Endpoint, "order", _uncounted),
             (Endpoint, "flush_sends", _uncounted)]
 

@@ -164,6 +164,8 @@ class ChainBatch(FusedBatch):
         reads shared, as the stages share theirs), then each sequence's pick from its row of
         the logits with its sampling and draw. The step's host time is shared among them."""
         b_, run = self.batch, tuple(sorted(cycles))
+        if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
+            return {}
         if not all(self._in_slot_cache(b, cycles[b].seq.drafter) for b in run):
             return self._draft_each(ctl, cycles)
         t0 = time.perf_counter()
