@@ -21,8 +21,9 @@ import torch
 from conftest import make_tiny_target
 
 from spd import SamplingParams, SPDEngine
-from spd.draft.drafters import PDMDrafter
+from spd.draft import drafters
 from spd.draft.pdm import PipelineDraftModule
+from spd.runtime import chain_batch
 from spd_kernels import filtered_probs
 from spd_kernels.testing import chi2_pvalue as chi2_test
 from spd_kernels.testing import chi2_sf
@@ -91,14 +92,13 @@ def test_sampled_tokens_follow_target(n, sp, lookup, post_step, monkeypatch):
         # a confidence drawn at random, independent of the target, keeps the output exact and
         # makes both sides of the gate occur: 1-token matches win about half the time, longer
         # ones always.
-        # (every drafter's pick from its logits: a batch's slots each have their own)
-        real_pick, gen = PDMDrafter.pick, torch.Generator().manual_seed(5)
+        # (the confidence of every row a draft step picks from: a sequence's, or a batch's)
+        gen = torch.Generator().manual_seed(5)
 
-        def pick(self, *args):
-            d = real_pick(self, *args)
-            d.p = 0.26 * torch.rand((), generator=gen)
-            return d
-        monkeypatch.setattr(PDMDrafter, "pick", pick)
+        def confidence(logits):
+            return 0.26 * torch.rand(logits.shape[:-1], generator=gen)
+        monkeypatch.setattr(drafters, "top_probability", confidence)
+        monkeypatch.setattr(chain_batch, "top_probability", confidence)
     joint12, marg3 = exact_first_tokens(t, sp, prompt)
     runs = 2000
     c12 = torch.zeros(V * V, dtype=torch.int64)

@@ -39,10 +39,11 @@ def target_id(d2t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
 
 
 def top_probability(logits: torch.Tensor) -> torch.Tensor:
-    """A drafter's confidence: the top probability of softmax(logits) at temperature 1, as a 0-d
-    tensor on the logits' device (1 / sum(exp(logits - max)): no host sync)."""
+    """A drafter's confidence: the top probability of softmax(logits) at temperature 1, on the
+    logits' device (1 / sum(exp(logits - max)): no host sync); logits [..., V] -> [...] (a
+    row: 0-d)."""
     lf = logits.float()
-    return torch.exp(lf - lf.max()).sum().reciprocal()
+    return torch.exp(lf - lf.amax(-1, keepdim=True)).sum(-1).reciprocal()
 
 
 class PDMDrafter:

@@ -6,7 +6,7 @@ batch of one. Here a batch's cycle runs each of them once over all the slots:
 
   1. cycle_open over every slot (the plans, the windows, and where a sequence samples, every
      slot's draws: spd_kernels.philox), then on the drafter's stream one PDM step over every
-     decoding sequence's window (in the batch's slot caches) and each one's pick;
+     decoding sequence's window (in the batch's slot caches) and the picks over its rows;
   2. every stage once over one unit a sequence (BatchStages.run), a greedy verdict landing at
      its slot;
   3. cycle_candidate over every slot, each sampled group (sequences of one temperature, top-k,
@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
-from spd.draft.drafters import PDMDrafter
+from spd.draft.drafters import Draft, PDMDrafter, top_probability
 from spd.draft.lookup import trust_tables
 from spd.runtime.cycle import Roles, end_margin
 from spd.runtime.driver import Published
+from spd_kernels import filtered_probs, sample_from_probs
 from spd_kernels.control import (
     C_TOK,
     P_LAST,
@@ -100,6 +102,18 @@ class FusedBatch:
         return groups
 
 
+@dataclass
+class SlotDrafts:
+    """A chain batch's drafts this cycle, a row a slot up to the last decoding one: token [k]
+    int64 target ids; p [k] float32 the PDM's confidence for the lookup's gate (None: no
+    lookup); q [k, Vq] float32 the draft distributions of sampled rows (None: none samples)
+    over the columns q_ids [Vq] int64 names."""
+    token: torch.Tensor
+    p: torch.Tensor | None
+    q: torch.Tensor | None
+    q_ids: torch.Tensor | None
+
+
 class ChainBatch(FusedBatch):
     """The fused cycle of a BatchedSPD's chains (module docstring)."""
 
@@ -113,6 +127,7 @@ class ChainBatch(FusedBatch):
         self.no_gate = torch.tensor(float("-inf"), device=dev)
         self._no_q: torch.Tensor | None = None
         self._window_rows: dict[tuple, tuple] = {}  # (slots, R) -> (rows' slots, window starts)
+        self._row_masks: dict[tuple, torch.Tensor] = {}  # (slots, a group's rows) -> [U] bool
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only. The ops
@@ -130,24 +145,16 @@ class ChainBatch(FusedBatch):
                    ctl.plan, ctl.window, 0, ctl.draws if sampled else None)
         self.roles.fork()
         with self.roles.on(0):
-            drafts = self._draft(ctl, cycles)
+            d = self._draft(ctl, cycles, bool(sampled))
         greedy = any(c.seq.sampling.greedy for c in cycles.values())
         b_.stages.run(cycles, greedy, into=self.control.verdict)
-        self.roles.join(*(x for d in drafts.values() for x in (d.token, d.q, d.p)))
-        slots = range(k)
-        draft = torch.stack([drafts[b].token.view(()) if b in drafts else self.no_token
-                             for b in slots])
-        p = None  # (a drafter without the gate's confidence: -inf, which the gate passes)
-        if self.lookup and any(d.p is not None for d in drafts.values()):
-            p = torch.stack([drafts[b].p.view(()).float() if b in drafts and drafts[b].p
-                             is not None else self.no_gate for b in slots])
-        q = ring_ids = None
+        self.roles.join(d.token, d.q, d.p)
+        ring_ids = None
         if sampled:
-            for b in sampled:
-                q_b, ring_ids = cycles[b].keep_q(drafts[b])
+            for b in sampled:  # (host only: the ring's size and each one's q columns)
+                _, ring_ids = cycles[b].keep_q(Draft(None, d.q[b], None, d.q_ids))
             ctl = self.control.first(k)  # (the first sampled draft made the q ring)
-            q = torch.stack([drafts[b].q if b in sampled else self._stand_in_q(q_b)
-                             for b in slots])
+        draft, p, q = d.token, d.p, d.q if sampled else None
         cycle_candidate(ctl.plan, ctl.lanes, draft, ctl.cand, p, self.trust, q, ring_ids,
                         *((ctl.q_ring, ctl.q_judged) if sampled else (None, None)),
                         *((final, ctl.judged_hidden) if sampled else (None, None)))
@@ -158,22 +165,26 @@ class ChainBatch(FusedBatch):
                      anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
                      accepted.view(-1) if accepted is not None else None, self.margin)
 
-    def _draft(self, ctl, cycles) -> dict:
-        """Each decoding sequence's draft (spd.draft.drafters.Draft): the PDM over every
-        window at once, in the batch's slot caches (PipelineDraftModule.batch_step: the weight
-        reads shared, as the stages share theirs), then each sequence's pick from its row of
-        the logits with its sampling and draw. The step's host time is shared among them."""
+    def _draft(self, ctl, cycles, sampled: bool) -> SlotDrafts:
+        """Every slot's draft up to the last decoding one (`SlotDrafts`; a slot that drafts
+        nothing has stand-ins): the PDM over every decoding sequence's window at once, in the
+        batch's slot caches (PipelineDraftModule.batch_step: the weight reads shared, as the
+        stages share theirs), then the picks over the rows: greedy the argmax, each sampling
+        group (one temperature, top-k and top-p) a draw from its filtered distribution with each
+        row's uniform, merged at the group's rows (the q of a sampled row is kept for the
+        judge). The step's host time is shared among the sequences."""
         b_, run = self.batch, tuple(sorted(cycles))
+        k = ctl.plan.shape[0]
         if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
-            return {}
+            return SlotDrafts(self._stand_ins(k, None)[0], None, None, None)
         if not all(self._in_slot_cache(b, cycles[b].seq.drafter) for b in run):
-            return self._draft_each(ctl, cycles)
+            return self._draft_each(ctl, cycles, k, sampled)
         t0 = time.perf_counter()
         n, R, U = b_.n, b_.n + 1, len(run)
         idx = b_.stages.slot_sets(run)[0]  # (made once a set)
-        plan, window = ctl.plan, ctl.window
-        if U < plan.shape[0]:  # (free slots among the first k: only the decoding ones' windows)
-            plan, window = plan.index_select(0, idx), window.index_select(0, idx)
+        plan, window, u = ctl.plan, ctl.window, ctl.draws[:, 0]
+        if U < k:  # (free slots among the first k: only the decoding ones' windows)
+            plan, window, u = (x.index_select(0, idx) for x in (plan, window, u))
         pos, types = plan_window(plan, n)                           # [U, R] each
         m, d = window.shape[1], window.shape[3]
         pdm = b_.drafters[run[0]].pdm
@@ -186,11 +197,51 @@ class ChainBatch(FusedBatch):
                                                   torch.arange(U, device=self.device) * R)
         logits = pdm.batch_step(features, *b_.draft_caches, rows[0], pos.reshape(-1),
                                 plan[:, P_LAST] + rows[1])                    # [U, Vd]
-        drafts = {b: cycles[b].seq.drafter.pick(logits[r], cycles[b].seq.sampling,
-                                                ctl.draws[b, 0]) for r, b in enumerate(run)}
+        cols = q = None
+        if any(cycles[b].seq.sampling.greedy for b in run):
+            cols = logits.argmax(-1)
+        groups = self.sampling_groups({r: cycles[b] for r, b in enumerate(run)},
+                                      [r for r, b in enumerate(run)
+                                       if not cycles[b].seq.sampling.greedy])
+        for (temperature, top_k, top_p), group in groups.items():
+            probs = filtered_probs(logits, temperature, top_k, top_p).float()   # [U, Vd]
+            pick = sample_from_probs(probs, u)
+            if len(group) == U:
+                cols, q = pick, probs
+                continue
+            mask = self._row_mask(run, tuple(group), U)
+            cols = pick if cols is None else torch.where(mask, pick, cols)
+            q = torch.where(mask.view(-1, 1), probs,
+                            self._stand_in_q(probs[0]) if q is None else q)
+        d2t = pdm.draft_to_target
+        token = d2t.index_select(0, cols)
+        p = top_probability(logits) if self.lookup else None
+        if U < k:  # (each decoding slot's row at its slot; the others' stand-ins)
+            no_token, no_p = self._stand_ins(k, p)
+            token = no_token.index_copy_(0, idx, token)
+            p = None if p is None else no_p.index_copy_(0, idx, p)
+            if q is not None:
+                q = self._stand_in_q(q[0]).expand(k, -1).index_copy(0, idx, q)
         for c in cycles.values():
             c.draft_s += (time.perf_counter() - t0) / U
-        return drafts
+        return SlotDrafts(token, p, q, d2t if sampled else None)
+
+    def _stand_ins(self, k: int, p) -> tuple:
+        """(draft tokens [k] of stand-ins, gate confidences [k] of -inf where `p` is given):
+        the rows of slots that draft nothing (the gate passes -inf)."""
+        return (self.no_token.expand(k).clone(),
+                None if p is None else self.no_gate.expand(k).clone())
+
+    def _row_mask(self, run: tuple, group: tuple, U: int) -> torch.Tensor:
+        """[U] bool: which of the decoding sequences' rows are the group's (made once a set)."""
+        mask = self._row_masks.get((run, group))
+        if mask is None:
+            if len(self._row_masks) >= 256:  # (as SlotSets: a few patterns a batch)
+                self._row_masks.clear()
+            at = self.batch.stages.slot_sets(group)[0]  # (the rows as a device tensor, once)
+            mask = torch.zeros(U, dtype=torch.bool, device=self.device).index_fill_(0, at, True)
+            self._row_masks[(run, group)] = mask
+        return mask
 
     def _in_slot_cache(self, slot: int, drafter) -> bool:
         """Whether `drafter` is a plain PDM drafter drafting in the batch's slot cache of
@@ -199,14 +250,27 @@ class ChainBatch(FusedBatch):
         return (type(drafter).draft is PDMDrafter.draft and drafter.cache is not None
                 and drafter.cache.k.data_ptr() == k[slot].data_ptr())
 
-    def _draft_each(self, ctl, cycles) -> dict:
-        """Each sequence's draft step on its own (its drafter's `draft`)."""
+    def _draft_each(self, ctl, cycles, k: int, sampled: bool) -> SlotDrafts:
+        """Each sequence's draft step on its own (its drafter's `draft`), stacked at the
+        slots."""
         drafts = {}
         for b, c in cycles.items():
             t0 = time.perf_counter()
             drafts[b] = c.drafting.chain(ctl.plan[b:b + 1], ctl.window[b:b + 1], ctl.draws[b, 0])
             c.draft_s += time.perf_counter() - t0
-        return drafts
+        token = torch.stack([drafts[b].token.view(()) if b in drafts else self.no_token
+                             for b in range(k)])
+        p = None  # (a drafter without the gate's confidence: -inf, which the gate passes)
+        if self.lookup and any(d.p is not None for d in drafts.values()):
+            p = torch.stack([drafts[b].p.view(()).float() if b in drafts and drafts[b].p
+                             is not None else self.no_gate for b in range(k)])
+        q = q_ids = None
+        if sampled:
+            made = [d for d in drafts.values() if d.q is not None]
+            q_ids = made[0].q_ids
+            q = torch.stack([drafts[b].q if b in drafts and drafts[b].q is not None
+                             else self._stand_in_q(made[0].q) for b in range(k)])
+        return SlotDrafts(token, p, q, q_ids)
 
     def _stand_in_q(self, like: torch.Tensor) -> torch.Tensor:
         if self._no_q is None or self._no_q.shape != like.shape:  # (a distribution: see
