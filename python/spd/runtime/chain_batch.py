@@ -68,7 +68,7 @@ class FusedBatch:
         self.margin = end_margin(n, batch.ahead)
         self.published = Published(batch.ahead + 1, self.control.state.numel(), dev)
         self.steps = 0
-        self._masks: dict[tuple, torch.Tensor] = {}  # (a sampling group's slots, k) -> [k]
+        self._masks: dict[tuple, torch.Tensor] = {}  # (indices, size) -> [size] bool
 
     def publish(self, members) -> None:
         """Every slot's state after this step, in one copy; a member that launches its first
@@ -79,15 +79,22 @@ class FusedBatch:
         self.published.publish(self.steps, self.control.state.view(-1))
         self.steps += 1
 
+    def mask(self, indices: tuple[int, ...], size: int) -> torch.Tensor:
+        """[size] bool, true at `indices`: made once a set and size (from the device tensor of
+        the indices, SlotSets': no Python value is copied)."""
+        mask = self._masks.get((indices, size))
+        if mask is None:
+            if len(self._masks) >= 256:  # (as SlotSets: a few patterns a batch)
+                self._masks.clear()
+            at = self.batch.stages.slot_sets(indices)[0]
+            mask = torch.zeros(size, dtype=torch.bool, device=self.device).index_fill_(0, at, True)
+            self._masks[(indices, size)] = mask
+        return mask
+
     def merge_group(self, ctl, group: list[int], verdict, accepted) -> None:
         """A sampling group's judgement of every slot (verdict and accepted [k]) into ctl's
-        at the group's slots: one select each (the group's mask made once a set and k)."""
-        k = ctl.verdict.shape[0]
-        mask = self._masks.get((tuple(group), k))
-        if mask is None:
-            idx = self.batch.stages.slot_sets(tuple(group))[0]  # (made once a set)
-            mask = torch.zeros(k, dtype=torch.bool, device=self.device).index_fill_(0, idx, True)
-            self._masks[(tuple(group), k)] = mask
+        at the group's slots: one select each."""
+        mask = self.mask(tuple(group), ctl.verdict.shape[0])
         torch.where(mask, verdict.view(-1), ctl.verdict, out=ctl.verdict)
         torch.where(mask, accepted.view(-1).to(ctl.accepted.dtype), ctl.accepted,
                     out=ctl.accepted)
@@ -127,7 +134,6 @@ class ChainBatch(FusedBatch):
         self.no_gate = torch.tensor(float("-inf"), device=dev)
         self._no_q: torch.Tensor | None = None
         self._window_rows: dict[tuple, tuple] = {}  # (slots, R) -> (rows' slots, window starts)
-        self._row_masks: dict[tuple, torch.Tensor] = {}  # (slots, a group's rows) -> [U] bool
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only. The ops
@@ -209,7 +215,7 @@ class ChainBatch(FusedBatch):
             if len(group) == U:
                 cols, q = pick, probs
                 continue
-            mask = self._row_mask(run, tuple(group), U)
+            mask = self.mask(tuple(group), U)  # (the group's rows among the U)
             cols = pick if cols is None else torch.where(mask, pick, cols)
             q = torch.where(mask.view(-1, 1), probs,
                             self._stand_in_q(probs[0]) if q is None else q)
@@ -231,17 +237,6 @@ class ChainBatch(FusedBatch):
         the rows of slots that draft nothing (the gate passes -inf)."""
         return (self.no_token.expand(k).clone(),
                 None if p is None else self.no_gate.expand(k).clone())
-
-    def _row_mask(self, run: tuple, group: tuple, U: int) -> torch.Tensor:
-        """[U] bool: which of the decoding sequences' rows are the group's (made once a set)."""
-        mask = self._row_masks.get((run, group))
-        if mask is None:
-            if len(self._row_masks) >= 256:  # (as SlotSets: a few patterns a batch)
-                self._row_masks.clear()
-            at = self.batch.stages.slot_sets(group)[0]  # (the rows as a device tensor, once)
-            mask = torch.zeros(U, dtype=torch.bool, device=self.device).index_fill_(0, at, True)
-            self._row_masks[(run, group)] = mask
-        return mask
 
     def _in_slot_cache(self, slot: int, drafter) -> bool:
         """Whether `drafter` is a plain PDM drafter drafting in the batch's slot cache of
