@@ -11,7 +11,8 @@ path. This probe counts them on the CPU from a dispatch trace (a TorchDispatchMo
   - left out: the stage steps (LocalStages.run, BatchStages.run; on a stage rank
     StageStep.run), the draft step (the drafter's `draft` / `tree_top`: the PDM step and its
     pick, a chain's token or a tree's top children of each leaf, on its own stream beside the
-    stages; a chain batch's one PDM step over every window and its picks, ChainBatch._draft)
+    stages; a batch's one PDM step over every window and its picks, ChainBatch._draft and
+    TreeBatch._draft)
     and a stage rank's messages (Endpoint.exchange, order, flush_sends). The publish copy of
     each cycle's state to the host counts.
 It decodes a tiny random target (the counts do not depend on its size) with the engine's own
@@ -88,13 +89,14 @@ def _steps_left_out():
     from spd.runtime.batch_spd import BatchStages
     from spd.runtime.chain_batch import ChainBatch
     from spd.runtime.engine import LocalStages
+    from spd.runtime.tree_batch import TreeBatch
     from spd.runtime.unit import StageStep
     return [(LocalStages, "run", _uncounted), (BatchStages, "run", _uncounted),
             (RemoteStages, "run", _uncounted), (StageStep, "run", _uncounted),
             (PDMDrafter, "draft", _uncounted), (PDMDrafter, "tree_logits", _uncounted),
             (PDMDrafter, "tree_top", _uncounted), (ChainBatch, "_draft", _uncounted),
-            (Endpoint, "exchange", _uncounted), (Endpoint, "order", _uncounted),
-            (Endpoint, "flush_sends", _uncounted)]
+            (TreeBatch, "_draft", _uncounted), (Endpoint, "exchange", _uncounted),
+            (Endpoint, "order", _uncounted), (Endpoint, "flush_sends", _uncounted)]
 
 
 def _counting(per_cycle: list):

@@ -21,12 +21,13 @@ from spd_kernels.quant import quantize_weight
 from spd_kernels.stage import (
     LayerWeights,
     batch_decoder_layer,
+    batch_tree_decoder_layer,
     decoder_layer,
     tree_decoder_layer,
 )
 
-__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_batch_step", "pdm_step",
-           "pdm_tree_step", "quantize_group", "quantize_pdm_weights"]
+__all__ = ["STEP_OPS", "LayerWeights", "PDMWeights", "pdm_batch_step", "pdm_batch_tree_step",
+           "pdm_step", "pdm_tree_step", "quantize_group", "quantize_pdm_weights"]
 
 # the dispatched ops the step runs (benchmarks time the step against them)
 STEP_OPS = ("qkv_rope_append", "cache_attention", "fused_linear", "fused_swiglu")
@@ -139,6 +140,28 @@ def pdm_tree_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Te
         x = tree_decoder_layer(x, lw, k_cache[i], v_cache[i], slots, prefix_len, slots,
                                tree_mask, cos, sin, weights.num_heads, weights.num_kv_heads,
                                weights.eps, backend=backend)
+    return fused_linear(x.index_select(0, leaves), weights.lm_head,
+                        norm_weight=weights.final_norm, eps=weights.eps,
+                        weight_scale=weights.lm_head_scale, backend=backend).float()
+
+
+def pdm_batch_tree_step(features: torch.Tensor, weights: PDMWeights, k_cache: torch.Tensor,
+                        v_cache: torch.Tensor, slots: list[int], rows: torch.Tensor,
+                        prefix_len: torch.Tensor, tree_mask: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor, leaves: torch.Tensor, *,
+                        backend: str | None = None) -> torch.Tensor:
+    """`pdm_tree_step` for U token trees of several sequences, R rows each: features [U * R,
+    hidden], tree u's rows u * R.. in slot slots[u] (host ints) of k_cache/v_cache [B, layers,
+    kv_heads, S, head_dim], written at its cache rows rows[u] ([U, R] int64); tree u attends to
+    its slot's rows [0, prefix_len[u]) ([U] int64) and to its own rows where tree_mask[u]
+    ([U, R, R] bool); cos/sin [U * R, head_dim] the rows' RoPE -> draft logits [len(leaves), Vd]
+    (fp32) of the rows `leaves` ([k] int64, indices into the U * R rows). The linear layers run
+    over every row at once; each tree computes what `pdm_tree_step` computes of it alone."""
+    x = features
+    for i, lw in enumerate(weights.layers):
+        x = batch_tree_decoder_layer(x, lw, k_cache[:, i], v_cache[:, i], slots, rows,
+                                     prefix_len, rows, tree_mask, cos, sin, weights.num_heads,
+                                     weights.num_kv_heads, weights.eps, backend=backend)
     return fused_linear(x.index_select(0, leaves), weights.lm_head,
                         norm_weight=weights.final_norm, eps=weights.eps,
                         weight_scale=weights.lm_head_scale, backend=backend).float()

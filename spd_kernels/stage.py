@@ -202,31 +202,46 @@ def batch_stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tens
     return outs
 
 
+def batch_tree_decoder_layer(x: torch.Tensor, lw: LayerWeights, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slots: list[int], rows: torch.Tensor,
+                             prefix_len: torch.Tensor, tree_slots: torch.Tensor,
+                             tree_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             num_heads: int, num_kv_heads: int, eps: float, *,
+                             backend: str | None = None) -> torch.Tensor:
+    """`tree_decoder_layer` for U token-tree units of several sequences, W rows each: x [U * W,
+    d], unit u's rows u * W.. of slot slots[u] (host ints: a batch's set of slots, fixed while
+    its sequences are) of k_cache/v_cache [B, kv_heads, S, head_dim]; rows [U, W] int64 where
+    each row's key/value go in its slot; prefix_len [U], tree_slots [U, M] and tree_mask [U, W,
+    M] (bool) as tree_attention's per unit; cos/sin [U * W, head_dim] the rows' RoPE -> [U * W,
+    d]. The linear layers run over every row at once (the weight reads shared); each unit
+    attends to its own slot (tree_attention), so a unit computes what `tree_decoder_layer`
+    computes of it alone."""
+    W = rows.shape[1]
+    q, k_new, v_new = _qkv_per_row(x, lw, k_cache, cos, sin, num_heads, num_kv_heads, eps,
+                                   backend)
+    att = []
+    for u, b in enumerate(slots):
+        kc, vc, at = k_cache[b], v_cache[b], slice(u * W, (u + 1) * W)
+        kc.index_copy_(1, rows[u], k_new[:, at])
+        vc.index_copy_(1, rows[u], v_new[:, at])
+        att.append(tree_attention(q[:, at], kc, vc, prefix_len[u:u + 1], tree_slots[u],
+                                  tree_mask[u], backend=backend))
+    return _after_attention(torch.cat(att), x, lw, eps, backend)
+
+
 def batch_tree_stage_step(x: torch.Tensor, weights: StageWeights, k_cache: torch.Tensor,
                           v_cache: torch.Tensor, slots: list[int], rows: torch.Tensor,
                           prefix_len: torch.Tensor, tree_slots: torch.Tensor,
                           tree_mask: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
                           backend: str | None = None) -> list[torch.Tensor]:
-    """`tree_stage_step` for U token-tree units of several sequences, W rows each: x [U * W,
-    hidden], unit u's rows u * W.. of slot slots[u] (host ints: a batch's set of slots, fixed
-    while its sequences are) of k_cache/v_cache [B, layers, kv_heads, S, head_dim]; rows [U, W]
-    int64 where each row's key/value go in its slot; prefix_len [U], tree_slots [U, M] and
-    tree_mask [U, W, M] (bool) as tree_attention's per unit; cos/sin [U * W, head_dim] the
-    rows' RoPE -> each layer's output [U * W, hidden]. The linear layers run over every row at
-    once (the weight reads shared); each unit attends to its own slot (tree_attention), so a
-    unit computes what `tree_stage_step` computes of it alone."""
-    U, W = rows.shape
+    """`tree_stage_step` for U token-tree units of several sequences (batch_tree_decoder_layer's
+    arguments; k_cache/v_cache [B, layers, kv_heads, S, head_dim]) -> each layer's output
+    [U * W, hidden]."""
     outs = []
     for i, lw in enumerate(weights.layers):
-        q, k_new, v_new = _qkv_per_row(x, lw, k_cache, cos, sin, weights.num_heads,
-                                       weights.num_kv_heads, weights.eps, backend)
-        att = []
-        for u, b in enumerate(slots):
-            kc, vc, at = k_cache[b, i], v_cache[b, i], slice(u * W, (u + 1) * W)
-            kc.index_copy_(1, rows[u], k_new[:, at])
-            vc.index_copy_(1, rows[u], v_new[:, at])
-            att.append(tree_attention(q[:, at], kc, vc, prefix_len[u:u + 1], tree_slots[u],
-                                      tree_mask[u], backend=backend))
-        x = _after_attention(torch.cat(att), x, lw, weights.eps, backend)
+        x = batch_tree_decoder_layer(x, lw, k_cache[:, i], v_cache[:, i], slots, rows,
+                                     prefix_len, tree_slots, tree_mask, cos, sin,
+                                     weights.num_heads, weights.num_kv_heads, weights.eps,
+                                     backend=backend)
         outs.append(x)
     return outs

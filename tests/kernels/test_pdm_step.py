@@ -428,3 +428,46 @@ def test_pdm_batch_step_equals_each_window_alone(backend):
         torch.testing.assert_close(k[b, :, :, :s + R], alone_k[b, :, :, :s + R])
         torch.testing.assert_close(v[b, :, :, :s + R], alone_v[b, :, :, :s + R])
         assert torch.equal(k[b, :, :, s + R:], alone_k[b, :, :, s + R:])
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_pdm_batch_tree_step_equals_each_tree_alone(backend):
+    """pdm_batch_tree_step over the token trees of two slots of three (slots out of order, one
+    between them idle; different prefixes, cache rows and branch masks) against pdm_tree_step
+    over each tree in its own cache: the same leaves' logits (to fp32 rounding: the rows share
+    the linear layers), the same keys and values written, the idle slot untouched."""
+    if backend == "triton" and TRITON_DEVICE != "cpu":
+        pytest.skip(TRITON_SKIP_REASON)
+    from spd_kernels.pdm import pdm_batch_tree_step, pdm_tree_step
+    pdm = tiny_pdm(seed=9)
+    c = pdm.config
+    g = torch.Generator().manual_seed(4)
+    weights = PDMWeights.from_pdm(pdm)
+    S, R, W = 32, 6, 2
+    cos, sin = rope_table(c.head_dim, S, c.rope_theta)
+    k = torch.randn(3, c.num_layers, c.num_kv_heads, S, c.head_dim, generator=g)
+    v = torch.randn(k.shape, generator=g)
+    alone_k, alone_v, before = k.clone(), v.clone(), k.clone()
+    slots, prefixes = [2, 0], [9, 14]
+    feats = torch.randn(2 * R, c.hidden_size, generator=g)
+    rows = torch.stack([p + torch.randperm(S - p - 2, generator=g)[:R] for p in prefixes])
+    positions = torch.randint(0, S, (2 * R,), generator=g)
+    # each row sees itself and some earlier rows (its branch); the leaves are two rows each
+    masks = (torch.rand(2, R, R, generator=g) < 0.5).tril() | torch.eye(R, dtype=torch.bool)
+    leaves = torch.stack([torch.randperm(R, generator=g)[:W] for _ in slots])
+    cr, sr = cos.index_select(0, positions), sin.index_select(0, positions)
+    want = torch.cat([
+        pdm_tree_step(feats[u * R:(u + 1) * R], weights, alone_k[b], alone_v[b], rows[u],
+                      torch.tensor([prefixes[u]]), masks[u], cr[u * R:(u + 1) * R],
+                      sr[u * R:(u + 1) * R], leaves[u], backend=backend)
+        for u, b in enumerate(slots)])
+    with poisoned_outputs("b"):
+        got = pdm_batch_tree_step(feats, weights, k, v, slots, rows, torch.tensor(prefixes),
+                                  masks, cr, sr, (leaves + torch.arange(2).view(2, 1) * R)
+                                  .reshape(-1), backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(k, alone_k)
+    torch.testing.assert_close(v, alone_v)
+    assert torch.equal(k[1], before[1])  # (the idle slot)
+    for u, b in enumerate(slots):  # (each tree's rows were written)
+        assert not torch.equal(k[b][:, :, rows[u]], before[b][:, :, rows[u]])

@@ -166,15 +166,17 @@ def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cf
     """Each PDM shipped in python/spd/checkpoints loads by default for its n, decodes exactly
     Hugging Face's output, and drafts better than an untrained one (whose drafts are all but
     all rejected: every cache rolls back; on the first prompt, which is lossless too: the
-    untrained PDM on every prompt is test_untrained_pdm_matches_hf_generate's)."""
+    untrained PDM on every prompt is test_untrained_pdm_matches_hf_generate's). The shipped
+    PDM decodes the prompts as a batch, the untrained one alone."""
     n = cfg["n_stages"]
     eng = SPDEngine(default_target, n_stages=n, lookup=0)  # the PDMs alone, no context lookup
     assert eng.pdm_source.endswith(name)
     untrained = SPDEngine(default_target, n_stages=n, pdm="untrained", warn_untrained=False,
                           lookup=0)
     accepted = []
-    for ids, ref in references:
-        res = eng.generate(ids, NEW)
+    # (the prompts at once: each decodes as alone, tests/runtime/test_batch.py; the untrained
+    # PDM's decode below runs alone)
+    for (ids, ref), res in zip(references, eng.generate([i for i, _ in references], NEW)):
         assert res.token_ids == ref
         accepted.append(res.stats.drafts_accepted)
     ids, ref = references[0]

@@ -277,3 +277,41 @@ def test_token_trees_in_one_batch_each_equal_its_decode_alone(tree_engine, repla
     assert entries[0].stats.drafts_accepted > 0 or not mixed
     if replay:
         assert batch.describe()["checked"] >= 5
+
+
+@pytest.mark.parametrize("mixed,replay", [(False, False), (True, True)],
+                         ids=["greedy", "mixed-checked"])
+def test_token_trees_draft_in_one_step_each_as_alone(tree_engine, mixed, replay, monkeypatch):
+    """The plain PDM drafters of a batch of token trees draft in one step over every tree
+    (TreeBatch._draft: PipelineDraftModule.batch_tree_step in the slot caches): four prompts
+    through three slots (one joins a slot another left), greedy, or greedy beside two sampling
+    groups, each get their decode alone (tokens, N, K, judged and accepted drafts), greedy
+    ones AR's tokens; checked, every steady cycle is the work one graph replays."""
+    from spd.runtime.tree_batch import TreeBatch
+    if replay:
+        monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    eng, prompts = tree_engine, PROMPTS[:4]
+    sampling = [SamplingParams()] * 4
+    if mixed:
+        sampling = [SamplingParams(), SamplingParams(temperature=1.0, seed=3),
+                    SamplingParams(temperature=0.8, top_k=10, seed=4),
+                    SamplingParams(temperature=1.0, seed=5)]
+    batched = []
+    real = TreeBatch._draft
+    monkeypatch.setattr(TreeBatch, "_draft", lambda self, ctl, cycles: batched.append(
+        self.in_slot_caches(cycles, tuple(sorted(cycles)), "tree_top", "tree_logits"))
+        or real(self, ctl, cycles))
+    batch = poisoned(BatchedSPD(eng, 3, 64))
+    entries, _, _ = run_batch(eng, batch, prompts, 12, sampling)
+    assert batched and all(batched)  # (every cycle drafted in one step)
+    for i, (p, e) in enumerate(zip(prompts, entries)):
+        alone = eng.generate(p, 12, sampling[i])
+        a, b = e.stats, alone.stats
+        assert e.out == alone.token_ids and (a.K, a.N, a.drafts_judged, a.drafts_accepted) == (
+            b.K, b.N, b.drafts_judged, b.drafts_accepted), i
+        if sampling[i].greedy:
+            assert e.out == eng.generate_ar(p, 12).token_ids, i
+    assert sum(e.stats.drafts_accepted for e in entries) > 0
+    if replay:
+        assert batch.describe()["checked"] >= 5
+

@@ -107,7 +107,7 @@ def test_sampled_tokens_follow_target(n, sp, lookup, post_step, monkeypatch):
     accepted = judged = lookup_accepted = lookup_judged = 0
     seeded = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed) for seed in range(runs)]
     # eight at a time, each exactly its decode alone (tests/runtime/test_batch.py): faster
-    results = eng.generate([prompt] * runs, LENGTH, seeded, max_batch=8)
+    results = eng.generate([prompt] * runs, LENGTH, seeded, max_batch=32)
     for res in results:
         a, b, c = res.token_ids[:3]
         c12[a * V + b] += 1

@@ -116,7 +116,7 @@ def test_sampled_tree_follows_target(n, sp):
     outputs, accepted, judged = [], 0, 0
     seeded = [SamplingParams(sp.temperature, sp.top_k, sp.top_p, seed) for seed in range(1000)]
     # eight at a time, each exactly its decode alone (tests/runtime/test_batch.py): faster
-    for res in eng.generate([prompt] * len(seeded), 8, seeded, max_batch=8):
+    for res in eng.generate([prompt] * len(seeded), 8, seeded, max_batch=32):
         a, b, c = res.token_ids[:3]
         c12[a * V + b] += 1
         c3[c] += 1

@@ -32,7 +32,13 @@ from spd.errors import SPDError
 from spd.model.layers import RMSNorm, decoder_layer_step, pack_layer_, rope_table
 from spd.model.partition import DepthLayout
 from spd_kernels import anchor_projection, pdm_step
-from spd_kernels.pdm import PDMWeights, pdm_batch_step, pdm_tree_step, quantize_group
+from spd_kernels.pdm import (
+    PDMWeights,
+    pdm_batch_step,
+    pdm_batch_tree_step,
+    pdm_tree_step,
+    quantize_group,
+)
 from spd_kernels.qkv_rope import back_to_back
 from spd_kernels.quant import KINDS as QUANT_KINDS
 
@@ -312,6 +318,21 @@ class PipelineDraftModule(nn.Module, SavedDrafter):
         cos, sin = self._rope_for(k.shape[3], features)
         return pdm_batch_step(features, self.kernel_weights(), k, v, slots, positions, cos, sin,
                               last)
+
+    @torch.no_grad()
+    def batch_tree_step(self, features: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slots: list[int], rows: torch.Tensor, positions: torch.Tensor,
+                        prefix_len: torch.Tensor, tree_mask: torch.Tensor,
+                        leaves: torch.Tensor) -> torch.Tensor:
+        """`tree_step` over the token trees of several sequences (spd_kernels.pdm_batch_tree_step):
+        features [U * R, hidden], tree u's rows in slot slots[u] (host ints) of the slot caches
+        k, v (`slot_caches`) at cache rows rows[u] ([U, R] int64) and positions [U * R] (int64);
+        prefix_len [U], tree_mask [U, R, R] -> draft logits [len(leaves), Vd] of the rows
+        `leaves` (indices into the U * R rows)."""
+        cos, sin = self._rope_for(k.shape[3], features)
+        return pdm_batch_tree_step(features, self.kernel_weights(), k, v, slots, rows,
+                                   prefix_len, tree_mask, cos.index_select(0, positions),
+                                   sin.index_select(0, positions), leaves)
 
     @torch.no_grad()
     def tree_step(self, features: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,

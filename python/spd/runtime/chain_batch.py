@@ -99,6 +99,19 @@ class FusedBatch:
         torch.where(mask, accepted.view(-1).to(ctl.accepted.dtype), ctl.accepted,
                     out=ctl.accepted)
 
+    def in_slot_caches(self, cycles, run: tuple[int, ...], *steps: str) -> bool:
+        """Whether every drafter of `run` is a plain PDM drafter (its methods `steps` are
+        PDMDrafter's) drafting in the batch's slot cache of its slot, so one draft step over
+        the batch computes what each would alone (one of its own, or one with its own draft
+        step, drafts alone)."""
+        k = self.batch.draft_caches[0]
+        for b in run:
+            d = cycles[b].seq.drafter
+            if (any(getattr(type(d), s, None) is not getattr(PDMDrafter, s) for s in steps)
+                    or d.cache is None or d.cache.k.data_ptr() != k[b].data_ptr()):
+                return False
+        return True
+
     @staticmethod
     def sampling_groups(cycles, sampled: list[int]) -> dict[tuple, list[int]]:
         """The sampled slots by (temperature, top-k, top-p): each group is judged in one op."""
@@ -183,7 +196,7 @@ class ChainBatch(FusedBatch):
         k = ctl.plan.shape[0]
         if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
             return SlotDrafts(self._stand_ins(k, None)[0], None, None, None)
-        if not all(self._in_slot_cache(b, cycles[b].seq.drafter) for b in run):
+        if not self.in_slot_caches(cycles, run, "draft", "draft_logits", "pick"):
             return self._draft_each(ctl, cycles, k, sampled)
         t0 = time.perf_counter()
         n, R, U = b_.n, b_.n + 1, len(run)
@@ -237,13 +250,6 @@ class ChainBatch(FusedBatch):
         the rows of slots that draft nothing (the gate passes -inf)."""
         return (self.no_token.expand(k).clone(),
                 None if p is None else self.no_gate.expand(k).clone())
-
-    def _in_slot_cache(self, slot: int, drafter) -> bool:
-        """Whether `drafter` is a plain PDM drafter drafting in the batch's slot cache of
-        `slot` (one of its own, or one with its own draft step, drafts alone)."""
-        k = self.batch.draft_caches[0]
-        return (type(drafter).draft is PDMDrafter.draft and drafter.cache is not None
-                and drafter.cache.k.data_ptr() == k[slot].data_ptr())
 
     def _draft_each(self, ctl, cycles, k: int, sampled: bool) -> SlotDrafts:
         """Each sequence's draft step on its own (its drafter's `draft`), stacked at the

@@ -5,8 +5,9 @@ views of its slot's rows of the batch's TreeControl (spd.runtime.control), and a
 runs each control op once over all the slots:
 
   1. tree_open over every slot (the plans, masks and windows, and where a sequence samples,
-     every slot's draws), then each sequence's draft step (PDMDrafter.tree_top) on the
-     drafter's stream, into its slot's rows of the top children;
+     every slot's draws), then on the drafter's stream one PDM step over every decoding
+     sequence's tree window (in the batch's slot caches) and each leaf's top children, into
+     its slot's rows;
   2. every stage once over one unit a sequence (BatchStages.run);
   3. tree_children over every slot, the judge (greedy: the target's argmax of every slot's
      judged row in one verify_greedy; sampled: one LM head over the sampled rows and each
@@ -16,10 +17,19 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from spd.draft.lookup import trust_tables
 from spd.runtime.chain_batch import FusedBatch
-from spd_kernels import tree_rejection_sample
-from spd_kernels.tree_control import judge_fields, tree_children, tree_commit, tree_open
+from spd_kernels import filtered_probs, tree_rejection_sample
+from spd_kernels.tree_control import (
+    T_W0,
+    judge_fields,
+    tplan_fields,
+    tree_children,
+    tree_commit,
+    tree_open,
+)
 
 
 class TreeBatch(FusedBatch):
@@ -31,6 +41,7 @@ class TreeBatch(FusedBatch):
         super().__init__(batch)
         self.trust, self.log_trust = trust_tables(self.device)
         self.W = self.control.W
+        self._starts: dict[tuple, torch.Tensor] = {}
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only, over the
@@ -48,11 +59,7 @@ class TreeBatch(FusedBatch):
                   ctl.draws if sampled else None)
         self.roles.fork()
         with self.roles.on(0):
-            for b, c in cycles.items():
-                t0 = time.perf_counter()
-                c.drafting.tree(ctl.tplan[b:b + 1], ctl.mask[b:b + 1], ctl.window[b:b + 1],
-                                ctl.top_rows(b))
-                c.draft_s += time.perf_counter() - t0
+            self._draft(ctl, cycles)
         b_.stages.run(cycles, False)
         self.roles.join()
         tree_children(ctl.tplan, ctl.lanes, ctl.top, ctl.top_ids, ctl.pmax, self.trust,
@@ -62,6 +69,75 @@ class TreeBatch(FusedBatch):
         tree_commit(ctl.state, ctl.units, ctl.consts, ctl.tplan, ctl.kids, ctl.kid_score,
                     ctl.judge, ctl.lanes, tokens, anchors, self.embed_weight, ctl.stops, verdict,
                     accepted, self.margin)
+
+    def _draft(self, ctl, cycles) -> None:
+        """Every decoding sequence's top children of each leaf into its slot's rows of the
+        control (top, top_cols, top_ids, pmax: what PDMDrafter.tree_top writes of one): the PDM
+        over every sequence's tree window at once, in the batch's slot caches
+        (PipelineDraftModule.batch_tree_step: the weight reads shared), then each leaf's
+        log-probabilities (greedy: the softmax's; each sampling group: its filtered
+        distribution's, merged at the group's rows) and their top k. A drafter of its own
+        drafts alone. The step's host time is shared among the sequences."""
+        b_, run = self.batch, tuple(sorted(cycles))
+        if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
+            return
+        if not self.in_slot_caches(cycles, run, "tree_top", "tree_logits"):
+            for b, c in cycles.items():
+                t0 = time.perf_counter()
+                c.drafting.tree(ctl.tplan[b:b + 1], ctl.mask[b:b + 1], ctl.window[b:b + 1],
+                                ctl.top_rows(b))
+                c.draft_s += time.perf_counter() - t0
+            return
+        t0 = time.perf_counter()
+        n, W, U, k = b_.n, self.W, len(run), ctl.tplan.shape[0]
+        R = (n + 1) * W  # (a window's rows)
+        idx = b_.stages.slot_sets(run)[0]
+        tplan, mask, window = ctl.tplan, ctl.mask, ctl.window
+        if U < k:  # (free slots among the first k: only the decoding ones' trees)
+            tplan, mask, window = (x.index_select(0, idx) for x in (tplan, mask, window))
+        f = tplan_fields(tplan, n, W)
+        m, d = window.shape[1], window.shape[3]
+        pdm = b_.drafters[run[0]].pdm
+        features = pdm.features(window.transpose(0, 1).reshape(m, U * R, d),
+                                f["types"].reshape(-1))
+        leaves = (f["leaves"] + self._tree_starts(U, R)).reshape(-1)       # [U W]
+        logits = pdm.batch_tree_step(features, *b_.draft_caches, list(run), f["pdm"],
+                                     f["pos"].reshape(-1), tplan[:, T_W0], mask, leaves)
+        logp = None
+        if any(cycles[b].seq.sampling.greedy for b in run):
+            logp = torch.log_softmax(logits, dim=-1)                       # [U W, Vd]
+        groups = self.sampling_groups({r: cycles[b] for r, b in enumerate(run)},
+                                      [r for r, b in enumerate(run)
+                                       if not cycles[b].seq.sampling.greedy])
+        for (temperature, top_k, top_p), group in groups.items():
+            lp = filtered_probs(logits, temperature, top_k, top_p).float().log()
+            if len(group) == U or logp is None:  # (the first: every row, the rest overwrite)
+                logp = lp
+                continue
+            leaf_rows = tuple(r * W + j for r in group for j in range(W))
+            logp = torch.where(self.mask(leaf_rows, U * W).view(-1, 1), lp, logp)
+        kk = ctl.top.shape[2]
+        if U == k:  # (every slot decodes: straight into the control's rows)
+            out = (ctl.top.view(U * W, kk), ctl.top_cols.view(U * W, kk),
+                   ctl.top_ids.view(U * W, kk), ctl.pmax.view(U * W))
+            torch.topk(logp, kk, dim=-1, out=out[:2])
+            torch.index_select(pdm.draft_to_target, 0, out[1].view(-1), out=out[2].view(-1))
+            torch.exp(out[0][:, 0], out=out[3])
+        else:
+            top, cols = torch.topk(logp, kk, dim=-1)
+            ids = pdm.draft_to_target.index_select(0, cols.view(-1))
+            for table, got in zip((ctl.top, ctl.top_cols, ctl.top_ids, ctl.pmax),
+                                  (top, cols, ids, top[:, 0].exp())):
+                table.index_copy_(0, idx, got.view((U,) + table.shape[1:]))
+        for c in cycles.values():
+            c.draft_s += (time.perf_counter() - t0) / U
+
+    def _tree_starts(self, U: int, R: int) -> torch.Tensor:
+        """[U, 1] int64: where each of U windows of R rows starts (made once a shape)."""
+        key = (U, R)
+        if key not in self._starts:
+            self._starts[key] = (torch.arange(U, device=self.device) * R).view(U, 1)
+        return self._starts[key]
 
     def _judge_trees(self, ctl, cycles):
         """(verdict [k], accepted [k] or None) for tree_commit: greedy, every slot's judged
