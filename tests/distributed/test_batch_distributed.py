@@ -173,3 +173,37 @@ def test_token_trees_each_equal_alone(n, width):
     for p, s, r in zip(PROMPTS, SAMPLED, res):
         assert figures(r) == figures(eng.generate(p, 10, s))
     assert res[1].token_ids == eng.generate_ar(PROMPTS[1], 10).token_ids
+
+
+@pytest.mark.parametrize("n,S,width", [(3, 1, 1), (3, 2, 1), (2, 0, 2)],
+                         ids=["middle-chain", "last-chain", "first-tree"])
+def test_draft_on_a_stage_each_sequence_equals_alone(n, S, width, monkeypatch):
+    """--draft-on-stage S with several sequences (n processes): rank 0 runs stage S in its
+    batch cycle (LocalStage: its units from rank 0's message or stage S - 1, on to stage S + 1,
+    a greedy chain's verdicts at the last stage), the others as before. Greedy and seeded
+    sampled sequences each equal their decode alone (and the one-process batch), greedy AR's;
+    the session's figures name every stage, the one in rank 0's process included. In the
+    middle, under SPD_REPLAY_CHECK: every rank's steady cycles are the work a graph replays."""
+    if S == 1:
+        monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    factory = partial(tiny_factory, 5, vocab=32)
+    eng = _engine(factory, n, width)
+    greedy = dict(prompts=PROMPTS, max_new_tokens=10, max_batch=3)
+    sampled = dict(prompts=PROMPTS[:4], max_new_tokens=8, sampling=SAMPLED[:4], max_batch=2)
+    got = launch_local(_config(factory, n, draft_on_stage=S, tree_width=width),
+                       partial(_job, plan=[("greedy", greedy), ("sampled", sampled)]),
+                       timeout=150)
+    res, seen, d = got["greedy"]
+    batched = eng.generate(PROMPTS, 10, max_batch=3)
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        assert figures(r) == figures(eng.generate(p, 10)) == figures(batched[i]), i
+        assert r.token_ids == eng.generate_ar(p, 10).token_ids and seen[i] == r.token_ids
+    assert sum(r.stats.drafts_accepted for r in res) > 0
+    assert [r["rank"] for r in d["ranks"]] == list(range(1, n + 1))
+    assert all(r["cycles"] == d["cycles"] for r in d["ranks"]) and d["pauses"] >= 2
+    assert d["ranks"][S]["role"] == f"stage {S}" and d["ranks"][S]["forward_s"] > 0
+    if S == 1:
+        assert all(r["graph"]["checked"] > 0 for r in d["ranks"])
+    res, _, _ = got["sampled"]
+    for p, s, r in zip(PROMPTS, SAMPLED, res):
+        assert figures(r) == figures(eng.generate(p, 8, s))

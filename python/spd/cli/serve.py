@@ -148,8 +148,7 @@ def serve_job(opts: dict, engine):
         warn_untrained_pdm()
     max_batch, context = opts.pop("max_batch"), opts.pop("max_context")
     if max_batch is None:  # (several at once where the distributed batch runs)
-        max_batch = 1 if engine.rt.config.draft_on_stage is not None else default_max_batch(
-            engine.engine, "spd")
+        max_batch = default_max_batch(engine.engine, "spd")
     backend = DistributedBackend(engine, max_batch, context)
     server = Server(backend, **opts)
     # the watchdog may end this process first (a peer's failure record): answer before leaving
@@ -170,9 +169,6 @@ def cmd_serve_distributed(args) -> int:
     from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 
     config = config_from_args(args)
-    if args.max_batch not in (None, 1) and config.draft_on_stage is not None:
-        raise SPDError("--max-batch > 1 does not run with --draft-on-stage yet: the batch "
-                       "needs the draft rank (docs/batching.md)")
     job = partial(serve_job, {**server_opts(args), "log_level": args.log_level,
                               "max_batch": args.max_batch, "max_context": args.max_context})
     if under_torchrun():

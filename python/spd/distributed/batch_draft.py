@@ -1,7 +1,8 @@
 """Rank 0's side of a batch session: several sequences through the distributed pipeline at once
 (the session, its messages and pauses: spd.distributed.batch_stage). `DistributedBatch` has
 BatchedSPD's join / step / leave (a join waits for the next pause, at most n + ahead + 1
-cycles); `generate_batch` decodes a list of prompts with it."""
+cycles); `generate_batch` decodes a list of prompts with it. With the draft on stage S, stage S
+runs here, inside rank 0's cycle (`LocalStage`)."""
 from __future__ import annotations
 
 import json
@@ -13,10 +14,12 @@ import torch
 from spd import env
 from spd.distributed.batch_stage import (
     BatchFormat,
+    LiveStep,
     batch_snap_bytes,
     batch_snap_views,
     session_formats,
 )
+from spd.distributed.config import role_name
 from spd.distributed.faults import inject_fault
 from spd.distributed.messages import SNAP_TAG, UNIT_TAG
 from spd.distributed.stage_rank import dead_unit
@@ -29,6 +32,7 @@ from spd.runtime.cycle import Cycle, end_margin
 from spd.runtime.cycle_graph import MemberGraphs
 from spd.runtime.driver import STOP
 from spd.runtime.sequence import Sequence, slot_buffers
+from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import SlotPool, batch_request
 from spd.runtime.stopping import StopRule
 from spd.runtime.tree_batch import TreeBatch
@@ -55,11 +59,81 @@ class BatchEntry:
         return [] if self.seq is None else self.seq.out
 
 
+class LocalStage:
+    """Stage S of a batch session in rank 0's process (--draft-on-stage S): its slot caches
+    (SlotStage), its units from rank 0's own message (S = 0) or from stage S - 1 (`inbox`,
+    received within each cycle for the next, every slot a bubble before the first), its
+    output rows on to stage S + 1 (`outbox`), as a stage rank's (BatchStageCycles); its rows
+    kept where each sequence keeps them (no snap), a greedy chain's verdicts at the last
+    stage."""
+
+    def __init__(self, batch: DistributedBatch, S: int):
+        t, layout = batch.target, batch.engine.layout
+        self.batch, self.S, self.n = batch, S, batch.n
+        dev, d = t.device, t.hidden_size
+        self.part = SlotStage(t, layout, S, batch.slots, batch.context)
+        self.step = LiveStep(self.part, batch.fmt, batch.slots, batch.peeks, dev)
+        size = batch.bfmt.message_bytes(d, t.dtype)
+        self.inbox = self.outbox = None
+        if S > 0:
+            self.inbox = torch.zeros(size, dtype=torch.uint8, device=dev)
+            batch.bfmt.split(self.inbox, d, t.dtype)[1].copy_(batch.dead)
+        if S < self.n - 1:
+            self.outbox = torch.zeros(size, dtype=torch.uint8, device=dev)
+        self.anchor_layers = [b - layout.stages[S].start - 1 for _, b in
+                              layout.anchors_of_stage(S)]
+        self.forward_s: list[float] = []
+        self.prefill_s = 0.0
+
+    def view(self, slot: int):
+        """Slot `slot`'s rows as a one-sequence Stage (a joining prompt's prefill)."""
+        return self.part.view(slot)
+
+    def run(self, cycles: dict[int, Cycle], judge: bool, into: torch.Tensor | None) -> None:
+        """This cycle's step over every slot's unit, its rows kept, the units sent on and the
+        next ones received (all waited for within the cycle)."""
+        b, S = self.batch, self.S
+        t, d = b.target, b.target.hidden_size
+        if S == 0:
+            ctrl, heads, x = b.ctrl, b.heads, None
+        else:
+            ctrl, heads, x = b.bfmt.split(self.inbox, d, t.dtype)
+        t0 = time.perf_counter()
+        got = self.step(heads, x)
+        if self.outbox is not None:
+            out_ctrl, out_heads, out_rows = b.bfmt.split(self.outbox, d, t.dtype)
+            out_ctrl.copy_(ctrl)
+            out_heads.copy_(heads)
+        if got is not None:
+            run, idx, outs = got
+            W, out = b.width, outs[-1]
+            if self.outbox is not None:
+                out_rows.index_copy_(0, idx, out.view(len(run), W, -1))
+            for r, slot in enumerate(run):
+                if slot in cycles:
+                    at = slice(r * W, (r + 1) * W)
+                    cycles[slot].keep(S, [outs[i][at] for i in self.anchor_layers], out[at])
+            if judge and into is not None and S == self.n - 1:
+                none = b.stages.slot_sets(run)[1]
+                into.index_copy_(0, idx, t.verify_greedy(out, none)[0])
+        self.forward_s.append(time.perf_counter() - t0)
+        sends = [] if self.outbox is None else [(self.outbox, S + 2, UNIT_TAG)]
+        recvs = [] if self.inbox is None else [(self.inbox, S, UNIT_TAG)]
+        for work in b.rt.exchange(sends, recvs):
+            b.rt.order(work, S, "batch cycle unit")
+
+    def stats(self, cycles: int, graph: dict) -> dict:
+        """Its figures, as a stage rank reports them at the session's end."""
+        return {"rank": self.S + 1, "role": role_name(self.S + 1), "cycles": cycles,
+                "prefill_s": self.prefill_s, "forward_s": sum(self.forward_s), "graph": graph}
+
+
 class SessionStages:
     """The stage ranks as a batch's stages (BatchStages' interface): `begin` sends every slot's
     stage-0 unit (a free slot's: a bubble) in one message and posts the receives of every
-    stage's snap; `run` waits for them and keeps each sequence's rows where they live, a greedy
-    chain's verdicts at their slots."""
+    stage's snap; `run` runs the stage of this process (with the draft on a stage), waits for
+    the snaps and keeps each sequence's rows where they live, a greedy chain's verdicts at
+    their slots."""
 
     def __init__(self, batch: DistributedBatch):
         self.batch = batch
@@ -70,7 +144,8 @@ class SessionStages:
         b = self.batch
         for slot, c in cycles.items():
             b.heads[slot].copy_(c.units[0])
-        self.works = b.rt.exchange([(b.msg, 1, UNIT_TAG)],
+        local0 = b.local is not None and b.local.S == 0
+        self.works = b.rt.exchange([] if local0 else [(b.msg, 1, UNIT_TAG)],
                                    [(buf, s + 1, SNAP_TAG) for s, buf in b.snaps.items()])
 
     def run(self, cycles: dict[int, Cycle], judge: bool,
@@ -78,19 +153,22 @@ class SessionStages:
         """-> each slot's verdict [1] (a greedy chain's: the last stage's argmax, also at its
         slot of `into` [slots]; else a stand-in)."""
         b, rt = self.batch, self.batch.rt
+        judge = judge and b.judge
+        if b.local is not None:
+            b.local.run(cycles, judge, into)
         for s, work in zip(b.snaps, self.works):
             rt.order(work, s + 1, "batch cycle snap")
-        last_tok = b.views[b.n - 1][0]
         for slot, c in cycles.items():
             for s, (_, rows) in b.views.items():
                 f = b.formats[s]
                 c.keep(s, [rows[slot, i] for i in range(len(f.hidden))],
                        rows[slot, -1] if f.with_output else None)
-        judge = judge and b.judge
-        if judge and into is not None:
-            into.copy_(last_tok.view(-1))
+        last = b.views.get(b.n - 1)
+        if judge and into is not None and last is not None:
+            into.copy_(last[0].view(-1))
         rt.flush_sends(host=False)
-        return {slot: last_tok[slot:slot + 1] if judge and c.seq.sampling.greedy
+        tok = into if last is None else last[0]
+        return {slot: tok[slot:slot + 1] if judge and tok is not None and c.seq.sampling.greedy
                 else b._stand_in for slot, c in cycles.items()}
 
 
@@ -109,9 +187,6 @@ class DistributedBatch(SlotPool):
             raise SPDError("a batch session is open on these ranks: close it first")
         super().__init__(deng.target, slots, context)
         rt, eng = deng.rt, deng.engine
-        if rt.config.draft_on_stage is not None:
-            raise SPDError("several sequences at once across ranks do not run with the draft "
-                           "on a stage yet")
         if eng.n < 2:
             raise SPDError("batched SPD needs n >= 2 stages")
         self.deng, self.rt, self.engine = deng, rt, eng
@@ -129,16 +204,19 @@ class DistributedBatch(SlotPool):
         self.ctrl, self.heads, _ = self.bfmt.split(self.msg, d, t.dtype)
         self.dead = dead_unit(self.fmt, context - 1, context - 1).to(dev)
         self.heads.copy_(self.dead)
+        S = rt.config.draft_on_stage  # (stage S runs here: no snap of it travels)
         self.snaps = {s: torch.zeros(batch_snap_bytes(f.rows, slots, self.width, d, t.dtype),
                                      dtype=torch.uint8, device=dev)
-                      for s, f in enumerate(self.formats) if f.rows or s == n - 1}
+                      for s, f in enumerate(self.formats) if (f.rows or s == n - 1) and s != S}
         self.views = {s: batch_snap_views(buf, slots, self.width, d, t.dtype)
                       for s, buf in self.snaps.items()}
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=dev)
         lookup = eng.drafter.lookup
         self.drafters, self.draft_caches = slot_drafters(eng.pdm, slots, context, lookup)
         self.tokens, self.anchors, self.final = slot_buffers(t, eng.layout, context, slots)
+        self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.stages = SessionStages(self)
+        self.local = None if S is None else LocalStage(self, S)
         # the control: three ops over every slot (ChainBatch, TreeBatch)
         m = self.anchors.shape[1]
         if self.width == 1:
@@ -147,7 +225,6 @@ class DistributedBatch(SlotPool):
         else:
             self.control = TreeControl(slots, n, self.width, m, d, dev, t.dtype)
             self.fused = TreeBatch(self, lookup)
-        self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.waiting: list[BatchEntry] = []
         self.freed_at = [-n] * slots  # the first cycle each slot's bubbles went out in
         self.launched = 0             # the session's cycles launched
@@ -244,8 +321,11 @@ class DistributedBatch(SlotPool):
             lasts = []
             for e in joins:  # (the messages first: a callback that raises leaves them paired)
                 t0 = time.perf_counter()
-                lasts.append((self.deng._prefill(e.seq, {"prompt_len": e.ids.numel()}, None),
-                              t0))
+                local = None if self.local is None else self.local.view(e.slot)
+                req = {"prompt_len": e.ids.numel(), "prompt_ids": e.ids.tolist()}
+                lasts.append((self.deng._prefill(e.seq, req, local), t0))
+                if local is not None:
+                    self.local.prefill_s += time.perf_counter() - t0
             if decoding:
                 self._unpause()  # (the stage ranks run the cycles from here)
             for i, (e, (last, t0)) in enumerate(zip(joins, lasts)):
@@ -335,6 +415,9 @@ class DistributedBatch(SlotPool):
         self.deng.session = None
         rt, out = self.rt, []
         for r in range(1, rt.world):
+            if self.local is not None and r == self.local.S + 1:  # (this process's stage)
+                out.append(self.local.stats(self.launched, self.graphs.describe()))
+                continue
             key = f"stats/{gen}/{r}"
             out.append(json.loads(rt.store.get(key)))
             rt.store.delete_key(key)

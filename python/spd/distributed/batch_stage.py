@@ -34,9 +34,14 @@ head_dim]). A session's cycle is one cycle of every slot, in lock-step across th
 This module: the messages' layout and the stage ranks' side (it imports nothing of rank 0's);
 spd.distributed.batch_draft: rank 0's (DistributedBatch, generate_batch).
 
+With the draft on stage S (--draft-on-stage), rank 0's process runs stage S inside its cycle
+(batch_draft.LocalStage): it takes its units from rank 0's own message (S = 0) or from stage
+S - 1, sends them on to stage S + 1 as a stage rank would, and keeps its rows where they live
+(no snap): the stage ranks cannot tell.
+
 Each sequence's output is its decode alone: the same N, K and judged/accepted drafts, greedy
 equal to AR, seeded sampling equal to alone. Chains and token trees (W rows a unit), dense
-targets; not with the draft on a stage, nor under emulated compute.
+targets; not under emulated compute.
 """
 from __future__ import annotations
 
@@ -102,6 +107,44 @@ def session_formats(layout, output: bool) -> list:
 
 
 # --- a stage rank's side -----------------------------------------------------------------------
+class LiveStep:
+    """A stage's step over the units of a batch message (every slot's): on a CPU the live ones
+    alone (a dead unit of a token tree still commits, as StageStep.skip), elsewhere every one
+    (the same work every cycle)."""
+
+    def __init__(self, caches: SlotStage, fmt: UnitFormat, slots: int, peeks: bool, device):
+        self.caches, self.fmt, self.B, self.peeks = caches, fmt, slots, peeks
+        self.all = torch.arange(slots, device=device)
+        self._index: dict[tuple, torch.Tensor] = {}
+
+    def _slots(self, run: tuple[int, ...]) -> torch.Tensor:
+        if len(run) == self.B:
+            return self.all
+        got = self._index.get(run)
+        if got is None:
+            if len(self._index) >= 256:
+                self._index.clear()
+            got = self._index[run] = torch.tensor(run, device=self.all.device)
+        return got
+
+    def __call__(self, heads: torch.Tensor, x: torch.Tensor | None):
+        """heads [B, H], x [B, W, d] (None: stage 0) -> (the slots run: a tuple, and [R] on the
+        device; their rows' layer outputs, each [R * W, d]) or None where none runs."""
+        f, c = self.fmt, self.caches
+        live = peek(heads[:, LIVE]) if self.peeks else None
+        run = tuple(b for b in range(self.B) if live is None or live[b])
+        if f.tree:  # a dead unit skipped still carries its commit (StageStep.skip)
+            for b in sorted(set(range(self.B)) - set(run)):
+                c.commit(b, heads[b])
+        if not run:
+            return None
+        idx = self._slots(run)
+        if len(run) < self.B:
+            heads = heads.index_select(0, idx)
+            x = None if x is None else x.index_select(0, idx)
+        return run, idx, c.run(f, run, idx, heads, x)
+
+
 class BatchSession:
     """A stage rank's side of a batch session (module docstring): its slot caches (kept by the
     worker for the next session when big enough), the control requests, the cycles."""
@@ -177,44 +220,16 @@ class BatchStageCycles:
         self.dead = dead_unit(self.fmt, context - 1, context - 1).to(dev)
         if not worker.first:
             self.bfmt.split(self.inbox, self.d, self.dtype)[1].copy_(self.dead)
-        self.all = torch.arange(self.B, device=dev)
-        self._index: dict[tuple, torch.Tensor] = {}
         self._none: dict[int, torch.Tensor] = {}
         self.pause = torch.zeros(1, dtype=torch.int64, device=dev)  # the cycle's pause field
         self.pauses = Published(self.ahead + 1, 1, dev)
-        self.peek = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
+        self.step = LiveStep(caches, self.fmt, self.B, torch.device(dev).type == "cpu"
+                             and not env.replay_check_enabled(), dev)
         self.graph = CycleGraph(lambda: self.cycle(last=False), dev,
                                 f"stage {s}'s batch cycle", capturable=self.rt.backend == "nccl",
                                 messages=self.rt.messages, thread_local=True)
         self.forward_s: list[float] = []
         self.fault = self.rt.fault_here()  # the test hook (DistConfig.fault)
-
-    def _slots(self, run: tuple[int, ...]) -> torch.Tensor:
-        if len(run) == self.B:
-            return self.all
-        got = self._index.get(run)
-        if got is None:
-            if len(self._index) >= 256:
-                self._index.clear()
-            got = self._index[run] = torch.tensor(run, device=self.all.device)
-        return got
-
-    def step(self, heads: torch.Tensor, x: torch.Tensor | None):
-        """The stage over the live units (all of them but on a CPU) -> (slots run [R], their
-        rows' layer outputs, each [R * W, d]) or None where none runs."""
-        f, c = self.fmt, self.caches
-        live = peek(heads[:, LIVE]) if self.peek else None
-        run = tuple(b for b in range(self.B) if live is None or live[b])
-        if f.tree:  # a dead unit skipped still carries its commit (StageStep.skip)
-            for b in sorted(set(range(self.B)) - set(run)):
-                c.commit(b, heads[b])
-        if not run:
-            return None
-        idx = self._slots(run)
-        if len(run) < self.B:
-            heads = heads.index_select(0, idx)
-            x = None if x is None else x.index_select(0, idx)
-        return idx, c.run(f, run, idx, heads, x)
 
     def cycle(self, last: bool) -> None:
         """One cycle (`last`: stage 0's last before a pause, which receives nothing)."""
@@ -227,7 +242,7 @@ class BatchStageCycles:
         t0 = time.perf_counter()
         got = self.step(heads, x)
         if got is not None:
-            idx, outs = got
+            _, idx, outs = got
             W, R = self.fmt.width, idx.numel()
             out = outs[-1]
             out_rows.index_copy_(0, idx, out.view(R, W, -1))
@@ -289,5 +304,5 @@ class BatchStageCycles:
         return launched
 
 
-__all__ = ["BatchFormat", "BatchSession", "BatchStageCycles", "batch_snap_bytes",
+__all__ = ["BatchFormat", "BatchSession", "BatchStageCycles", "LiveStep", "batch_snap_bytes",
            "batch_snap_views", "session_formats"]
