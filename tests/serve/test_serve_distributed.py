@@ -1,6 +1,7 @@
 """`spd serve --distributed --stages 3` on gloo and the CPU, as a user starts it: two requests in
 a row give exactly the single-process engine's text, a client that leaves mid-stream frees the
-ranks for the next request, four clients at once (one batch session) get theirs, and a stage
+ranks for the next request, four clients at once (one batch session) get theirs (also with the
+draft on a stage), and a stage
 rank that dies fails the request in flight with a 500 naming it and stops the server (exit
 status 1, the same message). Without HTTP: rank 0's `generate` ends a cancelled decode at its
 next token and a stop id where the single-process engine does, and the next decode is whole.
@@ -48,10 +49,11 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_random_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def _start(tiny_dir, port: int, env_extra: dict | None = None) -> subprocess.Popen:
+def _start(tiny_dir, port: int, env_extra: dict | None = None,
+           extra: tuple = ()) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "spd", "serve", "--distributed", "--stages", "3",
            "--backend", "gloo", "--model", str(tiny_dir), "--served-model-name", MODEL,
-           "--port", str(port), "--threads", "1", "--fault-timeout", "5"]
+           "--port", str(port), "--threads", "1", "--fault-timeout", "5", *extra]
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, cwd=REPO, start_new_session=True)
@@ -122,6 +124,33 @@ def test_two_requests_equal_the_single_process_engine_and_a_disconnect(tiny_dir)
         with ThreadPoolExecutor(len(many)) as pool:
             got = list(pool.map(lambda m: client.chat.completions.create(
                 model=MODEL, messages=m, max_tokens=16, temperature=0)
+                .choices[0].message.content, many))
+        assert got == want
+    finally:
+        _kill_group(proc)
+
+
+def test_clients_at_once_with_the_draft_on_a_stage(tiny_dir):
+    """`--draft-on-stage 1` (3 processes for 3 stages): three clients at once share one batch
+    session, stage 1 running in rank 0's process; each gets the single-process engine's text,
+    and /health counts the slots (8 by default)."""
+    import urllib.request
+
+    from spd.model.loading import load_target
+    engine = SPDEngine(load_target(tiny_dir), n_stages=3, warn_untrained=False)
+    many = [[{"role": "user", "content": q}] for q in ("Hi.", "Count to five.",
+                                                       "Name three colours.")]
+    want = [engine.generate(m, 12).text for m in many]
+    port = _free_port()
+    proc = _start(tiny_dir, port, extra=("--draft-on-stage", "1"))
+    try:
+        _wait_up(proc, port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert json.loads(r.read())["slots"] == 8
+        client = _client(port)
+        with ThreadPoolExecutor(len(many)) as pool:
+            got = list(pool.map(lambda m: client.chat.completions.create(
+                model=MODEL, messages=m, max_tokens=12, temperature=0)
                 .choices[0].message.content, many))
         assert got == want
     finally:
