@@ -67,6 +67,8 @@ def main() -> None:
     ap.add_argument("--paths", default=",".join(PATHS))
     ap.add_argument("--stages", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--tree-width", type=int, default=1,
+                    help="token trees of this width for the SPD paths (1: chains)")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     clients = [int(c) for c in args.clients.split(",")]
@@ -75,7 +77,7 @@ def main() -> None:
         ap.error(f"--clients: positive integers; --paths: some of {', '.join(PATHS)}")
 
     target = load_target()
-    engine = SPDEngine(target, n_stages=args.stages)
+    engine = SPDEngine(target, n_stages=args.stages, tree_width=args.tree_width)
     questions = load_dataset("heldout")
     prompts = [[{"role": "user", "content": q["turns"][0]}] for q in questions]
     if max(clients) > len(prompts):
@@ -96,6 +98,7 @@ def main() -> None:
     if args.json_out:
         write_json(args.json_out, run_meta(target.device, model=target.name, n=args.stages,
                                            max_new_tokens=args.max_new_tokens,
+                                           tree_width=args.tree_width,
                                            prompts="heldout"), rows=rows)
 
 

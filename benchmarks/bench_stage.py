@@ -7,6 +7,11 @@ where each stage runs exactly one token per cycle):
 - `attention`: spd_kernels.cache_attention at one row over the context, alone in a graph.
 - `ar`: spd.runtime.ar_decode.ARDecoder's step over every layer (embedding, stages, final norm +
   LM head + greedy choice): the single-device autoregressive baseline, one graph per token.
+- `batch`: the stage step over B rows of B sequences (`--batches`, default 1, 2, 4, 8, 16), each
+  row against its own slot's `--context` cached keys (spd_kernels.stage.batch_stage_step, as a
+  batch's cycle runs it: docs/batching.md), over the largest `--layers`; on a GPU one captured
+  graph per B (`graph`) beside the eager step. Its floor reads the weights once and every
+  row's keys and values.
 Each against its floor: the bytes it must read (weights, the KV rows it attends to) over the
 measured device-to-device copy bandwidth. Prints a table and writes JSON.
 
@@ -82,6 +87,53 @@ def stage_rows(target, layers: int, context: int, timer: Timer, gpu: bool) -> li
     return rows
 
 
+def batch_rows(target, layers: int, context: int, batches: list[int], timer: Timer,
+               gpu: bool) -> list[dict]:
+    """The stage step of `layers` layers over B rows, one a sequence (module docstring), for
+    each B: eager, and on a GPU a captured graph per B."""
+    from spd_kernels.stage import batch_stage_step
+
+    t, dev, most = target, target.device, max(batches)
+    weights = t.stage_weights(range(layers))
+    S = context + 1
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(most, layers, t.num_kv_heads, S, t.head_dim, generator=gen).to(dev, t.dtype)
+    v = torch.randn(k.shape, generator=gen).to(dev, t.dtype)
+    x = torch.randn(most, t.hidden_size, generator=gen).to(dev, t.dtype)
+    cos, sin = t.rope(0, S)
+    slots = torch.arange(most, device=dev)
+    at = torch.full((most,), context, dtype=torch.int64, device=dev)
+    weight_bytes = sum(layer_bytes(lw) for lw in weights.layers)
+    row_kv = 2 * layers * t.num_kv_heads * S * t.head_dim * k.element_size()
+    rows = []
+    for mode in ("eager", "graph") if gpu else ("eager",):
+        for B in batches:
+            def call(B=B):
+                return batch_stage_step(x[:B], weights, k, v, slots[:B], at[:B], cos, sin)
+            fn = call
+            if mode == "graph":
+                call()  # compiles and warms up outside the capture
+                graph = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.graph(graph):
+                        call()
+                except Exception as exc:  # noqa: BLE001 - reported as the row's error
+                    rows.append(dict(what=f"batch{B}", B=B, mode=mode, layers=layers,
+                                     error=f"{type(exc).__name__}: {exc}"))
+                    continue
+                fn = graph.replay
+            us, _ = timer(fn)
+            rows.append(dict(what=f"batch{B}", B=B, mode=mode, layers=layers, us=us,
+                             us_per_layer=us / layers, us_per_row=us / B,
+                             floor_bytes=weight_bytes + B * row_kv))
+    for r in rows:  # each B against one row in the same mode
+        one = next((o for o in rows if o["mode"] == r["mode"] and o["B"] == 1 and "us" in o),
+                   None)
+        if one is not None and "us" in r:
+            r["vs_one_row"] = r["us"] / one["us"]
+    return rows
+
+
 def attention_row(target, context: int, timer: Timer, gpu: bool) -> dict:
     """One row's attention over `context` cached positions (one layer's cache)."""
     stage = Stage(target, 0, range(1), context + 1, cuda_graphs=False)
@@ -138,13 +190,22 @@ def main() -> int:
     ap.add_argument("--context", type=int, default=1024, help="tokens already in the caches")
     ap.add_argument("--no-ar", action="store_true", help="skip the whole-model AR step")
     ap.add_argument("--rows", default="stage,attention,ar",
-                    help="which rows, comma-separated: stage, attention, ar (e.g. the AR step "
-                         "alone once the CUDA extension is built, its verify being CUDA)")
+                    help="which rows, comma-separated: stage, attention, ar, batch (e.g. the AR "
+                         "step alone once the CUDA extension is built, its verify being CUDA)")
+    ap.add_argument("--batches", default="1,2,4,8,16",
+                    help="the B of the batch rows (sequences, one row each)")
     add_device_args(ap)
     args = ap.parse_args()
     kinds = {r for r in args.rows.split(",") if r}
-    if not kinds or kinds - {"stage", "attention", "ar"}:
-        sys.exit(f"--rows takes stage, attention and ar, got {args.rows!r}")
+    if not kinds or kinds - {"stage", "attention", "ar", "batch"}:
+        sys.exit(f"--rows takes stage, attention, ar and batch, got {args.rows!r}")
+    try:
+        batches = sorted({int(x) for x in args.batches.split(",")})
+    except ValueError:
+        sys.exit(f"--batches takes comma-separated integers, got {args.batches!r}")
+    if min(batches) < 1:
+        sys.exit("--batches must be >= 1")
+    batches = sorted({1, *batches})  # (each B against one row)
     if args.no_ar:
         kinds.discard("ar")
     # on a GPU, L2 flushed between calls: weights come from HBM as in a real decode step
@@ -164,6 +225,7 @@ def main() -> int:
           f"{bandwidth:.0f} GB/s; floor = bytes read / that bandwidth")
     table = Table([("model", "<14"), ("what", "<10"), ("mode", "<6"), ("layers", ">7"),
                    ("us", ">10.1f"), ("us_per_layer", ">12.1f", "us/layer"),
+                   ("vs_one_row", ">8.2f", "x 1 row"),
                    ("floor_us", ">10.1f", "floor us"), ("x_floor", ">8.2f"),
                    ("target_us", ">10.1f", "target us"), ("ok", ">5")])
     table.print_header()
@@ -187,6 +249,9 @@ def main() -> int:
                 found.append(attention_row(target, args.context, timer, gpu))
             if "ar" in kinds:
                 found.append(ar_row(target, args.context, timer, gpu))
+            if "batch" in kinds:
+                found += batch_rows(target, max(layer_counts), args.context, batches, timer,
+                                    gpu)
             for r in found:
                 r.update(model=m, context=args.context, dtype=str(dtype))
                 if "us" in r:

@@ -11,7 +11,8 @@
 #      meanwhile sees the extension whole or not at all    -> build.log
 #   3. while it builds, what runs on Triton alone:
 #      3a. the graphed one-row stage step against its floor (3 and 9 layers, attention at 1k
-#          context; Qwen3-4B and Qwen3-8B shapes)          -> $OUT/<date>-stage-<dev>.json
+#          context; Qwen3-4B and Qwen3-8B shapes), and the 9-layer stage step over B = 1, 2,
+#          4, 8, 16 sequences' rows (issue 54)          -> $OUT/<date>-stage-<dev>.json
 #      3b. the same stage rows with programmatic dependent launch (SPD_PDL=1)
 #                                                          -> $OUT/<date>-stage-pdl-<dev>.json
 #      3c. kernel microbenchmarks of the Triton ops the automatic choice runs (PDM step, dense
@@ -74,7 +75,7 @@ if [[ -n "${SPD_DEVICE_SMOKE:-}" ]]; then  # a CPU check of this script: tiny an
     DRAFT_ARGS=(--models smollm2-135m --stages 2 --pdm-layers 1 --draft-vocab 8192 --iters 1
                 --warmup 0 --context 64 --measure --draft-weights bf16,int8,fp8)
     STAGE_ARGS=(--models smollm2-135m --layers 2 --context 64 --iters 1 --warmup 0
-                --rows stage,attention)
+                --rows stage,attention,batch --batches 1,4)
     STAGE_PDL_ARGS=(--models smollm2-135m --layers 1 --context 64 --iters 1 --warmup 0
                     --rows stage)
     AR_ARGS=(--models smollm2-135m --layers 1 --context 64 --iters 1 --warmup 0 --rows ar)
@@ -102,7 +103,7 @@ EOF
     HIDING_ARGS=(--model qwen3-4b --stages 4,8 --pdm-layers 2,3 --pdm-intermediate 9728,4864
                  --iters 50)
     STAGE_ARGS=(--models qwen3-4b,qwen3-8b --layers 3,9 --context 1024 --iters 50
-                --rows stage,attention)
+                --rows stage,attention,batch)
     STAGE_PDL_ARGS=(--models qwen3-4b,qwen3-8b --layers 9 --context 1024 --iters 50
                     --rows stage,attention)
     AR_ARGS=(--models qwen3-4b,qwen3-8b --layers 1 --context 1024 --iters 30 --rows ar)
@@ -156,7 +157,7 @@ BUILD_PID=$!
 
 # 3. Triton alone (the stage's ops, the attention, the PDM step): real stage steps at Qwen3-4B
 # and Qwen3-8B shapes first
-step stage 110 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
+step stage 130 "$LOGS/stage.log" "$PY" benchmarks/bench_stage.py "${STAGE_ARGS[@]}" \
     --json-out "$OUT/$DATE-stage-$DEV.json"
 SPD_PDL=1 step stage-pdl 60 "$LOGS/stage-pdl.log" "$PY" benchmarks/bench_stage.py \
     "${STAGE_PDL_ARGS[@]}" --json-out "$OUT/$DATE-stage-pdl-$DEV.json"

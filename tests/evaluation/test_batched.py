@@ -26,9 +26,12 @@ STORED_GRID = (Path(__file__).resolve().parents[2] / "benchmarks" / "results" /
 SIZES = (1, 2, 4, 8, 16)
 
 
-def _scaled(forward_s=0.040, head_s=0.004, stages=None, grow=0.1, sizes=SIZES, **kw):
+def _scaled(forward_s=0.040, head_s=0.004, stages=None, grow=0.1, sizes=SIZES, draft_grow=1.0,
+            **kw):
     """Costs whose every piece over R rows costs (1 + grow * (R - 1)) times its one row (a
-    weight-bound step: B rows for little more than one), B = 1 equal to the one-row pieces."""
+    weight-bound step: B rows for little more than one), B = 1 equal to the one-row pieces;
+    the draft step over B windows (1 + draft_grow * (B - 1)) times one window's (1: as B
+    steps one after another)."""
     stages = stages or {"2": [0.020, 0.020], "4": [0.010, 0.010, 0.009, 0.009]}
     rows = batch_rows(sizes, [int(n) for n in stages])
     f = {str(r): 1 + grow * (r - 1) for r in rows}
@@ -37,7 +40,9 @@ def _scaled(forward_s=0.040, head_s=0.004, stages=None, grow=0.1, sizes=SIZES, *
                  batch_forward_s={r: forward_s * x for r, x in f.items()},
                  batch_head_s={r: head_s * x for r, x in f.items()},
                  batch_stage_s={n: {r: [t * x for t in per] for r, x in f.items()}
-                                for n, per in stages.items()}, **kw)
+                                for n, per in stages.items()},
+                 batch_draft_s={n: {str(b): 0.001 * (1 + draft_grow * (b - 1))
+                                    for b in {1, *sizes}} for n in stages}, **kw)
 
 
 def _rising(xs):
@@ -53,7 +58,8 @@ def _random_costs(seed):
     r = lambda: float(torch.rand((), generator=g)) * 0.02 + 1e-4  # noqa: E731
     return _scaled(forward_s=r() * 3, head_s=r(),
                    stages={str(n): [r() for _ in range(n)] for n in (2, 3, 4)},
-                   grow=float(torch.rand((), generator=g)), runtime_s={"3": r()})
+                   grow=float(torch.rand((), generator=g)),
+                   draft_grow=float(torch.rand((), generator=g)), runtime_s={"3": r()})
 
 
 def test_batch_of_one_is_the_grids_row():
@@ -63,7 +69,7 @@ def test_batch_of_one_is_the_grids_row():
     for seed in range(20):
         c = _random_costs(seed)
         bare = Costs(**dict(c.as_dict(), batch_sizes=[], batch_forward_s={}, batch_head_s={},
-                            batch_stage_s={}))
+                            batch_stage_s={}, batch_draft_s={}))
         for costs in (c, bare):
             assert ar_tok_s(costs, 1) == pytest.approx(1 / costs.forward_s)
             for n in (2, 3, 4):
@@ -95,19 +101,28 @@ def test_more_rows_never_cost_a_step_less():
                 assert _rising([spd_tok_s(c, n, b, 1.5, 0.0, greedy) for b in SIZES])
 
 
-def test_spd_charges_b_draft_steps_to_the_draft_rank():
-    """The draft rank runs B draft steps one after another (no batched PDM step), and under
-    sampling judges each sequence on its own (B heads of one row); greedy, the last stage
-    judges over B rows."""
-    c = _scaled(grow=0.0)  # every piece as cheap over 16 rows as over one
-    # greedy, n = 2: stages 20 + 20 ms, the last + 4 ms head; draft 2 ms: 16 steps = 32 ms
+def test_spd_charges_one_batched_draft_step_to_the_draft_rank():
+    """The draft rank runs one draft step over the B windows (its cell's draft time scaled by
+    the measured batched PDM step over one window's) and, under sampling, the head over the B
+    judged rows; greedy, the last stage judges over B rows. Not measured: no row."""
+    c = _scaled(grow=0.0)  # every piece as cheap over 16 rows as over one, the draft as 16
+    # greedy, n = 2: stages 20 + 20 ms, the last + 4 ms head; draft 2 ms: 16 windows = 32 ms
     assert spd_cycle(c, 2, 1, 0.002, True) == pytest.approx(0.024)
     assert spd_cycle(c, 2, 16, 0.002, True) == pytest.approx(0.032)
-    # sampling: the draft rank also judges each one: 16 * (2 + 4) ms
-    assert spd_cycle(c, 2, 16, 0.002, False) == pytest.approx(0.096)
+    # sampling: the draft rank also runs the head over the 16 judged rows: 32 + 4 ms
+    assert spd_cycle(c, 2, 16, 0.002, False) == pytest.approx(0.036)
     assert spd_tok_s(c, 2, 16, 1.2, 0.002) == pytest.approx(16 * 0.6 / 0.032)
     c.runtime_s = {"2": 0.001}  # the runtime's cost per cycle, where measured
     assert spd_cycle(c, 2, 16, 0.002, True) == pytest.approx(0.033)
+    # a draft step over 16 windows for 2.5 of one's (1 + 0.1 * 15): 5 ms, under the stages
+    c = _scaled(grow=0.0, draft_grow=0.1)
+    assert c.draft_scale(2, 16) == pytest.approx(2.5) and c.draft_scale(2, 1) == 1.0
+    assert spd_cycle(c, 2, 16, 0.002, True) == pytest.approx(0.024)
+    assert spd_cycle(c, 2, 16, 0.010, False) == pytest.approx(0.025 + 0.004)
+    c.batch_draft_s = {}  # (a grid stored before the batched draft step: none past B = 1)
+    assert spd_cycle(c, 2, 16, 0.002, True) is None
+    assert spd_cycle(c, 2, 1, 0.002, True) == pytest.approx(0.024)
+    assert not c.covers_batches([1, 16], [2]) and c.covers_batches([1], [2])
 
 
 def test_pipeline_holds_b_requests_in_groups():
@@ -202,6 +217,7 @@ def test_grid_measures_the_batched_pieces_a_stored_grid_lacks(tmp_path, monkeypa
     assert after.forward_s == before.forward_s and after.stage_s == before.stage_s
     assert after.batch_sizes == [1, 3] and after.covers_batches([1, 3], [2])
     assert set(after.batch_forward_s) == {"1", "2", "3"}  # pp n = 2, B = 3: groups of 2
+    assert set(after.batch_draft_s["2"]) == {"1", "3"}
     rows = batched_rows(state)[0.0]
     assert [r["config"] for r in rows] == ["ar", "pp n=2"]
     assert all(x > 0 for r in rows for x in r["tok_s"].values())
@@ -214,6 +230,8 @@ def test_measured_batched_pieces_round_trip():
     c = measure_costs(t, [2], context=8, reps=1, batch_sizes=[2, 5])
     assert c.batch_sizes == [2, 5] and set(c.batch_forward_s) == {"1", "2", "3", "5"}
     assert all(len(per) == 2 and min(per) > 0 for per in c.batch_stage_s["2"].values())
+    assert set(c.batch_draft_s["2"]) == {"1", "2", "5"}  # (the PDM step over B windows)
+    assert all(x > 0 for x in c.batch_draft_s["2"].values())
     assert Costs.from_dict(json.loads(json.dumps(c.as_dict()))) == c
     assert measure_batch_costs(t, [2], [], context=8).batch_sizes == []
     assert math.isfinite(spd_tok_s(c, 2, 5, 1.5, 1e-3))

@@ -175,15 +175,22 @@ def test_pdm_step_is_set_against_a_stage_on_the_same_kernels(bench):
 
 def test_bench_stage_runs_on_the_cpu_and_writes_its_rows(tmp_path):
     """benchmarks/bench_stage.py end to end at a small shape: stage rows per layer count, the
-    attention row and the AR row, each with its floor."""
+    attention row, the AR row and the stage step over B sequences' rows, each with its
+    floor."""
     import subprocess
     out = tmp_path / "stage.json"
     run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_stage.py"),
                           "--models", "smollm2-135m", "--layers", "1,2", "--context", "16",
-                          "--iters", "1", "--warmup", "0", "--json-out", str(out)],
+                          "--iters", "1", "--warmup", "0", "--rows", "stage,attention,ar,batch",
+                          "--batches", "3", "--json-out", str(out)],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     rows = json.loads(out.read_text())["rows"]
-    assert [(r["what"], r["layers"]) for r in rows] == [("stage", 1), ("stage", 2),
-                                                        ("attention", 1), ("ar", 30)]
+    assert [(r["what"], r["layers"]) for r in rows] == [
+        ("stage", 1), ("stage", 2), ("attention", 1), ("ar", 30), ("batch1", 2), ("batch3", 2)]
     assert all(r["us"] > 0 and r["floor_us"] > 0 and r["x_floor"] > 0 for r in rows)
+    # (the stage step over B sequences' rows: B = 1 added, each against it, the floor growing
+    # by each row's keys and values)
+    one, three = rows[-2:]
+    assert one["vs_one_row"] == 1.0 and three["vs_one_row"] > 0
+    assert three["floor_bytes"] > one["floor_bytes"]

@@ -26,15 +26,17 @@ Each cost is charged where it runs:
        stages' imbalance, and the same for B >= n in n even groups)
   spd  n stage devices and a draft rank (BatchedSPD): a cycle steps every stage once over one
        row per sequence (B rows: greedy, the last stage with the head over B rows, it judges
-       every sequence's draft), while the draft rank runs each sequence's draft step one after
-       another, B * t_draft (+ B * t_head under sampling: there each sequence's judging is its
-       own, on the draft rank). A batched PDM step is not built, so nothing is shared between
-       the B draft steps. Each sequence gains its own alpha = S / n tokens a cycle (the
+       every sequence's draft), while the draft rank runs one draft step over every
+       sequence's window (the batched PDM step: its cell's t_draft scaled by the measured
+       step over B windows against one's, `Costs.draft_scale`) and, under sampling, the head
+       over the B judged rows. Each sequence gains its own alpha = S / n tokens a cycle (the
        measured N / K of the spd cell: its speculation is its own, as alone):
          B * (S / n) / cycle_B,
          cycle_B = max(t_fwd(B) / n, slowest t_i(B) (the last + t_head(B) when greedy),
-                       B * (t_draft (+ t_head under sampling))) + the runtime's cost per cycle
-       (`Costs.runtime_s`, measured at one sequence, where given)
+                       t_draft * draft_scale(B) (+ t_head(B) under sampling))
+                   + the runtime's cost per cycle
+       (`Costs.runtime_s`, measured at one sequence, where given). The draft's picks and the
+       sampling over the B rows are charged as at one (inside t_draft).
 
 Per sequence: the total over B. At B = 1, with the batched pieces equal to the one-row ones,
 each row's ratio over `ar` is the grid's adjusted speedup (spd, pp). `crossover` finds, from
@@ -76,11 +78,12 @@ def pp_tok_s(c: Costs, n: int, batch: int) -> float | None:
 def spd_cycle(c: Costs, n: int, batch: int, draft_s: float, greedy: bool) -> float | None:
     """A cycle of SPD over `batch` sequences on n stages and a draft rank (module docstring)."""
     fwd, head, per = c.forward_at(batch), c.head_at(batch), c.stages_at(n, batch)
-    if fwd is None or head is None or per is None:
+    scale = c.draft_scale(n, batch)
+    if fwd is None or head is None or per is None or scale is None:
         return None
     if greedy:
         per[-1] += head
-    rank0 = batch * (draft_s + (0.0 if greedy else c.head_at(1)))
+    rank0 = draft_s * scale + (0.0 if greedy else head)
     return max(fwd / n, *per, rank0) + c.runtime_s.get(str(n), 0.0)
 
 

@@ -16,7 +16,10 @@ For the batched rows (issue 54, docs/batching.md; the projections are in
 the fixed context against its own slot's cache (`spd_kernels.stage.batch_stage_step` over slot
 caches, as the batched runtime and benchmarks/bench_batch_step.py run it, so each row pays its
 own attention): the full forward (embed, every layer, final norm + LM head over the R rows),
-each stage's step and the head, for every R the batched rows need (`batch_rows`). Dense
+each stage's step and the head, for every R the batched rows need (`batch_rows`), and for
+every n the PDM's step over the windows of B sequences (n + 1 rows each, in its slot caches:
+`PipelineDraftModule.batch_step`, as a batch's cycle drafts; an untrained PDM of the default
+shape for that n) against its step over one window (`Costs.draft_scale`). Dense
 targets only (the batched runtime's scope); the slot caches hold random keys and values (what
 they hold does not change the work).
 Draft steps are timed inside each method's own decoding runs (its `draft` phase seconds over its
@@ -54,6 +57,8 @@ class Costs:
     batch_forward_s: dict = field(default_factory=dict)  # str(R) -> full forward of R rows
     batch_head_s: dict = field(default_factory=dict)     # str(R) -> norm + LM head, R rows
     batch_stage_s: dict = field(default_factory=dict)    # str(n) -> {str(R): [s per stage]}
+    batch_draft_s: dict = field(default_factory=dict)    # str(n) -> {str(B): one PDM step
+    #                                                       over B sequences' windows}
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +89,15 @@ class Costs:
             got = self.stage_s.get(str(n))
         return None if got is None else list(got)
 
+    def draft_scale(self, n: int, batch: int) -> float | None:
+        """One draft step over `batch` sequences' windows (the batched PDM step at n stages)
+        over one sequence's: 1 at B = 1, None where not measured."""
+        per = self.batch_draft_s.get(str(n), {})
+        one, got = per.get("1"), per.get(str(batch))
+        if batch == 1:
+            return 1.0
+        return None if one is None or got is None else got / one
+
     def covers_batches(self, batch_sizes, stage_counts) -> bool:
         """Whether every piece the batched rows of `batch_sizes` on `stage_counts` need was
         measured (`batch_rows`)."""
@@ -92,7 +106,8 @@ class Costs:
         ns = list(stage_counts)
         return all(self.forward_at(r) is not None and self.head_at(r) is not None
                    and all(self.stages_at(n, r) is not None for n in ns)
-                   for r in batch_rows(batch_sizes, ns))
+                   for r in batch_rows(batch_sizes, ns)) and all(
+            self.draft_scale(n, b) is not None for n in ns for b in batch_sizes)
 
     def slowest_stage(self, n: int, head_on_last: bool = False) -> float:
         """The slowest of the n stage forwards; `head_on_last`: the last stage also runs the
@@ -202,6 +217,39 @@ def _interleaved_medians(pieces: dict, reps: int) -> dict:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def _draft_pieces(target, stage_counts, batch_sizes, context: int) -> dict:
+    """The PDM's step over the windows of B sequences for every B of `batch_sizes` and 1, at
+    every n (the module docstring): {name: callable}. Slot caches of random keys and values,
+    each window of n + 1 rows at `context`, random anchor rows."""
+    from spd.draft.pdm import PipelineDraftModule
+
+    t, pieces = target, {}
+    sizes = sorted(set(batch_sizes) | {1})
+    most = max(sizes)
+    gen = torch.Generator().manual_seed(2)
+    for n in sorted(set(stage_counts)):
+        layout = DepthLayout.build(t.num_layers, n)
+        pdm = PipelineDraftModule.untrained(t, layout)
+        R = n + 1
+        k, v, _ = pdm.slot_caches(most, context + R + 1)
+        for x in (k, v):
+            x.copy_(torch.randn(x.shape, generator=gen))
+        window = torch.randn(len(layout.anchors), most * R, t.hidden_size,
+                             generator=gen).to(device=t.device, dtype=t.dtype)
+        types = torch.tensor([layout.agg_type(j) for j in range(R)],
+                             device=t.device).repeat(most)
+        slots = torch.arange(most, device=t.device).repeat_interleave(R)
+        positions = (context + torch.arange(R, device=t.device)).repeat(most)
+        last = torch.arange(most, device=t.device) * R + n
+
+        def step(pdm, k, v, window, types, slots, positions, last, b, R=R):
+            return lambda: pdm.batch_step(pdm.features(window[:, :b * R], types[:b * R]), k, v,
+                                          slots[:b * R], positions[:b * R], last[:b])
+        for b in sizes:
+            pieces[f"bdraft{n}_{b}"] = step(pdm, k, v, window, types, slots, positions, last, b)
+    return pieces
+
+
 def _batch_pieces(target, stage_counts, rows, context: int) -> dict:
     """The batched pieces at every R in `rows` (the module docstring): {name: callable}, read
     back by `_store_batches`. One slot cache [max R, layers, kv_heads, context + 1, head_dim]
@@ -248,6 +296,9 @@ def _store_batches(costs: Costs, med: dict, batch_sizes, stage_counts, rows) -> 
     costs.batch_head_s = {str(r): med[f"bhead{r}"] for r in rows}
     costs.batch_stage_s = {str(n): {str(r): [med[f"bstage{n}_{i}_{r}"] for i in range(n)]
                                     for r in rows} for n in sorted(set(stage_counts))}
+    costs.batch_draft_s = {str(n): {str(b): med[f"bdraft{n}_{b}"]
+                                    for b in sorted(set(batch_sizes) | {1})}
+                           for n in sorted(set(stage_counts))}
 
 
 @torch.no_grad()
@@ -262,7 +313,8 @@ def measure_batch_costs(target, stage_counts, batch_sizes, context: int = 256,
     if target.hybrid or not batch_sizes:
         return costs
     rows = batch_rows(batch_sizes, stage_counts)
-    med = _interleaved_medians(_batch_pieces(target, stage_counts, rows, context), reps)
+    med = _interleaved_medians(_batch_pieces(target, stage_counts, rows, context)
+                               | _draft_pieces(target, stage_counts, batch_sizes, context), reps)
     _store_batches(costs, med, batch_sizes, stage_counts, rows)
     return costs
 
@@ -311,6 +363,7 @@ def measure_costs(target, stage_counts, chunk_rows=(), context: int = 256,
     rows = batch_rows(batch_sizes, stage_counts)
     if batch_sizes:  # timed round-robin with the one-row pieces
         pieces |= _batch_pieces(target, stage_counts, rows, context)
+        pieces |= _draft_pieces(target, stage_counts, batch_sizes, context)
     med = _interleaved_medians(pieces, reps)
     if batch_sizes:
         _store_batches(costs, med, batch_sizes, stage_counts, rows)

@@ -104,9 +104,9 @@ def _batched_lines(rows: list[dict], costs: dict, temp: float) -> list[str]:
     lines = ["", f"Batched, B sequences at once (T = {temp:g}): projections from the cost model "
              f"measured on {costs['device']} (each sequence at {costs['context']} tokens of "
              "context), not decoded batched. Tokens/s over all B sequences (x: over batched AR "
-             "at the same B); spd from its cell's S_theory and draft ms/call above, its B "
-             "draft steps one after another (no batched PDM step is built); pp with its B "
-             "requests in min(B, n) groups. Formulas below.", ""]
+             "at the same B); spd from its cell's S_theory and draft ms/call above, one draft "
+             "step over its B windows (the draft ms scaled by the measured batched PDM step); "
+             "pp with its B requests in min(B, n) groups. Formulas below.", ""]
     if not costs.get("batch_sizes"):
         lines += ["(The batched pieces were not measured in this grid: B = 1 from the one-row "
                   "pieces. Resuming the grid measures them.)", ""]
@@ -258,9 +258,10 @@ def markdown(state: dict) -> str:
               "t_fwd(r_j) / n, the most any stage i spends on all groups, sum of t_i(r_j) (the "
               "last + t_head(r_j)))",
               "- spd (n + 1 devices): B * S_theory/n / cycle_B, cycle_B = max(t_fwd(B) / n, "
-              "t_i(B) (greedy: the last + t_head(B)), B * t_draft (+ B * t_head under sampling: "
-              "each sequence's draft step and judging on the draft rank, one after another)), "
-              "plus the runtime's measured cost per cycle where given"]
+              "t_i(B) (greedy: the last + t_head(B)), t_draft * d(B) (+ t_head(B) under "
+              "sampling: the draft rank's one draft step over the B windows, d(B) the measured "
+              "batched PDM step over B windows against one's, and its head over the B judged "
+              "rows)), plus the runtime's measured cost per cycle where given"]
     return "\n".join(lines) + "\n"
 
 
