@@ -207,3 +207,25 @@ def test_draft_on_a_stage_each_sequence_equals_alone(n, S, width, monkeypatch):
     res, _, _ = got["sampled"]
     for p, s, r in zip(PROMPTS, SAMPLED, res):
         assert figures(r) == figures(eng.generate(p, 8, s))
+
+
+def test_prompts_prefilled_in_chunks_across_ranks_each_equal_alone():
+    """prefill_chunk = 3 on n = 3 ranks: each joining prompt goes through the ranks three rows
+    a pause while the others decode between pauses (a prompt of 8 rows: three pauses), also
+    with the draft on a stage (its chunks through rank 0's stage). Each sequence's result is
+    its decode alone (greedy and seeded sampled), and more pauses run than without chunks."""
+    n, factory = 3, partial(tiny_factory, 5, vocab=32)
+    eng = _engine(factory, n)
+    long = [PROMPTS[2] + PROMPTS[0], *PROMPTS[:4]]  # (13, 5, 2, 8 and 5 rows)
+    sampling = [SAMPLED[0], SamplingParams(), SAMPLED[2], SamplingParams(), SAMPLED[4]]
+    plan = [(f"chunk{c}", dict(prompts=long, max_new_tokens=10, sampling=sampling,
+                               max_batch=2, prefill_chunk=c)) for c in (None, 3)]
+    for S in (None, 1):
+        got = launch_local(_config(factory, n, draft_on_stage=S), partial(_job, plan=plan),
+                           timeout=150)
+        for c in (None, 3):
+            res, seen, d = got[f"chunk{c}"]
+            for i, (p, s, r) in enumerate(zip(long, sampling, res)):
+                assert figures(r) == figures(eng.generate(p, 10, s)), (S, c, i)
+                assert seen[i] == r.token_ids
+        assert got["chunk3"][2]["pauses"] > got["chunkNone"][2]["pauses"] + 2, S

@@ -40,15 +40,16 @@ def add_serve(sub) -> None:
                    help="requests that may wait for a decode slot; more get HTTP 429")
     p.add_argument("--max-batch", type=int_in(1), default=None,
                    help="requests decoded at once, each with its own speculation (default 8; "
-                        "1 where batching is not supported yet: hybrid targets, "
-                        "--draft-on-stage; docs/batching.md)")
+                        "1 where batching is not supported yet: hybrid targets; "
+                        "docs/batching.md)")
     p.add_argument("--max-context", type=int_in(2), default=2048,
                    help="rows of context (prompt and new tokens) a batch slot holds; its KV "
                         "memory is allocated at start-up (default 2048)")
     p.add_argument("--prefill-chunk", type=int_in(1), default=256,
-                   help="a joining prompt is prefilled this many rows a decode step, so the "
-                        "requests already decoding wait one chunk a step, not a whole prompt "
-                        "(default 256; with --max-batch > 1)")
+                   help="a joining prompt is prefilled this many rows a decode step (with "
+                        "--distributed: a pause of the ranks), so the requests already "
+                        "decoding wait one chunk at a time, not a whole prompt (default 256; "
+                        "with --max-batch > 1)")
     p.add_argument("--max-tokens", type=int_in(1), default=256,
                    help="new tokens of a request that gives no max_tokens")
     p.add_argument("--served-model-name", default=None,
@@ -149,7 +150,7 @@ def serve_job(opts: dict, engine):
     max_batch, context = opts.pop("max_batch"), opts.pop("max_context")
     if max_batch is None:  # (several at once where the distributed batch runs)
         max_batch = default_max_batch(engine.engine, "spd")
-    backend = DistributedBackend(engine, max_batch, context)
+    backend = DistributedBackend(engine, max_batch, context, opts.pop("prefill_chunk"))
     server = Server(backend, **opts)
     # the watchdog may end this process first (a peer's failure record): answer before leaving
     engine.process.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
@@ -170,6 +171,7 @@ def cmd_serve_distributed(args) -> int:
 
     config = config_from_args(args)
     job = partial(serve_job, {**server_opts(args), "log_level": args.log_level,
+                              "prefill_chunk": args.prefill_chunk,
                               "max_batch": args.max_batch, "max_context": args.max_context})
     if under_torchrun():
         return run_torchrun(config, job)

@@ -51,6 +51,7 @@ class BatchEntry:
         self.seq: Sequence | None = None
         self.cycle: Cycle | None = None
         self.launched = self.nread = 0
+        self.prefill_s = 0.0  # its prefill's seconds on rank 0, over its chunks
         self.joined_at: int | None = None  # the session's cycle it joined before
         self.done = False
 
@@ -179,13 +180,14 @@ class DistributedBatch(SlotPool):
     paused, the joins) and reads each sequence's state `ahead` cycles behind, `leave` frees a
     slot at once, `close` ends the session (the stage ranks wait for the next request).
     greedy / sampled: whether greedy and sampled sequences may join (what the last stage sends:
-    a greedy chain's argmax, the output rows)."""
+    a greedy chain's argmax, the output rows). prefill_chunk: a joining prompt goes through the
+    ranks that many rows a pause, the others decoding between pauses (None: all at once)."""
 
     def __init__(self, deng, slots: int, context: int, *, greedy: bool = True,
-                 sampled: bool = True):
+                 sampled: bool = True, prefill_chunk: int | None = None):
         if getattr(deng, "session", None) is not None:
             raise SPDError("a batch session is open on these ranks: close it first")
-        super().__init__(deng.target, slots, context)
+        super().__init__(deng.target, slots, context, prefill_chunk)
         rt, eng = deng.rt, deng.engine
         if eng.n < 2:
             raise SPDError("batched SPD needs n >= 2 stages")
@@ -270,14 +272,16 @@ class DistributedBatch(SlotPool):
                 entry.done = True
             return
         b = entry.slot
+        prefilled = b not in self.prefilling
         if not self.release(entry):
             return
         self.heads[b].copy_(self.dead)
         self.control.free(b)
-        if not unused:
+        if not unused and prefilled:
             self.freed_at[b] = self.launched
-        entry.cycle.cycles = entry.launched
-        entry.cycle.finish()
+        if prefilled:
+            entry.cycle.cycles = entry.launched
+            entry.cycle.finish()
         entry.seq.finish()
 
     def _usable(self) -> list[int]:
@@ -294,20 +298,21 @@ class DistributedBatch(SlotPool):
         entry.cycle = Cycle(entry.seq, SlotStages(self.peeks), ahead=self.ahead,
                             control=self.control, slot=b)
         self.running[b] = entry
+        self.prefilling[b] = 0  # (the next prompt row its prefill sends)
 
     def _resume(self) -> list[BatchEntry]:
-        """While paused: the joins the free slots allow (their prefills), then the cycles, when
-        anything decodes -> the sequences that ended at their first token."""
+        """While paused: the joins the free slots allow and a chunk of each prompt being
+        prefilled (through the ranks into its slot: `prefill_chunk` rows a pause, all at once
+        when None), then the cycles, when anything decodes -> the sequences that ended at
+        their first token. A prompt whose last chunk is in starts decoding."""
         ended = []
         while self.paused:
             usable = self._usable()
-            joins = []
             while self.waiting and usable:
-                entry = self.waiting.pop(0)
-                self._place(entry, usable.pop(0))
-                joins.append(entry)
-            decoding = len(self.running) > len(joins)
-            if not joins and not decoding:
+                self._place(self.waiting.pop(0), usable.pop(0))
+            parts = self._chunks()
+            decoding = bool(self.decoding())
+            if not parts and not decoding:
                 if not (self.waiting and self.free):
                     return ended  # idle: the stage ranks wait for the next request
                 # the free slots still have units in flight: bubbles until they have not
@@ -316,41 +321,61 @@ class DistributedBatch(SlotPool):
                 self._unpause()
                 return ended
             self.deng._request({"op": "joins", "run": decoding, "cycle": self.launched,
-                                "joins": [{"slot": e.slot, "prompt_ids": e.ids.tolist(),
-                                           "prompt_len": e.ids.numel()} for e in joins]})
+                                "joins": [self._chunk_request(e, a, b) for e, a, b in parts]})
             lasts = []
-            for e in joins:  # (the messages first: a callback that raises leaves them paired)
-                t0 = time.perf_counter()
+            for e, a, b in parts:  # (the messages first: a callback that raises leaves them
+                t0 = time.perf_counter()  # paired)
                 local = None if self.local is None else self.local.view(e.slot)
-                req = {"prompt_len": e.ids.numel(), "prompt_ids": e.ids.tolist()}
-                lasts.append((self.deng._prefill(e.seq, req, local), t0))
+                lasts.append(self.deng._prefill(e.seq, self._chunk_request(e, a, b), local))
+                e.prefill_s += time.perf_counter() - t0
                 if local is not None:
                     self.local.prefill_s += time.perf_counter() - t0
+                self.prefilling[e.slot] = b
             if decoding:
                 self._unpause()  # (the stage ranks run the cycles from here)
-            for i, (e, (last, t0)) in enumerate(zip(joins, lasts)):
+            starts = [(e, last) for (e, _, b), last in zip(parts, lasts)
+                      if b == e.ids.numel()]
+            for i, (e, last) in enumerate(starts):
+                del self.prefilling[e.slot]
                 try:
-                    e.seq.start(last, t0)  # its first token, emitted
+                    e.seq.start(last, time.perf_counter() - e.prefill_s)  # its first token
                     e.cycle.begin()
                 except BaseException:
-                    for f in joins[i:]:
+                    for f, _ in starts[i:]:
+                        self.prefilling.pop(f.slot, None)
                         self.leave(f, unused=True)
                     raise
                 if e.seq.done:
                     self.leave(e, unused=True)
                     ended.append(e)
-            if not decoding and self.running:
+            if not decoding and self.decoding():
                 self.deng._request({"op": "joins", "run": True, "cycle": self.launched,
                                     "joins": []})
                 self._unpause()
         return ended
+
+    def _chunks(self) -> list[tuple[BatchEntry, int, int]]:
+        """(entry, a, b): the rows a..b of each prompt being prefilled that go in at this
+        pause."""
+        out = []
+        for slot, a in sorted(self.prefilling.items()):
+            e = self.running[slot]
+            P = e.ids.numel()
+            out.append((e, a, P if self.prefill_chunk is None else min(P, a + self.prefill_chunk)))
+        return out
+
+    @staticmethod
+    def _chunk_request(e: BatchEntry, a: int, b: int) -> dict:
+        return {"slot": e.slot, "prompt_ids": e.ids[a:b].tolist(), "prompt_len": b - a,
+                "start": a}
 
     def _unpause(self) -> None:
         self.paused, self.pause_at = False, None
         self.ctrl.fill_(0)
 
     def _want_pause(self) -> bool:
-        return self.closed or not self.running or bool(self.waiting and self.free)
+        return (self.closed or not self.decoding() or bool(self.waiting and self.free)
+                or bool(self.prefilling))
 
     # --- cycles ------------------------------------------------------------------------------
     def _cycle(self, members: tuple[BatchEntry, ...]) -> None:
@@ -435,10 +460,12 @@ def generate_batch(deng, prompts, max_new_tokens: int = 64,
                    sampling: SamplingParams | list = SamplingParams(),
                    on_token: Callable[[int, int], None] | None = None, *, stop=None,
                    stop_token_ids=None, max_batch: int | None = None,
-                   describe: dict | None = None) -> list[GenerationResult]:
+                   describe: dict | None = None,
+                   prefill_chunk: int | None = None) -> list[GenerationResult]:
     """`prompts` through the stage ranks together, up to `max_batch` at once (default: all, at
     most 8): SPDEngine.generate's contract for several prompts (one result each, in order;
-    on_token(i, id) names the prompt). `describe` (a dict) gets the session's figures."""
+    on_token(i, id) names the prompt). `describe` (a dict) gets the session's figures;
+    prefill_chunk: DistributedBatch's."""
     eng = deng.engine
     prompts, sampling, max_batch = batch_request(prompts, sampling, max_batch)
     requests = [eng.prepare_request(p, max_new_tokens, stop, stop_token_ids) for p in prompts]
@@ -448,7 +475,8 @@ def generate_batch(deng, prompts, max_new_tokens: int = 64,
                   for ids, m, _ in requests)
     batch = DistributedBatch(deng, max_batch, context,
                              greedy=any(s.greedy for s in sampling),
-                             sampled=not all(s.greedy for s in sampling))
+                             sampled=not all(s.greedy for s in sampling),
+                             prefill_chunk=prefill_chunk)
     try:
         entries = []
         for i, (ids, max_new, rule) in enumerate(requests):

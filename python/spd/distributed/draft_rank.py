@@ -153,28 +153,33 @@ class DistributedSPDEngine:
         self.stage.cache.truncate(0)
         return self.stage
 
-    def _prefill(self, seq: Sequence, req: dict, local: Stage | None) -> torch.Tensor:
-        """The prompt through every stage; rank 0 keeps every anchor -> the last row [1, d]."""
-        rt, t, P = self.rt, self.target, seq.prompt_len
+    def _prefill(self, seq: Sequence, req: dict, local: Stage | None) -> torch.Tensor | None:
+        """The prompt's rows req["start"].. (0 where absent), req["prompt_len"] of them, through
+        every stage; rank 0 keeps every anchor -> the last row's final state [1, d] (None when
+        the rows end before the prompt does: a chunk of a batch's prompt)."""
+        rt, t = self.rt, self.target
+        a = int(req.get("start", 0))
+        b = a + int(req["prompt_len"])
         posted = []
         for s in range(self.n):
             fmt = snap_format(self.layout, s, output=True)
             if fmt.rows and (local is None or s != local.index):
-                buf = torch.empty(fmt.rows, P, t.hidden_size, dtype=t.dtype, device=t.device)
+                buf = torch.empty(fmt.rows, b - a, t.hidden_size, dtype=t.dtype,
+                                  device=t.device)
                 posted.append((s, buf, rt.irecv(buf, s + 1, SNAP_TAG)))
-        seq.anchors[0, :P] = t.embed_tokens(seq.tokens[:P])
+        seq.anchors[0, a:b] = t.embed_tokens(seq.tokens[a:b])
         last = None
         if local is not None:
             def keep(rows):
-                seq.keep_anchors(local.index, 0, rows)
+                seq.keep_anchors(local.index, a, rows)
             out = prefill(rt, local, self.layout, req, keep)
             last = out[-1:] if local.index == self.n - 1 else None
         for s, buf, work in posted:
             rt.wait(work, s + 1, "anchor states")
-            seq.keep_anchors(s, 0, buf)
+            seq.keep_anchors(s, a, buf)
             if s == self.n - 1:
                 last = buf[-1][-1:]
-        return last
+        return last if b == seq.prompt_len else None
 
     def _stage_stats(self, gen_id: int, stages: RemoteStages, cycle: Cycle) -> list[dict]:
         """Every stage's stats, in stage order: the stage ranks' (the store), and the one in
@@ -194,24 +199,27 @@ class DistributedSPDEngine:
             rt.store.delete_key(f"stats/{gen_id}/{r}")
         return out
 
-    def batch(self, slots: int, context: int, *, greedy: bool = True, sampled: bool = True):
+    def batch(self, slots: int, context: int, *, greedy: bool = True, sampled: bool = True,
+              prefill_chunk: int | None = None):
         """A batch session on the stage ranks: up to `slots` sequences of `context` rows at
         once (spd.distributed.batch_draft.DistributedBatch: join, step, leave, close)."""
         from spd.distributed.batch_draft import DistributedBatch
-        return DistributedBatch(self, slots, context, greedy=greedy, sampled=sampled)
+        return DistributedBatch(self, slots, context, greedy=greedy, sampled=sampled,
+                                prefill_chunk=prefill_chunk)
 
     @torch.no_grad()
     def generate_batch(self, prompts, max_new_tokens: int = 64,
                        sampling: SamplingParams = SamplingParams(),
                        on_token: Callable[[int, int], None] | None = None, *, stop=None,
                        stop_token_ids=None, max_batch: int | None = None,
-                       describe: dict | None = None) -> list[GenerationResult]:
+                       describe: dict | None = None,
+                       prefill_chunk: int | None = None) -> list[GenerationResult]:
         """Several prompts through the ranks together: SPDEngine.generate's contract for a list
         of prompts (spd.distributed.batch_draft.generate_batch)."""
         from spd.distributed.batch_draft import generate_batch
         return generate_batch(self, prompts, max_new_tokens, sampling, on_token, stop=stop,
                               stop_token_ids=stop_token_ids, max_batch=max_batch,
-                              describe=describe)
+                              describe=describe, prefill_chunk=prefill_chunk)
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,

@@ -92,16 +92,17 @@ class StageWorker:
 
 
 def prefill(rt: Endpoint, stage: Stage, layout: DepthLayout, req: dict, keep) -> torch.Tensor:
-    """Stage `stage.index`'s prefill: the prompt's rows in (stage 0: its ids, embedded), its
+    """Stage `stage.index`'s prefill of the prompt's rows from req["start"] (0 where absent: a
+    chunk of a batch's prompt starts later): its rows in (stage 0: their ids, embedded), its
     layers, its snap to rank 0 (or, in rank 0's process, `keep`(snap rows [R, P, d])), its
-    output on to the next stage -> the output [P, d]."""
+    output on to the next stage -> the output [P, d] (P = req["prompt_len"], the rows)."""
     t, s = stage.target, stage.index
     if s == 0:
         h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=t.device))
     else:
         h = torch.empty(int(req["prompt_len"]), t.hidden_size, dtype=t.dtype, device=t.device)
         rt.wait(rt.irecv(h, s, PREFILL_TAG), s, "prefill input")  # from role s: stage s - 1
-    outs, _ = stage.run(h, 0)
+    outs, _ = stage.run(h, int(req.get("start", 0)))
     fmt = snap_format(layout, s, output=True)
     first = stage.layer_ids.start
     rows = [outs[b - first - 1] for b in fmt.hidden] + ([outs[-1]] if fmt.with_output else [])

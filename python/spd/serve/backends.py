@@ -99,16 +99,20 @@ class DistributedBackend:
 
     fatal: tuple[type[BaseException], ...] = (Exception,)
 
-    def __init__(self, engine, max_batch: int = 1, max_context: int = 2048):
+    def __init__(self, engine, max_batch: int = 1, max_context: int = 2048,
+                 prefill_chunk: int | None = None):
         self.engine, self.target = engine, engine.target
         self.failure: dict | None = None
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
         self.slots = max_batch
-        self.batch = engine.batch(max_batch, max_context) if max_batch > 1 else None
+        self.batch = (engine.batch(max_batch, max_context, prefill_chunk=prefill_chunk)
+                      if max_batch > 1 else None)
 
     def describe(self) -> str:
-        what = f"distributed, {self.engine.n} stage ranks + 1 draft rank"
+        S = self.engine.rt.config.draft_on_stage
+        what = (f"distributed, {self.engine.n} stage ranks + 1 draft rank" if S is None else
+                f"distributed, {self.engine.n} processes, the draft rank beside stage {S}")
         return what + (f", {self.slots} slots" if self.slots > 1 else "")
 
     def _guarded(self, call, *args):
