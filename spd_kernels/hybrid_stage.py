@@ -86,9 +86,22 @@ def _mlp(x: torch.Tensor, m: MLPWeights, eps: float, backend) -> torch.Tensor:
 def gated_attention_layer(x, lw: GatedAttentionWeights, k_cache, v_cache, start, cos, sin,
                           num_heads: int, num_kv_heads: int, eps: float, *, backend=None):
     """x [T, d] at positions start.. -> [T, d]; k_cache/v_cache [kv_heads, S, head_dim]."""
-    q = qkv_rope_append(x, lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm, lw.k_norm, cos,
-                        sin, start, k_cache, v_cache, num_heads, num_kv_heads, backend=backend)
-    att = cache_attention(q, k_cache, v_cache, start, backend=backend)
+    return _gated_attention(x, lw, [(slice(None), k_cache, v_cache, start)], cos, sin,
+                            num_heads, num_kv_heads, eps, backend)
+
+
+def _gated_attention(x, lw: GatedAttentionWeights, units, cos, sin, num_heads: int,
+                     num_kv_heads: int, eps: float, backend):
+    """The gated attention layer over the rows of several sequences: units = (rows of x,
+    k_cache, v_cache, start) a sequence, its rows attending to its own cache; the gate, output
+    projection and MLP over every row at once."""
+    atts = []
+    for rows, kc, vc, start in units:
+        q = qkv_rope_append(x[rows], lw.input_norm, eps, lw.wq, lw.wk, lw.wv, lw.q_norm,
+                            lw.k_norm, cos, sin, start, kc, vc, num_heads, num_kv_heads,
+                            backend=backend)
+        atts.append(cache_attention(q, kc, vc, start, backend=backend))
+    att = atts[0] if len(atts) == 1 else torch.cat(atts)
     gate = F.linear(rms_norm(x, lw.input_norm, eps), lw.wq_gate)
     att = att * torch.sigmoid(gate)
     x = fused_linear(att, lw.wo, residual=x, backend=backend)
@@ -99,9 +112,19 @@ def deltanet_layer(x, lw: DeltaNetWeights, conv_ring, state_ring, start, eps: fl
                    backend=None):
     """x [T, d] at positions start.. -> [T, d]; conv_ring [R, K-1, C], state_ring
     [R, Hv, dk, dv] fp32 (read at slot start mod R, written for the last rows)."""
+    return _deltanet(x, lw, [(slice(None), conv_ring, state_ring, start)], eps, backend)
+
+
+def _deltanet(x, lw: DeltaNetWeights, units, eps: float, backend):
+    """The DeltaNet layer over the rows of several sequences: units = (rows of x, conv_ring,
+    state_ring, start) a sequence, in row order, its conv and recurrence through its own
+    rings; the projections, the gated norm and the MLP over every row at once."""
     T = x.shape[0]
     h = rms_norm(x, lw.input_norm, eps)
-    mixed = conv_ring_step(F.linear(h, lw.w_qkv), conv_ring, lw.conv, start, backend=backend)
+    proj = F.linear(h, lw.w_qkv)
+    mixed = [conv_ring_step(proj[rows], conv, lw.conv, start, backend=backend)
+             for rows, conv, _, start in units]
+    mixed = mixed[0] if len(mixed) == 1 else torch.cat(mixed)
     kd = lw.num_k_heads * lw.head_k_dim
     q, k, v = mixed.split([kd, kd, mixed.shape[1] - 2 * kd], dim=1)
     q = q.reshape(T, lw.num_k_heads, lw.head_k_dim)
@@ -109,7 +132,9 @@ def deltanet_layer(x, lw: DeltaNetWeights, conv_ring, state_ring, start, eps: fl
     v = v.reshape(T, lw.num_v_heads, lw.head_v_dim)
     beta = F.linear(h, lw.w_b).sigmoid()
     g = -lw.a_log.float().exp() * F.softplus(F.linear(h, lw.w_a).float() + lw.dt_bias)
-    core = gated_delta_step(q, k, v, g, beta, state_ring, start, backend=backend)
+    core = [gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, start,
+                             backend=backend) for rows, _, state, start in units]
+    core = core[0] if len(core) == 1 else torch.cat(core)
     # gated RMSNorm per value head: w * norm(core) * silu(z)
     z = F.linear(h, lw.w_z).reshape(T * lw.num_v_heads, lw.head_v_dim)
     core = core.reshape(T * lw.num_v_heads, lw.head_v_dim)
@@ -127,16 +152,36 @@ def hybrid_stage_step(x: torch.Tensor, weights: HybridStageWeights, k_cache: tor
     state_rings [linear layers, R, Hv, dk, dv] fp32; the i-th layer of a kind uses entry i."""
     if not isinstance(start, torch.Tensor):
         start = int(start)
+    return _layers(x, weights, [(slice(None), k_cache, v_cache, conv_rings, state_rings,
+                                 start)], cos, sin, backend)
+
+
+def batch_hybrid_stage_step(x: torch.Tensor, weights: HybridStageWeights, caches: list,
+                            positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                            backend: str | None = None) -> list[torch.Tensor]:
+    """`hybrid_stage_step` for one row of each of U sequences: x [U, hidden], row u at
+    positions[u] ([U] int64, on the device) in its own caches[u] = (k_cache, v_cache,
+    conv_rings, state_rings) as hybrid_stage_step's -> each layer's output [U, hidden]. The
+    projections and MLPs run over every row at once (the weight reads shared); each row's
+    attention and DeltaNet recurrence read and write its own cache and rings, so a row
+    computes what `hybrid_stage_step` computes of it alone."""
+    return _layers(x, weights, [(slice(u, u + 1), *c, positions[u:u + 1])
+                                for u, c in enumerate(caches)], cos, sin, backend)
+
+
+def _layers(x, weights: HybridStageWeights, units, cos, sin, backend) -> list[torch.Tensor]:
+    """Every layer over the rows of `units` = (rows of x, k_cache, v_cache, conv_rings,
+    state_rings, start) a sequence."""
     outs, a, li = [], 0, 0
     for lw in weights.layers:
         if lw.kind == "attention":
-            x = gated_attention_layer(x, lw, k_cache[a], v_cache[a], start, cos, sin,
-                                      weights.num_heads, weights.num_kv_heads, weights.eps,
-                                      backend=backend)
+            x = _gated_attention(x, lw, [(r, k[a], v[a], st) for r, k, v, _, _, st in units],
+                                 cos, sin, weights.num_heads, weights.num_kv_heads,
+                                 weights.eps, backend)
             a += 1
         else:
-            x = deltanet_layer(x, lw, conv_rings[li], state_rings[li], start, weights.eps,
-                               backend=backend)
+            x = _deltanet(x, lw, [(r, c[li], s[li], st) for r, _, _, c, s, st in units],
+                          weights.eps, backend)
             li += 1
         outs.append(x)
     return outs

@@ -266,6 +266,12 @@ def tiny_factory(seed: int, rank: int, vocab: int = 48, layers: int = 4):
     return make_tiny_target(seed=seed, vocab=vocab, layers=layers)
 
 
+def tiny_hybrid_factory(seed: int, rank: int, vocab: int = 32):
+    """make_tiny_hybrid for every rank (Qwen3.5, attention first and last)."""
+    return make_tiny_hybrid(seed=seed, vocab=vocab, layer_types=(
+        "full_attention", "linear_attention", "linear_attention", "full_attention"))
+
+
 def check_stages_match_hf(t, stages, vocab: int = 40) -> None:
     """A 9-row prompt chunk, then 4 tokens one at a time (the decode pattern), through `stages`
     (fresh, covering every layer of `t`): each layer's output and the logits equal HF's."""

@@ -229,3 +229,19 @@ def test_prompts_prefilled_in_chunks_across_ranks_each_equal_alone():
                 assert figures(r) == figures(eng.generate(p, 10, s)), (S, c, i)
                 assert seen[i] == r.token_ids
         assert got["chunk3"][2]["pauses"] > got["chunkNone"][2]["pauses"] + 2, S
+
+
+def test_a_hybrid_target_batches_across_ranks():
+    """A hybrid target (Qwen3.5) through a batch session on n = 2 ranks: each stage rank keeps
+    every slot's DeltaNet state rings (SlotStage), reset when a slot's next prompt comes.
+    Five prompts through two slots, greedy and seeded sampled, each its decode alone in one
+    process; greedy AR's."""
+    from conftest import tiny_hybrid_factory
+    n, factory = 2, partial(tiny_hybrid_factory, 3)
+    eng = SPDEngine(factory(0), n_stages=n, lookup=2, warn_untrained=False)
+    kw = dict(prompts=PROMPTS, max_new_tokens=10, sampling=SAMPLED, max_batch=2)
+    got = launch_local(_config(factory, n), partial(_job, plan=[("hybrid", kw)]), timeout=150)
+    res, _, _ = got["hybrid"]
+    for p, s, r in zip(PROMPTS, SAMPLED, res):
+        assert figures(r) == figures(eng.generate(p, 10, s))
+    assert res[1].token_ids == eng.generate_ar(PROMPTS[1], 10).token_ids

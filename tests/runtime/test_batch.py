@@ -315,3 +315,46 @@ def test_token_trees_draft_in_one_step_each_as_alone(tree_engine, mixed, replay,
     if replay:
         assert batch.describe()["checked"] >= 5
 
+
+
+@pytest.mark.parametrize("replay", [False, True], ids=["cpu", "checked"])
+def test_a_hybrid_target_batches_each_as_alone(replay, monkeypatch):
+    """A hybrid target (Qwen3.5: DeltaNet and gated attention layers): each slot keeps its own
+    state rings (SlotStage), one stage step over every sequence's row
+    (batch_hybrid_stage_step). Three sequences with drafters that accept and reject (the
+    rings roll back), greedy and seeded sampled, each get their decode alone (tokens, N, K,
+    judged and accepted drafts), greedy ones AR's; then five prompts through two slots (a
+    slot's rings reused by the next sequence) with the plain drafters. Checked: every steady
+    cycle is the work one graph replays."""
+    from conftest import NoisyPDMDrafter, make_tiny_hybrid
+    if replay:
+        monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    t = make_tiny_hybrid(seed=3, vocab=32, layer_types=(
+        "full_attention", "linear_attention", "linear_attention", "full_attention"))
+    eng = SPDEngine(t, n_stages=3, anchors=[0, 2, 3], warn_untrained=False)
+    prompts = PROMPTS[:3]
+    refs = [p + eng.generate_ar(p, 12).token_ids for p in prompts]
+    made = [lambda i=i: NoisyPDMDrafter(eng.pdm, refs[i], 0.6, seed=i) for i in range(3)]
+    sampling = [SamplingParams(), SamplingParams(temperature=1.0, seed=3), SamplingParams()]
+    batch = BatchedSPD(eng, 3, 64)
+    for slot in range(3):
+        batch.drafters[slot] = made[slot]()
+    entries, _, _ = run_batch(eng, batch, prompts, 12, sampling)
+    for i, (p, e) in enumerate(zip(prompts, entries)):
+        alone = eng.generate(p, 12, sampling[i], drafter=made[i]())
+        a, b = e.stats, alone.stats
+        assert e.out == alone.token_ids and (a.K, a.N, a.drafts_judged, a.drafts_accepted) == (
+            b.K, b.N, b.drafts_judged, b.drafts_accepted), i
+        if sampling[i].greedy:
+            assert e.out == refs[i][len(p):]
+    assert sum(e.stats.drafts_accepted for e in entries) > 0
+    assert sum(e.stats.drafts_judged - e.stats.drafts_accepted for e in entries) > 0
+    if replay:
+        assert batch.describe()["checked"] >= 5
+        return
+    many = [SamplingParams(temperature=0.8, top_k=10, seed=s) for s in range(len(PROMPTS))]
+    many[1] = SamplingParams()
+    for p, s, r in zip(PROMPTS, many, eng.generate(PROMPTS, 10, many, max_batch=2)):
+        assert r.token_ids == eng.generate(p, 10, s).token_ids
+    with pytest.raises(SPDError, match="batched AR .* needs a dense target"):
+        eng.generate_ar(PROMPTS, 4, max_batch=2)

@@ -181,7 +181,10 @@ class DistributedBatch(SlotPool):
     slot at once, `close` ends the session (the stage ranks wait for the next request).
     greedy / sampled: whether greedy and sampled sequences may join (what the last stage sends:
     a greedy chain's argmax, the output rows). prefill_chunk: a joining prompt goes through the
-    ranks that many rows a pause, the others decoding between pauses (None: all at once)."""
+    ranks that many rows a pause, the others decoding between pauses (None: all at once).
+    A hybrid target's chains batch too (SlotStage keeps each slot's state rings)."""
+
+    hybrid = True
 
     def __init__(self, deng, slots: int, context: int, *, greedy: bool = True,
                  sampled: bool = True, prefill_chunk: int | None = None):

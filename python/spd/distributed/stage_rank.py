@@ -97,6 +97,8 @@ def prefill(rt: Endpoint, stage: Stage, layout: DepthLayout, req: dict, keep) ->
     layers, its snap to rank 0 (or, in rank 0's process, `keep`(snap rows [R, P, d])), its
     output on to the next stage -> the output [P, d] (P = req["prompt_len"], the rows)."""
     t, s = stage.target, stage.index
+    if int(req.get("start", 0)) == 0:  # (a batch slot's last sequence: a hybrid's rings reset)
+        stage.cache.truncate(0)
     if s == 0:
         h = t.embed_tokens(torch.tensor(req["prompt_ids"], dtype=torch.int64, device=t.device))
     else:

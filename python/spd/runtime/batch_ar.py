@@ -97,6 +97,8 @@ class BatchedAR(TokenBatch):
     dense target (every layer as one batched stage step). KV memory is allocated once: slots x
     layers x 2 x kv_heads x context x head_dim elements."""
 
+    what = "batched AR"
+
     def __init__(self, target: TargetModel, slots: int, context: int,
                  prefill_chunk: int | None = None):
         super().__init__(target, slots, context, prefill_chunk)

@@ -51,6 +51,8 @@ class BatchedPipeline(ar.TokenBatch):
     once: every stage's rows for `slots` x `context`, as BatchedAR's in all, and an outbox of
     `slots` hidden states."""
 
+    what = "the batched pipeline"
+
     def __init__(self, engine, slots: int, context: int, prefill_chunk: int | None = None):
         super().__init__(engine.target, slots, context, prefill_chunk)
         t, layout = engine.target, engine.layout

@@ -186,7 +186,10 @@ class BatchedSPD(SlotPool):
     graph for as long as the same sequences decode together, captured again when one joins or
     leaves (each sequence's budget, stop ids and sampling settings are constants of its
     cycle's code, so free slots cannot be bubbles of one graph yet: issue 55 moves them into
-    device state). SPD_REPLAY_CHECK checks on any device that its steady cycles replay."""
+    device state). SPD_REPLAY_CHECK checks on any device that its steady cycles replay. A
+    hybrid target's chains batch too (each slot its own DeltaNet state rings: SlotStage)."""
+
+    what, hybrid = "batched SPD", True
 
     def __init__(self, engine, slots: int, context: int, ahead: int = DEFAULT_AHEAD,
                  prefill_chunk: int | None = None):
@@ -240,6 +243,8 @@ class BatchedSPD(SlotPool):
     def _prefill(self, entry: Running, ids: torch.Tensor):
         """The prompt into the slot's stages a chunk per `next`, then the first token."""
         seq, stages = entry.seq, self.stages.slot_stages(entry.slot)
+        for st in stages:  # (the slot's last sequence's rows: a hybrid's rings start empty)
+            st.cache.truncate(0)
         spent = 0.0
         for a, b in chunks(ids.numel(), self.prefill_chunk):
             if a:

@@ -5,26 +5,37 @@ from __future__ import annotations
 
 import torch
 
+from spd.model.hybrid import full_width_rope
 from spd.model.target import Stage
 from spd.runtime.unit import CPOS, CSLOT, FIXED, POS, PREFIX, UnitFormat
+from spd_kernels.hybrid_stage import batch_hybrid_stage_step
 from spd_kernels.stage import batch_stage_step, batch_tree_stage_step
 
 
 class SlotStage:
     """Stage s (the layers layout.stages[s]) over `slots` sequences of `context` rows: its
     weights, its KV cache k, v [slots, layers, kv_heads, context, head_dim] (allocated once),
-    the RoPE tables, and each slot's `Stage` view of its rows (a prompt's prefill)."""
+    the RoPE tables, and each slot's `Stage` view of its rows (a prompt's prefill). On a hybrid
+    target each slot's Stage has a cache of its own (its attention layers' KV and its DeltaNet
+    state rings, spd.model.hybrid.HybridCache, all made here at once; k and v are None)."""
 
     def __init__(self, target, layout, s: int, slots: int, context: int):
         t, r = target, layout.stages[s]
         self.target, self.layout, self.s, self.layers = t, layout, s, r
         self.slots, self.context = slots, context
         self.weights = t.stage_weights(r)
+        self.cos, self.sin = t.rope(0, context)
+        self._views: dict[int, Stage] = {}
+        self.k = self.v = None
+        if t.hybrid:  # (partial rotation as full-width RoPE, as Stage's)
+            self.cos, self.sin = full_width_rope(self.cos, self.sin, t.head_dim)
+            for b in range(slots):
+                self._views[b] = Stage(t, s, r, context, cuda_graphs=False,
+                                       max_rollback=layout.n)
+            return
         self.k = torch.zeros(slots, len(r), t.num_kv_heads, context, t.head_dim, dtype=t.dtype,
                              device=t.device)
         self.v = torch.zeros_like(self.k)
-        self.cos, self.sin = t.rope(0, context)
-        self._views: dict[int, Stage] = {}
 
     def fits(self, slots: int, context: int) -> bool:
         return self.slots >= slots and self.context >= context
@@ -48,8 +59,15 @@ class SlotStage:
         device): heads [R, H], x [R, W, d] their rows (None: stage 0, which embeds the heads'
         tokens) -> each layer's output [R * W, d]. A chain's rows attend to their slots
         (`batch_stage_step`); a token tree's units first commit, then attend within their
-        slots (`batch_tree_stage_step`)."""
+        slots (`batch_tree_stage_step`); a hybrid target's chain rows each through its slot's
+        cache and state rings (`batch_hybrid_stage_step`)."""
         t = self.target
+        if t.hybrid:
+            x = t.embed_tokens(heads[:, FIXED]) if x is None else x[:, 0]
+            caches = [self._views[b].cache for b in run]
+            return batch_hybrid_stage_step(x, self.weights, [(c.k, c.v, c.conv, c.state)
+                                                             for c in caches],
+                                           heads[:, POS], self.cos, self.sin)
         if not fmt.tree:
             x = t.embed_tokens(heads[:, FIXED]) if x is None else x[:, 0]
             return batch_stage_step(x, self.weights, self.k, self.v, idx, heads[:, POS],
