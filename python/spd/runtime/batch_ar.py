@@ -17,11 +17,13 @@ from typing import Callable
 
 import torch
 
-from spd.model.target import TargetModel
+from spd.model.hybrid import full_width_rope
+from spd.model.target import Stage, TargetModel
 from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
+from spd_kernels.hybrid_stage import batch_hybrid_stage_step
 from spd_kernels.stage import batch_stage_step, stage_step
 
 
@@ -93,24 +95,34 @@ class TokenBatch(SlotPool):
 
 
 class BatchedAR(TokenBatch):
-    """Up to `slots` sequences of at most `context` rows each (prompt and new tokens), on a
-    dense target (every layer as one batched stage step). KV memory is allocated once: slots x
-    layers x 2 x kv_heads x context x head_dim elements."""
+    """Up to `slots` sequences of at most `context` rows each (prompt and new tokens), every
+    layer as one batched stage step. KV memory is allocated once: slots x layers x 2 x kv_heads
+    x context x head_dim elements; on a hybrid target a slot's own cache (its attention rows
+    and DeltaNet state, `slot_stages`) and `batch_hybrid_stage_step`."""
 
-    what = "batched AR"
+    what, hybrid = "batched AR", True
 
     def __init__(self, target: TargetModel, slots: int, context: int,
                  prefill_chunk: int | None = None):
         super().__init__(target, slots, context, prefill_chunk)
         t = target
         self.weights = t.stage_weights(range(t.num_layers))
+        self.cos, self.sin = t.rope(0, context)
+        self.k = self.v = self.slot_stages = None
+        if t.hybrid:  # (each slot's stage over every layer: AR rolls nothing back)
+            self.cos, self.sin = full_width_rope(self.cos, self.sin, t.head_dim)
+            self.slot_stages = [Stage(t, 0, range(t.num_layers), context, cuda_graphs=False,
+                                      max_rollback=1) for _ in range(slots)]
+            return
         shape = (slots, t.num_layers, t.num_kv_heads, context, t.head_dim)
         self.k = torch.zeros(shape, dtype=t.dtype, device=t.device)
         self.v = torch.zeros_like(self.k)
-        self.cos, self.sin = t.rope(0, context)
 
     @property
     def bytes_per_slot(self) -> int:
+        if self.slot_stages is not None:
+            c = self.slot_stages[0].cache
+            return sum(x.numel() * x.element_size() for x in (c.k, c.v, c.conv, c.state))
         return 2 * self.k[0].numel() * self.k.element_size()
 
     @staticmethod
@@ -136,8 +148,14 @@ class BatchedAR(TokenBatch):
             if a:
                 yield
             t0 = time.perf_counter()
-            h = stage_step(t.embed_tokens(ids[a:b]), self.weights, self.k[seq.slot],
-                           self.v[seq.slot], a, self.cos, self.sin)[-1]
+            if self.slot_stages is not None:
+                st = self.slot_stages[seq.slot]
+                if a == 0:  # (the slot's last sequence's state: its rings start empty)
+                    st.cache.truncate(0)
+                h = st.run(t.embed_tokens(ids[a:b]), a)[0][-1]
+            else:
+                h = stage_step(t.embed_tokens(ids[a:b]), self.weights, self.k[seq.slot],
+                               self.v[seq.slot], a, self.cos, self.sin)[-1]
             seq.stats.prefill_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         first = pick(t.logits(h[-1:])[0], seq.sampling, seq.gen)
@@ -162,8 +180,14 @@ class BatchedAR(TokenBatch):
         tokens = torch.tensor([s.token for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         positions = torch.tensor([s.position for s in seqs], device=dev)
-        h = batch_stage_step(t.embed_tokens(tokens), self.weights, self.k, self.v, slots,
-                             positions, self.cos, self.sin)[-1]
+        if self.slot_stages is not None:
+            caches = [self.slot_stages[s.slot].cache for s in seqs]
+            h = batch_hybrid_stage_step(t.embed_tokens(tokens), self.weights,
+                                        [(c.k, c.v, c.conv, c.state) for c in caches],
+                                        positions, self.cos, self.sin)[-1]
+        else:
+            h = batch_stage_step(t.embed_tokens(tokens), self.weights, self.k, self.v, slots,
+                                 positions, self.cos, self.sin)[-1]
         chosen = self._choose(seqs, h)
         ended = []
         for s, tok in zip(seqs, chosen):
