@@ -40,8 +40,7 @@ def add_serve(sub) -> None:
                    help="requests that may wait for a decode slot; more get HTTP 429")
     p.add_argument("--max-batch", type=int_in(1), default=None,
                    help="requests decoded at once, each with its own speculation (default 8; "
-                        "1 where batching is not supported yet: --mode pipeline on hybrid "
-                        "targets; docs/batching.md)")
+                        "docs/batching.md)")
     p.add_argument("--max-context", type=int_in(2), default=2048,
                    help="rows of context (prompt and new tokens) a batch slot holds; its KV "
                         "memory is allocated at start-up (default 2048)")
@@ -89,12 +88,8 @@ DEFAULT_MAX_BATCH = 8
 
 
 def default_max_batch(engine, mode: str) -> int:
-    """8 slots where several requests can decode together; 1 (with a log line) where not yet:
-    a hybrid target's pipeline baseline (docs/batching.md)."""
-    if not engine.target.hybrid or mode in ("spd", "ar"):
-        return DEFAULT_MAX_BATCH
-    log.info("requests decode one at a time (--mode %s does not batch hybrid targets yet)", mode)
-    return 1
+    """8 slots: every mode batches requests, on every target (docs/batching.md)."""
+    return DEFAULT_MAX_BATCH
 
 
 def _announce(server) -> None:

@@ -184,8 +184,6 @@ class DistributedBatch(SlotPool):
     ranks that many rows a pause, the others decoding between pauses (None: all at once).
     A hybrid target's chains batch too (SlotStage keeps each slot's state rings)."""
 
-    hybrid = True
-
     def __init__(self, deng, slots: int, context: int, *, greedy: bool = True,
                  sampled: bool = True, prefill_chunk: int | None = None):
         if getattr(deng, "session", None) is not None:

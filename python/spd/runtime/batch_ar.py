@@ -100,8 +100,6 @@ class BatchedAR(TokenBatch):
     x context x head_dim elements; on a hybrid target a slot's own cache (its attention rows
     and DeltaNet state, `slot_stages`) and `batch_hybrid_stage_step`."""
 
-    what, hybrid = "batched AR", True
-
     def __init__(self, target: TargetModel, slots: int, context: int,
                  prefill_chunk: int | None = None):
         super().__init__(target, slots, context, prefill_chunk)

@@ -27,11 +27,11 @@ from typing import Callable
 import torch
 
 from spd.runtime import batch_ar as ar
+from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
-from spd_kernels.stage import batch_stage_step, stage_step
 
 MODE = "pp"  # its DecodeStats mode: the evaluation's name for this method (spd.evaluation.methods)
 
@@ -47,27 +47,22 @@ class Running(ar.Running):
 
 class BatchedPipeline(ar.TokenBatch):
     """Up to `slots` sequences of at most `context` rows each (prompt and new tokens) through the
-    engine's n stages (its layout) of a dense target, without drafts. KV memory is allocated
-    once: every stage's rows for `slots` x `context`, as BatchedAR's in all, and an outbox of
-    `slots` hidden states."""
-
-    what = "the batched pipeline"
+    engine's n stages (its layout), without drafts: a SlotStage a stage (a hybrid target's: each
+    slot's cache and state rings). KV memory is allocated once: every stage's rows for `slots`
+    x `context`, as BatchedAR's in all, and an outbox of `slots` hidden states."""
 
     def __init__(self, engine, slots: int, context: int, prefill_chunk: int | None = None):
         super().__init__(engine.target, slots, context, prefill_chunk)
         t, layout = engine.target, engine.layout
         self.n, self.layout = layout.n, layout
-        self.weights = [t.stage_weights(r) for r in layout.stages]
-        self.k = [torch.zeros(slots, len(r), t.num_kv_heads, context, t.head_dim,
-                              dtype=t.dtype, device=t.device) for r in layout.stages]
-        self.v = [torch.zeros_like(k) for k in self.k]
+        # each stage over the slots (its KV rows; a hybrid's, each slot's cache and rings)
+        self.parts = [SlotStage(t, layout, s, slots, context) for s in range(self.n)]
         self.outbox = torch.zeros(slots, t.hidden_size, dtype=t.dtype, device=t.device)
-        self.cos, self.sin = t.rope(0, context)
         self.cycle = 0
 
     @property
     def bytes_per_slot(self) -> int:
-        return sum(2 * k[0].numel() * k.element_size() for k in self.k)
+        return sum(p.bytes_per_slot for p in self.parts)
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int = 1) -> int:
@@ -103,9 +98,8 @@ class BatchedPipeline(ar.TokenBatch):
                 yield
             t0 = time.perf_counter()
             h = t.embed_tokens(ids[a:b])
-            for s in range(self.n):
-                h = stage_step(h, self.weights[s], self.k[s][seq.slot], self.v[s][seq.slot], a,
-                               self.cos, self.sin)[-1]
+            for part in self.parts:
+                h = part.prefill(seq.slot, h, a)[-1]
             spent += time.perf_counter() - t0
         t0 = time.perf_counter()
         first = pick(t.logits(h[-1:])[0], seq.sampling, seq.gen)
@@ -140,8 +134,7 @@ class BatchedPipeline(ar.TokenBatch):
             positions = torch.tensor([q.position for q in seqs], device=dev)
             x = (t.embed_tokens(torch.tensor([q.token for q in seqs], device=dev)) if s == 0
                  else self.outbox.index_select(0, slots))
-            h = batch_stage_step(x, self.weights[s], self.k[s], self.v[s], slots, positions,
-                                 self.cos, self.sin)[-1]
+            h = self.parts[s].rows_step(x, tuple(q.slot for q in seqs), slots, positions)[-1]
             for q in seqs:
                 q.cycles += 1
             if s < self.n - 1:

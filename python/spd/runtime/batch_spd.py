@@ -189,8 +189,6 @@ class BatchedSPD(SlotPool):
     device state). SPD_REPLAY_CHECK checks on any device that its steady cycles replay. A
     hybrid target's chains batch too (each slot its own DeltaNet state rings: SlotStage)."""
 
-    what, hybrid = "batched SPD", True
-
     def __init__(self, engine, slots: int, context: int, ahead: int = DEFAULT_AHEAD,
                  prefill_chunk: int | None = None):
         if engine.n < 2:

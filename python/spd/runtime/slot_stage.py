@@ -37,6 +37,14 @@ class SlotStage:
                              device=t.device)
         self.v = torch.zeros_like(self.k)
 
+    @property
+    def bytes_per_slot(self) -> int:
+        """A slot's KV rows (a hybrid's: its cache and state rings) at this stage."""
+        if self.k is not None:
+            return 2 * self.k[0].numel() * self.k.element_size()
+        c = self._views[0].cache
+        return sum(x.numel() * x.element_size() for x in (c.k, c.v, c.conv, c.state))
+
     def fits(self, slots: int, context: int) -> bool:
         return self.slots >= slots and self.context >= context
 
@@ -53,6 +61,28 @@ class SlotStage:
         position (what StageStep does, also for a dead unit a CPU skips)."""
         self.view(slot).commit_rows(head[CPOS:CPOS + 1], head[CSLOT:CSLOT + 1])
 
+    def prefill(self, slot: int, x: torch.Tensor, start: int) -> list[torch.Tensor]:
+        """Rows x [T, d] of slot `slot`'s prompt at positions start.. (a chunk) -> each
+        layer's output; the first chunk empties the slot (a hybrid's rings start afresh)."""
+        st = self.view(slot)
+        if start == 0:
+            st.cache.truncate(0)
+        return st.run(x, start)[0]
+
+    def rows_step(self, x: torch.Tensor, run: tuple[int, ...], idx: torch.Tensor,
+                  positions: torch.Tensor) -> list[torch.Tensor]:
+        """One row of each slot of `run` (host ints; idx [R] the same on the device): x [R, d]
+        at positions [R] (int64, on the device) -> each layer's output [R, d]: a dense
+        target's rows attend to their slots (`batch_stage_step`), a hybrid's go through their
+        slots' caches and rings (`batch_hybrid_stage_step`)."""
+        if self.target.hybrid:
+            caches = [self._views[b].cache for b in run]
+            return batch_hybrid_stage_step(x, self.weights, [(c.k, c.v, c.conv, c.state)
+                                                             for c in caches],
+                                           positions, self.cos, self.sin)
+        return batch_stage_step(x, self.weights, self.k, self.v, idx, positions, self.cos,
+                                self.sin)
+
     def run(self, fmt: UnitFormat, run: tuple[int, ...], idx: torch.Tensor, heads: torch.Tensor,
             x: torch.Tensor | None) -> list[torch.Tensor]:
         """The step over one unit of each slot of `run` (host ints; idx [R] the same on the
@@ -62,16 +92,9 @@ class SlotStage:
         slots (`batch_tree_stage_step`); a hybrid target's chain rows each through its slot's
         cache and state rings (`batch_hybrid_stage_step`)."""
         t = self.target
-        if t.hybrid:
-            x = t.embed_tokens(heads[:, FIXED]) if x is None else x[:, 0]
-            caches = [self._views[b].cache for b in run]
-            return batch_hybrid_stage_step(x, self.weights, [(c.k, c.v, c.conv, c.state)
-                                                             for c in caches],
-                                           heads[:, POS], self.cos, self.sin)
         if not fmt.tree:
             x = t.embed_tokens(heads[:, FIXED]) if x is None else x[:, 0]
-            return batch_stage_step(x, self.weights, self.k, self.v, idx, heads[:, POS],
-                                    self.cos, self.sin)
+            return self.rows_step(x, run, idx, heads[:, POS])
         for b, head in zip(run, heads):
             self.commit(b, head)
         R, W = len(run), fmt.width

@@ -50,14 +50,8 @@ class SlotPool:
     keeps rows in flight for."""
 
     n = 1
-    what = "batched decoding"
-    hybrid = False  # whether a hybrid target's slots keep their linear-attention state
 
     def __init__(self, target, slots: int, context: int, prefill_chunk: int | None = None):
-        if target.hybrid and not self.hybrid:
-            raise SPDError(f"{self.what} (several sequences at once) needs a dense target: a "
-                           "hybrid target's linear-attention state is kept per slot by SPD's "
-                           "batch only (not yet by this baseline)")
         for name, v in (("slots", slots), ("context", context)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise SPDError(f"{name} must be a positive integer, got {v!r}")
