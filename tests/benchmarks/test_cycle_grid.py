@@ -16,7 +16,7 @@ def test_grid_cells_on_the_default_model(tmp_path, default_target):
     out = tmp_path / "grid.json"
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / "cycle_grid.py"), "--n", "3", "--widths",
-         "2", "--places", "process,ranks", "--prompts", "1", "--max-new-tokens", "12",
+         "2", "--places", "process,ranks", "--prompts", "1", "--max-new-tokens", "8",
          "--json-out", str(out)], capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())

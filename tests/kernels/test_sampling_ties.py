@@ -68,6 +68,11 @@ BACKENDS = [pytest.param("triton", marks=needs_triton), pytest.param("split", ma
 @pytest.mark.parametrize("name", list(ROWS))
 def test_backends_follow_the_rules_bit_for_bit(backend, name):
     logits, q, d2t, tok, u = case(ROWS[name])
+    if backend == "split" and name == "tie":  # (the interpreter's split plan is slow: the
+        # rows drafting the tie group's ends, both sides of its top-p cuts and the groups
+        # below it, not all 24)
+        at = torch.tensor([0, 3, 6, 7, 9, 10, 15, 19, 20, 23])
+        logits, q, tok, u = logits[at], q[at], tok[at], u[at]
     for top_k, top_p in PARAMS:
         ref = rejection_sample_logits_reference(logits, q, d2t, tok, u, 1.0, top_k, top_p)
         out = run(backend, logits, q, d2t, tok, u, top_k, top_p)

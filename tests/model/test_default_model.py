@@ -180,8 +180,8 @@ def test_shipped_pdm_is_picked_and_lossless(default_target, references, name, cf
         assert res.token_ids == ref
         accepted.append(res.stats.drafts_accepted)
     ids, ref = references[0]
-    res = untrained.generate(ids, NEW)
-    assert res.token_ids == ref
+    res = untrained.generate(ids, NEW // 2)  # (half: its drafts all but all rejected, slow)
+    assert res.token_ids == ref[:NEW // 2]
     assert accepted[0] > res.stats.drafts_accepted + 5, (accepted, res.stats.drafts_accepted)
 
 
