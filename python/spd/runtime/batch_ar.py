@@ -17,14 +17,13 @@ from typing import Callable
 
 import torch
 
-from spd.model.hybrid import full_width_rope
-from spd.model.target import Stage, TargetModel
+from spd.model.partition import DepthLayout
+from spd.model.target import TargetModel
+from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.verdict import pick
-from spd_kernels.hybrid_stage import batch_hybrid_stage_step
-from spd_kernels.stage import batch_stage_step, stage_step
 
 
 @dataclass
@@ -96,32 +95,21 @@ class TokenBatch(SlotPool):
 
 class BatchedAR(TokenBatch):
     """Up to `slots` sequences of at most `context` rows each (prompt and new tokens), every
-    layer as one batched stage step. KV memory is allocated once: slots x layers x 2 x kv_heads
-    x context x head_dim elements; on a hybrid target a slot's own cache (its attention rows
-    and DeltaNet state, `slot_stages`) and `batch_hybrid_stage_step`."""
+    layer as one stage over the slots (SlotStage: a dense target's slot caches, a hybrid's
+    cache and state rings a slot). KV memory is allocated once: slots x layers x 2 x kv_heads
+    x context x head_dim elements."""
 
     def __init__(self, target: TargetModel, slots: int, context: int,
                  prefill_chunk: int | None = None):
         super().__init__(target, slots, context, prefill_chunk)
-        t = target
-        self.weights = t.stage_weights(range(t.num_layers))
-        self.cos, self.sin = t.rope(0, context)
-        self.k = self.v = self.slot_stages = None
-        if t.hybrid:  # (each slot's stage over every layer: AR rolls nothing back)
-            self.cos, self.sin = full_width_rope(self.cos, self.sin, t.head_dim)
-            self.slot_stages = [Stage(t, 0, range(t.num_layers), context, cuda_graphs=False,
-                                      max_rollback=1) for _ in range(slots)]
-            return
-        shape = (slots, t.num_layers, t.num_kv_heads, context, t.head_dim)
-        self.k = torch.zeros(shape, dtype=t.dtype, device=t.device)
-        self.v = torch.zeros_like(self.k)
+        # every layer as one stage (AR rolls nothing back: a layout of one stage)
+        self.part = SlotStage(target, DepthLayout.build(target.num_layers, 1), 0, slots,
+                              context)
+        self.k, self.v = self.part.k, self.part.v  # (None on a hybrid target)
 
     @property
     def bytes_per_slot(self) -> int:
-        if self.slot_stages is not None:
-            c = self.slot_stages[0].cache
-            return sum(x.numel() * x.element_size() for x in (c.k, c.v, c.conv, c.state))
-        return 2 * self.k[0].numel() * self.k.element_size()
+        return self.part.bytes_per_slot
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int = 1) -> int:
@@ -146,14 +134,7 @@ class BatchedAR(TokenBatch):
             if a:
                 yield
             t0 = time.perf_counter()
-            if self.slot_stages is not None:
-                st = self.slot_stages[seq.slot]
-                if a == 0:  # (the slot's last sequence's state: its rings start empty)
-                    st.cache.truncate(0)
-                h = st.run(t.embed_tokens(ids[a:b]), a)[0][-1]
-            else:
-                h = stage_step(t.embed_tokens(ids[a:b]), self.weights, self.k[seq.slot],
-                               self.v[seq.slot], a, self.cos, self.sin)[-1]
+            h = self.part.prefill(seq.slot, t.embed_tokens(ids[a:b]), a)[-1]
             seq.stats.prefill_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         first = pick(t.logits(h[-1:])[0], seq.sampling, seq.gen)
@@ -178,14 +159,8 @@ class BatchedAR(TokenBatch):
         tokens = torch.tensor([s.token for s in seqs], device=dev)
         slots = torch.tensor([s.slot for s in seqs], device=dev)
         positions = torch.tensor([s.position for s in seqs], device=dev)
-        if self.slot_stages is not None:
-            caches = [self.slot_stages[s.slot].cache for s in seqs]
-            h = batch_hybrid_stage_step(t.embed_tokens(tokens), self.weights,
-                                        [(c.k, c.v, c.conv, c.state) for c in caches],
-                                        positions, self.cos, self.sin)[-1]
-        else:
-            h = batch_stage_step(t.embed_tokens(tokens), self.weights, self.k, self.v, slots,
-                                 positions, self.cos, self.sin)[-1]
+        h = self.part.rows_step(t.embed_tokens(tokens), tuple(s.slot for s in seqs), slots,
+                                positions)[-1]
         chosen = self._choose(seqs, h)
         ended = []
         for s, tok in zip(seqs, chosen):
