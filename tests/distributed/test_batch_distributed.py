@@ -156,6 +156,9 @@ def test_four_stages_under_the_replay_check(monkeypatch):
         assert r.token_ids == eng.generate_ar(p, 8).token_ids
     assert d["graph"]["checked"] > 0 and all(r["graph"]["checked"] > 0 for r in d["ranks"])
     assert len(d["ranks"]) == n
+    # rank 0: one graph a bucket (1, 2, 3 slots; bubbles only: 1), whichever sequences
+    # joined and left
+    assert d["graph"]["made"] <= 4, d["graph"]
     res, _, d = got["sampled"]
     for p, s, r in zip(PROMPTS, SAMPLED, res):
         assert figures(r) == figures(eng.generate(p, 8, s))

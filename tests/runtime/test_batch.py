@@ -238,6 +238,41 @@ def test_a_batched_cycle_is_the_work_one_graph_replays(engine, monkeypatch):
             assert mine.data_ptr() == slots.data_ptr()
 
 
+@pytest.mark.parametrize("width", [1, 3], ids=["chains", "trees"])
+def test_one_graph_a_bucket_serves_every_join_and_leave(engine, tree_engine, width,
+                                                        monkeypatch):
+    """A bucket's cycle runs every slot below it, a free or prefilling slot a bubble parked at
+    its trash row: under SPD_REPLAY_CHECK (every row every cycle, as on a GPU) one graph a key
+    (bucket, greedy or not, the sampling groups) carries the cycles of every set of members
+    that fits it, prompts joining (prefilled two rows a step into a slot the others' cycles
+    run over) and leaving, and each sequence still gets its decode alone (tokens, N, K,
+    judged drafts) in caches poisoned with NaN."""
+    from spd.runtime.cycle_graph import BatchGraphs
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    eng = engine if width == 1 else tree_engine
+    launched: list = []
+    real = BatchGraphs.launch
+    monkeypatch.setattr(BatchGraphs, "launch", lambda self, key, members, cycle: launched.append(
+        (key, tuple(e.slot for e in members))) or real(self, key, members, cycle))
+    sampling = [SamplingParams(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+    sampling[0] = sampling[3] = SamplingParams()
+    batch = poisoned(BatchedSPD(eng, 4, 48, prefill_chunk=2))
+    entries, _, _ = run_batch(eng, batch, PROMPTS, 10, sampling)
+    for i, (p, s, e) in enumerate(zip(PROMPTS, sampling, entries)):
+        alone = eng.generate(p, 10, s)
+        a, b = e.stats, alone.stats
+        assert e.out == alone.token_ids and (a.K, a.N, a.drafts_judged) == (
+            b.K, b.N, b.drafts_judged), i
+    keys = {key for key, _ in launched}
+    assert all(key[0] == "bucket" for key in keys), keys
+    got = batch.describe()
+    assert got["made"] == len(keys) and got["checked"] == len(launched) - 2 * len(keys), got
+    members = {}  # each key's sets of members
+    for key, slots in launched:
+        members.setdefault(key, set()).add(slots)
+    assert max(map(len, members.values())) >= 3, members
+
+
 @pytest.fixture(scope="module")
 def tree_engine():
     return SPDEngine(make_tiny_target(seed=5, vocab=32, layers=4), n_stages=3,
@@ -298,9 +333,9 @@ def test_token_trees_draft_in_one_step_each_as_alone(tree_engine, mixed, replay,
                     SamplingParams(temperature=1.0, seed=5)]
     batched = []
     real = TreeBatch._draft
-    monkeypatch.setattr(TreeBatch, "_draft", lambda self, ctl, cycles: batched.append(
-        self.in_slot_caches(cycles, tuple(sorted(cycles)), "tree_top", "tree_logits"))
-        or real(self, ctl, cycles))
+    monkeypatch.setattr(TreeBatch, "_draft", lambda self, ctl, cycles, bucketed: batched.append(
+        bucketed and self.in_slot_caches(cycles, tuple(sorted(cycles)), "tree_top",
+                                         "tree_logits")) or real(self, ctl, cycles, bucketed))
     batch = poisoned(BatchedSPD(eng, 3, 64))
     entries, _, _ = run_batch(eng, batch, prompts, 12, sampling)
     assert batched and all(batched)  # (every cycle drafted in one step)

@@ -22,22 +22,21 @@ from spd.distributed.batch_stage import (
 from spd.distributed.config import role_name
 from spd.distributed.faults import inject_fault
 from spd.distributed.messages import SNAP_TAG, UNIT_TAG
-from spd.distributed.stage_rank import dead_unit
 from spd.draft.drafters import slot_drafters
 from spd.errors import InternalError, SPDError
 from spd.runtime.batch_spd import BatchedSPD, SlotSets, SlotStages
 from spd.runtime.chain_batch import ChainBatch
 from spd.runtime.control import ChainControl, TreeControl
 from spd.runtime.cycle import Cycle, end_margin
-from spd.runtime.cycle_graph import MemberGraphs
+from spd.runtime.cycle_graph import BatchGraphs
 from spd.runtime.driver import STOP
-from spd.runtime.sequence import Sequence, slot_buffers
+from spd.runtime.sequence import Sequence, SlotRows, slot_buffers
 from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import SlotPool, batch_request
 from spd.runtime.stopping import StopRule
 from spd.runtime.tree_batch import TreeBatch
 from spd.runtime.types import DecodeStats, GenerationResult, SamplingParams
-from spd.runtime.unit import UnitFormat
+from spd.runtime.unit import UnitFormat, dead_unit
 
 
 class BatchEntry:
@@ -90,9 +89,11 @@ class LocalStage:
         """Slot `slot`'s rows as a one-sequence Stage (a joining prompt's prefill)."""
         return self.part.view(slot)
 
-    def run(self, cycles: dict[int, Cycle], judge: bool, into: torch.Tensor | None) -> None:
-        """This cycle's step over every slot's unit, its rows kept, the units sent on and the
-        next ones received (all waited for within the cycle)."""
+    def run(self, cycles: dict[int, Cycle], judge: bool, into: torch.Tensor | None,
+            bucket: int | None = None) -> None:
+        """This cycle's step over every slot's unit, its rows kept (the members', or
+        bucketed every slot's below `bucket`), the units sent on and the next ones received
+        (all waited for within the cycle)."""
         b, S = self.batch, self.S
         t, d = b.target, b.target.hidden_size
         if S == 0:
@@ -110,10 +111,14 @@ class LocalStage:
             W, out = b.width, outs[-1]
             if self.outbox is not None:
                 out_rows.index_copy_(0, idx, out.view(len(run), W, -1))
-            for r, slot in enumerate(run):
-                if slot in cycles:
-                    at = slice(r * W, (r + 1) * W)
-                    cycles[slot].keep(S, [outs[i][at] for i in self.anchor_layers], out[at])
+            kept = [r for r, slot in enumerate(run) if (slot < bucket if bucket else
+                                                         slot in cycles)]
+            if kept:
+                rows = (slice(None) if len(kept) == len(run) else
+                        b.stages.slot_sets(tuple(kept))[0])
+                idx_kept = idx if len(kept) == len(run) else idx.index_select(0, rows)
+                anchors = [outs[i].view(len(run), W, -1)[rows] for i in self.anchor_layers]
+                b.kept.keep(S, idx_kept, anchors, out.view(len(run), W, -1)[rows])
             if judge and into is not None and S == self.n - 1:
                 none = b.stages.slot_sets(run)[1]
                 into.index_copy_(0, idx, t.verify_greedy(out, none)[0])
@@ -141,36 +146,39 @@ class SessionStages:
         self.slot_sets = SlotSets(batch.target.device)
         self.works: list = []
 
-    def begin(self, cycles: dict[int, Cycle]) -> None:
+    def begin(self, cycles: dict[int, Cycle], bucket: int | None = None) -> None:
         b = self.batch
-        for slot, c in cycles.items():
+        if bucket:  # (every slot below it: a free or prefilling one's parked unit a bubble)
+            b.heads[:bucket].copy_(b.control.units[:bucket, 0])
+        for slot, c in ({} if bucket else cycles).items():
             b.heads[slot].copy_(c.units[0])
         local0 = b.local is not None and b.local.S == 0
         self.works = b.rt.exchange([] if local0 else [(b.msg, 1, UNIT_TAG)],
                                    [(buf, s + 1, SNAP_TAG) for s, buf in b.snaps.items()])
 
-    def run(self, cycles: dict[int, Cycle], judge: bool,
-            into: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
-        """-> each slot's verdict [1] (a greedy chain's: the last stage's argmax, also at its
-        slot of `into` [slots]; else a stand-in)."""
+    def run(self, cycles: dict[int, Cycle], judge: bool, into: torch.Tensor | None = None,
+            bucket: int | None = None) -> None:
+        """The stages' rows of this cycle kept (the members', or bucketed every slot's below
+        `bucket`); a greedy chain's verdicts (the last stage's argmax) at their slots of
+        `into` [slots]."""
         b, rt = self.batch, self.batch.rt
         judge = judge and b.judge
         if b.local is not None:
-            b.local.run(cycles, judge, into)
+            b.local.run(cycles, judge, into, bucket)
         for s, work in zip(b.snaps, self.works):
             rt.order(work, s + 1, "batch cycle snap")
-        for slot, c in cycles.items():
+        slots = tuple(range(bucket)) if bucket else tuple(sorted(cycles))
+        if slots:
+            idx = self.slot_sets(slots)[0]
             for s, (_, rows) in b.views.items():
                 f = b.formats[s]
-                c.keep(s, [rows[slot, i] for i in range(len(f.hidden))],
-                       rows[slot, -1] if f.with_output else None)
+                got = rows[:bucket] if bucket else rows.index_select(0, idx)  # [R, F, W, d]
+                b.kept.keep(s, idx, [got[:, i] for i in range(len(f.hidden))],
+                            got[:, -1] if f.with_output else None)
         last = b.views.get(b.n - 1)
         if judge and into is not None and last is not None:
             into.copy_(last[0].view(-1))
         rt.flush_sends(host=False)
-        tok = into if last is None else last[0]
-        return {slot: tok[slot:slot + 1] if judge and tok is not None and c.seq.sampling.greedy
-                else b._stand_in for slot, c in cycles.items()}
 
 
 class DistributedBatch(SlotPool):
@@ -220,6 +228,7 @@ class DistributedBatch(SlotPool):
         self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.stages = SessionStages(self)
         self.local = None if S is None else LocalStage(self, S)
+        self.bucketed = not t.hybrid  # (as BatchedSPD's)
         # the control: three ops over every slot (ChainBatch, TreeBatch)
         m = self.anchors.shape[1]
         if self.width == 1:
@@ -228,6 +237,9 @@ class DistributedBatch(SlotPool):
         else:
             self.control = TreeControl(slots, n, self.width, m, d, dev, t.dtype)
             self.fused = TreeBatch(self, lookup)
+        # a free slot's units: the bubble its message carries (Control.park)
+        self.control.park_all(context - 1, self.dead)
+        self.kept = SlotRows(eng.layout, self.control.unit_rows(), self.anchors, self.final)
         self.waiting: list[BatchEntry] = []
         self.freed_at = [-n] * slots  # the first cycle each slot's bubbles went out in
         self.launched = 0             # the session's cycles launched
@@ -235,7 +247,7 @@ class DistributedBatch(SlotPool):
         self.paused = True            # every rank between cycles (before the first, too)
         self.closed = False
         self.pauses = 0
-        self.graphs = MemberGraphs(t.device, "batched distributed cycle",
+        self.graphs = BatchGraphs(t.device, "batched distributed cycle",
                                    capturable=rt.backend == "nccl", messages=rt.messages,
                                    thread_local=True)
         self.stage_stats: list[dict] = []
@@ -278,6 +290,7 @@ class DistributedBatch(SlotPool):
             return
         self.heads[b].copy_(self.dead)
         self.control.free(b)
+        self.control.park(b, self.dead)
         if not unused and prefilled:
             self.freed_at[b] = self.launched
         if prefilled:
@@ -298,6 +311,8 @@ class DistributedBatch(SlotPool):
                              buffers=(self.tokens[b], self.anchors[b], self.final[b]))
         entry.cycle = Cycle(entry.seq, SlotStages(self.peeks), ahead=self.ahead,
                             control=self.control, slot=b)
+        self.control.park(b, self.dead)  # (bubbles until its cycle begins)
+        self.fused.join(b, entry.sampling)
         self.running[b] = entry
         self.prefilling[b] = 0  # (the next prompt row its prefill sends)
 
@@ -410,7 +425,7 @@ class DistributedBatch(SlotPool):
         members = tuple(self.decoding())
         if self.fault and self.launched == self.fault["cycle"]:
             inject_fault(self.fault)
-        self.graphs.launch(members, self._cycle)
+        self.graphs.launch(self.fused.key(members), members, self._cycle)
         self.launched += 1
         self.fused.publish(members)  # (every slot's state in one copy)
         for e in members:

@@ -55,12 +55,12 @@ from spd import env
 from spd.distributed.config import DRAFT_RANK
 from spd.distributed.faults import inject_fault
 from spd.distributed.messages import SNAP_TAG, UNIT_TAG, snap_format
-from spd.distributed.stage_rank import dead_unit, prefill, wait_request
+from spd.distributed.stage_rank import prefill, wait_request
 from spd.errors import InternalError
 from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.driver import Published, peek
 from spd.runtime.slot_stage import SlotStage
-from spd.runtime.unit import LIVE, UnitFormat
+from spd.runtime.unit import LIVE, UnitFormat, dead_unit
 
 CTRL = 1  # int64 fields in front of a batch unit message: the pause cycle (0: none set)
 

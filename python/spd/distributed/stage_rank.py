@@ -25,14 +25,11 @@ from spd.model.target import Stage
 from spd.runtime.cycle_graph import CycleGraph
 from spd.runtime.driver import Published, drive, peek
 from spd.runtime.unit import (
-    CPOS,
-    CSLOT,
     END,
     LIVE,
-    POS,
-    PREFIX,
     StageStep,
     UnitFormat,
+    dead_unit,
     message_bytes,
     split_message,
 )
@@ -217,17 +214,6 @@ class StageCycles:
         launched = drive(self.launch, lambda c: self.ends.read(c)[0] or None, self.ahead)
         rt.flush_sends()
         return launched
-
-
-def dead_unit(fmt: UnitFormat, position: int, trash: int) -> torch.Tensor:
-    """The header of a dead unit at `position` (set-up: a Python-made tensor): its rows, keys
-    and commit name the trash slot."""
-    head = torch.zeros(fmt.size, dtype=torch.int64)
-    head[POS], head[PREFIX] = position, position
-    head[CPOS] = head[CSLOT] = trash
-    head[fmt.slots] = trash
-    head[fmt.key_slots] = trash
-    return head
 
 
 def messages_since(rt: Endpoint, before: dict) -> dict[str, int]:

@@ -30,15 +30,15 @@ from spd.model.target import Stage
 from spd.runtime.chain_batch import ChainBatch
 from spd.runtime.control import ChainControl, TreeControl
 from spd.runtime.cycle import DEFAULT_AHEAD, Cycle
-from spd.runtime.cycle_graph import MemberGraphs
+from spd.runtime.cycle_graph import BatchGraphs
 from spd.runtime.driver import STOP, peek
-from spd.runtime.sequence import Sequence, slot_buffers
+from spd.runtime.sequence import Sequence, SlotRows, slot_buffers
 from spd.runtime.slot_stage import SlotStage
 from spd.runtime.slots import SlotPool, chunks
 from spd.runtime.stopping import StopRule
 from spd.runtime.tree_batch import TreeBatch
 from spd.runtime.types import DecodeStats, SamplingParams
-from spd.runtime.unit import LIVE, UnitFormat
+from spd.runtime.unit import CPOS, CSLOT, LIVE, UnitFormat, dead_unit
 
 
 class SlotStages:
@@ -87,7 +87,8 @@ class BatchStages:
     """The n stages over `slots` sequences of units of `width` rows (1: a chain; W: a token
     tree's): each a SlotStage (its weights once, its KV cache [slots, layers, kv_heads,
     context, head_dim]), and each slot's stage outputs of the last cycle (`outbox`
-    [slots, n, W, d]: stage s + 1's rows this cycle)."""
+    [slots, n, W, d]: stage s + 1's rows this cycle). `attach` gives it the batch's control
+    and sequence buffers: the units it runs and where their rows are kept."""
 
     def __init__(self, target, layout, slots: int, context: int, width: int = 1):
         t, n = target, layout.n
@@ -102,38 +103,50 @@ class BatchStages:
         self.slot_sets = SlotSets(t.device)
         self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=t.device)
         self.cpu = t.device.type == "cpu"
+        self.units: torch.Tensor | None = None  # the control's [slots, n, H]
+        self.kept: SlotRows | None = None
+
+    def attach(self, units: torch.Tensor, kept: SlotRows) -> None:
+        """The batch's control units [slots, n, H] and where its rows are kept."""
+        self.units, self.kept = units, kept
 
     def slot_stages(self, slot: int) -> list[Stage]:
         """Slot `slot`'s stages (views of the batched caches), for its prompt's prefill."""
         return [p.view(slot) for p in self.parts]
 
-    def begin(self, cycles: dict[int, Cycle]) -> None:
+    def begin(self, cycles: dict[int, Cycle], bucket: int | None = None) -> None:
         pass  # (in one process nothing travels before the stage steps)
 
-    def run(self, cycles: dict[int, Cycle], judge: bool,
-            into: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
-        """Every stage's step over one unit per slot (cycles: each slot's Cycle, opened); their
-        rows land where each sequence keeps them (Cycle.keep) -> each slot's verdict [1] (with
-        `judge`, a greedy chain: the last stage's argmax, also at its slot of `into` [slots];
-        else a stand-in). Stage s reads what
-        stage s - 1 made last cycle (`outbox`), so the stages run last to first. On a CPU, where
-        reading is free, a stage runs only its live units' rows (`peek`, as LocalStages)."""
+    def run(self, cycles: dict[int, Cycle], judge: bool, into: torch.Tensor | None = None,
+            bucket: int | None = None) -> None:
+        """Every stage's step over one unit per slot of `cycles` (each slot's Cycle, opened;
+        `bucket`: every slot below it, a free one's parked unit a bubble); their rows land
+        where each sequence keeps them (`keep`); with `judge` (a greedy chain) the last
+        stage's argmax lands at each slot of `into` [slots]. Stage s reads what stage s - 1
+        made last cycle (`outbox`), so the stages run last to first. On a CPU, where reading
+        is free, a stage runs only its live units' rows (`peek`, as LocalStages)."""
         t, n, W = self.target, self.n, self.fmt.width
-        slots = sorted(cycles)
+        slots = list(range(bucket)) if bucket else sorted(cycles)
         if not slots:
-            return {}
-        units = torch.stack([cycles[b].units for b in slots])       # [R, n, H]
+            return
+        if bucket:
+            units = self.units[:bucket]                                  # [R, n, H]
+        else:
+            units = self.units.index_select(0, self.slot_sets(tuple(slots))[0])
         # a CPU runs a stage only for its live units (reading is free there); a GPU, and the
         # replay check, run every row every cycle: the same work (docs/cycle.md)
         looks = self.cpu and not env.replay_check_enabled()
-        live = peek(units[:, :, LIVE]) if looks else None
-        verdicts = dict.fromkeys(slots, self._stand_in)
+        # (live, commit position, commit slot) of each unit, read at once
+        seen = peek(units[:, :, LIVE:CSLOT + 1].contiguous()) if looks else None
+        width = CSLOT + 1 - LIVE
         for s in reversed(range(n)):
             part = self.parts[s]
-            rows = [r for r in range(len(slots)) if live is None or live[r * n + s]]
+            at = [(r * n + s) * width for r in range(len(slots))]
+            rows = [r for r in range(len(slots)) if seen is None or seen[at[r]]]
             if self.fmt.tree:  # a dead unit skipped still carries its commit (StageStep.skip)
-                for r in set(range(len(slots))) - set(rows):
-                    part.commit(slots[r], units[r, s])
+                for r in set(range(len(slots))) - set(rows):  # (one onto itself: nothing)
+                    if seen[at[r] + CPOS - LIVE] != seen[at[r] + CSLOT - LIVE]:
+                        part.commit(slots[r], units[r, s])
             if not rows:
                 continue
             run = tuple(slots[r] for r in rows)
@@ -142,23 +155,18 @@ class BatchStages:
             outs = part.run(self.fmt, run, idx, heads,
                             None if s == 0 else self.outbox[idx, s - 1])
             out = outs[-1]
-            for r, b in enumerate(run):
-                at = slice(r * W, (r + 1) * W)
-                cycles[b].keep(s, [outs[i][at] for i in self.anchor_layers[s]], out[at])
+            self.kept.keep(s, idx, [outs[i] for i in self.anchor_layers[s]], out)
             self.outbox[idx, s] = out.view(len(run), W, -1)
             if s == n - 1 and judge:
-                verdict = t.verify_greedy(out, none)[0]
-                verdicts.update({b: verdict[r:r + 1] for r, b in enumerate(run)})
-                if into is not None:
-                    into.index_copy_(0, idx, verdict)
-        return verdicts
+                into.index_copy_(0, idx, t.verify_greedy(out, none)[0])
 
 
 class Running:
     """A sequence in a slot: its Sequence and Cycle, the cycles launched and those read."""
 
-    def __init__(self, slot: int, seq: Sequence, cycle: Cycle):
+    def __init__(self, slot: int, seq: Sequence, cycle: Cycle, parked: torch.Tensor):
         self.slot, self.seq, self.cycle = slot, seq, cycle
+        self.parked = parked  # its units while it prefills and after it left (Control.park)
         self.launched = self.nread = 0
         self.done = False
 
@@ -182,12 +190,12 @@ class BatchedSPD(SlotPool):
 
     A step launches one cycle of every decoding sequence (`_cycle`: device work only) and
     reads each sequence's published state `ahead` cycles behind (spd.runtime.driver), so on a
-    GPU the host never waits for the cycle it launched. The cycle is a CycleGraph: one CUDA
-    graph for as long as the same sequences decode together, captured again when one joins or
-    leaves (each sequence's budget, stop ids and sampling settings are constants of its
-    cycle's code, so free slots cannot be bubbles of one graph yet: issue 55 moves them into
-    device state). SPD_REPLAY_CHECK checks on any device that its steady cycles replay. A
-    hybrid target's chains batch too (each slot its own DeltaNet state rings: SlotStage)."""
+    GPU the host never waits for the cycle it launched. The cycle is one CUDA graph a
+    batch-size bucket (BatchGraphs keyed by FusedBatch.key): it runs every slot below the
+    bucket, free ones parked as bubbles, so a join or a leave inside a bucket replays the same
+    graph; a hybrid target's batch is keyed by its members instead (docs/batching.md, 5).
+    SPD_REPLAY_CHECK checks on any device that its steady cycles replay. A hybrid target's
+    chains batch too (each slot its own DeltaNet state rings: SlotStage)."""
 
     def __init__(self, engine, slots: int, context: int, ahead: int = DEFAULT_AHEAD,
                  prefill_chunk: int | None = None):
@@ -203,7 +211,7 @@ class BatchedSPD(SlotPool):
         # every slot's sequence buffers (tokens, anchors, final) for its `context` rows, once
         t = engine.target
         self.tokens, self.anchors, self.final = slot_buffers(t, engine.layout, context, slots)
-        self.graphs = MemberGraphs(t.device, "batched decode cycle")
+        self.graphs = BatchGraphs(t.device, "batched decode cycle")
         # the control: three ops over every slot (ChainBatch, TreeBatch)
         m, d = self.anchors.shape[1], t.hidden_size
         if self.width == 1:
@@ -212,6 +220,13 @@ class BatchedSPD(SlotPool):
         else:
             self.control = TreeControl(slots, self.n, self.width, m, d, t.device, t.dtype)
             self.fused = TreeBatch(self, lookup)
+        self.stages.attach(self.control.units,
+                           SlotRows(engine.layout, self.control.unit_rows(), self.anchors,
+                                    self.final))
+        # a bucket's cycle runs every slot below it (ChainBatch): a hybrid target's rings
+        # have no trash row, so its cycles run their members only
+        self.bucketed = not t.hybrid
+        self.control.park_all(context - 1, self._parked(context - 1))
 
     @staticmethod
     def rows_needed(prompt_len: int, max_new: int, n: int, width: int = 1) -> int:
@@ -234,9 +249,16 @@ class BatchedSPD(SlotPool):
                                                   self.final[slot]))
         peeks = self.stages.cpu and not env.replay_check_enabled()
         entry = Running(slot, seq, Cycle(seq, SlotStages(peeks), ahead=self.ahead,
-                                         control=self.control, slot=slot))
+                                         control=self.control, slot=slot),
+                        self._parked(seq.trash))
+        self.control.park(slot, entry.parked)  # (a bubble until its cycle begins)
+        self.fused.join(slot, sampling)
         self.admit(entry, self._prefill(entry, ids))
         return entry
+
+    def _parked(self, trash: int) -> torch.Tensor:
+        """A parked slot's unit [H] on the device: dead, at its trash row (set-up)."""
+        return dead_unit(self.stages.fmt, trash, trash).to(self.target.device)
 
     def _prefill(self, entry: Running, ids: torch.Tensor):
         """The prompt into the slot's stages a chunk per `next`, then the first token."""
@@ -262,6 +284,7 @@ class BatchedSPD(SlotPool):
         if not self.release(entry):
             return
         self.control.free(entry.slot)
+        self.control.park(entry.slot, entry.parked)  # (its units in flight: bubbles)
         if prefilled:
             entry.cycle.cycles = entry.launched
             entry.cycle.finish()
@@ -279,7 +302,7 @@ class BatchedSPD(SlotPool):
     def launch_cycle(self, members: tuple[Running, ...]) -> None:
         """One cycle of `members` through their graph, and its state published: every slot's
         control rows in one copy, before any is read, as a reader may raise."""
-        self.graphs.launch(members, self._cycle)
+        self.graphs.launch(self.fused.key(members), members, self._cycle)
         self.fused.publish(members)
         for e in members:
             e.launched += 1

@@ -14,6 +14,16 @@ batch of one. Here a batch's cycle runs each of them once over all the slots:
 
 A free slot is a finished sequence: the ops run over it and change nothing another reads. The
 host reads every slot's state from one copy a step, each sequence its row (`publish`).
+
+Buckets. Where every member drafts in the batch's slot caches and the target is dense, a
+cycle runs over every slot up to a bucket (1, 2, 4, 8, ... up to the slots: `bucket_of`),
+free and prefilling slots as bubbles: their units parked dead at their trash row
+(Control.park), their drafter's window written at that row too, their rows judged and never
+read. Which rows a sampling group judges is device state (`group`: each slot's group), so the
+cycle is the same work whichever sequences are in it: one graph a key (`key`: the bucket, whether
+a greedy sequence is in it and which sampling groups), replayed across joins and leaves. Else
+(a drafter of its own, a hybrid target's per-slot rings, across ranks) the ops run over the
+members' slots and a graph serves one set of members.
 """
 from __future__ import annotations
 
@@ -31,6 +41,8 @@ from spd_kernels import filtered_probs, sample_from_probs
 from spd_kernels.control import (
     C_TOK,
     P_LAST,
+    P_LIVE,
+    TRASH,
     cycle_candidate,
     cycle_commit,
     cycle_open,
@@ -51,6 +63,16 @@ class SlotReader:
         return got[self.slot * S:(self.slot + 1) * S]
 
 
+def bucket_of(k: int, slots: int) -> int:
+    """The bucket of a cycle over the first k slots: the next power of two, at most `slots`."""
+    return min(1 << max(k - 1, 0).bit_length(), slots)
+
+
+def settings(sampling) -> tuple:
+    """What a sampling group shares: (temperature, top-k, top-p)."""
+    return sampling.temperature, sampling.top_k, sampling.top_p
+
+
 class FusedBatch:
     """What a batch's fused cycle keeps, chain or tree (ChainBatch, and TreeBatch in
     spd.runtime.tree_batch): the batch and its control, the feature type of each depth, the
@@ -69,6 +91,64 @@ class FusedBatch:
         self.published = Published(batch.ahead + 1, self.control.state.numel(), dev)
         self.steps = 0
         self._masks: dict[tuple, torch.Tensor] = {}  # (indices, size) -> [size] bool
+        # each slot's sampling group (-1: greedy, or free), as a bucket's cycle reads it
+        self.group_ids: dict[tuple, int] = {}  # settings -> group
+        self.group = torch.full((self.control.slots,), -1, dtype=torch.int64, device=dev)
+
+    # --- what a cycle runs over -------------------------------------------------------------
+    plain_steps: tuple[str, ...] = ()  # the drafter's methods a batched draft step stands for
+
+    def join(self, slot: int, sampling) -> None:
+        """Slot `slot`'s sampling group on the device (set-up, before its first cycle)."""
+        gid = -1
+        if not sampling.greedy:
+            gid = self.group_ids.setdefault(settings(sampling), len(self.group_ids))
+        self.group[slot].fill_(gid)
+
+    def shape(self, cycles) -> tuple[int, bool]:
+        """(k, bucketed): the cycle's ops run over the first k slots; bucketed, k is a bucket
+        and every slot in it runs, free ones as bubbles (module docstring); else the stage
+        and draft steps run over the members' slots only."""
+        last = max(cycles, default=0) + 1
+        if (getattr(self.batch, "bucketed", False)
+                and self.in_slot_caches(cycles, tuple(cycles), *self.plain_steps)):
+            return bucket_of(last, self.control.slots), True
+        return last, False
+
+    def key(self, members) -> tuple:
+        """The key of the graph that runs a cycle of `members` (spd.runtime.cycle_graph
+        .BatchGraphs): a bucket's (its size, whether a greedy sequence is in it, the sampling
+        groups in it, the stop table's generation), else the members'."""
+        cycles = {e.slot: e.cycle for e in members}
+        k, bucketed = self.shape(cycles)
+        if not bucketed:
+            return ("members", *map(id, members))
+        kinds = [c.seq.sampling for c in cycles.values()]
+        gids = sorted({self.group_ids[settings(s)] for s in kinds if not s.greedy})
+        return ("bucket", k, any(s.greedy for s in kinds), tuple(gids), self.control.tables)
+
+    def groups(self, cycles, rows: dict[int, int], size: int, bucketed: bool) -> list[tuple]:
+        """The sampling groups among `cycles` (by slot), each (a slot of it, its mask [size]
+        bool over the rows, None where it is every row that matters: no greedy and no other
+        group), in the order of their ids. rows: each slot's row among the `size`. Bucketed
+        (rows: the slots themselves), a mask is read off each slot's group on the device, so
+        the same ops serve any members; else made once a set of rows (`mask`)."""
+        by: dict[tuple, list[int]] = defaultdict(list)
+        for b, c in cycles.items():
+            if not c.seq.sampling.greedy:
+                by[settings(c.seq.sampling)].append(b)
+        alone = len(by) == 1 and sum(map(len, by.values())) == len(cycles)
+        out = []
+        for key in sorted(by, key=self.group_ids.__getitem__):
+            slots = by[key]
+            if alone:
+                mask = None
+            elif bucketed:
+                mask = self.group[:size] == self.group_ids[key]
+            else:
+                mask = self.mask(tuple(sorted(rows[b] for b in slots)), size)
+            out.append((slots[0], mask))
+        return out
 
     def publish(self, members) -> None:
         """Every slot's state after this step, in one copy; a member that launches its first
@@ -91,10 +171,10 @@ class FusedBatch:
             self._masks[(indices, size)] = mask
         return mask
 
-    def merge_group(self, ctl, group: list[int], verdict, accepted) -> None:
+    @staticmethod
+    def merge_group(ctl, mask: torch.Tensor, verdict, accepted) -> None:
         """A sampling group's judgement of every slot (verdict and accepted [k]) into ctl's
-        at the group's slots: one select each."""
-        mask = self.mask(tuple(group), ctl.verdict.shape[0])
+        at the group's slots (mask [k] bool): one select each."""
         torch.where(mask, verdict.view(-1), ctl.verdict, out=ctl.verdict)
         torch.where(mask, accepted.view(-1).to(ctl.accepted.dtype), ctl.accepted,
                     out=ctl.accepted)
@@ -105,21 +185,14 @@ class FusedBatch:
         the batch computes what each would alone (one of its own, or one with its own draft
         step, drafts alone)."""
         k = self.batch.draft_caches[0]
+        size = k.stride(0) * k.element_size()  # (slot b's view starts b * size in: no op)
         for b in run:
             d = cycles[b].seq.drafter
             if (any(getattr(type(d), s, None) is not getattr(PDMDrafter, s) for s in steps)
-                    or d.cache is None or d.cache.k.data_ptr() != k[b].data_ptr()):
+                    or d.cache is None or d.cache.k.data_ptr() != k.data_ptr() + b * size):
                 return False
         return True
 
-    @staticmethod
-    def sampling_groups(cycles, sampled: list[int]) -> dict[tuple, list[int]]:
-        """The sampled slots by (temperature, top-k, top-p): each group is judged in one op."""
-        groups = defaultdict(list)
-        for b in sampled:
-            s = cycles[b].seq.sampling
-            groups[(s.temperature, s.top_k, s.top_p)].append(b)
-        return groups
 
 
 @dataclass
@@ -136,6 +209,7 @@ class SlotDrafts:
 
 class ChainBatch(FusedBatch):
     """The fused cycle of a BatchedSPD's chains (module docstring)."""
+    plain_steps = ("draft", "draft_logits", "pick")
 
     def __init__(self, batch, lookup: int):
         super().__init__(batch)
@@ -150,28 +224,30 @@ class ChainBatch(FusedBatch):
 
     def cycle(self, entries) -> None:
         """One cycle of `entries` (the Running sequences decoding): device work only. The ops
-        run over the slots up to the last one decoding (`k`: slots are taken lowest first, so
-        a batch with few sequences pays for few rows; what a graph records is the same work
-        every cycle of its members)."""
+        run over the first k slots (`shape`: a bucket, or up to the last one decoding: slots
+        are taken lowest first, so a batch with few sequences pays for few rows); what a graph
+        records is the same work every cycle of its key."""
         b_ = self.batch
         cycles = {e.slot: e.cycle for e in entries}
-        k = max(cycles, default=0) + 1
+        k, bucketed = self.shape(cycles)
         ctl = self.control.first(k)
         tokens, anchors, final = b_.tokens[:k], b_.anchors[:k], b_.final[:k]
-        b_.stages.begin(cycles)  # (across ranks: the units out, the snaps' receives posted)
+        # (across ranks: the units out, the snaps' receives posted)
+        b_.stages.begin(cycles, k if bucketed else None)
         sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
         cycle_open(ctl.state, ctl.units, ctl.consts, tokens, anchors, self.type_of_depth,
                    ctl.plan, ctl.window, 0, ctl.draws if sampled else None)
         self.roles.fork()
         with self.roles.on(0):
-            d = self._draft(ctl, cycles, bool(sampled))
+            d = self._draft(ctl, cycles, bool(sampled), bucketed)
         greedy = any(c.seq.sampling.greedy for c in cycles.values())
-        b_.stages.run(cycles, greedy, into=self.control.verdict)
+        b_.stages.run(cycles, greedy, into=self.control.verdict, bucket=k if bucketed else None)
         self.roles.join(d.token, d.q, d.p)
         ring_ids = None
         if sampled:
+            row = d.q[0]  # (a row's size: every row's)
             for b in sampled:  # (host only: the ring's size and each one's q columns)
-                _, ring_ids = cycles[b].keep_q(Draft(None, d.q[b], None, d.q_ids))
+                _, ring_ids = cycles[b].keep_q(Draft(None, row, None, d.q_ids))
             ctl = self.control.first(k)  # (the first sampled draft made the q ring)
         draft, p, q = d.token, d.p, d.q if sampled else None
         cycle_candidate(ctl.plan, ctl.lanes, draft, ctl.cand, p, self.trust, q, ring_ids,
@@ -179,32 +255,37 @@ class ChainBatch(FusedBatch):
                         *((final, ctl.judged_hidden) if sampled else (None, None)))
         verdict, accepted = ctl.verdict, None
         if sampled:
-            verdict, accepted = self._judge(ctl, cycles, sampled)
+            verdict, accepted = self._judge(ctl, cycles, bucketed)
         cycle_commit(ctl.state, ctl.units, ctl.consts, ctl.plan, ctl.cand, ctl.lanes, tokens,
                      anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
                      accepted.view(-1) if accepted is not None else None, self.margin)
 
-    def _draft(self, ctl, cycles, sampled: bool) -> SlotDrafts:
-        """Every slot's draft up to the last decoding one (`SlotDrafts`; a slot that drafts
-        nothing has stand-ins): the PDM over every decoding sequence's window at once, in the
-        batch's slot caches (PipelineDraftModule.batch_step: the weight reads shared, as the
-        stages share theirs), then the picks over the rows: greedy the argmax, each sampling
-        group (one temperature, top-k and top-p) a draw from its filtered distribution with each
-        row's uniform, merged at the group's rows (the q of a sampled row is kept for the
-        judge). The step's host time is shared among the sequences."""
-        b_, run = self.batch, tuple(sorted(cycles))
+    def _draft(self, ctl, cycles, sampled: bool, bucketed: bool) -> SlotDrafts:
+        """Every slot's draft up to the k-th (`SlotDrafts`; a slot that drafts nothing has
+        stand-ins): the PDM over the decoding sequences' windows (bucketed: every slot's, a
+        bubble's at its trash row) at once, in the batch's slot caches
+        (PipelineDraftModule.batch_step: the weight reads shared, as the stages share theirs),
+        then the picks over the rows: greedy the argmax, each sampling group (one temperature,
+        top-k and top-p) a draw from its filtered distribution with each row's uniform, merged
+        at the group's rows (the q of a sampled row is kept for the judge). The step's host
+        time is shared among the sequences."""
+        b_ = self.batch
         k = ctl.plan.shape[0]
+        run = tuple(range(k)) if bucketed else tuple(sorted(cycles))
         if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
             return SlotDrafts(self._stand_ins(k, None)[0], None, None, None)
-        if not self.in_slot_caches(cycles, run, "draft", "draft_logits", "pick"):
+        if not bucketed and not self.in_slot_caches(cycles, run, *self.plain_steps):
             return self._draft_each(ctl, cycles, k, sampled)
         t0 = time.perf_counter()
         n, R, U = b_.n, b_.n + 1, len(run)
         idx = b_.stages.slot_sets(run)[0]  # (made once a set)
         plan, window, u = ctl.plan, ctl.window, ctl.draws[:, 0]
+        pos, types = plan_window(plan, n)                           # [k, R] each
+        # a finished or parked slot's window at its trash row (its prompt's rows untouched)
+        pos = torch.where(plan[:, P_LIVE:P_LIVE + 1] == 1, pos, ctl.consts[:, TRASH:TRASH + 1])
         if U < k:  # (free slots among the first k: only the decoding ones' windows)
-            plan, window, u = (x.index_select(0, idx) for x in (plan, window, u))
-        pos, types = plan_window(plan, n)                           # [U, R] each
+            plan, window, u, pos, types = (x.index_select(0, idx)
+                                           for x in (plan, window, u, pos, types))
         m, d = window.shape[1], window.shape[3]
         pdm = b_.drafters[run[0]].pdm
         features = pdm.features(window.transpose(0, 1).reshape(m, U * R, d), types.reshape(-1))
@@ -217,18 +298,16 @@ class ChainBatch(FusedBatch):
         logits = pdm.batch_step(features, *b_.draft_caches, rows[0], pos.reshape(-1),
                                 plan[:, P_LAST] + rows[1])                    # [U, Vd]
         cols = q = None
-        if any(cycles[b].seq.sampling.greedy for b in run):
-            cols = logits.argmax(-1)
-        groups = self.sampling_groups({r: cycles[b] for r, b in enumerate(run)},
-                                      [r for r, b in enumerate(run)
-                                       if not cycles[b].seq.sampling.greedy])
-        for (temperature, top_k, top_p), group in groups.items():
-            probs = filtered_probs(logits, temperature, top_k, top_p).float()   # [U, Vd]
+        if not cycles or any(c.seq.sampling.greedy for c in cycles.values()):
+            cols = logits.argmax(-1)  # (bubbles only: argmax stand-ins)
+        at = {b: r for r, b in enumerate(run)}
+        for b, mask in self.groups(cycles, at, U, bucketed):
+            s = cycles[b].seq.sampling
+            probs = filtered_probs(logits, s.temperature, s.top_k, s.top_p).float()  # [U, Vd]
             pick = sample_from_probs(probs, u)
-            if len(group) == U:
+            if mask is None:
                 cols, q = pick, probs
                 continue
-            mask = self.mask(tuple(group), U)  # (the group's rows among the U)
             cols = pick if cols is None else torch.where(mask, pick, cols)
             q = torch.where(mask.view(-1, 1), probs,
                             self._stand_in_q(probs[0]) if q is None else q)
@@ -242,7 +321,7 @@ class ChainBatch(FusedBatch):
             if q is not None:
                 q = self._stand_in_q(q[0]).expand(k, -1).index_copy(0, idx, q)
         for c in cycles.values():
-            c.draft_s += (time.perf_counter() - t0) / U
+            c.draft_s += (time.perf_counter() - t0) / len(cycles)
         return SlotDrafts(token, p, q, d2t if sampled else None)
 
     def _stand_ins(self, k: int, p) -> tuple:
@@ -278,17 +357,18 @@ class ChainBatch(FusedBatch):
             self._no_q = torch.ones_like(like).div_(like.numel())  # ChainControl.ring)
         return self._no_q
 
-    def _judge(self, ctl, cycles, sampled: list[int]):
+    def _judge(self, ctl, cycles, bucketed: bool):
         """Rejection sampling of the sampled sequences -> (verdict, accepted) [k] for
         cycle_commit (ctl: the control's first k slots), over every slot's rows (a free or
         greedy slot's are judged and never read): the target's logits once, then one sampling
         a group (one temperature, top-k and top-p), merged at its slots
         (FusedBatch.merge_group)."""
-        groups = self.sampling_groups(cycles, sampled)
+        k = ctl.verdict.shape[0]
         logits = self.batch.target.judge_logits(ctl.judged_hidden)
         args = (ctl.q_judged, ctl.cand[:, C_TOK], ctl.draws[:, 1:3])
-        if len(groups) == 1 and len(sampled) == len(cycles):
-            return cycles[sampled[0]].reject(logits, *args)
-        for group in groups.values():
-            self.merge_group(ctl, group, *cycles[group[0]].reject(logits, *args))
+        for b, mask in self.groups(cycles, {b: b for b in cycles}, k, bucketed):
+            got = cycles[b].reject(logits, *args)
+            if mask is None:
+                return got
+            self.merge_group(ctl, mask, *got)
         return ctl.verdict, ctl.accepted

@@ -26,6 +26,7 @@ from spd_kernels.control import (
     CAND,
     CONST,
     DONE,
+    TRASH,
     UNIT,
     plan_rows,
     plan_size,
@@ -59,6 +60,7 @@ class Control:
         self.stops = torch.full((slots, STOP_IDS), -1, **i64)
         self.judged_hidden = torch.zeros(slots, d, dtype=dtype, device=device)
         self.verdict = torch.zeros(slots, **i64)
+        self.tables = 0  # the stop table's generation (a graph records its address)
 
     def take(self, slot: int, seq) -> None:
         """Slot `slot`'s rows for sequence `seq` (spd.runtime.sequence.Sequence): cleared, its
@@ -74,6 +76,7 @@ class Control:
                                           seed_key(seq.sampling.seed)])
         stop = sorted(seq.stop.stop_ids)
         if len(stop) > self.stops.shape[1]:  # (a new table: the next cycle is captured anew)
+            self.tables += 1
             grown = torch.full((self.slots, len(stop)), -1, dtype=torch.int64,
                                device=self.device)
             grown[:, :self.stops.shape[1]] = self.stops
@@ -85,6 +88,19 @@ class Control:
     def free(self, slot: int) -> None:
         """The slot's sequence left (ended, or told to): it is finished on the device too."""
         self.state[slot, DONE].fill_(1)
+
+    def park(self, slot: int, head: torch.Tensor) -> None:
+        """Every unit of slot `slot` becomes `head` [H] (a dead unit at the slot's trash row:
+        spd.runtime.unit.dead_unit, on the device): a batch whose stage steps run over every
+        slot (docs/batching.md, decision 5) then writes nothing of a free or prefilling slot
+        that a sequence reads. The open leaves a finished slot's units as they are."""
+        self.units[slot].copy_(head.expand_as(self.units[slot]))
+
+    def park_all(self, trash: int, head: torch.Tensor) -> None:
+        """Every slot parked (`park`) at row `trash` with unit `head` [H] (set-up: free slots
+        before any sequence, their trash row `trash` until one takes them)."""
+        self.consts[:, TRASH] = trash
+        self.park(slice(None), head)
 
     def first(self, k: int):
         """The first k slots' rows (views), as a control of k slots."""
@@ -124,6 +140,10 @@ class ChainControl(Control):
         return dict(state=self.state[slot], units=self.units[slot],
                     lanes=[t[slot] for t in self.lanes],
                     rows=plan_rows(self.plan[slot], self.n).view(self.n, 1))
+
+    def unit_rows(self) -> torch.Tensor:
+        """[slots, n, 1]: where each stage's unit row lands, every slot (a view)."""
+        return plan_rows(self.plan, self.n).unsqueeze(-1)
 
     def ring(self, cols: int) -> None:
         """The q ring [slots, R, cols] and the judged q [slots, cols] (the first sampled draft
@@ -166,6 +186,10 @@ class TreeControl(Control):
         self.top_cols: torch.Tensor | None = None  # [slots, W, k] int64 the drafter's columns
         self.top_ids: torch.Tensor | None = None   # [slots, W, k] int64 their target ids
         self.pmax: torch.Tensor | None = None      # [slots, W] float32 each leaf's top p
+
+    def unit_rows(self) -> torch.Tensor:
+        """[slots, n, W]: where each stage's unit rows land, every slot (a view)."""
+        return tplan_fields(self.tplan, self.n, self.W)["rows"]
 
     def tops(self, k: int) -> None:
         """The draft step's outputs for k children a leaf (the first draft fixes k: W, or the

@@ -138,36 +138,44 @@ def figures(graph: CycleGraph | None) -> Counter:
                    captured=int(graph.graph is not None))
 
 
-class MemberGraphs:
-    """A batch's cycle as one CycleGraph for as long as the same members (sequences) decode
-    together, a new one when they change; `kwargs` go to each CycleGraph.
-    `describe`: the graphs made, captured, their replays and checked cycles, added up."""
+class BatchGraphs:
+    """A batch's cycle as CycleGraphs by key (FusedBatch.key): a bucket's key names the slots
+    the cycle runs over and the kinds of judgement in it, not its members, so one graph serves
+    every set of sequences that fits it (free slots its bubbles) and is replayed across joins
+    and leaves; a key of members (a batch that cannot run over free slots) has a graph for as
+    long as those members decode together. `kwargs` go to each CycleGraph. `describe`: the
+    graphs made, captured, their replays and checked cycles, added up."""
 
     def __init__(self, device, what: str, **kwargs):
         self.device, self.what, self.kwargs = torch.device(device), what, kwargs
-        self.graph: CycleGraph | None = None
-        self.members: tuple = ()
+        self.graphs: dict[tuple, CycleGraph] = {}
+        self.members: tuple = ()  # the members of the cycle being launched
         self.totals = Counter()
 
-    def launch(self, members: tuple, cycle: Callable[[tuple], None]) -> None:
-        """One cycle(members), through the graph of these members."""
-        same = len(members) == len(self.members) and all(
-            a is b for a, b in zip(members, self.members))
-        if self.graph is None or not same:
-            self.close()
-            self.graph = CycleGraph(lambda: cycle(members), self.device, self.what,
-                                    **self.kwargs)
-            self.members = members
+    def launch(self, key: tuple, members: tuple, cycle: Callable[[tuple], None]) -> None:
+        """One cycle(members), through the graph of `key`."""
+        self.members = members
+        graph = self.graphs.get(key)
+        if graph is None:
+            if key[0] == "members":  # (those members will not decode together again)
+                for old in [k for k in self.graphs if k[0] == "members"]:
+                    self.totals.update(figures(self.graphs.pop(old)))
+            graph = self.graphs[key] = CycleGraph(lambda: cycle(self.members), self.device,
+                                                  self.what, **self.kwargs)
             self.totals["made"] += 1
-        self.graph.launch()
+        graph.launch()
 
     def close(self) -> None:
-        """The current graph's figures into the totals; it is dropped."""
-        self.totals.update(figures(self.graph))
-        self.graph, self.members = None, ()
+        """Every graph's figures into the totals; the graphs are dropped."""
+        for graph in self.graphs.values():
+            self.totals.update(figures(graph))
+        self.graphs.clear()
 
     def describe(self) -> dict:
-        return dict(self.totals + figures(self.graph))
+        got = Counter(self.totals)
+        for graph in self.graphs.values():
+            got.update(figures(graph))
+        return dict(got)
 
 
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)

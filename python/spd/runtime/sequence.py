@@ -45,6 +45,30 @@ def slot_buffers(target: TargetModel, layout: DepthLayout, rows: int,
             torch.zeros(*first, rows, t.hidden_size, device=t.device, dtype=t.dtype))
 
 
+class SlotRows:
+    """Where a batch keeps its slots' stage rows (`slot_buffers` of several sequences): each
+    stage's anchor rows and the last stage's output at the rows each slot's unit occupies
+    this cycle (Cycle.keep, for every slot at once). rows [slots, n, W] int64: where each
+    stage's unit rows land (the control's plan, which the open writes: a bubble's at its
+    trash row); anchors [slots, m, C, d]; final [slots, C, d]."""
+
+    def __init__(self, layout: DepthLayout, rows: torch.Tensor, anchors: torch.Tensor,
+                 final: torch.Tensor):
+        self.n, self.rows, self.anchors, self.final = layout.n, rows, anchors, final
+        self.stage_slots = [[j for j, _ in layout.anchors_of_stage(s)] for s in range(layout.n)]
+
+    def keep(self, s: int, idx: torch.Tensor, anchors: list[torch.Tensor],
+             out: torch.Tensor | None) -> None:
+        """Stage s's rows of the slots idx [R]: anchors (its anchor rows in slot order, each
+        [R W, d] or [R, W, d]) and out (its output, likewise; None where nothing reads it)."""
+        rows = self.rows[:, s].index_select(0, idx)                       # [R, W]
+        at = (idx.view(-1, 1).expand_as(rows), rows)
+        for j, x in zip(self.stage_slots[s], anchors):
+            self.anchors[:, j].index_put_(at, x.reshape(*rows.shape, -1))
+        if s == self.n - 1 and out is not None:
+            self.final.index_put_(at, out.reshape(*rows.shape, -1))
+
+
 class Sequence:
     """One sequence's SPD decode. Construct it after `check_prompt`; prefill the prompt through
     the stages (their anchor rows into `anchors[:, :prompt_len]`, `keep_anchors`), `start`, run

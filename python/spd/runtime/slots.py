@@ -57,7 +57,7 @@ class SlotPool:
                 raise SPDError(f"{name} must be a positive integer, got {v!r}")
         self.target, self.slots, self.context = target, slots, context
         self.prefill_chunk = check_prefill_chunk(prefill_chunk)
-        self.free = list(range(slots - 1, -1, -1))  # popped from the end: slot 0 first
+        self.free = list(range(slots))
         self.running: dict = {}
         self.prefilling: dict = {}  # slot -> its prefill's remaining chunks (a generator)
 
@@ -82,7 +82,9 @@ class SlotPool:
         if not self.free:
             raise InternalError("no free slot to join", slots=self.slots)
         self.check_fits(prompt_len, max_new)
-        return self.free.pop()
+        slot = min(self.free)  # (the lowest: a batch's ops run over its slots up to the last)
+        self.free.remove(slot)
+        return slot
 
     def release(self, entry) -> bool:
         """`entry` leaves its slot (done from now) -> False if it had left already."""

@@ -75,6 +75,17 @@ class UnitFormat:
         return self.width * d * torch.empty((), dtype=dtype).element_size()
 
 
+def dead_unit(fmt: UnitFormat, position: int, trash: int) -> torch.Tensor:
+    """The header [H] of a dead unit at `position` (set-up: a Python-made tensor): its rows,
+    keys and commit name the trash slot `trash` (a bubble, or a batch's parked slot)."""
+    head = torch.zeros(fmt.size, dtype=torch.int64)
+    head[POS], head[PREFIX] = position, position
+    head[CPOS] = head[CSLOT] = trash
+    head[fmt.slots] = trash
+    head[fmt.key_slots] = trash
+    return head
+
+
 def split_message(buf: torch.Tensor, fmt: UnitFormat, d: int, dtype: torch.dtype):
     """A stage-to-stage message (uint8: the header, then the rows) -> (header [H] int64,
     rows [W, d])."""
