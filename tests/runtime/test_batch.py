@@ -333,9 +333,9 @@ def test_token_trees_draft_in_one_step_each_as_alone(tree_engine, mixed, replay,
                     SamplingParams(temperature=1.0, seed=5)]
     batched = []
     real = TreeBatch._draft
-    monkeypatch.setattr(TreeBatch, "_draft", lambda self, ctl, cycles, bucketed: batched.append(
-        bucketed and self.in_slot_caches(cycles, tuple(sorted(cycles)), "tree_top",
-                                         "tree_logits")) or real(self, ctl, cycles, bucketed))
+    monkeypatch.setattr(TreeBatch, "_draft", lambda self, ctl, cycles, groups: batched.append(
+        groups is not None and self.in_slot_caches(cycles, tuple(sorted(cycles)), "tree_top",
+                                         "tree_logits")) or real(self, ctl, cycles, groups))
     batch = poisoned(BatchedSPD(eng, 3, 64))
     entries, _, _ = run_batch(eng, batch, prompts, 12, sampling)
     assert batched and all(batched)  # (every cycle drafted in one step)

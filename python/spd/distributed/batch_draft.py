@@ -221,14 +221,12 @@ class DistributedBatch(SlotPool):
                       for s, f in enumerate(self.formats) if (f.rows or s == n - 1) and s != S}
         self.views = {s: batch_snap_views(buf, slots, self.width, d, t.dtype)
                       for s, buf in self.snaps.items()}
-        self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=dev)
         lookup = eng.drafter.lookup
         self.drafters, self.draft_caches = slot_drafters(eng.pdm, slots, context, lookup)
         self.tokens, self.anchors, self.final = slot_buffers(t, eng.layout, context, slots)
         self.peeks = torch.device(dev).type == "cpu" and not env.replay_check_enabled()
         self.stages = SessionStages(self)
         self.local = None if S is None else LocalStage(self, S)
-        self.bucketed = not t.hybrid  # (as BatchedSPD's)
         # the control: three ops over every slot (ChainBatch, TreeBatch)
         m = self.anchors.shape[1]
         if self.width == 1:

@@ -101,7 +101,6 @@ class BatchStages:
         self.outbox = torch.zeros(slots, n, width, t.hidden_size, dtype=t.dtype,
                                   device=t.device)
         self.slot_sets = SlotSets(t.device)
-        self._stand_in = torch.full((1,), -1, dtype=torch.int64, device=t.device)
         self.cpu = t.device.type == "cpu"
         self.units: torch.Tensor | None = None  # the control's [slots, n, H]
         self.kept: SlotRows | None = None
@@ -223,9 +222,6 @@ class BatchedSPD(SlotPool):
         self.stages.attach(self.control.units,
                            SlotRows(engine.layout, self.control.unit_rows(), self.anchors,
                                     self.final))
-        # a bucket's cycle runs every slot below it (ChainBatch): a hybrid target's rings
-        # have no trash row, so its cycles run their members only
-        self.bucketed = not t.hybrid
         self.control.park_all(context - 1, self._parked(context - 1))
 
     @staticmethod

@@ -21,9 +21,10 @@ free and prefilling slots as bubbles: their units parked dead at their trash row
 (Control.park), their drafter's window written at that row too, their rows judged and never
 read. Which rows a sampling group judges is device state (`group`: each slot's group), so the
 cycle is the same work whichever sequences are in it: one graph a key (`key`: the bucket, whether
-a greedy sequence is in it and which sampling groups), replayed across joins and leaves. Else
-(a drafter of its own, a hybrid target's per-slot rings, across ranks) the ops run over the
-members' slots and a graph serves one set of members.
+a greedy sequence is in it and which sampling groups), replayed across joins and leaves; a
+group's mask is made once a cycle, for the draft step and the judge. Else (a drafter of its
+own, a hybrid target's per-slot rings) the ops run over the members' slots and a graph serves
+one set of members. In one process and across ranks alike.
 """
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ class FusedBatch:
         # each slot's sampling group (-1: greedy, or free), as a bucket's cycle reads it
         self.group_ids: dict[tuple, int] = {}  # settings -> group
         self.group = torch.full((self.control.slots,), -1, dtype=torch.int64, device=dev)
+        # a hybrid target's DeltaNet rings have no trash row: its cycles run their members only
+        self.bucketed = not batch.target.hybrid
 
     # --- what a cycle runs over -------------------------------------------------------------
     plain_steps: tuple[str, ...] = ()  # the drafter's methods a batched draft step stands for
@@ -110,8 +113,7 @@ class FusedBatch:
         and every slot in it runs, free ones as bubbles (module docstring); else the stage
         and draft steps run over the members' slots only."""
         last = max(cycles, default=0) + 1
-        if (getattr(self.batch, "bucketed", False)
-                and self.in_slot_caches(cycles, tuple(cycles), *self.plain_steps)):
+        if (self.bucketed and self.in_slot_caches(cycles, tuple(cycles), *self.plain_steps)):
             return bucket_of(last, self.control.slots), True
         return last, False
 
@@ -149,6 +151,12 @@ class FusedBatch:
                 mask = self.mask(tuple(sorted(rows[b] for b in slots)), size)
             out.append((slots[0], mask))
         return out
+
+    def bucket_groups(self, cycles, k: int, bucketed: bool) -> list[tuple] | None:
+        """A bucketed cycle's sampling groups over its k slots (`groups`), made once for its
+        draft step and its judge (their rows are the slots both); None when not bucketed (each
+        makes its own over its rows)."""
+        return self.groups(cycles, {b: b for b in cycles}, k, True) if bucketed else None
 
     def publish(self, members) -> None:
         """Every slot's state after this step, in one copy; a member that launches its first
@@ -235,11 +243,12 @@ class ChainBatch(FusedBatch):
         # (across ranks: the units out, the snaps' receives posted)
         b_.stages.begin(cycles, k if bucketed else None)
         sampled = [b for b, c in cycles.items() if not c.seq.sampling.greedy]
+        groups = self.bucket_groups(cycles, k, bucketed)
         cycle_open(ctl.state, ctl.units, ctl.consts, tokens, anchors, self.type_of_depth,
                    ctl.plan, ctl.window, 0, ctl.draws if sampled else None)
         self.roles.fork()
         with self.roles.on(0):
-            d = self._draft(ctl, cycles, bool(sampled), bucketed)
+            d = self._draft(ctl, cycles, bool(sampled), groups)
         greedy = any(c.seq.sampling.greedy for c in cycles.values())
         b_.stages.run(cycles, greedy, into=self.control.verdict, bucket=k if bucketed else None)
         self.roles.join(d.token, d.q, d.p)
@@ -255,12 +264,12 @@ class ChainBatch(FusedBatch):
                         *((final, ctl.judged_hidden) if sampled else (None, None)))
         verdict, accepted = ctl.verdict, None
         if sampled:
-            verdict, accepted = self._judge(ctl, cycles, bucketed)
+            verdict, accepted = self._judge(ctl, cycles, groups)
         cycle_commit(ctl.state, ctl.units, ctl.consts, ctl.plan, ctl.cand, ctl.lanes, tokens,
                      anchors[:, 0], self.embed_weight, ctl.stops, verdict.view(-1),
                      accepted.view(-1) if accepted is not None else None, self.margin)
 
-    def _draft(self, ctl, cycles, sampled: bool, bucketed: bool) -> SlotDrafts:
+    def _draft(self, ctl, cycles, sampled: bool, groups: list | None) -> SlotDrafts:
         """Every slot's draft up to the k-th (`SlotDrafts`; a slot that drafts nothing has
         stand-ins): the PDM over the decoding sequences' windows (bucketed: every slot's, a
         bubble's at its trash row) at once, in the batch's slot caches
@@ -268,8 +277,9 @@ class ChainBatch(FusedBatch):
         then the picks over the rows: greedy the argmax, each sampling group (one temperature,
         top-k and top-p) a draw from its filtered distribution with each row's uniform, merged
         at the group's rows (the q of a sampled row is kept for the judge). The step's host
-        time is shared among the sequences."""
-        b_ = self.batch
+        time is shared among the sequences. groups: the bucket's (`bucket_groups`), or None:
+        not bucketed."""
+        b_, bucketed = self.batch, groups is not None
         k = ctl.plan.shape[0]
         run = tuple(range(k)) if bucketed else tuple(sorted(cycles))
         if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
@@ -301,7 +311,7 @@ class ChainBatch(FusedBatch):
         if not cycles or any(c.seq.sampling.greedy for c in cycles.values()):
             cols = logits.argmax(-1)  # (bubbles only: argmax stand-ins)
         at = {b: r for r, b in enumerate(run)}
-        for b, mask in self.groups(cycles, at, U, bucketed):
+        for b, mask in groups if bucketed else self.groups(cycles, at, U, False):
             s = cycles[b].seq.sampling
             probs = filtered_probs(logits, s.temperature, s.top_k, s.top_p).float()  # [U, Vd]
             pick = sample_from_probs(probs, u)
@@ -357,16 +367,17 @@ class ChainBatch(FusedBatch):
             self._no_q = torch.ones_like(like).div_(like.numel())  # ChainControl.ring)
         return self._no_q
 
-    def _judge(self, ctl, cycles, bucketed: bool):
+    def _judge(self, ctl, cycles, groups: list | None):
         """Rejection sampling of the sampled sequences -> (verdict, accepted) [k] for
         cycle_commit (ctl: the control's first k slots), over every slot's rows (a free or
         greedy slot's are judged and never read): the target's logits once, then one sampling
         a group (one temperature, top-k and top-p), merged at its slots
-        (FusedBatch.merge_group)."""
-        k = ctl.verdict.shape[0]
+        (FusedBatch.merge_group; groups: the bucket's, or None: made here)."""
+        if groups is None:
+            groups = self.groups(cycles, {b: b for b in cycles}, ctl.verdict.shape[0], False)
         logits = self.batch.target.judge_logits(ctl.judged_hidden)
         args = (ctl.q_judged, ctl.cand[:, C_TOK], ctl.draws[:, 1:3])
-        for b, mask in self.groups(cycles, {b: b for b in cycles}, k, bucketed):
+        for b, mask in groups:
             got = cycles[b].reject(logits, *args)
             if mask is None:
                 return got

@@ -57,23 +57,24 @@ class TreeBatch(FusedBatch):
         tokens, anchors, final = b_.tokens[:k], b_.anchors[:k], b_.final[:k]
         b_.stages.begin(cycles, k if bucketed else None)
         sampled = any(not c.seq.sampling.greedy for c in cycles.values())
+        groups = self.bucket_groups(cycles, k, bucketed)
         tree_open(ctl.state, ctl.units, ctl.consts, ctl.lanes, tokens, anchors,
                   self.type_of_depth, ctl.tplan, ctl.mask, ctl.window, 0,
                   ctl.draws if sampled else None)
         self.roles.fork()
         with self.roles.on(0):
-            self._draft(ctl, cycles, bucketed)
+            self._draft(ctl, cycles, groups)
         b_.stages.run(cycles, False, bucket=k if bucketed else None)
         self.roles.join()
         tree_children(ctl.tplan, ctl.lanes, ctl.top, ctl.top_ids, ctl.pmax, self.trust,
                       self.log_trust, ctl.kids, ctl.kid_score, ctl.judge, final,
                       ctl.judged_hidden)
-        verdict, accepted = self._judge_trees(ctl, cycles, bucketed)
+        verdict, accepted = self._judge_trees(ctl, cycles, groups)
         tree_commit(ctl.state, ctl.units, ctl.consts, ctl.tplan, ctl.kids, ctl.kid_score,
                     ctl.judge, ctl.lanes, tokens, anchors, self.embed_weight, ctl.stops, verdict,
                     accepted, self.margin)
 
-    def _draft(self, ctl, cycles, bucketed: bool) -> None:
+    def _draft(self, ctl, cycles, groups: list | None) -> None:
         """Every decoding sequence's top children of each leaf into its slot's rows of the
         control (top, top_cols, top_ids, pmax: what PDMDrafter.tree_top writes of one): the PDM
         over every sequence's tree window at once (bucketed: every slot's, a bubble's rows
@@ -81,8 +82,9 @@ class TreeBatch(FusedBatch):
         (PipelineDraftModule.batch_tree_step: the weight reads shared), then each leaf's
         log-probabilities (greedy: the softmax's; each sampling group: its filtered
         distribution's, merged at the group's rows) and their top k. A drafter of its own
-        drafts alone. The step's host time is shared among the sequences."""
-        b_, k = self.batch, ctl.tplan.shape[0]
+        drafts alone. The step's host time is shared among the sequences. groups: the
+        bucket's (FusedBatch.bucket_groups), or None: not bucketed."""
+        b_, k, bucketed = self.batch, ctl.tplan.shape[0], groups is not None
         run = tuple(range(k)) if bucketed else tuple(sorted(cycles))
         if not run:  # (across ranks a cycle may carry no sequence: bubbles only)
             return
@@ -116,13 +118,15 @@ class TreeBatch(FusedBatch):
         if not cycles or any(c.seq.sampling.greedy for c in cycles.values()):
             logp = torch.log_softmax(logits, dim=-1)                       # [U W, Vd]
         at = {b: r for r, b in enumerate(run)}
-        for b, rows in self.groups(cycles, at, U, bucketed):
+        for b, rows in groups if bucketed else self.groups(cycles, at, U, False):
             s = cycles[b].seq.sampling
             lp = filtered_probs(logits, s.temperature, s.top_k, s.top_p).float().log()
             if rows is None or logp is None:  # (the first: every row, the rest overwrite)
                 logp = lp
                 continue
-            logp = torch.where(rows.view(U, 1, 1).expand(U, W, 1).reshape(U * W, 1), lp, logp)
+            # (a tree's W leaf rows follow its row's mask: [U, 1, 1] over [U, W, Vd])
+            logp = torch.where(rows.view(U, 1, 1), lp.view(U, W, -1),
+                               logp.view(U, W, -1)).view(U * W, -1)
         kk = ctl.top.shape[2]
         if U == k:  # (every slot drafts: straight into the control's rows)
             out = (ctl.top.view(U * W, kk), ctl.top_cols.view(U * W, kk),
@@ -146,15 +150,15 @@ class TreeBatch(FusedBatch):
             self._starts[key] = (torch.arange(U, device=self.device) * R).view(U, 1)
         return self._starts[key]
 
-    def _judge_trees(self, ctl, cycles, bucketed: bool):
+    def _judge_trees(self, ctl, cycles, groups: list | None):
         """(verdict [k], accepted [k] or None) for tree_commit: greedy, every slot's judged
         row's argmax in one op (a sampled or free slot's is never read); sampled, the target's
         logits of every slot's row once, then the recursive rejection of every row by each
         sampling group (one temperature, top-k and top-p) in one op, merged at the group's
         slots (FusedBatch.merge_group; a free slot's rows: padding, never read)."""
         t = self.batch.target
-        k = ctl.verdict.shape[0]
-        groups = self.groups(cycles, {b: b for b in cycles}, k, bucketed)
+        if groups is None:  # (not bucketed: made here; else the bucket's, `bucket_groups`)
+            groups = self.groups(cycles, {b: b for b in cycles}, ctl.verdict.shape[0], False)
         verdict = ctl.verdict
         if any(c.seq.sampling.greedy for c in cycles.values()):
             verdict, _ = t.verify_greedy(ctl.judged_hidden, ctl.no_drafts)
