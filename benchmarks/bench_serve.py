@@ -26,6 +26,9 @@ completions, one thread each, all sent at t = 0; held-out prompts, greedy) again
   ar         --mode ar: autoregressive, continuous batching
   pipeline   --mode pipeline: the pipeline without speculation on the same n stages, one token
              per request per trip through them
+  spd-ranks, pipeline-ranks
+             the same two with --distributed (gloo): n stage ranks and rank 0, each a process
+             (on a machine of fewer cores than n + 1 processes they share them)
 
 Per C and path: total tokens/s (all completion tokens over the wall time to the last one),
 per-request tokens/s (median of each request's tokens over its time from t = 0 to its last
@@ -161,7 +164,13 @@ def served(args, distributed: bool) -> dict:
 
 
 # --- C concurrent clients against one server per path -------------------------------------------
-CLIENT_PATHS = ("spd", "ar", "pipeline")
+CLIENT_PATHS = ("spd", "ar", "pipeline", "spd-ranks", "pipeline-ranks")
+
+
+def path_flags(path: str) -> list[str]:
+    """A path's `spd serve` flags: its --mode, across ranks for a "-ranks" path."""
+    mode, _, ranks = path.partition("-")
+    return ["--mode", mode] + (["--distributed", "--backend", "gloo"] if ranks else [])
 
 
 def _health(client) -> dict:
@@ -228,7 +237,7 @@ def concurrent_clients(args, clients: list[int], paths: list[str]) -> list[dict]
     table.print_header()
     rows, serial = [], None
     for path in paths:
-        extra = ["--mode", path, "--max-batch", str(args.max_batch), "--max-context",
+        extra = [*path_flags(path), "--max-batch", str(args.max_batch), "--max-context",
                  str(args.max_context), "--max-queue", str(max(16, max(clients)))]
         with spd_server(args, extra) as (client, model, startup):
             backend = _health(client)["backend"]

@@ -18,8 +18,8 @@ from conftest import tiny_factory
 
 from spd import SamplingParams, SPDEngine
 from spd.distributed.config import DistConfig
+from spd.distributed.draft_rank import session_kind
 from spd.distributed.launch import launch_local
-from spd.runtime.batch_spd import BatchedSPD
 
 PROMPTS = [[3, 1, 4, 1, 5], [9, 2], [6, 5, 3, 5, 8, 9, 7, 9], [2, 7, 1], [8, 2, 8, 1, 8, 2]]
 SAMPLED = [SamplingParams(temperature=1.0, top_k=8, seed=s) for s in range(len(PROMPTS))]
@@ -50,13 +50,13 @@ def _engine(factory, n: int, width: int = 1) -> SPDEngine:
     return SPDEngine(factory(0), n_stages=n, tree_width=width, lookup=2, warn_untrained=False)
 
 
-def _interface(engine, max_new: int) -> dict:
+def _interface(engine, max_new: int, mode: str = "spd") -> dict:
     """join / step / leave on 2 slots: A joins at once, B some cycles later, C waits for a
     slot and takes B's when B's client leaves mid-decode."""
     eng = engine.engine
     reqs = [eng.prepare_request(p, max_new, None, None) for p in PROMPTS[:3]]
-    context = max(BatchedSPD.rows_needed(ids.numel(), m, eng.n) for ids, m, _ in reqs)
-    batch = engine.batch(2, context)
+    context = max(session_kind(mode).rows_for(eng, ids.numel(), m) for ids, m, _ in reqs)
+    batch = engine.batch(2, context, mode=mode)
     join = lambda i: batch.join(reqs[i][0], reqs[i][1], SamplingParams(), reqs[i][2])  # noqa
     a = join(0)
     for _ in range(3):
@@ -75,14 +75,14 @@ def _interface(engine, max_new: int) -> dict:
     batch.close()
     return {"out": [e.out for e in (a, b, c)], "K": [e.stats.K for e in (a, c)],
             "joined": [e.joined_at for e in (a, b, c)], "slots": [a.slot, b_slot, c.slot],
-            "b_at_leave": b_out, "session": batch.describe()}
+            "b_at_leave": b_out, "session": batch.describe(), "snaps": sorted(batch.snaps)}
 
 
 def _job(engine, plan: list[tuple[str, dict]]) -> dict:
     """Rank 0: each (name, generate_batch's arguments) in turn, or "interface" / "single"."""
     out = {}
     for name, kw in plan:
-        if name == "interface":
+        if name.startswith("interface"):
             out[name] = _interface(engine, **kw)
         elif name == "single":
             out[name] = engine.generate(**kw)
@@ -248,3 +248,50 @@ def test_a_hybrid_target_batches_across_ranks():
     for p, s, r in zip(PROMPTS, SAMPLED, res):
         assert figures(r) == figures(eng.generate(p, 10, s))
     assert res[1].token_ids == eng.generate_ar(PROMPTS[1], 10).token_ids
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_the_pipeline_without_speculation_across_ranks(n, monkeypatch):
+    """The baseline on the same ranks (spd.distributed.batch_pipeline, a batch session of mode
+    "pipeline"): five prompts through fewer slots, greedy ones each AR's tokens and the
+    one-process pipeline's figures (one ending at a stop id), seeded sampled ones each the
+    one-process pipeline's alone, prompts prefilled in chunks; a client that leaves mid-decode
+    frees its slot for the one waiting; only the last stage sends rank 0 anything (no anchor
+    rows); an SPD decode on the same ranks after. n = 3 under SPD_REPLAY_CHECK (every unit
+    runs, bubbles at the trash row included)."""
+    if n == 3:
+        monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    factory = partial(tiny_factory, 5, vocab=32)
+    eng = _engine(factory, n)
+    stop = eng.generate_ar(PROMPTS[2], 12).token_ids[3]
+    greedy = dict(prompts=PROMPTS, max_new_tokens=12, max_batch=3, stop_token_ids=[stop],
+                  mode="pipeline")
+    sampled = dict(prompts=PROMPTS, max_new_tokens=10, sampling=SAMPLED, max_batch=2,
+                   prefill_chunk=3, mode="pipeline")
+    got = launch_local(_config(factory, n), partial(_job, plan=[
+        ("greedy", greedy), ("sampled", sampled),
+        ("interface", {"max_new": 16, "mode": "pipeline"}),
+        ("single", {"prompt_ids": PROMPTS[0], "max_new_tokens": 12})]), timeout=150)
+
+    res, seen, d = got["greedy"]
+    for i, (p, r) in enumerate(zip(PROMPTS, res)):
+        alone = eng.generate_pipeline(p, 12, stop_token_ids=[stop])
+        assert figures(r)[:4] == figures(alone)[:4], i
+        assert r.token_ids == eng.generate_ar(p, 12, stop_token_ids=[stop]).token_ids
+        assert seen[i] == r.token_ids and r.stats.mode == "pp"
+    assert res[2].finish_reason == "stop" and len(res[2].token_ids) <= 4
+    assert d["pauses"] >= 2 and all(r["cycles"] == d["cycles"] for r in d["ranks"])
+    if n == 3:
+        assert all(r["graph"]["checked"] > 0 for r in d["ranks"])
+    res, _, _ = got["sampled"]
+    for p, s, r in zip(PROMPTS, SAMPLED, res):
+        assert r.token_ids == eng.generate_pipeline(p, 10, s).token_ids
+
+    f = got["interface"]
+    a, b, c = f["out"]
+    assert a == eng.generate_ar(PROMPTS[0], 16).token_ids
+    assert c == eng.generate_ar(PROMPTS[2], 16).token_ids
+    assert 0 < f["b_at_leave"] < 16 and b == eng.generate_ar(PROMPTS[1], 16).token_ids[:len(b)]
+    assert f["slots"][2] == f["slots"][1]  # (C took the slot B's client left)
+    assert f["snaps"] == [n - 1]
+    assert figures(got["single"]) == figures(eng.generate(PROMPTS[0], 12))

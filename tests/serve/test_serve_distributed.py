@@ -157,6 +157,32 @@ def test_clients_at_once_with_the_draft_on_a_stage(tiny_dir):
         _kill_group(proc)
 
 
+def test_the_pipeline_without_speculation_served_across_ranks(tiny_dir):
+    """`--mode pipeline --max-batch 2` on 3 stage ranks: the baseline as a server. Three
+    clients at once (one waits for a slot) each get AR's text; /health counts the slots."""
+    import urllib.request
+
+    from spd.model.loading import load_target
+    engine = SPDEngine(load_target(tiny_dir), n_stages=3, warn_untrained=False)
+    many = [[{"role": "user", "content": q}] for q in ("Hi.", "Count to five.",
+                                                       "Name three colours.")]
+    want = [engine.generate_ar(m, 12).text for m in many]
+    port = _free_port()
+    proc = _start(tiny_dir, port, extra=("--mode", "pipeline", "--max-batch", "2"))
+    try:
+        _wait_up(proc, port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+            assert json.loads(r.read())["slots"] == 2
+        client = _client(port)
+        with ThreadPoolExecutor(len(many)) as pool:
+            got = list(pool.map(lambda m: client.chat.completions.create(
+                model=MODEL, messages=m, max_tokens=12, temperature=0), many))
+        assert [r.choices[0].message.content for r in got] == want
+        assert all(r.usage.model_extra["spd"]["mode"] == "pp" for r in got)
+    finally:
+        _kill_group(proc)
+
+
 def test_a_stage_rank_that_dies_fails_the_request_and_stops_the_server(tiny_dir):
     port = _free_port()
     proc = _start(tiny_dir, port, {"SPD_FAULT_INJECT": "rank=2,cycle=20,action=kill"})

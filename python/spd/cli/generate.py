@@ -219,16 +219,18 @@ def require_distributed_for_draft_on_stage(args) -> None:
                        "--distributed (or run under torchrun)")
 
 
-def config_from_args(args):
+def config_from_args(args, modes: tuple[str, ...] = ("spd",)):
+    """The distributed runtime's DistConfig from the flags (`modes`: the --mode values the
+    command runs across ranks)."""
     from spd.distributed.config import DistConfig, parse_fault
     from spd.draft.pdm import default_pdm_layers
     from spd.model.loading import model_config, resolve_dtype
     from spd.model.partition import AUTO, parse_split
     from spd.model.stage_costs import draft_step_cost, file_costs, resolve_split
 
-    if args.mode != "spd":
-        raise SPDError(f"--mode {args.mode} is single-process only: drop --distributed (or "
-                       "torchrun)")
+    if args.mode not in modes:
+        raise SPDError(f"--mode {args.mode} is single-process only here: drop --distributed "
+                       "(or torchrun)")
     # --split auto is resolved here, from the model's files: every rank gets the same split
     # (with --draft-on-stage S, stage S also pays an estimated draft step)
     split, on_stage = parse_split(args.split), getattr(args, "draft_on_stage", None)

@@ -143,9 +143,10 @@ def serve_job(opts: dict, engine):
     if getattr(engine.engine, "pdm_source", "") == "untrained":
         warn_untrained_pdm()
     max_batch, context = opts.pop("max_batch"), opts.pop("max_context")
+    mode = opts.pop("mode", "spd")
     if max_batch is None:  # (several at once where the distributed batch runs)
-        max_batch = default_max_batch(engine.engine, "spd")
-    backend = DistributedBackend(engine, max_batch, context, opts.pop("prefill_chunk"))
+        max_batch = default_max_batch(engine.engine, mode)
+    backend = DistributedBackend(engine, max_batch, context, opts.pop("prefill_chunk"), mode)
     server = Server(backend, **opts)
     # the watchdog may end this process first (a peer's failure record): answer before leaving
     engine.process.exit_hooks.append(lambda msg: server.fail(msg.removeprefix("stopping: ")))
@@ -164,8 +165,9 @@ def cmd_serve_distributed(args) -> int:
     from spd.distributed.faults import RankFailedError
     from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 
-    config = config_from_args(args)
+    config = config_from_args(args, ("spd", "pipeline"))
     job = partial(serve_job, {**server_opts(args), "log_level": args.log_level,
+                              "mode": args.mode,
                               "prefill_chunk": args.prefill_chunk,
                               "max_batch": args.max_batch, "max_context": args.max_context})
     if under_torchrun():

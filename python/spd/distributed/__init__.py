@@ -32,7 +32,9 @@ Modules, each importing only those above it:
   stage_rank  StageWorker, StageCycles: a stage's prefill and cycles
   draft_rank  DistributedSPDEngine and RemoteStages: rank 0's side of the cycle
   batch_stage a batch session (several sequences at once): its messages, a stage rank's side
-  batch_draft DistributedBatch, generate_batch: rank 0's side of a batch session
+  session     SessionDriver, run_session: rank 0's side of a batch session's protocol
+  batch_draft DistributedBatch: rank 0's side of an SPD batch session
+  batch_pipeline  DistributedPipeline: the pipeline without speculation as a batch session
   rank        one rank's whole life (run_rank) and rank-0 jobs
   launch      the local launcher and torchrun entry (imports the rest lazily)
 """

@@ -32,7 +32,8 @@ head_dim]). A session's cycle is one cycle of every slot, in lock-step across th
             after, where its slot was freed after that pause was set).
 
 This module: the messages' layout and the stage ranks' side (it imports nothing of rank 0's);
-spd.distributed.batch_draft: rank 0's (DistributedBatch, generate_batch).
+rank 0's: spd.distributed.session (the protocol), batch_draft (SPD's DistributedBatch),
+batch_pipeline (the pipeline without speculation, DistributedPipeline).
 
 With the draft on stage S (--draft-on-stage), rank 0's process runs stage S inside its cycle
 (batch_draft.LocalStage): it takes its units from rank 0's own message (S = 0) or from stage
@@ -100,10 +101,11 @@ def batch_snap_views(buf: torch.Tensor, slots: int, width: int, d: int, dtype: t
             buf[8 * slots:].view(dtype).view(slots, -1, width, d))
 
 
-def session_formats(layout, output: bool) -> list:
+def session_formats(layout, output: bool, anchors: bool = True) -> list:
     """Each stage's snap format in a session (`output`: the last stage sends its output rows:
-    a session with sampled sequences or token trees)."""
-    return [snap_format(layout, s, output=output) for s in range(layout.n)]
+    a session with sampled sequences or token trees; `anchors`: the stages send their anchor
+    rows, for a drafter)."""
+    return [snap_format(layout, s, output=output, anchors=anchors) for s in range(layout.n)]
 
 
 # --- a stage rank's side -----------------------------------------------------------------------
@@ -206,7 +208,8 @@ class BatchStageCycles:
         self.fmt = UnitFormat(n, W)
         self.bfmt = BatchFormat(self.fmt, self.B)
         self.judge = bool(req["judge"]) and W == 1 and worker.last
-        self.snapf = session_formats(worker.layout, bool(req["output"]))[s]
+        self.snapf = session_formats(worker.layout, bool(req["output"]),
+                                     bool(req.get("anchors", True)))[s]
         self.anchor_layers = [b - caches.layers.start - 1 for b in self.snapf.hidden]
         size = self.bfmt.message_bytes(self.d, self.dtype)
         self.inbox = (torch.zeros(self.bfmt.ints, dtype=torch.int64, device=dev) if worker.first

@@ -117,6 +117,17 @@ class RemoteStages:
                 self.rt.order(work, S, "cycle unit")
 
 
+def session_kind(mode: str):
+    """The batch session class of `mode`: "spd", or "pipeline" (without speculation)."""
+    if mode == "spd":
+        from spd.distributed.batch_draft import DistributedBatch
+        return DistributedBatch
+    if mode == "pipeline":
+        from spd.distributed.batch_pipeline import DistributedPipeline
+        return DistributedPipeline
+    raise SPDError(f"a batch session's mode is 'spd' or 'pipeline', got {mode!r}")
+
+
 class DistributedSPDEngine:
     """Rank 0's side of the distributed engine: `generate` has `SPDEngine.generate`'s contract."""
 
@@ -200,26 +211,27 @@ class DistributedSPDEngine:
         return out
 
     def batch(self, slots: int, context: int, *, greedy: bool = True, sampled: bool = True,
-              prefill_chunk: int | None = None):
+              prefill_chunk: int | None = None, mode: str = "spd"):
         """A batch session on the stage ranks: up to `slots` sequences of `context` rows at
-        once (spd.distributed.batch_draft.DistributedBatch: join, step, leave, close)."""
-        from spd.distributed.batch_draft import DistributedBatch
-        return DistributedBatch(self, slots, context, greedy=greedy, sampled=sampled,
-                                prefill_chunk=prefill_chunk)
+        once (join, step, leave, close): SPD's (spd.distributed.batch_draft.DistributedBatch),
+        or with mode "pipeline" the pipeline without speculation
+        (spd.distributed.batch_pipeline.DistributedPipeline)."""
+        return session_kind(mode)(self, slots, context, greedy=greedy, sampled=sampled,
+                                  prefill_chunk=prefill_chunk)
 
     @torch.no_grad()
     def generate_batch(self, prompts, max_new_tokens: int = 64,
                        sampling: SamplingParams = SamplingParams(),
                        on_token: Callable[[int, int], None] | None = None, *, stop=None,
                        stop_token_ids=None, max_batch: int | None = None,
-                       describe: dict | None = None,
-                       prefill_chunk: int | None = None) -> list[GenerationResult]:
+                       describe: dict | None = None, prefill_chunk: int | None = None,
+                       mode: str = "spd") -> list[GenerationResult]:
         """Several prompts through the ranks together: SPDEngine.generate's contract for a list
-        of prompts (spd.distributed.batch_draft.generate_batch)."""
-        from spd.distributed.batch_draft import generate_batch
-        return generate_batch(self, prompts, max_new_tokens, sampling, on_token, stop=stop,
-                              stop_token_ids=stop_token_ids, max_batch=max_batch,
-                              describe=describe, prefill_chunk=prefill_chunk)
+        of prompts, in a session of `mode` (`batch`)."""
+        from spd.distributed.session import run_session
+        return run_session(self, session_kind(mode), prompts, max_new_tokens, sampling,
+                           on_token, stop=stop, stop_token_ids=stop_token_ids,
+                           max_batch=max_batch, describe=describe, prefill_chunk=prefill_chunk)
 
     @torch.no_grad()
     def generate(self, prompt_ids, max_new_tokens: int = 64,

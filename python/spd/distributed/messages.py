@@ -44,10 +44,12 @@ class SnapFormat:
         return len(self.hidden) + int(self.with_output)
 
 
-def snap_format(layout: DepthLayout, stage: int, *, output: bool) -> SnapFormat:
+def snap_format(layout: DepthLayout, stage: int, *, output: bool,
+                anchors: bool = True) -> SnapFormat:
     """Stage `stage`'s snap; the last stage adds its output when `output` (the prefill; a cycle
-    that rank 0 judges from it: sampling, or a token tree)."""
-    pairs = layout.anchors_of_stage(stage)
+    that rank 0 judges from it: sampling, or a token tree). `anchors` False: no anchor rows
+    (nothing drafts: the pipeline without speculation)."""
+    pairs = layout.anchors_of_stage(stage) if anchors else ()
     return SnapFormat(tuple(b for _, b in pairs), tuple(j for j, _ in pairs),
                       output and stage == layout.n - 1)
 

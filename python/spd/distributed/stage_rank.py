@@ -102,7 +102,7 @@ def prefill(rt: Endpoint, stage: Stage, layout: DepthLayout, req: dict, keep) ->
         h = torch.empty(int(req["prompt_len"]), t.hidden_size, dtype=t.dtype, device=t.device)
         rt.wait(rt.irecv(h, s, PREFILL_TAG), s, "prefill input")  # from role s: stage s - 1
     outs, _ = stage.run(h, int(req.get("start", 0)))
-    fmt = snap_format(layout, s, output=True)
+    fmt = snap_format(layout, s, output=True, anchors=bool(req.get("anchors", True)))
     first = stage.layer_ids.start
     rows = [outs[b - first - 1] for b in fmt.hidden] + ([outs[-1]] if fmt.with_output else [])
     if rows:

@@ -3,7 +3,7 @@ cancelled job ends early (DecodeCancelled, or a result cut short) and leaves the
 for the next one. `fatal`: errors after which the backend cannot serve again."""
 from __future__ import annotations
 
-from spd.errors import SPDError
+from spd.errors import InternalError, SPDError
 from spd.runtime.batch_ar import BatchedAR
 from spd.runtime.batch_pipeline import BatchedPipeline
 from spd.runtime.batch_spd import BatchedSPD
@@ -95,24 +95,37 @@ class DistributedBackend:
     EOS would, so every rank stays in step. Any failure mid-decode is fatal: the stages may be
     mid-cycle. `failure` keeps the blame record of a lost rank for the caller to leave with.
     max_batch > 1: one batch session on the ranks for the server's life
-    (spd.distributed.batch_draft), jobs through `join`, `step`, `leave` and `result`."""
+    (spd.distributed.batch_draft), jobs through `join`, `step`, `leave` and `result`.
+    mode "pipeline": the pipeline without speculation on the stage ranks
+    (spd.distributed.batch_pipeline), a session of `max_batch` slots (one slot included)."""
 
     fatal: tuple[type[BaseException], ...] = (Exception,)
 
     def __init__(self, engine, max_batch: int = 1, max_context: int = 2048,
-                 prefill_chunk: int | None = None):
-        self.engine, self.target = engine, engine.target
+                 prefill_chunk: int | None = None, mode: str = "spd"):
+        self.engine, self.target, self.mode = engine, engine.target, mode
         self.failure: dict | None = None
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise SPDError(f"max_batch must be a positive integer, got {max_batch!r}")
+        if mode not in ("spd", "pipeline"):
+            raise SPDError(f"the distributed runtime serves mode 'spd' or 'pipeline', got "
+                           f"{mode!r}")
         self.slots = max_batch
-        self.batch = (engine.batch(max_batch, max_context, prefill_chunk=prefill_chunk)
-                      if max_batch > 1 else None)
+        self.batch = (engine.batch(max_batch, max_context, prefill_chunk=prefill_chunk,
+                                   mode=mode)
+                      if max_batch > 1 or mode == "pipeline" else None)
+
+    @property
+    def batched(self) -> bool:
+        """Jobs go through join / step / leave (a batch session), not `generate`."""
+        return self.batch is not None
 
     def describe(self) -> str:
         S = self.engine.rt.config.draft_on_stage
         what = (f"distributed, {self.engine.n} stage ranks + 1 draft rank" if S is None else
                 f"distributed, {self.engine.n} processes, the draft rank beside stage {S}")
+        if self.mode == "pipeline":
+            what = f"distributed pipeline without speculation, {self.engine.n} stage ranks"
         return what + (f", {self.slots} slots" if self.slots > 1 else "")
 
     def _guarded(self, call, *args):
@@ -127,6 +140,8 @@ class DistributedBackend:
             raise RankFailure(describe_failure(self.failure), self.failure) from exc
 
     def generate(self, job: Job, on_token):
+        if self.batch is not None:
+            raise InternalError("a batch session's backend serves through join and step")
         return self._guarded(lambda: self.engine.generate(
             job.prompt_ids, job.max_new, job.sampling, on_token=on_token, stop=job.stop,
             stop_token_ids=job.stop_token_ids, cancel=job.cancel))

@@ -56,6 +56,9 @@ class EngineWorker:
             raise SPDError(f"max_queue is a number of requests >= 0, got {max_queue!r}")
         self.backend = backend
         self.slots = getattr(backend, "slots", 1)  # jobs decoded at once
+        # join / step / leave for several slots, or where the backend says so (a session on
+        # the ranks of one slot), else one `generate` a job
+        self.batched = self.slots > 1 or bool(getattr(backend, "batched", False))
         self.max_queue = max_queue
         self._queue: queue.Queue = queue.Queue()
         self._held = 0  # jobs submitted and not finished (waiting or decoding)
@@ -93,10 +96,10 @@ class EngineWorker:
 
     @property
     def slots_in_use(self) -> int:
-        return len(self._active) if self.slots > 1 else int(self.busy)
+        return len(self._active) if self.batched else int(self.busy)
 
     def run(self) -> None:
-        if self.slots > 1:
+        if self.batched:
             return self._run_batched()
         try:
             while not self._stop.is_set():
