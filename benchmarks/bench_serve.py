@@ -226,7 +226,7 @@ def concurrent_clients(args, clients: list[int], paths: list[str]) -> list[dict]
     if max(clients) > len(questions):
         sys.exit(f"--clients: at most {len(questions)} (the held-out prompts)")
     chats = [[{"role": "user", "content": q["turns"][0]}] for q in questions[:max(clients)]]
-    table = Table([("clients", ">7"), ("path", ">9"), ("total_tok_s", ">9.2f", "tok/s"),
+    table = Table([("clients", ">7"), ("path", ">15"), ("total_tok_s", ">9.2f", "tok/s"),
                    ("per_request_tok_s", ">10.2f", "req tok/s"),
                    ("ttft_p50_s", ">9.2f", "TTFT p50"), ("ttft_max_s", ">9.2f", "TTFT max"),
                    ("tbt_p50_ms", ">9.1f", "TBT p50"), ("tbt_p99_ms", ">9.1f", "TBT p99"),

@@ -13,7 +13,10 @@ of the last R - 1 lengths is then just lowering the length: nothing is copied.
                      S <- S + k (beta (v - S^T k))^T, out = S^T q / sqrt(dk); state in fp32.
 
 `start` is an int or an int64 tensor of one element read on the device (a CUDA graph replays
-the step at any position). Backends: reference (PyTorch, as transformers' torch fallback) |
+the step at any position). `live` (optional, one element on the device, 0 or 1): 0 leaves the
+ring as it was, the rows still computed: a batch's dead row (a bubble of a parked slot, at its
+trash row) would otherwise write entry (trash + 1) mod R, which a live row of that slot may read
+next (docs/batching.md). Backends: reference (PyTorch, as transformers' torch fallback) |
 triton (spd_kernels.deltanet_triton).
 """
 from __future__ import annotations
@@ -42,8 +45,24 @@ def _check_start(start, device):
             raise SPDInputError(f"start must hold one position, got shape {tuple(start.shape)}")
 
 
+def _check_live(live, device):
+    if live is not None:
+        check_tensor("live", live, device=device)
+        if live.dtype not in (torch.int64, torch.bool) or live.numel() != 1:
+            raise SPDInputError(f"live must be one int64 or bool element, got "
+                                f"{live.dtype} of shape {tuple(live.shape)}")
+
+
+def _kept(live, new: torch.Tensor, ring: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """What entries `at` of `ring` get: `new`, or where `live` is 0 what they hold (no host
+    read of `live`)."""
+    if live is None:
+        return new
+    return torch.where(live.reshape(-1)[:1].bool(), new, ring.index_select(0, at))
+
+
 # --- conv ring ------------------------------------------------------------------------------------
-def _check_conv(x, conv_ring, weight, start):
+def _check_conv(x, conv_ring, weight, start, live):
     check_tensor("x", x, dim=2, floating=True)
     check_tensor("conv_ring", conv_ring, dim=3, floating=True, device=x.device)
     check_tensor("weight", weight, dim=2, floating=True, device=x.device)
@@ -53,26 +72,29 @@ def _check_conv(x, conv_ring, weight, start):
                             f"{tuple(conv_ring.shape)} (want [R, {K - 1}, {C}]), weight "
                             f"{tuple(weight.shape)}")
     _check_start(start, x.device)
+    _check_live(live, x.device)
 
 
 @op("conv_ring_step", mutates=("conv_ring",))
 def conv_ring_step(x: torch.Tensor, conv_ring: torch.Tensor, weight: torch.Tensor,
-                   start: Position, *, backend: str | None = None) -> torch.Tensor:
+                   start: Position, *, live: torch.Tensor | None = None,
+                   backend: str | None = None) -> torch.Tensor:
     """x [T, C] (conv inputs of rows at positions start..), conv_ring [R, K-1, C] (the K-1
     inputs before each length, by slot), weight [C, K] -> silu(causal depthwise conv) [T, C];
-    writes the inputs before lengths start+t+1 of the last min(T, R) rows into their slots."""
-    _check_conv(x, conv_ring, weight, start)
-    return dispatch.call("conv_ring_step", x.device, x, conv_ring, weight, start,
+    writes the inputs before lengths start+t+1 of the last min(T, R) rows into their slots
+    (live [1] int64 / bool of 0: writes nothing, module docstring)."""
+    _check_conv(x, conv_ring, weight, start, live)
+    return dispatch.call("conv_ring_step", x.device, x, conv_ring, weight, start, live,
                          backend=backend)
 
 
 @conv_ring_step.register_fake
-def _(x, conv_ring, weight, start):
+def _(x, conv_ring, weight, start, live=None):
     return torch.empty_like(x)
 
 
 @dispatch.register("conv_ring_step", "reference")
-def conv_ring_step_reference(x, conv_ring, weight, start):
+def conv_ring_step_reference(x, conv_ring, weight, start, live=None):
     T, C = x.shape
     R, Km1 = conv_ring.shape[:2]
     read, write = ring_slots(start, T, R, x.device)
@@ -82,12 +104,13 @@ def conv_ring_step_reference(x, conv_ring, weight, start):
     keep = write.shape[0]
     # state after row t = inputs t+1 .. t+K-1 of `full` (rows T-keep .. T-1)
     hist = full.unfold(0, Km1, 1)[T - keep + 1:] if Km1 else full.new_zeros(keep, C, 0)
-    conv_ring.index_copy_(0, write, hist.transpose(1, 2).to(conv_ring.dtype))
+    hist = hist.transpose(1, 2).to(conv_ring.dtype)
+    conv_ring.index_copy_(0, write, _kept(live, hist, conv_ring, write))
     return F.silu(out).t().to(x.dtype)
 
 
 # --- gated delta rule -----------------------------------------------------------------------------
-def _check_delta(q, k, v, g, beta, state_ring, start):
+def _check_delta(q, k, v, g, beta, state_ring, start, live):
     check_tensor("q", q, dim=3, floating=True)
     for name, t, dim in (("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2),
                          ("state_ring", state_ring, 4)):
@@ -104,22 +127,25 @@ def _check_delta(q, k, v, g, beta, state_ring, start):
     if state_ring.dtype != torch.float32:
         raise SPDInputError(f"state_ring must be float32, got {state_ring.dtype}")
     _check_start(start, q.device)
+    _check_live(live, q.device)
 
 
 @op("gated_delta_step", mutates=("state_ring",))
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, state_ring: torch.Tensor, start: Position, *,
+                     live: torch.Tensor | None = None,
                      backend: str | None = None) -> torch.Tensor:
     """q, k [T, Hk, dk], v [T, Hv, dv], g (log decay) and beta [T, Hv], state_ring
     [R, Hv, dk, dv] fp32 -> out [T, Hv, dv] in v's dtype; reads the state of slot start mod R
-    and writes the states after the last min(T, R) rows into their slots."""
-    _check_delta(q, k, v, g, beta, state_ring, start)
+    and writes the states after the last min(T, R) rows into their slots (live [1] int64 /
+    bool of 0: writes nothing, module docstring)."""
+    _check_delta(q, k, v, g, beta, state_ring, start, live)
     return dispatch.call("gated_delta_step", q.device, q, k, v, g, beta, state_ring, start,
-                         backend=backend)
+                         live, backend=backend)
 
 
 @gated_delta_step.register_fake
-def _(q, k, v, g, beta, state_ring, start):
+def _(q, k, v, g, beta, state_ring, start, live=None):
     return torch.empty_like(v)
 
 
@@ -128,7 +154,7 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 @dispatch.register("gated_delta_step", "reference")
-def gated_delta_step_reference(q, k, v, g, beta, state_ring, start):
+def gated_delta_step_reference(q, k, v, g, beta, state_ring, start, live=None):
     T, Hk, dk = q.shape
     R, Hv = state_ring.shape[:2]
     read, write = ring_slots(start, T, R, q.device)
@@ -149,7 +175,8 @@ def gated_delta_step_reference(q, k, v, g, beta, state_ring, start):
         state = state + k[t][..., None] * delta[:, None, :]
         out[t] = (state * q[t][..., None]).sum(dim=-2)
         if t >= first_kept:  # straight into its slot (the slot read was copied out first)
-            state_ring.index_copy_(0, write[t - first_kept:t - first_kept + 1], state[None])
+            at = write[t - first_kept:t - first_kept + 1]
+            state_ring.index_copy_(0, at, _kept(live, state[None], state_ring, at))
     return out.to(out_dtype)
 
 

@@ -7,6 +7,7 @@ and, for the last min(T, R) rows, the state after it into slot (start + t + 1) m
 conv_ring_step: program (block of channels) holds the K-1 history rows of its channels in
 registers (read once, so writing a slot that aliases the one read is safe), then computes each
 row's causal conv + SiLU and writes the histories of the kept rows.
+Both skip their ring writes where `live` (one element on the device) is 0: a batch's dead row.
 """
 from __future__ import annotations
 
@@ -29,20 +30,20 @@ def _supports(rows=(), **tensors) -> str | None:
     return None
 
 
-def _delta_supports(q, k, v, g, beta, state_ring, start):
+def _delta_supports(q, k, v, g, beta, state_ring, start, live=None):
     return _supports(("q", "k", "v"), q=q, k=k, v=v, g=g, beta=beta, state_ring=state_ring)
 
 
-def _conv_supports(x, conv_ring, weight, start):
+def _conv_supports(x, conv_ring, weight, start, live=None):
     return _supports(x=x, conv_ring=conv_ring, weight=weight)
 
 
 if HAS_TRITON:
 
     @triton.jit
-    def _delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, ring_ptr, out_ptr, start_ptr,
+    def _delta_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, ring_ptr, out_ptr, start_ptr, live_ptr,
                       T, R, KEEP, HK, HV, DK, DV, scale, stride_qt, stride_kt, stride_vt,
-                      BK: tl.constexpr, BV: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_LIVE: tl.constexpr):
         h = tl.program_id(0)
         vb = tl.program_id(1)
         hk = h // (HV // HK)
@@ -54,6 +55,9 @@ if HAS_TRITON:
         head = h.to(tl.int64) * DK * DV
         offs = kk[:, None] * DV + vv[None, :]
         smask = km[:, None] & vm[None, :]
+        wmask = smask  # (a dead row's: nothing written)
+        if HAS_LIVE:
+            wmask = smask & (tl.load(live_ptr).to(tl.int32) != 0)
         S = tl.load(ring_ptr + (start % R) * state_sz + head + offs, mask=smask,
                     other=0.0).to(tl.float32)
         for t in range(T):
@@ -73,14 +77,18 @@ if HAS_TRITON:
             tl.store(out_ptr + v_off, o.to(out_ptr.dtype.element_ty), mask=vm)
             if t >= T - KEEP:
                 slot = (start + t + 1) % R
-                tl.store(ring_ptr + slot * state_sz + head + offs, S, mask=smask)
+                tl.store(ring_ptr + slot * state_sz + head + offs, S, mask=wmask)
 
     @triton.jit
-    def _conv_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, start_ptr, T, C, R, KEEP,
-                     K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr):
+    def _conv_kernel(x_ptr, ring_ptr, w_ptr, out_ptr, start_ptr, live_ptr, T, C, R, KEEP,
+                     K: tl.constexpr, KP: tl.constexpr, BC: tl.constexpr,
+                     HAS_LIVE: tl.constexpr):
         pid = tl.program_id(0)
         cols = pid * BC + tl.arange(0, BC)
         cm = cols < C
+        wm = cm  # (a dead row's: nothing written)
+        if HAS_LIVE:
+            wm = cm & (tl.load(live_ptr).to(tl.int32) != 0)
         rows = tl.arange(0, KP)
         start = tl.load(start_ptr)
         slot_sz = (K - 1) * C
@@ -106,26 +114,27 @@ if HAS_TRITON:
                     hv = tl.sum(tl.where(rows[:, None] == K - 1 + i, hist, 0.0), axis=0)
                     val = tl.where(i >= 0, xv.to(tl.float32), hv)
                     tl.store(ring_ptr + slot * slot_sz + m * C + cols,
-                             val.to(ring_ptr.dtype.element_ty), mask=cm)
+                             val.to(ring_ptr.dtype.element_ty), mask=wm)
 
 
 @dispatch.register("gated_delta_step", "triton", supports=_delta_supports)
-def gated_delta_step_triton(q, k, v, g, beta, state_ring, start):
+def gated_delta_step_triton(q, k, v, g, beta, state_ring, start, live=None):
     T, HK, DK = q.shape
     R, HV, _, DV = state_ring.shape
     out = _alloc.empty(*v.shape, dtype=v.dtype, device=v.device)  # contiguous
     if T == 0:
         return out
     bv = min(next_pow2(DV), 64)
+    at = start_tensor(start, q.device)
     _delta_kernel[(HV, triton.cdiv(DV, bv))](
-        q, k, v, g, beta, state_ring, out, start_tensor(start, q.device), T, R, min(T, R), HK,
-        HV, DK, DV, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), BK=next_pow2(DK),
-        BV=bv)
+        q, k, v, g, beta, state_ring, out, at, at if live is None else live, T, R, min(T, R),
+        HK, HV, DK, DV, DK ** -0.5, q.stride(0), k.stride(0), v.stride(0), BK=next_pow2(DK),
+        BV=bv, HAS_LIVE=live is not None)
     return out
 
 
 @dispatch.register("conv_ring_step", "triton", supports=_conv_supports)
-def conv_ring_step_triton(x, conv_ring, weight, start):
+def conv_ring_step_triton(x, conv_ring, weight, start, live=None):
     T, C = x.shape
     R = conv_ring.shape[0]
     K = weight.shape[1]
@@ -133,7 +142,9 @@ def conv_ring_step_triton(x, conv_ring, weight, start):
     if T == 0:
         return out
     bc = min(next_pow2(C), 128)
-    _conv_kernel[(triton.cdiv(C, bc),)](x, conv_ring, weight, out, start_tensor(start, x.device),
-                                       T, C, R, min(T, R), K=K, KP=next_pow2(max(K, 2)),
-                                       BC=bc)
+    at = start_tensor(start, x.device)
+    _conv_kernel[(triton.cdiv(C, bc),)](x, conv_ring, weight, out, at,
+                                       at if live is None else live, T, C, R, min(T, R), K=K,
+                                       KP=next_pow2(max(K, 2)), BC=bc,
+                                       HAS_LIVE=live is not None)
     return out

@@ -7,7 +7,8 @@ fp32). Gated attention is the standard layer with q/k norms (`qkv_rope_append`,
 `cache_attention`) plus an output gate; its partial RoPE runs as full-width RoPE because the
 builder permutes the q/k head dimensions so that the rotated pairs lie head_dim / 2 apart and
 gives the unrotated ones cos 1, sin 0 (q . k is unchanged by a common permutation).
-A DeltaNet layer reads and writes its state rings (spd_kernels.deltanet).
+A DeltaNet layer reads and writes its state rings (spd_kernels.deltanet); in a batch a dead
+row (a parked slot's bubble) writes none of them.
 """
 from __future__ import annotations
 
@@ -112,18 +113,19 @@ def deltanet_layer(x, lw: DeltaNetWeights, conv_ring, state_ring, start, eps: fl
                    backend=None):
     """x [T, d] at positions start.. -> [T, d]; conv_ring [R, K-1, C], state_ring
     [R, Hv, dk, dv] fp32 (read at slot start mod R, written for the last rows)."""
-    return _deltanet(x, lw, [(slice(None), conv_ring, state_ring, start)], eps, backend)
+    return _deltanet(x, lw, [(slice(None), conv_ring, state_ring, start, None)], eps, backend)
 
 
 def _deltanet(x, lw: DeltaNetWeights, units, eps: float, backend):
     """The DeltaNet layer over the rows of several sequences: units = (rows of x, conv_ring,
-    state_ring, start) a sequence, in row order, its conv and recurrence through its own
-    rings; the projections, the gated norm and the MLP over every row at once."""
+    state_ring, start, live) a sequence, in row order, its conv and recurrence through its own
+    rings (live [1] of 0, a dead row: rings left as they were; None: written); the
+    projections, the gated norm and the MLP over every row at once."""
     T = x.shape[0]
     h = rms_norm(x, lw.input_norm, eps)
     proj = F.linear(h, lw.w_qkv)
-    mixed = [conv_ring_step(proj[rows], conv, lw.conv, start, backend=backend)
-             for rows, conv, _, start in units]
+    mixed = [conv_ring_step(proj[rows], conv, lw.conv, start, live=live, backend=backend)
+             for rows, conv, _, start, live in units]
     mixed = mixed[0] if len(mixed) == 1 else torch.cat(mixed)
     kd = lw.num_k_heads * lw.head_k_dim
     q, k, v = mixed.split([kd, kd, mixed.shape[1] - 2 * kd], dim=1)
@@ -133,7 +135,7 @@ def _deltanet(x, lw: DeltaNetWeights, units, eps: float, backend):
     beta = F.linear(h, lw.w_b).sigmoid()
     g = -lw.a_log.float().exp() * F.softplus(F.linear(h, lw.w_a).float() + lw.dt_bias)
     core = [gated_delta_step(q[rows], k[rows], v[rows], g[rows], beta[rows], state, start,
-                             backend=backend) for rows, _, state, start in units]
+                             live=live, backend=backend) for rows, _, state, start, live in units]
     core = core[0] if len(core) == 1 else torch.cat(core)
     # gated RMSNorm per value head: w * norm(core) * silu(z)
     z = F.linear(h, lw.w_z).reshape(T * lw.num_v_heads, lw.head_v_dim)
@@ -153,35 +155,41 @@ def hybrid_stage_step(x: torch.Tensor, weights: HybridStageWeights, k_cache: tor
     if not isinstance(start, torch.Tensor):
         start = int(start)
     return _layers(x, weights, [(slice(None), k_cache, v_cache, conv_rings, state_rings,
-                                 start)], cos, sin, backend)
+                                 start, None)], cos, sin, backend)
 
 
 def batch_hybrid_stage_step(x: torch.Tensor, weights: HybridStageWeights, caches: list,
                             positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+                            live: torch.Tensor | None = None,
                             backend: str | None = None) -> list[torch.Tensor]:
     """`hybrid_stage_step` for one row of each of U sequences: x [U, hidden], row u at
     positions[u] ([U] int64, on the device) in its own caches[u] = (k_cache, v_cache,
     conv_rings, state_rings) as hybrid_stage_step's -> each layer's output [U, hidden]. The
     projections and MLPs run over every row at once (the weight reads shared); each row's
     attention and DeltaNet recurrence read and write its own cache and rings, so a row
-    computes what `hybrid_stage_step` computes of it alone."""
-    return _layers(x, weights, [(slice(u, u + 1), *c, positions[u:u + 1])
+    computes what `hybrid_stage_step` computes of it alone. live [U] (int64 or bool, on the
+    device; None: all live): a row of 0 is dead (a bubble: a parked slot's, at its trash row)
+    and writes no ring entry, since the entry after its position may be the one its slot's
+    next live row reads (a prefill chunk's); its K/V row at its position is written as ever
+    (no live row reads past its own position)."""
+    return _layers(x, weights, [(slice(u, u + 1), *c, positions[u:u + 1],
+                                 None if live is None else live[u:u + 1])
                                 for u, c in enumerate(caches)], cos, sin, backend)
 
 
 def _layers(x, weights: HybridStageWeights, units, cos, sin, backend) -> list[torch.Tensor]:
     """Every layer over the rows of `units` = (rows of x, k_cache, v_cache, conv_rings,
-    state_rings, start) a sequence."""
+    state_rings, start, live) a sequence."""
     outs, a, li = [], 0, 0
     for lw in weights.layers:
         if lw.kind == "attention":
-            x = _gated_attention(x, lw, [(r, k[a], v[a], st) for r, k, v, _, _, st in units],
+            x = _gated_attention(x, lw, [(r, k[a], v[a], st) for r, k, v, _, _, st, _ in units],
                                  cos, sin, weights.num_heads, weights.num_kv_heads,
                                  weights.eps, backend)
             a += 1
         else:
-            x = _deltanet(x, lw, [(r, c[li], s[li], st) for r, _, _, c, s, st in units],
-                          weights.eps, backend)
+            x = _deltanet(x, lw, [(r, c[li], s[li], st, lv)
+                                  for r, _, _, c, s, st, lv in units], weights.eps, backend)
             li += 1
         outs.append(x)
     return outs

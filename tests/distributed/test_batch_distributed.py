@@ -212,11 +212,14 @@ def test_draft_on_a_stage_each_sequence_equals_alone(n, S, width, monkeypatch):
         assert figures(r) == figures(eng.generate(p, 8, s))
 
 
-def test_prompts_prefilled_in_chunks_across_ranks_each_equal_alone():
+def test_prompts_prefilled_in_chunks_across_ranks_each_equal_alone(monkeypatch):
     """prefill_chunk = 3 on n = 3 ranks: each joining prompt goes through the ranks three rows
     a pause while the others decode between pauses (a prompt of 8 rows: three pauses), also
     with the draft on a stage (its chunks through rank 0's stage). Each sequence's result is
-    its decode alone (greedy and seeded sampled), and more pauses run than without chunks."""
+    its decode alone (greedy and seeded sampled), and more pauses run than without chunks.
+    Under SPD_REPLAY_CHECK every unit runs: a prefilling slot's bubbles, parked again each
+    cycle, stay at its trash row (a prompt of 13 rows: 5 chunks)."""
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
     n, factory = 3, partial(tiny_factory, 5, vocab=32)
     eng = _engine(factory, n)
     long = [PROMPTS[2] + PROMPTS[0], *PROMPTS[:4]]  # (13, 5, 2, 8 and 5 rows)

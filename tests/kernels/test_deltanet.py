@@ -92,3 +92,43 @@ def test_triton_conv_ring_equals_reference(T, R, dtype):
                                                                            atol=2e-2)
         torch.testing.assert_close(got.float(), want.float(), **tol)
         torch.testing.assert_close(got_ring, ref_ring, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["reference", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("live", [0, 1, True, False])
+@pytest.mark.parametrize("T,R", [(1, 3), (4, 3)])
+def test_a_dead_row_writes_no_ring_entry(backend, live, T, R):
+    """live of 0 (a batch's dead row, read on the device): the same outputs, every ring entry
+    as it was; live of 1: the same as no `live` at all."""
+    dev = TRITON_DEVICE if backend == "triton" else "cpu"
+    q, k, v, gate, beta, ring = (x.to(dev) for x in delta_inputs(T, 2, 4, 8, 12, R,
+                                                                    torch.float32, seed=T))
+    g = torch.Generator().manual_seed(R)
+    x, w = torch.randn(T, 40, generator=g).to(dev), torch.randn(40, 4, generator=g).to(dev)
+    conv = torch.randn(R, 3, 40, generator=g).to(dev)
+    flag = torch.tensor([live], device=dev)
+    start = torch.tensor([7], device=dev)
+    want_ring, want_conv = ring.clone(), conv.clone()
+    want = gated_delta_step(q, k, v, gate, beta, want_ring, start, backend="reference")
+    want_x = conv_ring_step(x, want_conv, w, start, backend="reference")
+    got_ring, got_conv = ring.clone(), conv.clone()
+    got = gated_delta_step(q, k, v, gate, beta, got_ring, start, live=flag, backend=backend)
+    got_x = conv_ring_step(x, got_conv, w, start, live=flag, backend=backend)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_x, want_x, rtol=1e-5, atol=1e-5)
+    if live:
+        torch.testing.assert_close(got_ring, want_ring, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got_conv, want_conv, rtol=0, atol=0)
+        assert not torch.equal(got_ring, ring)
+    else:
+        assert torch.equal(got_ring, ring) and torch.equal(got_conv, conv)
+
+
+def test_live_is_checked():
+    from spd_kernels.checks import SPDInputError
+    q, k, v, gate, beta, ring = delta_inputs(1, 2, 4, 8, 12, 3, torch.float32, seed=0)
+    with pytest.raises(SPDInputError, match="live"):
+        gated_delta_step(q, k, v, gate, beta, ring, 0, live=torch.ones(2, dtype=torch.int64))
+    with pytest.raises(SPDInputError, match="live"):
+        conv_ring_step(torch.zeros(1, 4), torch.zeros(3, 3, 4), torch.zeros(4, 4), 0,
+                       live=torch.ones(1))

@@ -4,6 +4,8 @@ equals its decode alone (SPD: also its N, K and judged drafts; greedy SPD equals
 seeded sampling, with fewer slots than prompts (sequences join as others leave, in a slot another
 sequence used), one ending at once, one at a stop id; on_token names the prompt; bad input is
 refused with a message naming it."""
+from collections import Counter
+
 import pytest
 import torch
 from conftest import make_tiny_target
@@ -165,9 +167,13 @@ def test_a_sequence_rejected_every_cycle_leaves_the_others_as_they_are_alone(eng
 
 
 def poisoned(batch):
-    """`batch` with every KV row NaN until written: a row read before it is written (a prefill
-    chunk at the wrong place, a tree row not committed) spoils the tokens."""
+    """`batch` with every KV row (a hybrid target's: and every DeltaNet ring entry) NaN until
+    written: a row read before it is written (a prefill chunk at the wrong place, a tree row
+    not committed) spoils the tokens."""
     caches = batch.stages.k + batch.stages.v if hasattr(batch, "stages") else [batch.k, batch.v]
+    if batch.target.hybrid:
+        caches = [t for p in batch.stages.parts for b in range(p.slots)
+                  for t in (lambda c: (c.k, c.v, c.conv, c.state))(p.view(b).cache)]
     for c in caches:
         c.fill_(float("nan"))
     return batch
@@ -247,30 +253,59 @@ def test_one_graph_a_bucket_serves_every_join_and_leave(engine, tree_engine, wid
     that fits it, prompts joining (prefilled two rows a step into a slot the others' cycles
     run over) and leaving, and each sequence still gets its decode alone (tokens, N, K,
     judged drafts) in caches poisoned with NaN."""
-    from spd.runtime.cycle_graph import BatchGraphs
     monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
     eng = engine if width == 1 else tree_engine
+    sampling = [SamplingParams(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
+    sampling[0] = sampling[3] = SamplingParams()
+    one_graph_a_bucket(eng, BatchedSPD(eng, 4, 48, prefill_chunk=2), PROMPTS, sampling,
+                       monkeypatch)
+
+
+def one_graph_a_bucket(eng, batch, prompts, sampling, monkeypatch) -> None:
+    """`prompts` through `batch` (its caches poisoned), 10 tokens each: each its decode alone
+    (tokens, N, K, judged drafts), every cycle a bucket's, one graph a key, some key serving
+    three sets of members or more."""
+    from spd.runtime.cycle_graph import BatchGraphs
     launched: list = []
     real = BatchGraphs.launch
     monkeypatch.setattr(BatchGraphs, "launch", lambda self, key, members, cycle: launched.append(
         (key, tuple(e.slot for e in members))) or real(self, key, members, cycle))
-    sampling = [SamplingParams(temperature=1.0, seed=s) for s in range(len(PROMPTS))]
-    sampling[0] = sampling[3] = SamplingParams()
-    batch = poisoned(BatchedSPD(eng, 4, 48, prefill_chunk=2))
-    entries, _, _ = run_batch(eng, batch, PROMPTS, 10, sampling)
-    for i, (p, s, e) in enumerate(zip(PROMPTS, sampling, entries)):
+    entries, _, _ = run_batch(eng, poisoned(batch), prompts, 10, sampling)
+    for i, (p, s, e) in enumerate(zip(prompts, sampling, entries)):
         alone = eng.generate(p, 10, s)
         a, b = e.stats, alone.stats
         assert e.out == alone.token_ids and (a.K, a.N, a.drafts_judged) == (
             b.K, b.N, b.drafts_judged), i
-    keys = {key for key, _ in launched}
+    keys = Counter(key for key, _ in launched)
     assert all(key[0] == "bucket" for key in keys), keys
-    got = batch.describe()
-    assert got["made"] == len(keys) and got["checked"] == len(launched) - 2 * len(keys), got
+    got = batch.describe()  # (a key's first two cycles: the warm-up and the trace to match)
+    assert got["made"] == len(keys) and got["checked"] == sum(max(c - 2, 0) for c in
+                                                              keys.values()), got
     members = {}  # each key's sets of members
     for key, slots in launched:
         members.setdefault(key, set()).add(slots)
     assert max(map(len, members.values())) >= 3, members
+
+
+@pytest.mark.parametrize("hybrid", [False, True], ids=["dense", "hybrid"])
+def test_a_prompt_prefilled_in_a_bucket_is_as_alone(hybrid, monkeypatch):
+    """Bucketed (a hybrid target's batch too), a prefilling slot below the bucket runs a bubble
+    every cycle between its prompt's chunks. The last prompt (7 rows, 2 a chunk) prefills in
+    slot 1 while slots 0, 2 and 3 decode (bucket 4): each bubble stays at its trash row 21 (a
+    cycle's commit would move it to row 1, over the prompt's rows), and on the hybrid it writes
+    no DeltaNet ring entry (with n = 2 it would write entry 22 mod 3 = 1, the one its chunk at
+    row 4 reads). Each sequence gets its decode alone, one graph a bucket."""
+    from conftest import make_tiny_hybrid
+    monkeypatch.setenv("SPD_REPLAY_CHECK", "1")
+    t = make_tiny_hybrid(seed=3, vocab=32, layer_types=(
+        "full_attention", "linear_attention", "linear_attention", "linear_attention")
+                         ) if hybrid else make_tiny_target(seed=5, vocab=32, layers=4)
+    eng = SPDEngine(t, n_stages=2, warn_untrained=False)
+    prompts = [PROMPTS[1], PROMPTS[3], PROMPTS[0], PROMPTS[4], PROMPTS[2][:7]]
+    sampling = [SamplingParams(), SamplingParams(temperature=1.0, seed=1), SamplingParams(),
+                SamplingParams(temperature=1.0, seed=4), SamplingParams()]
+    one_graph_a_bucket(eng, BatchedSPD(eng, 4, 48, prefill_chunk=2), prompts, sampling,
+                       monkeypatch)
 
 
 @pytest.fixture(scope="module")
@@ -397,3 +432,41 @@ def test_a_hybrid_target_batches_each_as_alone(replay, monkeypatch):
         assert r.token_ids == eng.generate_ar(p, 10, s).token_ids
     for p, r in zip(PROMPTS, eng.generate_pipeline(PROMPTS, 10, max_batch=2)):
         assert r.token_ids == eng.generate_ar(p, 10).token_ids
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_hybrid_slots_dead_row_writes_no_ring_entry(n):
+    """A parked slot's bubble (a dead unit at the trash row context - 1, as a GPU runs it)
+    through a hybrid stage step beside a live row: the parked slot's state rings and conv
+    histories stay bit for bit as they were (its next prefill chunk reads them: with n = 2 the
+    bubble's entry context mod 3 is the one a 5-row prefill's next chunk reads), and the live
+    row writes only its own entry."""
+    from conftest import make_tiny_hybrid
+
+    from spd.runtime.slot_stage import SlotStage
+    from spd.runtime.unit import FIXED, LIVE, POS, UnitFormat, dead_unit
+    t = make_tiny_hybrid(seed=3, vocab=32, layer_types=(
+        "linear_attention", "full_attention", "linear_attention", "linear_attention"))
+    layout = SPDEngine(t, n_stages=n, warn_untrained=False).layout
+    context, R, fmt = 32, n + 1, UnitFormat(n, 1)
+    g = torch.Generator().manual_seed(0)
+    for s in range(n):
+        part = SlotStage(t, layout, s, 2, context)
+        x = [torch.randn(L, t.hidden_size, generator=g) for L in (5, 3)]
+        if s == 0:
+            x = [t.embed_tokens(torch.randint(0, 32, (L,), generator=g)) for L in (5, 3)]
+        part.prefill(0, x[0], 0)
+        part.prefill(1, x[1], 0)
+        caches = [part.view(b).cache for b in range(2)]
+        before = [(c.conv.clone(), c.state.clone()) for c in caches]
+        heads = torch.stack([dead_unit(fmt, context - 1, context - 1)] * 2)  # [2, H]
+        heads[1, POS], heads[1, LIVE], heads[1, FIXED] = 3, 1, 7  # slot 1's next row, live
+        rows = None if s == 0 else torch.randn(2, 1, t.hidden_size, generator=g)
+        part.run(fmt, (0, 1), torch.tensor([0, 1]), heads, rows)
+        assert caches[0].conv.numel() and caches[0].state.numel()
+        for (conv, state), c, written in zip(before, caches, (None, (3 + 1) % R)):
+            for e in range(R):
+                if e != written:
+                    assert torch.equal(c.conv[:, e], conv[:, e]), (s, e)
+                    assert torch.equal(c.state[:, e], state[:, e]), (s, e)
+        assert not torch.equal(caches[1].state[:, (3 + 1) % R], before[1][1][:, (3 + 1) % R])

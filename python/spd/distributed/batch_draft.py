@@ -278,6 +278,8 @@ class DistributedBatch(SessionDriver):
             if self._read(e, self.ahead):  # cycles it left unread, before their slots are reused)
                 ended.append(e)
         members = tuple(self.decoding())
+        for b in self.prefilling:  # parked again before each cycle it sits out: a commit
+            self.control.park(b, self.dead)  # moves its units on to row 1 (BatchedSPD's)
         self.graphs.launch(self.fused.key(members), members, self._cycle)
         at_pause = self._launched()
         self.fused.publish(members)  # (every slot's state in one copy)

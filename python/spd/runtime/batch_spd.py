@@ -14,7 +14,7 @@ Terms (docs/batching.md):
 A sequence joins between cycles (its prompt's prefill into its slot through that slot's views of
 the stages, at once or a chunk a step, then its first token) and leaves at its end or when told,
 freeing its slot. Token chains and trees (W rows a unit: `batch_tree_stage_step`), dense
-targets, one process; each sequence's draft step is its own.
+targets (a hybrid target's chains too), one process; each sequence's draft step is its own.
 """
 from __future__ import annotations
 
@@ -192,9 +192,9 @@ class BatchedSPD(SlotPool):
     GPU the host never waits for the cycle it launched. The cycle is one CUDA graph a
     batch-size bucket (BatchGraphs keyed by FusedBatch.key): it runs every slot below the
     bucket, free ones parked as bubbles, so a join or a leave inside a bucket replays the same
-    graph; a hybrid target's batch is keyed by its members instead (docs/batching.md, 5).
-    SPD_REPLAY_CHECK checks on any device that its steady cycles replay. A hybrid target's
-    chains batch too (each slot its own DeltaNet state rings: SlotStage)."""
+    graph (docs/batching.md, 5). SPD_REPLAY_CHECK checks on any device that its steady cycles
+    replay. A hybrid target's chains batch too (each slot its own DeltaNet state rings:
+    SlotStage; a bubble writes none of them), bucketed alike."""
 
     def __init__(self, engine, slots: int, context: int, ahead: int = DEFAULT_AHEAD,
                  prefill_chunk: int | None = None):
@@ -264,6 +264,10 @@ class BatchedSPD(SlotPool):
         spent = 0.0
         for a, b in chunks(ids.numel(), self.prefill_chunk):
             if a:
+                # parked again before each cycle it sits out: a commit moves a finished
+                # slot's units on from its state's newest position (0 since Control.take), so
+                # its bubble would run at row 1, over its prompt's rows written already
+                self.control.park(entry.slot, entry.parked)
                 yield
             t0 = time.perf_counter()
             last = self.engine._prefill(stages, ids[a:b], seq, start=a)[-1:]

@@ -15,16 +15,16 @@ batch of one. Here a batch's cycle runs each of them once over all the slots:
 A free slot is a finished sequence: the ops run over it and change nothing another reads. The
 host reads every slot's state from one copy a step, each sequence its row (`publish`).
 
-Buckets. Where every member drafts in the batch's slot caches and the target is dense, a
-cycle runs over every slot up to a bucket (1, 2, 4, 8, ... up to the slots: `bucket_of`),
-free and prefilling slots as bubbles: their units parked dead at their trash row
-(Control.park), their drafter's window written at that row too, their rows judged and never
-read. Which rows a sampling group judges is device state (`group`: each slot's group), so the
-cycle is the same work whichever sequences are in it: one graph a key (`key`: the bucket, whether
-a greedy sequence is in it and which sampling groups), replayed across joins and leaves; a
-group's mask is made once a cycle, for the draft step and the judge. Else (a drafter of its
-own, a hybrid target's per-slot rings) the ops run over the members' slots and a graph serves
-one set of members. In one process and across ranks alike.
+Buckets. Where every member drafts in the batch's slot caches, a cycle runs over every slot
+up to a bucket (1, 2, 4, 8, ... up to the slots: `bucket_of`), free and prefilling slots as
+bubbles: their units parked dead at their trash row (Control.park), their drafter's window
+written at that row too, their rows judged and never read (a hybrid target's dead rows write
+no DeltaNet ring entry: batch_hybrid_stage_step). Which rows a sampling group judges is device
+state (`group`: each slot's group), so the cycle is the same work whichever sequences are in
+it: one graph a key (`key`: the bucket, whether a greedy sequence is in it and which sampling
+groups), replayed across joins and leaves; a group's mask is made once a cycle, for the draft
+step and the judge. Else (a drafter of its own) the ops run over the members' slots and a
+graph serves one set of members. In one process and across ranks alike.
 """
 from __future__ import annotations
 
@@ -95,8 +95,6 @@ class FusedBatch:
         # each slot's sampling group (-1: greedy, or free), as a bucket's cycle reads it
         self.group_ids: dict[tuple, int] = {}  # settings -> group
         self.group = torch.full((self.control.slots,), -1, dtype=torch.int64, device=dev)
-        # a hybrid target's DeltaNet rings have no trash row: its cycles run their members only
-        self.bucketed = not batch.target.hybrid
 
     # --- what a cycle runs over -------------------------------------------------------------
     plain_steps: tuple[str, ...] = ()  # the drafter's methods a batched draft step stands for
@@ -113,7 +111,7 @@ class FusedBatch:
         and every slot in it runs, free ones as bubbles (module docstring); else the stage
         and draft steps run over the members' slots only."""
         last = max(cycles, default=0) + 1
-        if (self.bucketed and self.in_slot_caches(cycles, tuple(cycles), *self.plain_steps)):
+        if self.in_slot_caches(cycles, tuple(cycles), *self.plain_steps):
             return bucket_of(last, self.control.slots), True
         return last, False
 

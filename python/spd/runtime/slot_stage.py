@@ -7,7 +7,7 @@ import torch
 
 from spd.model.hybrid import full_width_rope
 from spd.model.target import Stage
-from spd.runtime.unit import CPOS, CSLOT, FIXED, POS, PREFIX, UnitFormat
+from spd.runtime.unit import CPOS, CSLOT, FIXED, LIVE, POS, PREFIX, UnitFormat
 from spd_kernels.hybrid_stage import batch_hybrid_stage_step
 from spd_kernels.stage import batch_stage_step, batch_tree_stage_step
 
@@ -70,16 +70,18 @@ class SlotStage:
         return st.run(x, start)[0]
 
     def rows_step(self, x: torch.Tensor, run: tuple[int, ...], idx: torch.Tensor,
-                  positions: torch.Tensor) -> list[torch.Tensor]:
+                  positions: torch.Tensor, live: torch.Tensor | None = None
+                  ) -> list[torch.Tensor]:
         """One row of each slot of `run` (host ints; idx [R] the same on the device): x [R, d]
         at positions [R] (int64, on the device) -> each layer's output [R, d]: a dense
         target's rows attend to their slots (`batch_stage_step`), a hybrid's go through their
-        slots' caches and rings (`batch_hybrid_stage_step`)."""
+        slots' caches and rings (`batch_hybrid_stage_step`; live [R] int64, None: all live:
+        a dead row writes no ring entry, as a CPU that skips it)."""
         if self.target.hybrid:
             caches = [self._views[b].cache for b in run]
             return batch_hybrid_stage_step(x, self.weights, [(c.k, c.v, c.conv, c.state)
                                                              for c in caches],
-                                           positions, self.cos, self.sin)
+                                           positions, self.cos, self.sin, live=live)
         return batch_stage_step(x, self.weights, self.k, self.v, idx, positions, self.cos,
                                 self.sin)
 
@@ -90,11 +92,13 @@ class SlotStage:
         tokens) -> each layer's output [R * W, d]. A chain's rows attend to their slots
         (`batch_stage_step`); a token tree's units first commit, then attend within their
         slots (`batch_tree_stage_step`); a hybrid target's chain rows each through its slot's
-        cache and state rings (`batch_hybrid_stage_step`)."""
+        cache and state rings (`batch_hybrid_stage_step`), a dead unit's (a bubble) writing
+        none of them: the ring entry after a parked slot's trash row may be the one its next
+        prefill chunk reads."""
         t = self.target
         if not fmt.tree:
             x = t.embed_tokens(heads[:, FIXED]) if x is None else x[:, 0]
-            return self.rows_step(x, run, idx, heads[:, POS])
+            return self.rows_step(x, run, idx, heads[:, POS], heads[:, LIVE])
         for b, head in zip(run, heads):
             self.commit(b, head)
         R, W = len(run), fmt.width
