@@ -4,9 +4,9 @@ often a batched sequence's token differs from AR's (greedy) and why it could (do
 
 Per configuration (n, tree width W, mode): the prompts together (`generate` on a list, one
 process; spd: each with its own speculation; dist: SPD on n + 1 local ranks, the distributed
-batch), up to `--max-batch` at once (fewer than the prompts: later ones join as earlier ones
-leave), each compared with its AR decode alone: sequences equal, and tokens equal up to the
-first difference.
+batch; distpipe: the pipeline without speculation on the same ranks), up to `--max-batch` at
+once (fewer than the prompts: later ones join as earlier ones leave), each compared with its
+AR decode alone: sequences equal, and tokens equal up to the first difference.
 
     python benchmarks/probe_batch_equality.py --prompts 8 --max-new-tokens 32 \
         --json-out benchmarks/results/2026-12-06-batch-equality-cpu.json
@@ -31,10 +31,11 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def _ranks_job(engine, prompts, max_new_tokens: int, max_batch: int) -> list[list[int]]:
-    """Rank 0 of a local launch: the prompts through the distributed batch."""
+def _ranks_job(engine, prompts, max_new_tokens: int, max_batch: int,
+               mode: str) -> list[list[int]]:
+    """Rank 0 of a local launch: the prompts through a batch session of `mode`."""
     return [r.token_ids for r in engine.generate_batch(prompts, max_new_tokens,
-                                                       max_batch=max_batch)]
+                                                       max_batch=max_batch, mode=mode)]
 
 
 def main() -> None:
@@ -42,7 +43,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--configs", default="spd:4:1,spd:4:3,spd:2:1,pipeline:4:1,ar:1:1",
-                    help="mode:n:W, comma-separated (mode: spd, dist, pipeline or ar)")
+                    help="mode:n:W, comma-separated (mode: spd, dist, distpipe, pipeline or ar)")
     ap.add_argument("--max-batch", type=int, default=None,
                     help="sequences at once (default: every prompt)")
     ap.add_argument("--threads", type=int, default=2)
@@ -65,10 +66,11 @@ def main() -> None:
         mode, n, W = spec.split(":")
         n, W = int(n), int(W)
         t0 = time.perf_counter()
-        if mode == "dist":
+        if mode in ("dist", "distpipe"):
             got = launch_local(DistConfig(n_stages=n, tree_width=W, threads=1),
                                partial(_ranks_job, prompts=prompts,
-                                       max_new_tokens=args.max_new_tokens, max_batch=max_batch))
+                                       max_new_tokens=args.max_new_tokens, max_batch=max_batch,
+                                       mode="spd" if mode == "dist" else "pipeline"))
         else:
             eng = SPDEngine(target, n_stages=max(n, 1), tree_width=W)
             run = {"spd": eng.generate, "ar": eng.generate_ar,
