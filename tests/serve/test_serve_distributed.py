@@ -88,6 +88,20 @@ def _client(port: int):
                          max_retries=0, timeout=120)
 
 
+def _slots(port: int) -> int:
+    import urllib.request
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
+        return json.loads(r.read())["slots"]
+
+
+def _at_once(port: int, chats: list, max_tokens: int) -> list:
+    """Every chat from its own client thread at once (greedy) -> the responses, in order."""
+    client = _client(port)
+    with ThreadPoolExecutor(len(chats)) as pool:
+        return list(pool.map(lambda m: client.chat.completions.create(
+            model=MODEL, messages=m, max_tokens=max_tokens, temperature=0), chats))
+
+
 def test_two_requests_equal_the_single_process_engine_and_a_disconnect(tiny_dir):
     from spd.model.loading import load_target
     target = load_target(tiny_dir)
@@ -121,11 +135,8 @@ def test_two_requests_equal_the_single_process_engine_and_a_disconnect(tiny_dir)
         # four clients at once share the ranks (a batch session: each its own speculation)
         many = asks + [[{"role": "user", "content": q}] for q in ("Hi.", "Count to five.")]
         want = [engine.generate(m, 16).text for m in many]
-        with ThreadPoolExecutor(len(many)) as pool:
-            got = list(pool.map(lambda m: client.chat.completions.create(
-                model=MODEL, messages=m, max_tokens=16, temperature=0)
-                .choices[0].message.content, many))
-        assert got == want
+        got = _at_once(port, many, 16)
+        assert [r.choices[0].message.content for r in got] == want
     finally:
         _kill_group(proc)
 
@@ -134,8 +145,6 @@ def test_clients_at_once_with_the_draft_on_a_stage(tiny_dir):
     """`--draft-on-stage 1` (3 processes for 3 stages): three clients at once share one batch
     session, stage 1 running in rank 0's process; each gets the single-process engine's text,
     and /health counts the slots (8 by default)."""
-    import urllib.request
-
     from spd.model.loading import load_target
     engine = SPDEngine(load_target(tiny_dir), n_stages=3, warn_untrained=False)
     many = [[{"role": "user", "content": q}] for q in ("Hi.", "Count to five.",
@@ -145,14 +154,9 @@ def test_clients_at_once_with_the_draft_on_a_stage(tiny_dir):
     proc = _start(tiny_dir, port, extra=("--draft-on-stage", "1"))
     try:
         _wait_up(proc, port)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            assert json.loads(r.read())["slots"] == 8
-        client = _client(port)
-        with ThreadPoolExecutor(len(many)) as pool:
-            got = list(pool.map(lambda m: client.chat.completions.create(
-                model=MODEL, messages=m, max_tokens=12, temperature=0)
-                .choices[0].message.content, many))
-        assert got == want
+        assert _slots(port) == 8
+        got = _at_once(port, many, 12)
+        assert [r.choices[0].message.content for r in got] == want
     finally:
         _kill_group(proc)
 
@@ -160,8 +164,6 @@ def test_clients_at_once_with_the_draft_on_a_stage(tiny_dir):
 def test_the_pipeline_without_speculation_served_across_ranks(tiny_dir):
     """`--mode pipeline --max-batch 2` on 3 stage ranks: the baseline as a server. Three
     clients at once (one waits for a slot) each get AR's text; /health counts the slots."""
-    import urllib.request
-
     from spd.model.loading import load_target
     engine = SPDEngine(load_target(tiny_dir), n_stages=3, warn_untrained=False)
     many = [[{"role": "user", "content": q}] for q in ("Hi.", "Count to five.",
@@ -171,12 +173,8 @@ def test_the_pipeline_without_speculation_served_across_ranks(tiny_dir):
     proc = _start(tiny_dir, port, extra=("--mode", "pipeline", "--max-batch", "2"))
     try:
         _wait_up(proc, port)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-            assert json.loads(r.read())["slots"] == 2
-        client = _client(port)
-        with ThreadPoolExecutor(len(many)) as pool:
-            got = list(pool.map(lambda m: client.chat.completions.create(
-                model=MODEL, messages=m, max_tokens=12, temperature=0), many))
+        assert _slots(port) == 2
+        got = _at_once(port, many, 12)
         assert [r.choices[0].message.content for r in got] == want
         assert all(r.usage.model_extra["spd"]["mode"] == "pp" for r in got)
     finally:
@@ -233,3 +231,14 @@ def test_distributed_cancel_and_stop_ids_keep_the_ranks_in_step():
     assert cut == (full[:6], "stop")  # ends at the token after the one that cancelled
     assert stopped == (full[:full.index(stop_id) + 1], "stop")
     assert whole == (full, "length")
+
+
+def test_modes_the_ranks_do_not_serve_are_refused_before_launching(tiny_dir, capsys):
+    """`--mode ar` stays single-process, and the pipeline drafts nothing, so it takes no
+    `--draft-on-stage`: each a one-line error (exit status 2) before any rank starts."""
+    from spd.cli.main import main
+    base = ["serve", "--distributed", "--stages", "2", "--model", str(tiny_dir), "--port", "0"]
+    assert main([*base, "--mode", "ar"]) == 2
+    assert "single-process only" in capsys.readouterr().err
+    assert main([*base, "--mode", "pipeline", "--draft-on-stage", "1"]) == 2
+    assert "drop --draft-on-stage" in capsys.readouterr().err

@@ -165,6 +165,9 @@ def cmd_serve_distributed(args) -> int:
     from spd.distributed.faults import RankFailedError
     from spd.distributed.launch import launch_local, run_torchrun, under_torchrun
 
+    if args.mode == "pipeline" and getattr(args, "draft_on_stage", None) is not None:
+        raise SPDError("--mode pipeline drafts nothing: it runs on the n stage ranks with rank 0 "
+                       "apart; drop --draft-on-stage")
     config = config_from_args(args, ("spd", "pipeline"))
     job = partial(serve_job, {**server_opts(args), "log_level": args.log_level,
                               "mode": args.mode,

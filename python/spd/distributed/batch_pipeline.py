@@ -26,6 +26,7 @@ import torch
 from spd.distributed.messages import SNAP_TAG, UNIT_TAG
 from spd.distributed.session import SessionDriver
 from spd.errors import SPDError
+from spd.runtime.batch_ar import emit_token
 from spd.runtime.batch_pipeline import MODE
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
@@ -103,7 +104,7 @@ class DistributedPipeline(SessionDriver):
         entry.stats.prefill_s = entry.prefill_s + time.perf_counter() - t0
         entry.t0 = time.perf_counter()
         entry.phase = self._phase(entry)
-        return self._emit(entry, first)
+        return emit_token(entry, first)
 
     def _phase(self, entry: PipeEntry) -> int:
         """The phase with the fewest other sequences (of those, the soonest to enter)."""
@@ -112,15 +113,6 @@ class DistributedPipeline(SessionDriver):
             if q is not entry:
                 count[q.phase] += 1
         return min(range(self.n), key=lambda p: (count[p], (p - self.launched) % self.n))
-
-    def _emit(self, entry: PipeEntry, token: int) -> bool:
-        """`token` is the sequence's next -> whether it ended it."""
-        entry.out.append(token)
-        entry.token = token
-        ended = entry.rule.feed(token) or len(entry.out) >= entry.max_new
-        if entry.on_token:
-            entry.on_token(token)
-        return ended
 
     def _vacate(self, entry: PipeEntry, b: int, prefilled: bool, unused: bool) -> None:
         if entry.entered is not None:  # (its token in flight is dropped)
@@ -165,7 +157,7 @@ class DistributedPipeline(SessionDriver):
             e.position += 1
             tok = (greedy[e.slot] if e.sampling.greedy else
                    pick(self.target.logits(self.rows[e.slot, -1])[0], e.sampling, e.gen))
-            if self._emit(e, tok):
+            if emit_token(e, tok):
                 self.leave(e)
                 ended.append(e)
         return ended

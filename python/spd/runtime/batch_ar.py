@@ -44,6 +44,17 @@ class Running:
     t0: float = 0.0            # when its decode started (after its prefill)
 
 
+def emit_token(seq, token: int) -> bool:
+    """`token` is `seq`'s next (kept, told to its callback) -> whether it ends the sequence
+    (its stop rule or its budget)."""
+    seq.out.append(token)
+    seq.token = token
+    ended = seq.rule.feed(token) or len(seq.out) >= seq.max_new
+    if seq.on_token:
+        seq.on_token(token)
+    return ended
+
+
 class TokenBatch(SlotPool):
     """What the batches without speculation share (AR here, the pipeline in
     spd.runtime.batch_pipeline): a sequence's tokens are chosen one at a time from its last
@@ -67,12 +78,7 @@ class TokenBatch(SlotPool):
         return True
 
     def _emit(self, seq: Running, token: int) -> None:
-        seq.out.append(token)
-        seq.token = token
-        ended = seq.rule.feed(token) or len(seq.out) >= seq.max_new
-        if seq.on_token:
-            seq.on_token(token)
-        if ended:
+        if emit_token(seq, token):
             self.leave(seq)
 
     def _choose(self, seqs: list[Running], h: torch.Tensor) -> list[int]:
