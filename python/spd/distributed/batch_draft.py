@@ -14,7 +14,6 @@ from spd.distributed.config import role_name
 from spd.distributed.messages import SNAP_TAG, UNIT_TAG
 from spd.distributed.session import SessionDriver
 from spd.draft.drafters import slot_drafters
-from spd.errors import SPDError
 from spd.runtime.batch_spd import BatchedSPD, SlotSets, SlotStages
 from spd.runtime.chain_batch import ChainBatch
 from spd.runtime.control import ChainControl, TreeControl
@@ -184,10 +183,10 @@ class DistributedBatch(SessionDriver):
                  sampled: bool = True, prefill_chunk: int | None = None):
         eng = deng.engine
         width = eng.tree_width
-        super().__init__(deng, slots, context, prefill_chunk, width=width,
-                         judge=greedy and width == 1, output=sampled or width > 1)
+        super().__init__(deng, slots, context, prefill_chunk, greedy=greedy, sampled=sampled,
+                         width=width, judge=greedy and width == 1,
+                         output=sampled or width > 1)
         t, n, rt = self.target, self.n, self.rt
-        self.greedy, self.sampled = greedy, sampled
         dev, d = t.device, t.hidden_size
         S = rt.config.draft_on_stage
         lookup = eng.drafter.lookup
@@ -217,9 +216,6 @@ class DistributedBatch(SessionDriver):
 
     # --- sequences ---------------------------------------------------------------------------
     def _entry(self, ids, max_new, sampling, rule, on_token) -> BatchEntry:
-        if not (self.greedy if sampling.greedy else self.sampled):
-            raise SPDError(f"this batch session takes {'greedy' if self.greedy else 'sampled'} "
-                           "sequences only")
         return BatchEntry(ids, max_new, sampling, rule, on_token,
                           DecodeStats(mode="spd", n=self.n))
 

@@ -27,7 +27,7 @@ from spd.distributed.messages import SNAP_TAG, UNIT_TAG
 from spd.distributed.session import SessionDriver
 from spd.errors import SPDError
 from spd.runtime.batch_ar import emit_token
-from spd.runtime.batch_pipeline import MODE
+from spd.runtime.batch_pipeline import MODE, least_used_phase
 from spd.runtime.stopping import StopRule
 from spd.runtime.types import DecodeStats, SamplingParams
 from spd.runtime.unit import FIXED, LIVE, POS, PREFIX
@@ -67,9 +67,8 @@ class DistributedPipeline(SessionDriver):
         if deng.rt.config.draft_on_stage is not None:
             raise SPDError("the pipeline without speculation runs on the n stage ranks with "
                            "rank 0 apart: drop --draft-on-stage")
-        super().__init__(deng, slots, context, prefill_chunk, width=1, judge=greedy,
-                         output=sampled, anchors=False)
-        self.greedy, self.sampled = greedy, sampled
+        super().__init__(deng, slots, context, prefill_chunk, greedy=greedy, sampled=sampled,
+                         width=1, judge=greedy, output=sampled, anchors=False)
         self.argmax, self.rows = self.views[self.n - 1]  # [B] int64, [B, R, 1, d]
         self._open()
 
@@ -81,9 +80,6 @@ class DistributedPipeline(SessionDriver):
 
     # --- sequences ---------------------------------------------------------------------------
     def _entry(self, ids, max_new, sampling, rule, on_token) -> PipeEntry:
-        if not (self.greedy if sampling.greedy else self.sampled):
-            raise SPDError(f"this pipeline session takes {'greedy' if self.greedy else 'sampled'}"
-                           " sequences only")
         return PipeEntry(ids, max_new, sampling, rule, on_token, DecodeStats(mode=MODE, n=self.n))
 
     def _seat(self, entry: PipeEntry, b: int) -> None:
@@ -108,11 +104,8 @@ class DistributedPipeline(SessionDriver):
 
     def _phase(self, entry: PipeEntry) -> int:
         """The phase with the fewest other sequences (of those, the soonest to enter)."""
-        count = [0] * self.n
-        for q in self.decoding():
-            if q is not entry:
-                count[q.phase] += 1
-        return min(range(self.n), key=lambda p: (count[p], (p - self.launched) % self.n))
+        return least_used_phase((q.phase for q in self.decoding() if q is not entry), self.n,
+                                self.launched)
 
     def _vacate(self, entry: PipeEntry, b: int, prefilled: bool, unused: bool) -> None:
         if entry.entered is not None:  # (its token in flight is dropped)
@@ -148,7 +141,7 @@ class DistributedPipeline(SessionDriver):
         out = [e for e in decoding if e.entered == c - (n - 1) and not e.done]
         if not out:
             return []
-        greedy = ([int(x) for x in self.argmax.tolist()]  # (the cycle's host read)
+        greedy = (self.argmax.tolist()  # (the cycle's host read)
                   if any(e.sampling.greedy for e in out) else None)
         ended = []
         for e in out:

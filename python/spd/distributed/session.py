@@ -30,16 +30,18 @@ from spd.runtime.unit import UnitFormat, dead_unit
 
 class SessionDriver(SlotPool):
     """Rank 0's side of a batch session on the stage ranks of `deng` (a DistributedSPDEngine):
-    up to `slots` sequences of at most `context` rows each, units of `width` rows. `judge`: the
-    last stage sends each slot's argmax (a greedy chain's); `output`: it sends its output rows;
-    `anchors`: every stage sends the anchor rows a drafter reads. `join` queues a sequence (it
+    up to `slots` sequences of at most `context` rows each, units of `width` rows. greedy /
+    sampled: whether greedy and sampled sequences may join. `judge`: the last stage sends each
+    slot's argmax (a greedy chain's); `output`: it sends its output rows; `anchors`: every
+    stage sends the anchor rows a drafter reads. `join` queues a sequence (it
     takes a slot at the next pause), `step` runs one cycle of every slot (or, while paused, the
     joins), `leave` frees a slot at once (bubbles from the next cycle), `close` ends the
     session (the stage ranks wait for the next request). Subclasses set their state up, then
     call `_open`."""
 
     def __init__(self, deng, slots: int, context: int, prefill_chunk: int | None, *,
-                 width: int, judge: bool, output: bool, anchors: bool = True):
+                 greedy: bool, sampled: bool, width: int, judge: bool, output: bool,
+                 anchors: bool = True):
         if getattr(deng, "session", None) is not None:
             raise SPDError("a batch session is open on these ranks: close it first")
         super().__init__(deng.target, slots, context, prefill_chunk)
@@ -50,6 +52,7 @@ class SessionDriver(SlotPool):
         t, n = deng.target, eng.n
         self.n, self.ahead, self.width = n, int(rt.config.ahead), width
         self.margin = end_margin(n, self.ahead)
+        self.greedy, self.sampled = greedy, sampled
         self.judge, self.output, self.send_anchors = judge, output, anchors
         self.formats = session_formats(eng.layout, output, anchors)
         self.fmt = UnitFormat(n, width)
@@ -128,6 +131,9 @@ class SessionDriver(SlotPool):
         if self.closed:
             raise InternalError("a join after the batch session ended")
         self.check_fits(ids.numel(), max_new)
+        if not (self.greedy if sampling.greedy else self.sampled):
+            raise SPDError(f"this batch session takes {'greedy' if self.greedy else 'sampled'} "
+                           "sequences only")
         entry = self._entry(ids, max_new, sampling, rule, on_token)
         self.waiting.append(entry)
         return entry

@@ -45,6 +45,15 @@ class Running(ar.Running):
     cycles: int = 0            # cycles its token was in a stage (K)
 
 
+def least_used_phase(phases, n: int, cycle: int) -> int:
+    """The phase (cycle mod n) fewest of `phases` (the other sequences') use, of those the
+    soonest to come after `cycle`."""
+    count = [0] * n
+    for p in phases:
+        count[p] += 1
+    return min(range(n), key=lambda p: (count[p], (p - cycle) % n))
+
+
 class BatchedPipeline(ar.TokenBatch):
     """Up to `slots` sequences of at most `context` rows each (prompt and new tokens) through the
     engine's n stages (its layout), without drafts: a SlotStage a stage (a hybrid target's: each
@@ -84,10 +93,7 @@ class BatchedPipeline(ar.TokenBatch):
 
     def _phase(self) -> int:
         """The phase with the fewest sequences (of those, the soonest to enter stage 0)."""
-        count = [0] * self.n
-        for q in self.running.values():
-            count[q.phase] += 1
-        return min(range(self.n), key=lambda p: (count[p], (p - self.cycle) % self.n))
+        return least_used_phase((q.phase for q in self.running.values()), self.n, self.cycle)
 
     def _prefill(self, seq: Running, ids: torch.Tensor):
         """The prompt into the slot's stages a chunk per `next`, then the first token."""
